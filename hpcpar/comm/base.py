@@ -1,0 +1,248 @@
+"""The communicator interface shared by the MPI and NCCL implementations.
+
+``Communicator`` does the array bookkeeping once: it makes input contiguous (at most one copy),
+moves the gathered / scattered axis to the front so every rank's block is one contiguous run of
+memory, splits uneven lengths like ``numpy.array_split`` (remainder to the first ranks), counts
+the bytes and time of every call, and names the operation and group when one fails. Subclasses
+only move contiguous buffers: ``_all_reduce``, ``_all_gather``, ``_reduce_scatter``,
+``_broadcast``, ``_isend``, ``_irecv``, ``_sendrecv``, ``_barrier``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable, Iterable, Sequence
+
+from ..backend import NUMPY, ArrayBackend
+from ..errors import CommError, HpcparError
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Lengths of ``parts`` consecutive blocks of ``n`` items, remainder to the first blocks."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class CommStats:
+    """Calls, bytes and seconds per operation kind, for run reports.
+
+    Bytes are the payload of the local buffer, as nccl-tests counts "size": the array reduced
+    by all_reduce, the gathered output of all_gather, the input of reduce_scatter, the message
+    of a send or receive. One ``CommStats`` may be shared by several communicators; each
+    records under ``"<group>.<op>"``.
+    """
+
+    def __init__(self):
+        self.ops: dict[str, OpStats] = defaultdict(OpStats)
+
+    def record(self, key: str, nbytes: int, seconds: float) -> None:
+        s = self.ops[key]
+        s.calls += 1
+        s.bytes += nbytes
+        s.seconds += seconds
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.bytes for s in self.ops.values())
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+
+class Request:
+    """A pending non-blocking send or receive. ``wait()`` completes it, including any copy of
+    staged data back to the device, and keeps the buffers alive until then."""
+
+    def __init__(self, wait: Callable[[], None], on_complete: Callable[[], None] | None = None,
+                 keepalive: tuple = ()):
+        self._wait = wait
+        self._on_complete = on_complete
+        self._keepalive = keepalive
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self._wait()
+        if self._on_complete is not None:
+            self._on_complete()
+        self.done = True
+        self._keepalive = ()
+
+    @staticmethod
+    def wait_all(requests: Iterable["Request"]) -> None:
+        for r in requests:
+            r.wait()
+
+
+class Communicator(ABC):
+    """Collectives and point-to-point messages over one group of ranks.
+
+    All reductions are sums. Arrays may be NumPy or (on a GPU backend) CuPy; dtypes float32,
+    float16, bfloat16, float64 and int64 are supported by every implementation.
+    """
+
+    kind = "abstract"
+
+    def __init__(self, mpi_comm, backend: ArrayBackend = NUMPY, stats: CommStats | None = None,
+                 name: str = "world"):
+        self.mpi_comm = mpi_comm
+        self.rank = mpi_comm.Get_rank()
+        self.size = mpi_comm.Get_size()
+        self.backend = backend
+        self.xp = backend.xp
+        self.stats = stats if stats is not None else CommStats()
+        self.name = name
+
+    # ---- public API -----------------------------------------------------------------------
+
+    def all_reduce(self, x):
+        """x <- sum of x over the group, in place; returns x."""
+        if self.size == 1:
+            return x
+        buf = self.xp.ascontiguousarray(x)
+        with self._op("all_reduce", buf.nbytes):
+            self._all_reduce(buf)
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None):
+        """Concatenate every rank's ``x`` along ``axis`` in rank order; returns a new array.
+
+        Blocks may differ in length along ``axis``: pass every rank's length as ``sizes``
+        (the other dimensions must agree)."""
+        axis = _normalize_axis(axis, x.ndim)
+        front = self.xp.ascontiguousarray(self.xp.moveaxis(x, axis, 0))  # (n_local, *rest)
+        n_local = front.shape[0]
+        if sizes is None:
+            sizes = [n_local] * self.size
+        elif len(sizes) != self.size or sizes[self.rank] != n_local:
+            raise HpcparError(f"all_gather on {self.name}: sizes {list(sizes)} do not match "
+                              f"{self.size} ranks with local length {n_local} on rank {self.rank}")
+        if self.size == 1:
+            return self.xp.array(x)
+        out = self.xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)  # (n_total, *rest)
+        with self._op("all_gather", out.nbytes):
+            self._all_gather(front, out, list(sizes))
+        return self.xp.ascontiguousarray(self.xp.moveaxis(out, 0, axis))
+
+    def reduce_scatter(self, x, axis: int = 0):
+        """Sum ``x`` over the group and keep this rank's block along ``axis`` (blocks split
+        like ``numpy.array_split``); returns a new array."""
+        axis = _normalize_axis(axis, x.ndim)
+        if self.size == 1:
+            return self.xp.array(x)
+        front = self.xp.ascontiguousarray(self.xp.moveaxis(x, axis, 0))  # (n, *rest)
+        sizes = split_sizes(front.shape[0], self.size)
+        out = self.xp.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
+        with self._op("reduce_scatter", front.nbytes):
+            self._reduce_scatter(front, out, sizes)
+        return self.xp.ascontiguousarray(self.xp.moveaxis(out, 0, axis))
+
+    def broadcast(self, x, root: int = 0):
+        """x <- root's x, in place; returns x."""
+        if self.size == 1:
+            return x
+        buf = self.xp.ascontiguousarray(x)
+        with self._op("broadcast", buf.nbytes):
+            self._broadcast(buf, root)
+        if buf is not x:
+            x[...] = buf
+        return x
+
+    def isend(self, x, dest: int, tag: int = 0) -> Request:
+        """Start sending ``x`` to group rank ``dest``; do not modify ``x`` before ``wait()``."""
+        buf = self.xp.ascontiguousarray(x)
+        with self._op("send", buf.nbytes):
+            return self._isend(buf, dest, tag)
+
+    def irecv(self, out, source: int, tag: int = 0) -> Request:
+        """Start receiving into ``out`` (contiguous, preallocated) from group rank ``source``."""
+        _require_contiguous(out, "irecv")
+        with self._op("recv", out.nbytes):
+            return self._irecv(out, source, tag)
+
+    def send(self, x, dest: int, tag: int = 0) -> None:
+        self.isend(x, dest, tag).wait()
+
+    def recv(self, out, source: int, tag: int = 0):
+        self.irecv(out, source, tag).wait()
+        return out
+
+    def sendrecv(self, x, dest: int, out, source: int, tag: int = 0):
+        """Send ``x`` to ``dest`` while receiving ``out`` from ``source``; returns ``out``."""
+        _require_contiguous(out, "sendrecv")
+        buf = self.xp.ascontiguousarray(x)
+        with self._op("sendrecv", buf.nbytes + out.nbytes):
+            self._sendrecv(buf, dest, out, source, tag)
+        return out
+
+    def barrier(self) -> None:
+        with self._op("barrier", 0):
+            self._barrier()
+
+    # ---- bookkeeping ------------------------------------------------------------------------
+
+    @contextmanager
+    def _op(self, op: str, nbytes: int):
+        start = perf_counter()
+        try:
+            yield
+        except HpcparError:
+            raise
+        except Exception as e:
+            raise CommError(f"{op} on the {self.name} group ({self.size} ranks, this is group "
+                            f"rank {self.rank}) failed: {type(e).__name__}: {e}") from e
+        self.stats.record(f"{self.name}.{op}", nbytes, perf_counter() - start)
+
+    # ---- what an implementation provides (contiguous buffers only) ------------------------
+
+    @abstractmethod
+    def _all_reduce(self, buf) -> None: ...
+
+    @abstractmethod
+    def _all_gather(self, send, recv, sizes: list[int]) -> None:
+        """recv (n_total, *rest) <- every rank's send (sizes[r], *rest), in rank order."""
+
+    @abstractmethod
+    def _reduce_scatter(self, send, recv, sizes: list[int]) -> None:
+        """recv (sizes[rank], *rest) <- this rank's block of the sum of send (n, *rest)."""
+
+    @abstractmethod
+    def _broadcast(self, buf, root: int) -> None: ...
+
+    @abstractmethod
+    def _isend(self, buf, dest: int, tag: int) -> Request: ...
+
+    @abstractmethod
+    def _irecv(self, buf, source: int, tag: int) -> Request: ...
+
+    @abstractmethod
+    def _sendrecv(self, send, dest: int, recv, source: int, tag: int) -> None: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise HpcparError(f"axis {axis} is out of range for an array of {ndim} dimensions")
+    return axis % ndim
+
+
+def _require_contiguous(a, op: str) -> None:
+    if not a.flags.c_contiguous:
+        raise HpcparError(f"{op}: the receive buffer must be C-contiguous "
+                          f"(shape {a.shape}); allocate it with empty() and copy afterwards")

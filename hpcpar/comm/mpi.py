@@ -1,0 +1,199 @@
+"""Communicator over mpi4py, using buffer (uppercase) methods only: arrays are never pickled.
+
+Device (CuPy) arrays: the stream is synchronised before every MPI call; the device buffer goes
+to MPI directly when the library is CUDA-aware (``MPI.Query_cuda_support()``), otherwise it is
+staged through reusable page-locked host buffers.
+
+16-bit floats: MPI has no standard half types. Where the library offers one
+(``MPIX_C_FLOAT16``, ``MPI_BFLOAT16_T``) it is used; otherwise the data travels as raw 16-bit
+words and sums use a user-defined operation that adds in float32 and rounds back.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from mpi4py import MPI
+
+from ..dtypes import bfloat16
+from .base import Communicator, Request
+
+
+def cuda_aware() -> bool:
+    """Whether the MPI library accepts device pointers (MPIX_Query_cuda_support)."""
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        return bool(query()) if query is not None else False
+    except MPI.Exception:
+        return False
+
+
+def _sum_as_float32(np_dtype: np.dtype) -> MPI.Op:
+    """An MPI sum for a 16-bit float format MPI lacks: add in float32, round to the format."""
+
+    def add(inbuf, inoutbuf, datatype):
+        a = np.frombuffer(inbuf, dtype=np_dtype)
+        b = np.frombuffer(inoutbuf, dtype=np_dtype)
+        b[...] = (a.astype(np.float32) + b.astype(np.float32)).astype(np_dtype)
+
+    return MPI.Op.Create(add, commute=True)
+
+
+def _predefined(dtype: np.dtype) -> MPI.Datatype:
+    """The predefined MPI datatype for a NumPy type code (MPI.DATATYPE_NULL if none)."""
+    try:
+        return MPI.Datatype.fromcode(dtype.char)
+    except (KeyError, ValueError):
+        return MPI.DATATYPE_NULL
+
+
+class _TypeTable:
+    """numpy dtype -> (MPI datatype, sum operation, dtype the buffer is viewed as)."""
+
+    def __init__(self):
+        self._cache: dict[np.dtype, tuple] = {}
+
+    def __call__(self, dtype: np.dtype) -> tuple:
+        entry = self._cache.get(dtype)
+        if entry is None:
+            entry = self._cache[dtype] = self._lookup(dtype)
+        return entry
+
+    @staticmethod
+    def _lookup(dtype: np.dtype) -> tuple:
+        if dtype == bfloat16:
+            native = getattr(MPI, "BFLOAT16_T", MPI.DATATYPE_NULL)
+        elif dtype == np.float16:
+            native = _predefined(dtype)
+        else:
+            return _predefined(dtype), MPI.SUM, dtype
+        if native != MPI.DATATYPE_NULL:
+            return native, MPI.SUM, np.dtype(np.uint16)
+        return MPI.UINT16_T, _sum_as_float32(dtype), np.dtype(np.uint16)
+
+
+_types = _TypeTable()
+
+
+class _HostStaging:
+    """Page-locked host buffers reused across calls, for MPI libraries that are not CUDA-aware."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self._free: dict[int, list] = defaultdict(list)
+
+    def acquire(self, like):
+        free = self._free[like.nbytes]
+        raw = free.pop() if free else self._backend.empty_host((like.nbytes,), np.uint8)
+        return raw.view(like.dtype).reshape(like.shape)
+
+    def release(self, host) -> None:
+        self._free[host.nbytes].append(host.reshape(-1).view(np.uint8))
+
+
+class MpiCommunicator(Communicator):
+    kind = "mpi"
+
+    def __init__(self, mpi_comm, backend=None, stats=None, name="world"):
+        from ..backend import NUMPY
+        super().__init__(mpi_comm, backend or NUMPY, stats, name)
+        self.cuda_aware = self.backend.is_gpu and cuda_aware()
+        self._staging = _HostStaging(self.backend)
+
+    # ---- buffers ----------------------------------------------------------------------------
+
+    def _msg(self, buf, count: int | None = None, displs=None):
+        """The mpi4py buffer spec for ``buf`` (host or, if CUDA-aware, device)."""
+        mpitype, _, view_as = _types(np.dtype(buf.dtype))
+        data = buf.view(view_as) if view_as != buf.dtype else buf
+        if displs is not None:
+            return [data, (count, displs), mpitype]
+        return [data, mpitype]
+
+    def _stage_in(self, a):
+        """What MPI should read: ``a`` itself, or a host copy of a device array."""
+        if not self.backend.is_device_array(a):
+            return a
+        self.backend.synchronize()
+        if self.cuda_aware:
+            return a
+        host = self._staging.acquire(a)
+        a.get(out=host)
+        return host
+
+    def _stage_out(self, a):
+        """Where MPI should write before the result lands in ``a``."""
+        if not self.backend.is_device_array(a):
+            return a
+        self.backend.synchronize()
+        return a if self.cuda_aware else self._staging.acquire(a)
+
+    def _finish(self, staged, a, copy_back: bool) -> None:
+        if staged is a:
+            return
+        if copy_back:
+            a.set(staged)
+        self._staging.release(staged)
+
+    # ---- primitives -------------------------------------------------------------------------
+
+    def _all_reduce(self, buf) -> None:
+        host = self._stage_in(buf)
+        _, op, _ = _types(np.dtype(buf.dtype))
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, self._msg(host), op=op)
+        self._finish(host, buf, copy_back=True)
+
+    def _all_gather(self, send, recv, sizes) -> None:
+        hsend, hrecv = self._stage_in(send), self._stage_out(recv)
+        if len(set(sizes)) == 1:
+            self.mpi_comm.Allgather(self._msg(hsend), self._msg(hrecv))
+        else:
+            counts, displs = _counts_and_displs(sizes, send)
+            self.mpi_comm.Allgatherv(self._msg(hsend), self._msg(hrecv, counts, displs))
+        self._finish(hsend, send, copy_back=False)
+        self._finish(hrecv, recv, copy_back=True)
+
+    def _reduce_scatter(self, send, recv, sizes) -> None:
+        hsend, hrecv = self._stage_in(send), self._stage_out(recv)
+        _, op, _ = _types(np.dtype(send.dtype))
+        if len(set(sizes)) == 1:
+            self.mpi_comm.Reduce_scatter_block(self._msg(hsend), self._msg(hrecv), op=op)
+        else:
+            counts, _ = _counts_and_displs(sizes, send)
+            self.mpi_comm.Reduce_scatter(self._msg(hsend), self._msg(hrecv), counts, op=op)
+        self._finish(hsend, send, copy_back=False)
+        self._finish(hrecv, recv, copy_back=True)
+
+    def _broadcast(self, buf, root) -> None:
+        host = self._stage_in(buf)
+        self.mpi_comm.Bcast(self._msg(host), root=root)
+        self._finish(host, buf, copy_back=self.rank != root)
+
+    def _isend(self, buf, dest, tag) -> Request:
+        host = self._stage_in(buf)
+        req = self.mpi_comm.Isend(self._msg(host), dest=dest, tag=tag)
+        return Request(req.Wait, lambda: self._finish(host, buf, copy_back=False), (host, buf))
+
+    def _irecv(self, buf, source, tag) -> Request:
+        host = self._stage_out(buf)
+        req = self.mpi_comm.Irecv(self._msg(host), source=source, tag=tag)
+        return Request(req.Wait, lambda: self._finish(host, buf, copy_back=True), (host, buf))
+
+    def _sendrecv(self, send, dest, recv, source, tag) -> None:
+        hsend, hrecv = self._stage_in(send), self._stage_out(recv)
+        self.mpi_comm.Sendrecv(self._msg(hsend), dest, tag, self._msg(hrecv), source, tag)
+        self._finish(hsend, send, copy_back=False)
+        self._finish(hrecv, recv, copy_back=True)
+
+    def _barrier(self) -> None:
+        self.backend.synchronize()
+        self.mpi_comm.Barrier()
+
+
+def _counts_and_displs(sizes, block) -> tuple[list[int], list[int]]:
+    """Element counts and offsets of each rank's block (leading length ``sizes[r]``)."""
+    per_row = int(np.prod(block.shape[1:], dtype=np.int64))
+    counts = [s * per_row for s in sizes]
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    return counts, displs

@@ -1,0 +1,138 @@
+"""Communicator over NCCL through ``cupy.cuda.nccl``, with the same interface as the MPI one.
+
+The NCCL unique id is created on group rank 0 and broadcast over the group's MPI communicator.
+Operations are enqueued on the current CUDA stream and return once enqueued; a ``Request``
+from ``isend``/``irecv`` waits on an event recorded after the operation. NCCL has no message
+tags (``tag`` is accepted and ignored: order on the stream is the matching rule) and no
+uneven all-gather / reduce-scatter, which are done on blocks padded to the longest one.
+One process per GPU: NCCL refuses two ranks of a group on the same device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..dtypes import bfloat16
+from ..errors import HpcparError
+from .base import Communicator, Request
+
+_ID_BYTES = 128
+
+
+def _nccl():
+    try:
+        from cupy.cuda import nccl
+    except ImportError as e:
+        raise HpcparError(f"NCCL is not available through CuPy ({e}); install hpcpar[gpu] "
+                          "with a CuPy build that includes NCCL, or use the MPI communicator")
+    return nccl
+
+
+def _nccl_dtype(nccl, dtype: np.dtype) -> int:
+    table = {np.dtype(np.float32): nccl.NCCL_FLOAT32, np.dtype(np.float16): nccl.NCCL_FLOAT16,
+             np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.int64): nccl.NCCL_INT64}
+    if hasattr(nccl, "NCCL_BFLOAT16"):
+        table[bfloat16] = nccl.NCCL_BFLOAT16
+    try:
+        return table[np.dtype(dtype)]
+    except KeyError:
+        raise HpcparError(f"NCCL communicator: dtype {dtype} is not supported "
+                          f"(float32, float16, float64, int64)") from None
+
+
+def _share_unique_id(nccl, mpi_comm):
+    """Group rank 0 makes the id; everyone receives it over MPI as raw bytes.
+
+    CuPy returns it as a tuple of 128 signed chars (older) or as bytes (newer); byte 0 of the
+    broadcast says which, so every rank rebuilds the form its CuPy expects."""
+    msg = np.zeros(_ID_BYTES + 1, dtype=np.uint8)
+    if mpi_comm.Get_rank() == 0:
+        uid = nccl.get_unique_id()
+        if isinstance(uid, bytes):
+            msg[0], msg[1:] = 1, np.frombuffer(uid, dtype=np.uint8)
+        else:
+            msg[1:] = np.array(uid, dtype=np.int8).view(np.uint8)
+    mpi_comm.Bcast(msg, root=0)
+    raw = msg[1:]
+    return raw.tobytes() if msg[0] else tuple(int(b) for b in raw.view(np.int8))
+
+
+class NcclCommunicator(Communicator):
+    kind = "nccl"
+
+    def __init__(self, mpi_comm, backend, stats=None, name="world"):
+        if not backend.is_gpu:
+            raise HpcparError("the NCCL communicator needs the cupy backend (a GPU per rank)")
+        super().__init__(mpi_comm, backend, stats, name)
+        self._lib = _nccl()
+        uid = _share_unique_id(self._lib, mpi_comm)
+        self._comm = self._lib.NcclCommunicator(self.size, uid, self.rank)
+
+    def _stream(self) -> int:
+        return self.xp.cuda.get_current_stream().ptr
+
+    def _t(self, a) -> int:
+        return _nccl_dtype(self._lib, a.dtype)
+
+    def _all_reduce(self, buf) -> None:
+        ptr = buf.data.ptr
+        self._comm.allReduce(ptr, ptr, buf.size, self._t(buf), self._lib.NCCL_SUM, self._stream())
+
+    def _all_gather(self, send, recv, sizes) -> None:
+        longest = max(sizes)
+        if len(set(sizes)) == 1:
+            self._comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._t(send),
+                                 self._stream())
+            return
+        padded = self.xp.zeros((longest,) + send.shape[1:], dtype=send.dtype)
+        padded[: send.shape[0]] = send
+        gathered = self.xp.empty((self.size,) + padded.shape, dtype=send.dtype)
+        self._comm.allGather(padded.data.ptr, gathered.data.ptr, padded.size, self._t(send),
+                             self._stream())
+        offset = 0
+        for r, n in enumerate(sizes):  # drop each block's padding
+            recv[offset: offset + n] = gathered[r, :n]
+            offset += n
+
+    def _reduce_scatter(self, send, recv, sizes) -> None:
+        longest = max(sizes)
+        if len(set(sizes)) == 1:
+            self._comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, self._t(send),
+                                     self._lib.NCCL_SUM, self._stream())
+            return
+        padded = self.xp.zeros((self.size, longest) + send.shape[1:], dtype=send.dtype)
+        offset = 0
+        for r, n in enumerate(sizes):  # block r at padded[r, :n]
+            padded[r, :n] = send[offset: offset + n]
+            offset += n
+        out = self.xp.empty((longest,) + send.shape[1:], dtype=send.dtype)
+        self._comm.reduceScatter(padded.data.ptr, out.data.ptr, out.size, self._t(send),
+                                 self._lib.NCCL_SUM, self._stream())
+        recv[...] = out[: sizes[self.rank]]
+
+    def _broadcast(self, buf, root) -> None:
+        self._comm.bcast(buf.data.ptr, buf.size, self._t(buf), root, self._stream())
+
+    def _event_request(self, *keepalive) -> Request:
+        event = self.xp.cuda.Event()
+        event.record()
+        return Request(event.synchronize, keepalive=keepalive)
+
+    def _isend(self, buf, dest, tag) -> Request:
+        self._comm.send(buf.data.ptr, buf.size, self._t(buf), dest, self._stream())
+        return self._event_request(buf)
+
+    def _irecv(self, buf, source, tag) -> Request:
+        self._comm.recv(buf.data.ptr, buf.size, self._t(buf), source, self._stream())
+        return self._event_request(buf)
+
+    def _sendrecv(self, send, dest, recv, source, tag) -> None:
+        # grouped so that two ranks exchanging with each other cannot deadlock
+        self._lib.groupStart()
+        self._comm.send(send.data.ptr, send.size, self._t(send), dest, self._stream())
+        self._comm.recv(recv.data.ptr, recv.size, self._t(recv), source, self._stream())
+        self._lib.groupEnd()
+
+    def _barrier(self) -> None:
+        self.backend.synchronize()
+        self.mpi_comm.Barrier()

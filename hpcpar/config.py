@@ -1,0 +1,274 @@
+"""Typed configuration: the model (from a Hugging Face ``config.json``) and the parallel layout.
+
+Both are frozen dataclasses. Validation never stops at the first problem: it returns every
+problem with the numbers involved, so one run tells the user everything to fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import HpcparError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class ConfigError(HpcparError):
+    """One or more problems in a configuration; ``problems`` lists each with its numbers."""
+
+    def __init__(self, what: str, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"{what}: " + "; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``llama3`` is the Llama 3.1/3.2 piecewise rule."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The fields of a Hugging Face ``LlamaConfig`` that define the computation."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], source: str = "config") -> "LlamaConfig":
+        """Parse a ``config.json`` dict as written by transformers 4.x or 5.x.
+
+        4.x keeps ``rope_theta`` and ``rope_scaling`` at the top level; 5.x folds both into
+        ``rope_parameters``. Non-Llama architectures are refused with a message that says so.
+        """
+        model_type = hf.get("model_type", "llama")
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        if model_type != "llama" or "LlamaForCausalLM" not in archs:
+            raise ConfigError(source, [
+                f"model_type {model_type!r} / architectures {archs} is not supported; hpcpar runs "
+                "Llama-family models (model_type 'llama', LlamaForCausalLM)"])
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ConfigError(source, [f"missing required field(s) {', '.join(missing)}"])
+
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads") or heads
+        head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if heads else 0)
+        rope_theta, scaling = _parse_rope(hf, source)
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        cfg = cls(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos_ids,
+            pad_token_id=hf.get("pad_token_id"))
+        problems = cfg.problems()
+        if problems:
+            raise ConfigError(source, problems)
+        return cfg
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "LlamaConfig":
+        path = Path(path)
+        try:
+            hf = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise HpcparError(f"{path}: no such file; a Hugging Face model folder holds "
+                              "config.json beside its weights") from None
+        except json.JSONDecodeError as e:
+            raise HpcparError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf(hf, source=str(path))
+
+    def problems(self) -> list[str]:
+        """Internal inconsistencies, each with its numbers (empty when the config is usable)."""
+        out = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(f"{name} must be a positive integer, got {value!r}")
+        if out:
+            return out
+        if self.num_attention_heads % self.num_key_value_heads:
+            out.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                       f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            out.append(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.rms_norm_eps <= 0:
+            out.append(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+            out.append(f"rope type {self.rope_scaling.rope_type!r} is not supported "
+                       f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        return out
+
+    def valid_tp_sizes(self, limit: int = 64) -> list[int]:
+        """Tensor-parallel sizes this model can be split over (see ``tp_problems``)."""
+        return [tp for tp in range(1, limit + 1) if not tp_problems(self, tp)]
+
+
+def _parse_rope(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling]:
+    params = hf.get("rope_parameters")  # transformers 5.x
+    if params is not None:
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+        scaling = params
+    else:  # transformers 4.x
+        theta = hf.get("rope_theta", 10000.0)
+        scaling = hf.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    try:
+        return float(theta), RopeScaling(
+            rope_type=rope_type,
+            factor=float(scaling.get("factor", 1.0)),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                scaling.get("original_max_position_embeddings", 8192)))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(source, [f"unreadable rope parameters {dict(scaling)} ({e})"]) from None
+
+
+def tp_problems(model: LlamaConfig, tp: int) -> list[str]:
+    """Why ``model`` cannot be split over ``tp`` ranks (empty when it can)."""
+    out = []
+    if model.num_attention_heads % tp:
+        out.append(f"num_attention_heads {model.num_attention_heads} is not divisible by tp {tp}")
+    kv = model.num_key_value_heads
+    if kv % tp and tp % kv:
+        out.append(f"num_key_value_heads {kv} is neither a multiple nor a divisor of tp {tp}")
+    if model.intermediate_size % tp:
+        out.append(f"intermediate_size {model.intermediate_size} is not divisible by tp {tp}")
+    return out
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The dp × pp × tp layout and how the pipeline runs.
+
+    ``stage_layers`` optionally fixes how many decoder layers each pipeline stage holds;
+    without it the layers are split evenly with the remainder on the first stages.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    stage_layers: tuple[int, ...] | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def replace(self, **changes) -> "ParallelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def infer(cls, world_size: int, dp: int | None = None, pp: int | None = None,
+              tp: int | None = None, **rest) -> "ParallelConfig":
+        """Fill in absent factors from the world size.
+
+        An absent tp or pp is 1, unless it is the only factor missing, and an absent dp takes
+        whatever the world size leaves (Megatron's convention). A world size the given factors
+        do not divide is left for ``check`` to report with the numbers.
+        """
+        given = {"dp": dp, "pp": pp, "tp": tp}
+        missing = [k for k, v in given.items() if v is None]
+        if len(missing) == 1 or "dp" in missing:
+            fill = "dp" if "dp" in missing else missing[0]
+        else:
+            fill = "tp" if "tp" in missing else None
+        for k in missing:
+            given[k] = 1
+        if fill is not None:
+            others = [v for k, v in given.items() if k != fill]
+            product = others[0] * others[1]
+            if product > 0 and world_size % product == 0:
+                given[fill] = world_size // product
+        return cls(dp=given["dp"], pp=given["pp"], tp=given["tp"], **rest)
+
+    def problems(self, model: LlamaConfig | None = None,
+                 world_size: int | None = None) -> list[str]:
+        """Every reason this layout cannot run ``model`` on ``world_size`` ranks."""
+        out = []
+        for name in ("dp", "pp", "tp", "micro_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                out.append(f"{name} must be a positive integer, got {value!r}")
+        if out:
+            return out
+        if world_size is not None and self.world_size != world_size:
+            out.append(f"dp({self.dp}) * pp({self.pp}) * tp({self.tp}) = {self.world_size} "
+                       f"!= world size {world_size}; change the layout or the number of ranks")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if model is None:
+            return out
+        tp_issues = tp_problems(model, self.tp)
+        if tp_issues:
+            valid = model.valid_tp_sizes(limit=max(8, self.tp))
+            out += tp_issues
+            out.append(f"tp sizes this model supports: {', '.join(map(str, valid))}")
+        layers = model.num_hidden_layers
+        if self.pp > layers:
+            out.append(f"pp {self.pp} stages > num_hidden_layers {layers}: every stage needs at "
+                       f"least one layer")
+        if self.stage_layers is not None:
+            counts = list(self.stage_layers)
+            if len(counts) != self.pp:
+                out.append(f"stage_layers has {len(counts)} entries for pp {self.pp} stages")
+            if sum(counts) != layers:
+                out.append(f"stage_layers {counts} sum to {sum(counts)}, "
+                           f"not num_hidden_layers {layers}")
+            if any(c < 1 for c in counts):
+                out.append(f"stage_layers {counts}: every stage needs at least one layer")
+        return out
+
+    def check(self, model: LlamaConfig | None = None, world_size: int | None = None) -> None:
+        problems = self.problems(model, world_size)
+        if problems:
+            raise ConfigError("invalid parallel layout", problems)
+

@@ -1,0 +1,14 @@
+"""The one exception type users see.
+
+An ``HpcparError`` carries a message meant for the person at the terminal: one line that says
+what is wrong and how to fix it. Everything else that escapes is a bug and is reported with its
+traceback (see ``hpcpar.launch``).
+"""
+
+
+class HpcparError(Exception):
+    """Bad input or an unusable environment, reported as a one-line message."""
+
+
+class CommError(HpcparError):
+    """A communication call failed; the message names the operation and the group."""

@@ -1,0 +1,133 @@
+"""The 3-D rank mesh: world rank <-> (dp, pp, tp) coordinates and the sub-communicators.
+
+    rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank          (tp varies fastest)
+
+Worked example, 8 ranks as dp=2 × pp=2 × tp=2:
+
+    rank   0  1  2  3  4  5  6  7
+    dp     0  0  0  0  1  1  1  1
+    pp     0  0  1  1  0  0  1  1
+    tp     0  1  0  1  0  1  0  1
+
+    tp groups  [0,1] [2,3] [4,5] [6,7]     AllReduce inside each layer (same node)
+    pp groups  [0,2] [1,3] [4,6] [5,7]     activations flow 0 -> 2, 1 -> 3, ...
+    dp groups  [0,4] [1,5] [2,6] [3,7]     gradient AllReduce between replicas
+
+and 16 ranks as dp=2 × pp=2 × tp=4:
+
+    tp groups  [0,1,2,3] [4,5,6,7] [8,9,10,11] [12,13,14,15]
+    pp groups  [0,4] [1,5] [2,6] [3,7] [8,12] [9,13] [10,14] [11,15]
+    dp groups  [0,8] [1,9] [2,10] [3,11] [4,12] [5,13] [6,14] [7,15]
+
+With tp fastest, a tp group is a block of consecutive ranks, so launchers that fill nodes in
+rank order keep each tp group on one node. The coordinate math is pure (no MPI); ``Mesh``
+builds the communicators once from a Cartesian topology and hands them out explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .config import ParallelConfig
+
+if TYPE_CHECKING:  # mpi4py is only needed to build a Mesh, not for the math
+    from mpi4py import MPI
+
+AXES = ("dp", "pp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshCoords:
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+
+
+def coords_of(rank: int, layout: ParallelConfig) -> MeshCoords:
+    """The (dp, pp, tp) coordinates of world rank ``rank``."""
+    if not 0 <= rank < layout.world_size:
+        raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
+    tp_rank = rank % layout.tp
+    pp_rank = (rank // layout.tp) % layout.pp
+    dp_rank = rank // (layout.tp * layout.pp)
+    return MeshCoords(dp_rank, pp_rank, tp_rank)
+
+
+def rank_of(coords: MeshCoords, layout: ParallelConfig) -> int:
+    """The world rank at ``coords`` (inverse of ``coords_of``)."""
+    return (coords.dp_rank * layout.pp + coords.pp_rank) * layout.tp + coords.tp_rank
+
+
+def group_ranks(layout: ParallelConfig, axis: str) -> list[list[int]]:
+    """Every group along ``axis`` ('dp', 'pp' or 'tp'), each listed in group-rank order."""
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+    groups: dict[tuple, list[int]] = {}
+    for rank in range(layout.world_size):
+        c = coords_of(rank, layout)
+        key = tuple(getattr(c, f"{a}_rank") for a in AXES if a != axis)
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
+
+
+class Mesh:
+    """This rank's place in the mesh and its tp / pp / dp communicators (mpi4py Intracomms).
+
+    Built once per job from the world communicator; pass it (or the communicators it holds)
+    explicitly to whatever needs them. Group ranks equal the coordinate on that axis:
+    ``tp_comm.Get_rank() == coords.tp_rank``, and so on.
+    """
+
+    def __init__(self, world: "MPI.Intracomm", layout: ParallelConfig):
+        if layout.world_size != world.Get_size():
+            layout.check(world_size=world.Get_size())
+        self.world = world
+        self.layout = layout
+        self.rank = world.Get_rank()
+        self.coords = coords_of(self.rank, layout)
+        # reorder=False keeps cart ranks equal to world ranks; row-major cart coordinates then
+        # match the tp-fastest formula above.
+        self.cart = world.Create_cart([layout.dp, layout.pp, layout.tp],
+                                      periods=[False] * 3, reorder=False)
+        self.dp_comm = self.cart.Sub([True, False, False])
+        self.pp_comm = self.cart.Sub([False, True, False])
+        self.tp_comm = self.cart.Sub([False, False, True])
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords.dp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords.pp_rank
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def prev_stage(self) -> int | None:
+        """The previous stage's rank in ``pp_comm``, or None on the first stage."""
+        return None if self.is_first_stage else self.pp_rank - 1
+
+    @property
+    def next_stage(self) -> int | None:
+        """The next stage's rank in ``pp_comm``, or None on the last stage."""
+        return None if self.is_last_stage else self.pp_rank + 1
+
+    def describe(self) -> str:
+        c = self.coords
+        return f"rank {self.rank} (dp {c.dp_rank}, pp {c.pp_rank}, tp {c.tp_rank})"
+
+    def free(self) -> None:
+        for comm in (self.tp_comm, self.pp_comm, self.dp_comm, self.cart):
+            comm.Free()
