@@ -1,0 +1,7 @@
+"""hpcpar: run Llama-family models across GPUs and nodes with MPI (dp × pp × tp).
+
+    mpiexec -n 8 python -m hpcpar            # the demo job
+    python -m hpcpar --help                  # every command
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,100 @@
+"""The HDF5 checkpoint format (DESIGN.md §4), version 1.
+
+    /                                   attrs: hpcpar_format_version = 1
+                                               hf_config = the model's config.json (JSON text)
+                                               dtype = "float32" | "float16" | "bfloat16"
+    /model.embed_tokens.weight          one dataset per tensor, Hugging Face name and
+    /model.layers.0.self_attn.q_proj.weight        orientation ([out_features, in_features])
+    ...
+    /tokenizer/tokenizer.json           tokenizer files kept with the model, as raw bytes (uint8)
+
+bfloat16, which HDF5 has no type for, is stored as its raw 16 bits (uint16) with the dataset
+attribute ``dtype = "bfloat16"``. Datasets are chunked so that the slice any rank reads for
+tp in {1, 2, 4, 8} is a whole number of chunks (``chunk_shape``), and are not compressed, so a
+rank's read is a direct copy of its chunks into its buffer.
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+import numpy as np
+
+from ..config import LlamaConfig
+from ..dtypes import bfloat16
+from ..sharding import ShardingError, Split, shard_of, split_of
+from ..tensors import TensorSpec
+
+FORMAT_VERSION = 1
+ATTR_VERSION = "hpcpar_format_version"
+ATTR_CONFIG = "hf_config"
+ATTR_DTYPE = "dtype"
+TOKENIZER_GROUP = "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+
+CHUNK_TP_SIZES = (1, 2, 4, 8)
+CHUNK_BYTES = 2 << 20  # ~2 MiB: large enough for fast reads, small enough to cut evenly
+
+
+def storage_dtype(dtype: np.dtype) -> np.dtype:
+    """What HDF5 holds for a tensor of ``dtype`` (bfloat16 travels as uint16)."""
+    return np.dtype(np.uint16) if np.dtype(dtype) == bfloat16 else np.dtype(dtype)
+
+
+def to_storage(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16) if a.dtype == bfloat16 else a
+
+
+def logical_dtype(dset) -> np.dtype:
+    """The dtype a dataset represents (bfloat16 for marked uint16 data)."""
+    if dset.attrs.get(ATTR_DTYPE) == "bfloat16":
+        return bfloat16
+    return dset.dtype
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    cap = max(1, min(n, cap))
+    for d in range(cap, 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+def split_boundaries(spec: TensorSpec, cfg: LlamaConfig,
+                     tp_sizes=CHUNK_TP_SIZES) -> tuple[int | None, list[int]]:
+    """(split axis, every offset where some rank's slice starts or ends for ``tp_sizes``);
+    tp sizes the model cannot use are skipped. Axis None: the tensor is never split."""
+    split = split_of(spec)
+    if split is Split.REPLICATED:
+        return None, []
+    axis = 1 if split is Split.ROW else 0
+    edges = {0, spec.shape[axis]}
+    for tp in tp_sizes:
+        try:
+            pieces = [shard_of(spec, cfg, r, tp).source[axis] for r in range(tp)]
+        except ShardingError:
+            continue
+        edges.update(p for s in pieces for p in (s.start, s.stop))
+    return axis, sorted(edges)
+
+
+def chunk_shape(spec: TensorSpec, cfg: LlamaConfig, itemsize: int,
+                budget: int = CHUNK_BYTES) -> tuple[int, ...]:
+    """A chunk shape whose length along the split axis divides every slice boundary, so each
+    rank's slice is whole chunks; the other dimension stays whole when a line of it fits the
+    byte budget."""
+    max_items = max(1, budget // itemsize)
+    axis, edges = split_boundaries(spec, cfg)
+    if axis is None:  # never split: norms and row-parallel biases, all 1-D
+        return tuple(min(d, max_items) for d in spec.shape)
+    step = 0
+    for e in edges:
+        step = gcd(step, e)
+    if len(spec.shape) == 1:
+        return (_largest_divisor_at_most(step, max_items),)
+    other = 1 - axis
+    chunk = [0, 0]
+    chunk[other] = min(spec.shape[other], max_items)
+    chunk[axis] = _largest_divisor_at_most(step, max_items // chunk[other])
+    return tuple(chunk)

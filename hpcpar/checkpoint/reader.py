@@ -1,0 +1,157 @@
+"""Opening, validating and loading checkpoints: each rank reads only its own slices.
+
+``open_checkpoint`` checks everything that can be checked from metadata (HDF5 signature,
+format version, config, every tensor's presence, shape and dtype) and raises one
+``CheckpointError`` naming the file and the tensor. ``load_shard`` then reads, for one rank,
+only the tensors of its pipeline stage and only its tensor-parallel slice of each, with
+hyperslab reads straight into preallocated buffers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+
+import h5py
+import numpy as np
+
+from ..backend import NUMPY, ArrayBackend
+from ..config import ConfigError, LlamaConfig
+from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..errors import HpcparError
+from ..sharding import shard_of
+from ..tensors import TensorSpec, model_tensors
+from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
+                     logical_dtype, storage_dtype)
+
+
+class CheckpointError(HpcparError):
+    pass
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint's metadata (the file itself is reopened for each read)."""
+
+    path: Path
+    config: LlamaConfig
+    hf_config: dict
+    dtype: np.dtype                      # the dtype its tensors are stored in
+    version: int
+    tensors: dict[str, TensorSpec]
+
+    def open(self) -> h5py.File:
+        # No HDF5 file locking: many ranks read at once, often from NFS or Lustre.
+        return h5py.File(self.path, "r", locking=False)
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        with self.open() as f:
+            group = f.get(TOKENIZER_GROUP)
+            return {} if group is None else {k: group[k][()].tobytes() for k in group}
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Validate ``path`` and return its metadata; every problem is a one-line error."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file; create one with 'hpcpar convert' or "
+                              "'hpcpar init'")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a folder, not a checkpoint file; a Hugging Face "
+                              "folder must first go through 'hpcpar convert'")
+    if not h5py.is_hdf5(path):
+        raise CheckpointError(f"{path}: not an HDF5 file; create checkpoints with "
+                              "'hpcpar convert' or 'hpcpar init'")
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be opened, the file is truncated or corrupt "
+                              f"({_first_line(e)}); convert or copy it again") from None
+    with f:
+        version = f.attrs.get(ATTR_VERSION)
+        if version is None:
+            raise CheckpointError(f"{path}: no '{ATTR_VERSION}' attribute; not an hpcpar "
+                                  "checkpoint")
+        if int(version) > FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format version {int(version)} is newer than this "
+                                  f"hpcpar reads ({FORMAT_VERSION}); upgrade hpcpar")
+        try:
+            hf_config = json.loads(f.attrs[ATTR_CONFIG])
+            config = LlamaConfig.from_hf(hf_config, source=f"{path} config")
+        except KeyError:
+            raise CheckpointError(f"{path}: no '{ATTR_CONFIG}' attribute") from None
+        except (json.JSONDecodeError, TypeError) as e:
+            raise CheckpointError(f"{path}: unreadable '{ATTR_CONFIG}' attribute ({e})") from None
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+        specs = {s.name: s for s in model_tensors(config)}
+        dtypes = set()
+        for name, spec in specs.items():
+            dset = f.get(name)
+            if not isinstance(dset, h5py.Dataset):
+                raise CheckpointError(f"{path}: tensor {name} is missing")
+            if dset.shape != spec.shape:
+                raise CheckpointError(f"{path}: tensor {name} has shape {dset.shape}, the "
+                                      f"config implies {spec.shape}")
+            dtype = logical_dtype(dset)
+            if dtype not in FLOAT_DTYPES.values():
+                raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, expected one "
+                                      f"of {', '.join(FLOAT_DTYPES)}")
+            dtypes.add(dtype)
+    if len(dtypes) != 1:
+        raise CheckpointError(f"{path}: tensors mix dtypes "
+                              f"{sorted(dtype_name(d) for d in dtypes)}")
+    return Checkpoint(path, config, hf_config, dtypes.pop(), int(version), specs)
+
+
+@dataclass
+class LoadedShard:
+    """One rank's tensors and what it cost to read them."""
+
+    tensors: dict[str, object] = field(default_factory=dict)   # name -> xp array
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+
+def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_size: int = 1,
+               dtype: np.dtype | None = None, backend: ArrayBackend = NUMPY) -> LoadedShard:
+    """Read this rank's slice of each tensor in ``specs`` into arrays of ``dtype`` (default:
+    the checkpoint's) on ``backend``'s device.
+
+    Only the slice is read (an HDF5 hyperslab selection), straight into a preallocated buffer
+    when no dtype conversion is needed; vocabulary padding rows stay zero.
+    """
+    dtype = np.dtype(dtype or ckpt.dtype)
+    stored = storage_dtype(ckpt.dtype)
+    out = LoadedShard()
+    start = perf_counter()
+    with ckpt.open() as f:
+        for spec in specs:
+            shard = shard_of(spec, ckpt.config, tp_rank, tp_size)
+            raw = np.zeros(shard.shape, dtype=stored)
+            try:
+                f[spec.name].read_direct(raw, source_sel=shard.source, dest_sel=shard.dest)
+            except (OSError, KeyError) as e:
+                raise CheckpointError(f"{ckpt.path}: reading tensor {spec.name} failed, the "
+                                      f"file is truncated or corrupt ({_first_line(e)})") from None
+            out.bytes_read += shard.source_numel * stored.itemsize
+            host = raw.view(ckpt.dtype) if stored != ckpt.dtype else raw
+            if host.dtype != dtype:
+                host = host.astype(dtype)
+            out.tensors[spec.name] = backend.asarray(host)
+    out.seconds = perf_counter() - start
+    return out
+
+
+def read_tensor(ckpt: Checkpoint, name: str) -> np.ndarray:
+    """One whole tensor in the checkpoint's dtype (for tools and tests, not for loading)."""
+    with ckpt.open() as f:
+        raw = f[name][()]
+    return raw.view(ckpt.dtype) if raw.dtype != ckpt.dtype else raw
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

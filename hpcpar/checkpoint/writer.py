@@ -1,0 +1,99 @@
+"""Writing a checkpoint atomically, one tensor at a time.
+
+The file is built under a temporary name beside the target and renamed into place only when
+every tensor is written, so a crash or a bad tensor never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import h5py
+import numpy as np
+
+from ..config import LlamaConfig
+from ..dtypes import dtype_name
+from ..errors import HpcparError
+from ..tensors import TensorSpec, model_tensors
+from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
+                     chunk_shape, storage_dtype, to_storage)
+
+
+class AtomicPath:
+    """A temporary sibling of ``path`` that replaces it on ``commit`` and vanishes on
+    ``discard``. Use for every output file, so none is ever left half-written."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+
+    def commit(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+class CheckpointWriter:
+    """Context manager: ``with CheckpointWriter(path, hf_config, dtype) as w: w.write(spec, a)``.
+
+    Every tensor of the model must be written before the context closes; the file appears at
+    ``path`` only then.
+    """
+
+    def __init__(self, path: str | Path, hf_config: Mapping[str, Any], dtype: np.dtype,
+                 source: str = ""):
+        self.config = LlamaConfig.from_hf(hf_config, source=source or "config")
+        self.hf_config = dict(hf_config)
+        self.dtype = np.dtype(dtype)
+        self.source = source
+        self.expected = {s.name: s for s in model_tensors(self.config)}
+        self.written: set[str] = set()
+        self._out = AtomicPath(path)
+        self._file: h5py.File | None = None
+
+    def __enter__(self) -> "CheckpointWriter":
+        out_dir = self._out.path.parent
+        if not out_dir.is_dir():
+            raise HpcparError(f"{self._out.path}: folder {out_dir} does not exist")
+        self._file = h5py.File(self._out.tmp, "w")
+        self._file.attrs[ATTR_VERSION] = FORMAT_VERSION
+        self._file.attrs[ATTR_CONFIG] = json.dumps(self.hf_config, sort_keys=True)
+        self._file.attrs[ATTR_DTYPE] = dtype_name(self.dtype)
+        if self.source:
+            self._file.attrs["source"] = self.source
+        return self
+
+    def write(self, spec: TensorSpec, array: np.ndarray) -> None:
+        """Store ``array`` (any float dtype; cast to the checkpoint's) under ``spec.name``."""
+        if spec.name not in self.expected:
+            raise HpcparError(f"{spec.name}: not a tensor of this model")
+        if tuple(array.shape) != spec.shape:
+            raise HpcparError(f"{spec.name}: shape {tuple(array.shape)} does not match the "
+                              f"config, which implies {spec.shape}")
+        data = to_storage(np.ascontiguousarray(array, dtype=self.dtype))
+        chunks = chunk_shape(spec, self.config, data.dtype.itemsize)
+        dset = self._file.create_dataset(spec.name, data=data, chunks=chunks)
+        if storage_dtype(self.dtype) != self.dtype:
+            dset.attrs[ATTR_DTYPE] = dtype_name(self.dtype)
+        self.written.add(spec.name)
+
+    def add_file(self, name: str, data: bytes) -> None:
+        """Keep a small file (a tokenizer's) inside the checkpoint."""
+        group = self._file.require_group(TOKENIZER_GROUP)
+        group.create_dataset(name, data=np.frombuffer(data, dtype=np.uint8))
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._file.close()
+        if exc_type is None:
+            missing = [n for n in self.expected if n not in self.written]
+            if missing:
+                self._out.discard()
+                raise HpcparError(f"{self._out.path}: {len(missing)} tensor(s) never written, "
+                                  f"first {missing[0]}")
+            self._out.commit()
+        else:
+            self._out.discard()

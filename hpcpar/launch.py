@@ -1,0 +1,141 @@
+"""How a job starts and ends on every rank.
+
+Three rules keep an MPI job from hanging or flooding the terminal:
+
+1. Validate before any real communication, on every rank, then *agree*: ``everyone(comm, fn)``
+   runs ``fn`` on every rank and follows it with one tiny AllReduce. If any rank raised an
+   ``HpcparError``, the lowest such rank prints its one-line message and every rank exits with
+   status 2, with no traceback.
+2. Anything else that escapes on any rank (a bug, a failed read mid-run, Ctrl-C) is printed by
+   that rank with its mesh position and the phase it was in, and the whole world is aborted
+   with ``MPI_Abort``, so no rank is left blocked in a collective.
+3. A process that finds itself alone where the launcher started several (an MPI library that
+   does not match the launcher, e.g. ``srun --mpi=none``) stops instead of running N copies.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Callable, TypeVar
+
+import numpy as np
+
+from .errors import HpcparError
+
+T = TypeVar("T")
+
+EXIT_INVALID = 2   # bad input, reported once
+EXIT_FAILED = 1    # anything else
+
+_state = {"phase": "start-up", "where": None}
+
+
+class JobFailed(SystemExit):
+    """Raised on every rank once a failure has been agreed on and reported."""
+
+
+def world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+@contextmanager
+def phase(name: str):
+    """Name what this rank is doing, for the message if it fails."""
+    previous = _state["phase"]
+    _state["phase"] = name
+    try:
+        yield
+    finally:
+        _state["phase"] = previous
+
+
+def set_location(description: str) -> None:
+    """Say where this rank sits in the mesh (e.g. 'rank 3 (dp 0, pp 1, tp 1)')."""
+    _state["where"] = description
+
+
+def print_error(message: str) -> None:
+    """One line on stderr, whatever the message holds."""
+    print("hpcpar: error: " + " ".join(message.split()), file=sys.stderr, flush=True)
+
+
+def everyone(comm, fn: Callable[..., T], *args, **kwargs) -> T:
+    """Run ``fn`` on every rank of ``comm`` and stop all of them if it failed on any.
+
+    Collective: every rank of ``comm`` must call it. On failure the lowest failing rank prints
+    its message and every rank raises ``JobFailed``."""
+    error: HpcparError | None = None
+    result = None
+    try:
+        result = fn(*args, **kwargs)
+    except HpcparError as e:
+        error = e
+    rank, size = comm.Get_rank(), comm.Get_size()
+    first_failed = np.array([rank if error is not None else size], dtype=np.int64)
+    if size > 1:
+        from mpi4py import MPI
+        comm.Allreduce(MPI.IN_PLACE, first_failed, op=MPI.MIN)
+    if first_failed[0] < size:
+        if rank == first_failed[0]:
+            print_error(str(error))
+        raise JobFailed(EXIT_INVALID)
+    return result
+
+
+def launcher_size() -> int | None:
+    """How many tasks the launcher says it started, if it says."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return None
+
+
+def check_launch(comm) -> None:
+    started = launcher_size()
+    if comm.Get_size() == 1 and started is not None and started > 1:
+        raise HpcparError(
+            f"the launcher started {started} tasks but MPI sees a world of 1: mpi4py's MPI "
+            "library does not match the launcher. Use the mpiexec of the same MPI (with the "
+            "mpich wheel: its own mpiexec, or 'srun --mpi=pmi2' under Slurm)")
+
+
+def run_guarded(main: Callable[[], int | None]) -> int:
+    """Run a job's main function under the rules above; returns the exit status."""
+    try:
+        return main() or 0
+    except JobFailed as e:
+        return int(e.code)
+    except HpcparError as e:
+        # Failed on this rank alone, after validation: the others may be blocked in a
+        # collective, so end them all.
+        _abort(" ".join(f"{_who()}: {e}".split()), EXIT_INVALID, with_traceback=False)
+    except BaseException as e:  # a bug, an I/O error mid-run, Ctrl-C
+        _abort(f"{_who()} failed while {_state['phase']}: {type(e).__name__}: {e}",
+               EXIT_FAILED, with_traceback=not isinstance(e, KeyboardInterrupt))
+    return EXIT_FAILED
+
+
+def _who() -> str:
+    if _state["where"]:
+        return _state["where"]
+    try:
+        comm = world()
+        return f"rank {comm.Get_rank()} of {comm.Get_size()}"
+    except Exception:
+        return "rank ?"
+
+
+def _abort(message: str, code: int, with_traceback: bool) -> None:
+    if with_traceback:
+        traceback.print_exc(file=sys.stderr)
+    print(f"hpcpar: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    comm = world()
+    if comm.Get_size() > 1:
+        comm.Abort(code)
+    raise SystemExit(code)

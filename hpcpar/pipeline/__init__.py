@@ -1,0 +1,1 @@
+"""Pipeline parallelism: which layers each stage holds."""
