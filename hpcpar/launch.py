@@ -47,10 +47,8 @@ def phase(name: str):
     """Name what this rank is doing, for the message if it fails."""
     previous = _state["phase"]
     _state["phase"] = name
-    try:
-        yield
-    finally:
-        _state["phase"] = previous
+    yield
+    _state["phase"] = previous  # not on an exception: the report names where it happened
 
 
 def set_location(description: str) -> None:

@@ -1,0 +1,45 @@
+"""Shared test set-up: one BLAS thread per rank, and a failed MPI test aborts the whole world.
+
+Under pytest-mpi a rank that fails before a collective would leave the others blocked forever;
+aborting turns that into a prompt non-zero exit of mpiexec. Reports of MPI tests carry the
+rank in their id.
+"""
+
+import os
+
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(var, "1")
+
+import pytest  # noqa: E402
+
+
+def _world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    rep = (yield).get_result()
+    if item.get_closest_marker("mpi") and item.config.getoption("with_mpi", False):
+        comm = _world()
+        rep.nodeid = f"{rep.nodeid}[rank{comm.Get_rank()}/{comm.Get_size()}]"
+        if rep.failed and comm.Get_size() > 1:
+            import sys
+            sys.stderr.write(f"\n{rep.nodeid} FAILED:\n{rep.longreprtext}\n")
+            sys.stderr.flush()
+            comm.Abort(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    # Under mpiexec only rank 0 reports; a failure elsewhere is printed by the hook above.
+    if config.getoption("with_mpi", False) and _world().Get_rank() > 0:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+@pytest.fixture
+def comm():
+    return _world()

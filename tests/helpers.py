@@ -1,0 +1,92 @@
+"""Test helpers that do not use hpcpar's own model inventory: a tiny Hugging Face-layout
+checkpoint written from an explicit list of names, and the expected tensor-parallel slices
+written out independently from the Megatron rules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 250,
+    "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 3,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "torch_dtype": "float32",
+}
+
+
+def hf_tensor_shapes(cfg: dict) -> dict[str, tuple]:
+    """Names and shapes as transformers' LlamaForCausalLM state_dict has them."""
+    h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter)})
+        if cfg.get("attention_bias"):
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
+        if cfg.get("mlp_bias"):
+            shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
+                           p + "mlp.down_proj.bias": (h,)})
+    if not cfg.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    return shapes
+
+
+def write_hf_checkpoint(folder: Path, cfg: dict, seed: int = 0, files: int = 1,
+                        dtype=np.float32, extra: dict | None = None) -> dict[str, np.ndarray]:
+    """Write config.json and safetensors (one file, or ``files`` shards with an index) and
+    return the tensors written (name -> array)."""
+    from safetensors.numpy import save_file
+
+    import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(seed)
+    tensors = {n: rng.standard_normal(s).astype(np.float32).astype(dtype)
+               for n, s in hf_tensor_shapes(cfg).items()}
+    tensors.update(extra or {})
+    names = sorted(tensors)
+    if files == 1:
+        save_file({n: tensors[n] for n in names}, str(folder / "model.safetensors"))
+    else:
+        weight_map = {}
+        for k, part in enumerate(np.array_split(np.array(names), files)):
+            fname = f"model-{k + 1:05d}-of-{files:05d}.safetensors"
+            save_file({n: tensors[n] for n in part}, str(folder / fname))
+            weight_map.update({n: fname for n in part})
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+def expected_slice(name: str, full: np.ndarray, cfg: dict, tp_rank: int, tp: int) -> np.ndarray:
+    """Megatron's split of one Hugging Face tensor, written out independently of hpcpar."""
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"]
+    if tp == 1 or "norm" in name or name.endswith(("o_proj.bias", "down_proj.bias")):
+        return full
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        per = -(-full.shape[0] // tp)
+        out = np.zeros((per,) + full.shape[1:], dtype=full.dtype)
+        rows = full[tp_rank * per: (tp_rank + 1) * per]
+        out[: len(rows)] = rows
+        return out
+    if name.endswith(("k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias")) and kv < tp:
+        head = tp_rank * kv // tp
+        return full[head * hd: (head + 1) * hd]
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return np.split(full, tp, axis=1)[tp_rank]
+    return np.split(full, tp, axis=0)[tp_rank]

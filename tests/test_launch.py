@@ -1,0 +1,97 @@
+"""Whole jobs under mpiexec in a subprocess: failures end every rank promptly, bad input is
+reported once, and the demo runs. Serial tests (they start their own MPI jobs)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpcpar.errors import HpcparError
+from hpcpar.launch import check_launch
+
+MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec")
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH")
+
+
+def _mpirun(n, args, tmp_path, timeout=60):
+    env = dict(os.environ, HPCPAR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return proc, time.monotonic() - start
+
+
+@needs_mpiexec
+def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path):
+    job = ("from hpcpar.launch import run_guarded, world, phase\n"
+           "def main():\n"
+           "    comm = world()\n"
+           "    with phase('testing failure'):\n"
+           "        if comm.Get_rank() == 2:\n"
+           "            raise RuntimeError('boom')\n"
+           "        comm.Barrier()\n"   # the other ranks wait here forever without an abort
+           "raise SystemExit(run_guarded(main))\n")
+    proc, seconds = _mpirun(4, ["-c", job], tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert "rank 2 of 4 failed while testing failure: RuntimeError: boom" in proc.stderr
+    assert seconds < 30, f"took {seconds:.1f} s"
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("args, words", [
+    (["demo", "--tp", "3"], "dp(1) * pp(1) * tp(3) = 3 != world size 4"),
+    (["demo", "--checkpoint", "missing.h5"], "missing.h5: no such file"),
+    (["demo", "--checkpoint", "junk.h5"], "junk.h5: not an HDF5 file"),
+    (["demo", "--nonsense"], "unrecognized arguments: --nonsense"),
+])
+def test_bad_input_is_reported_once_and_every_rank_exits_non_zero(tmp_path, args, words):
+    (tmp_path / "junk.h5").write_text("not a checkpoint")
+    proc, _ = _mpirun(4, ["-m", "hpcpar", *args], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert words in errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_the_demo_job_runs_and_checks_its_slices(tmp_path, n):
+    proc, _ = _mpirun(n, ["-m", "hpcpar"], tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "check: every rank's slices add up to the file's" in proc.stdout
+    assert proc.stdout.count("hpcpar demo:") == 1  # the report comes from rank 0 only
+
+
+@needs_mpiexec
+def test_convert_and_init_commands(tmp_path):
+    from helpers import TINY, write_hf_checkpoint
+    write_hf_checkpoint(tmp_path / "hf", TINY)
+    proc, _ = _mpirun(2, ["-m", "hpcpar", "convert", "hf", "m.h5", "--dtype", "float16"],
+                      tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("wrote m.h5") == 1
+    proc, _ = _mpirun(1, ["-m", "hpcpar", "init", "--preset", "tiny", "t.h5", "--seed", "2"],
+                      tmp_path)
+    assert proc.returncode == 0 and (tmp_path / "t.h5").exists(), proc.stderr
+    proc, _ = _mpirun(1, ["-m", "hpcpar", "init", "--preset", "huge", "x.h5"], tmp_path)
+    assert proc.returncode == 2 and "invalid choice: 'huge'" in proc.stderr
+    assert not (tmp_path / "x.h5").exists()
+
+
+class _Alone:
+    def Get_size(self):
+        return 1
+
+
+def test_a_lone_rank_under_a_multi_task_launch_stops(monkeypatch):
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(HpcparError, match="started 4 tasks but MPI sees a world of 1"):
+        check_launch(_Alone())
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    check_launch(_Alone())
