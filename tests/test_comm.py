@@ -88,6 +88,24 @@ def test_broadcast_from_every_root(world, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_gather_and_scatter_into_a_given_buffer(world, axis):
+    x = _data(world.rank, (3, 4), np.float32)
+    shape = (3 * world.size, 4) if axis == 0 else (3, 4 * world.size)
+    out = np.full(shape, np.nan, np.float32)
+    assert world.all_gather(x, axis=axis, out=out) is out
+    np.testing.assert_array_equal(out, np.concatenate(
+        [_data(r, (3, 4), np.float32) for r in range(world.size)], axis=axis))
+    big = _data(world.rank, shape, np.float32)
+    block = np.full((3, 4), np.nan, np.float32)
+    assert world.reduce_scatter(big, axis=axis, out=block) is block
+    total = sum(_as64(_data(r, shape, np.float32)) for r in range(world.size))
+    np.testing.assert_array_equal(block, np.array_split(total, world.size, axis=axis)[world.rank])
+    with pytest.raises(Exception, match="the result needs"):
+        world.all_gather(x, axis=axis, out=np.empty((1, 1), np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_non_contiguous_input_gives_the_same_result(world):
     base = _data(world.rank, (6, 8), np.float32)
     view = base[:, ::2]  # non-contiguous (6, 4)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Callable, Iterable, Sequence
@@ -112,52 +111,71 @@ class Communicator(ABC):
         if self.size == 1:
             return x
         buf = self.xp.ascontiguousarray(x)
-        with self._op("all_reduce", buf.nbytes):
-            self._all_reduce(buf)
+        self._run("all_reduce", buf.nbytes, self._all_reduce, buf)
         if buf is not x:
             x[...] = buf
         return x
 
-    def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None):
-        """Concatenate every rank's ``x`` along ``axis`` in rank order; returns a new array.
+    def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None, out=None):
+        """Concatenate every rank's ``x`` along ``axis`` in rank order.
 
         Blocks may differ in length along ``axis``: pass every rank's length as ``sizes``
-        (the other dimensions must agree)."""
+        (the other dimensions must agree). Returns a new array, or fills ``out`` (reused
+        buffers save an allocation per call on hot paths)."""
         axis = _normalize_axis(axis, x.ndim)
-        front = self.xp.ascontiguousarray(self.xp.moveaxis(x, axis, 0))  # (n_local, *rest)
+        front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n_local, *rest)
         n_local = front.shape[0]
         if sizes is None:
             sizes = [n_local] * self.size
         elif len(sizes) != self.size or sizes[self.rank] != n_local:
             raise HpcparError(f"all_gather on {self.name}: sizes {list(sizes)} do not match "
                               f"{self.size} ranks with local length {n_local} on rank {self.rank}")
+        gathered = self._result_buffer(out, axis, (sum(sizes),) + front.shape[1:], x.dtype)
         if self.size == 1:
-            return self.xp.array(x)
-        out = self.xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)  # (n_total, *rest)
-        with self._op("all_gather", out.nbytes):
-            self._all_gather(front, out, list(sizes))
-        return self.xp.ascontiguousarray(self.xp.moveaxis(out, 0, axis))
+            gathered[...] = front
+        else:
+            self._run("all_gather", gathered.nbytes, self._all_gather, front, gathered,
+                      list(sizes))
+        return self._place(gathered, axis, out)
 
-    def reduce_scatter(self, x, axis: int = 0):
+    def reduce_scatter(self, x, axis: int = 0, out=None):
         """Sum ``x`` over the group and keep this rank's block along ``axis`` (blocks split
-        like ``numpy.array_split``); returns a new array."""
+        like ``numpy.array_split``); returns a new array, or fills ``out``."""
         axis = _normalize_axis(axis, x.ndim)
-        if self.size == 1:
-            return self.xp.array(x)
-        front = self.xp.ascontiguousarray(self.xp.moveaxis(x, axis, 0))  # (n, *rest)
+        front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n, *rest)
         sizes = split_sizes(front.shape[0], self.size)
-        out = self.xp.empty((sizes[self.rank],) + front.shape[1:], dtype=x.dtype)
-        with self._op("reduce_scatter", front.nbytes):
-            self._reduce_scatter(front, out, sizes)
-        return self.xp.ascontiguousarray(self.xp.moveaxis(out, 0, axis))
+        block = self._result_buffer(out, axis, (sizes[self.rank],) + front.shape[1:], x.dtype)
+        if self.size == 1:
+            block[...] = front
+        else:
+            self._run("reduce_scatter", front.nbytes, self._reduce_scatter, front, block, sizes)
+        return self._place(block, axis, out)
+
+    def _result_buffer(self, out, axis: int, front_shape: tuple, dtype):
+        """Where a gather / scatter lands, axis first: ``out`` itself when it can be."""
+        shape = front_shape[1:axis + 1] + front_shape[:1] + front_shape[axis + 1:]
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != dtype:
+                raise HpcparError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}, "
+                                  f"the result needs {shape} and {dtype}")
+            if axis == 0 and out.flags.c_contiguous:
+                return out
+        return self.xp.empty(front_shape, dtype=dtype)
+
+    def _place(self, front, axis: int, out):
+        """The result in its final layout: ``out`` if given, else a contiguous array."""
+        if out is None:
+            return self.xp.ascontiguousarray(_from_front(front, axis))
+        if front is not out:
+            out[...] = _from_front(front, axis)
+        return out
 
     def broadcast(self, x, root: int = 0):
         """x <- root's x, in place; returns x."""
         if self.size == 1:
             return x
         buf = self.xp.ascontiguousarray(x)
-        with self._op("broadcast", buf.nbytes):
-            self._broadcast(buf, root)
+        self._run("broadcast", buf.nbytes, self._broadcast, buf, root)
         if buf is not x:
             x[...] = buf
         return x
@@ -165,14 +183,12 @@ class Communicator(ABC):
     def isend(self, x, dest: int, tag: int = 0) -> Request:
         """Start sending ``x`` to group rank ``dest``; do not modify ``x`` before ``wait()``."""
         buf = self.xp.ascontiguousarray(x)
-        with self._op("send", buf.nbytes):
-            return self._isend(buf, dest, tag)
+        return self._run("send", buf.nbytes, self._isend, buf, dest, tag)
 
     def irecv(self, out, source: int, tag: int = 0) -> Request:
         """Start receiving into ``out`` (contiguous, preallocated) from group rank ``source``."""
         _require_contiguous(out, "irecv")
-        with self._op("recv", out.nbytes):
-            return self._irecv(out, source, tag)
+        return self._run("recv", out.nbytes, self._irecv, out, source, tag)
 
     def send(self, x, dest: int, tag: int = 0) -> None:
         self.isend(x, dest, tag).wait()
@@ -185,27 +201,26 @@ class Communicator(ABC):
         """Send ``x`` to ``dest`` while receiving ``out`` from ``source``; returns ``out``."""
         _require_contiguous(out, "sendrecv")
         buf = self.xp.ascontiguousarray(x)
-        with self._op("sendrecv", buf.nbytes + out.nbytes):
-            self._sendrecv(buf, dest, out, source, tag)
+        self._run("sendrecv", buf.nbytes + out.nbytes, self._sendrecv, buf, dest, out, source, tag)
         return out
 
     def barrier(self) -> None:
-        with self._op("barrier", 0):
-            self._barrier()
+        self._run("barrier", 0, self._barrier)
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
-    @contextmanager
-    def _op(self, op: str, nbytes: int):
+    def _run(self, op: str, nbytes: int, primitive, *args):
+        """Call ``primitive``, recording bytes and time, naming op and group if it fails."""
         start = perf_counter()
         try:
-            yield
+            result = primitive(*args)
         except HpcparError:
             raise
         except Exception as e:
             raise CommError(f"{op} on the {self.name} group ({self.size} ranks, this is group "
                             f"rank {self.rank}) failed: {type(e).__name__}: {e}") from e
         self.stats.record(f"{self.name}.{op}", nbytes, perf_counter() - start)
+        return result
 
     # ---- what an implementation provides (contiguous buffers only) ------------------------
 
@@ -240,6 +255,20 @@ def _normalize_axis(axis: int, ndim: int) -> int:
     if not -ndim <= axis < ndim:
         raise HpcparError(f"axis {axis} is out of range for an array of {ndim} dimensions")
     return axis % ndim
+
+
+def _to_front(x, axis: int):
+    """View of ``x`` with ``axis`` first (a transpose; np.moveaxis costs more per call)."""
+    if axis == 0:
+        return x
+    return x.transpose((axis,) + tuple(i for i in range(x.ndim) if i != axis))
+
+
+def _from_front(x, axis: int):
+    """Inverse of ``_to_front``: move the first axis back to position ``axis``."""
+    if axis == 0:
+        return x
+    return x.transpose(tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, x.ndim)))
 
 
 def _require_contiguous(a, op: str) -> None:
