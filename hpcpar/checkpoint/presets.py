@@ -31,9 +31,9 @@ PRESETS: dict[str, dict] = {
     # For tests and the demo: splits over tp 1, 2, 4, 8 (KV heads replicated at tp 4 and 8).
     "tiny": _llama(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
                    num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256),
-    # ~100M parameters, for benchmarks on a CPU.
+    # ~100M parameters, for benchmarks on a CPU; splits over tp 1, 2, 4, 8.
     "100m": _llama(vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                   num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                   num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
                    max_position_embeddings=2048, tie_word_embeddings=True),
     # The shape of Llama 3.1 8B, for planning (random weights, 16 GB in bfloat16).
     "llama3-8b": _llama(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
