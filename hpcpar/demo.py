@@ -1,7 +1,7 @@
 """The built-in demo job: ``mpiexec -n 8 python -m hpcpar``.
 
 Creates a small random checkpoint in a cache folder (once), picks a layout for the world size,
-loads every rank's slices, checks across the mesh that the slices add up to the file's tensors,
+loads every rank's slices, checks over the tp, pp and dp groups that they add up to the file,
 and prints a report: layout, what each rank read, load time, bytes communicated.
 """
 
@@ -96,8 +96,9 @@ def run_demo(comm, opts: DemoOptions) -> int:
     set_location(mesh.describe())
     backend = everyone(comm, select_backend, opts.backend, _local_rank(comm))
     stats = CommStats()
-    tp_comm = create_communicator(mesh.tp_comm, opts.comm, backend, stats, "tp")
-    world = create_communicator(comm, "mpi", backend, stats, "world")
+    tp = create_communicator(mesh.tp_comm, opts.comm, backend, stats, "tp")
+    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
+    dp = create_communicator(mesh.dp_comm, "mpi", backend, stats, "dp")
 
     layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
     specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
@@ -105,19 +106,18 @@ def run_demo(comm, opts: DemoOptions) -> int:
         shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
                          backend=backend)
 
-    # Check: over one replica, the owned parts of every rank's slices sum to the file's tensors.
+    # Check over every axis of the mesh: summing each rank's owned part of its slices over tp
+    # gives its stage's tensors, over pp a whole replica; dp gathers every replica's sums.
     with phase("checking the loaded slices"):
-        sums = np.zeros(len(ckpt.tensors), dtype=np.float64)
         names = list(ckpt.tensors)
-        if mesh.dp_rank == 0:
-            for spec in specs:
-                if spec.role == "embed" and not mesh.is_first_stage:
-                    continue  # the tied head's copy of the embedding, counted on stage 0
-                local = backend.to_host(shard.tensors[spec.name])
-                sums[names.index(spec.name)] = _owned_sum(spec, local, cfg, mesh.tp_rank,
-                                                          layout.tp)
-        world.all_reduce(sums)
-        tp_comm.all_reduce(np.ones(1, dtype=np.float32))  # one tp collective, to show it runs
+        sums = np.zeros(len(names), dtype=np.float64)
+        for spec in specs:
+            if spec.role == "embed" and not mesh.is_first_stage:
+                continue  # the tied head's copy of the embedding, counted on stage 0
+            local = backend.to_host(shard.tensors[spec.name])
+            sums[names.index(spec.name)] = _owned_sum(spec, local, cfg, mesh.tp_rank, layout.tp)
+        pp.all_reduce(tp.all_reduce(sums))
+        replicas = dp.all_gather(sums[None, :], axis=0)  # (dp, tensors)
         mine = np.array([shard.bytes_read, shard.seconds, len(specs), layers.start,
                          len(layers)], dtype=np.float64)
         table = np.empty((size, mine.size), dtype=np.float64) if rank == 0 else None
@@ -125,9 +125,10 @@ def run_demo(comm, opts: DemoOptions) -> int:
 
     if rank == 0:
         expected = np.array([float(read_tensor(ckpt, n).astype(np.float64).sum()) for n in names])
-        mismatch = [n for n, a, b in zip(names, sums, expected)
+        mismatch = [f"{n} (replica {d})" for d, row in enumerate(replicas)
+                    for n, a, b in zip(names, row, expected)
                     if not np.isclose(a, b, rtol=1e-6, atol=1e-6)]
-        _report(ckpt, layout, backend.name, tp_comm.kind, table, stats, mismatch)
+        _report(ckpt, layout, backend.name, tp.kind, table, stats, mismatch)
         if mismatch:
             return 1
     return 0
@@ -165,4 +166,5 @@ def _report(ckpt, layout, backend, comm_kind, table, stats, mismatch) -> None:
         print(f"CHECK FAILED: slices do not add up to the file for {len(mismatch)} tensor(s), "
               f"first {mismatch[0]}")
     else:
-        print(f"check: every rank's slices add up to the file's {len(ckpt.tensors)} tensors")
+        print(f"check: in each of the {layout.dp} replicas, the ranks' slices add up to the "
+              f"file's {len(ckpt.tensors)} tensors")

@@ -13,6 +13,17 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import pytest  # noqa: E402
 
 
+def _per_rank_temp_root():
+    """Under mpiexec, one temporary root per rank: ranks cleaning a shared one race."""
+    import tempfile
+    comm = _world()
+    if comm.Get_size() > 1 and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+        root = os.path.join(tempfile.gettempdir(), "hpcpar-pytest",
+                            f"rank{comm.Get_rank()}-of-{comm.Get_size()}")
+        os.makedirs(root, exist_ok=True)
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = root
+
+
 def _world():
     from mpi4py import MPI
     return MPI.COMM_WORLD
@@ -38,6 +49,9 @@ def pytest_configure(config):
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
+
+
+_per_rank_temp_root()
 
 
 @pytest.fixture

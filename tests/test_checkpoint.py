@@ -161,21 +161,16 @@ def test_missing_tensor(good, tmp_path):
         open_checkpoint(bad)
 
 
-def test_wrong_shape(good, tmp_path):
+@pytest.mark.parametrize("replacement, words", [
+    (np.ones(3, np.float32), r"model.norm.weight has shape \(3,\)"),
+    (np.ones(64, np.int32), "model.norm.weight has dtype int32"),
+])
+def test_wrong_shape_or_dtype(good, tmp_path, replacement, words):
     bad = _copy(good, tmp_path)
     with h5py.File(bad, "a") as f:
         del f["model.norm.weight"]
-        f["model.norm.weight"] = np.ones(3, np.float32)
-    with pytest.raises(CheckpointError, match=r"model.norm.weight has shape \(3,\)"):
-        open_checkpoint(bad)
-
-
-def test_wrong_dtype(good, tmp_path):
-    bad = _copy(good, tmp_path)
-    with h5py.File(bad, "a") as f:
-        del f["model.norm.weight"]
-        f["model.norm.weight"] = np.ones(64, np.int32)
-    with pytest.raises(CheckpointError, match="model.norm.weight has dtype int32"):
+        f["model.norm.weight"] = replacement
+    with pytest.raises(CheckpointError, match=words):
         open_checkpoint(bad)
 
 
