@@ -51,12 +51,6 @@ class ArrayBackend:
             return cupyx.empty_pinned(shape, dtype=dtype)
         return np.empty(shape, dtype=dtype)
 
-    def memory_in_use(self) -> int:
-        """Bytes held by the device memory pool (0 on CPU, where the OS reports RSS)."""
-        if self.is_gpu:
-            return int(self.xp.get_default_memory_pool().used_bytes())
-        return 0
-
 
 NUMPY = ArrayBackend("numpy", np)
 

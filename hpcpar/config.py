@@ -6,7 +6,6 @@ problem with the numbers involved, so one run tells the user everything to fix.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,9 +201,6 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.tp
-
-    def replace(self, **changes) -> "ParallelConfig":
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def infer(cls, world_size: int, dp: int | None = None, pp: int | None = None,

@@ -78,6 +78,3 @@ def model_tensors(cfg: LlamaConfig) -> list[TensorSpec]:
     """Every tensor a checkpoint of ``cfg`` stores (no ``lm_head`` when embeddings are tied)."""
     return stage_tensors(cfg, range(cfg.num_hidden_layers), first=True, last=True)
 
-
-def parameter_count(cfg: LlamaConfig) -> int:
-    return sum(t.numel for t in model_tensors(cfg))
