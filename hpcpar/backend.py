@@ -44,6 +44,10 @@ class ArrayBackend:
     def to_host(self, a) -> np.ndarray:
         return a.get() if self.is_device_array(a) else np.asarray(a)
 
+    def device_memory_bytes(self) -> int:
+        """Bytes CuPy's memory pool holds on this rank's GPU (0 on the CPU)."""
+        return self.xp.get_default_memory_pool().total_bytes() if self.is_gpu else 0
+
     def empty_host(self, shape, dtype) -> np.ndarray:
         """A host buffer for staging device data; page-locked on GPU so copies run at full speed."""
         if self.is_gpu:

@@ -84,6 +84,15 @@ def everyone(comm, fn: Callable[..., T], *args, **kwargs) -> T:
     return result
 
 
+def local_rank(comm) -> int:
+    """This rank's index among the ranks of its node (collective over ``comm``)."""
+    from mpi4py import MPI
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.Get_rank()
+    node.Free()
+    return local
+
+
 def launcher_size() -> int | None:
     """How many tasks the launcher says it started, if it says."""
     for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):

@@ -1,0 +1,8 @@
+"""Batch generation: prompts, micro-batches, the per-stage program, sampling, output."""
+
+from .engine import GenerationResult, cache_dir, resolve_checkpoint, run_generation
+from .prompts import PromptError, Prompts, load_prompts, random_prompts
+from .sampling import SamplingParams
+
+__all__ = ["GenerationResult", "PromptError", "Prompts", "SamplingParams", "cache_dir",
+           "load_prompts", "random_prompts", "resolve_checkpoint", "run_generation"]

@@ -1,0 +1,50 @@
+"""How a batch of prompts is split: over data-parallel replicas, then into micro-batches,
+each left-padded to its own longest prompt. Pure functions of the prompt lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..comm import split_sizes
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    index: int
+    rows: np.ndarray        # global prompt indices, in input order
+    ids: np.ndarray         # (b, L) int64, left-padded with 0
+    pad: np.ndarray         # (b,) leading padding of each row
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+
+def replica_rows(num_prompts: int, dp_size: int, dp_rank: int) -> range:
+    """The contiguous block of prompts replica ``dp_rank`` generates (remainder first)."""
+    sizes = split_sizes(num_prompts, dp_size)
+    start = sum(sizes[:dp_rank])
+    return range(start, start + sizes[dp_rank])
+
+
+def micro_batches(prompts: list[np.ndarray], rows: range, count: int) -> list[MicroBatch]:
+    """``rows`` split into at most ``count`` micro-batches (fewer when there are fewer rows)."""
+    count = min(count, len(rows))
+    out, start = [], rows.start
+    for i, size in enumerate(split_sizes(len(rows), count) if count else []):
+        chunk = [prompts[r] for r in range(start, start + size)]
+        length = max(len(p) for p in chunk)
+        ids = np.zeros((size, length), dtype=np.int64)
+        pad = np.empty(size, dtype=np.int64)
+        for j, p in enumerate(chunk):
+            pad[j] = length - len(p)
+            ids[j, pad[j]:] = p
+        out.append(MicroBatch(i, np.arange(start, start + size), ids, pad))
+        start += size
+    return out

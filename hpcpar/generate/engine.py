@@ -1,0 +1,295 @@
+"""A generation job from start to end, on every rank of ``comm``.
+
+    validate (agreed by every rank) -> mesh and communicators -> load this rank's slices
+    -> split prompts over replicas and micro-batches -> pre-flight check of the schedule
+    -> run the pipeline -> collect tokens (and logits) on rank 0 -> report -> write output
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from .. import __version__
+from ..backend import NUMPY, select_backend
+from ..checkpoint import Checkpoint, init_checkpoint, load_shard, open_checkpoint
+from ..comm import CommStats, create_communicator
+from ..config import ParallelConfig
+from ..dtypes import dtype_name, float_dtype
+from ..errors import HpcparError
+from ..jobs import PRESET_PREFIX, Job
+from ..launch import everyone, local_rank, phase, set_location
+from ..mesh import Mesh, MeshCoords, rank_of
+from ..model import LlamaStage
+from ..pipeline.executor import PipelineExecutor
+from ..pipeline.partition import stage_layers
+from ..pipeline.schedule import generation
+from ..tensors import stage_tensors
+from .batching import MicroBatch, micro_batches, replica_rows
+from .output import check_output_path, write_output
+from .program import GenerationProgram, GenerationSettings
+from .prompts import Prompts, check_prompts, load_prompts, random_prompts
+from .report import RankFigures, RunReport
+from .sampling import SamplingParams
+
+TAG_TOKENS, TAG_LENGTHS, TAG_LOGITS = 11, 12, 13
+
+
+@dataclass
+class GenerationResult:
+    """What rank 0 holds at the end (other ranks get None)."""
+
+    tokens: np.ndarray                    # (batch, max_new_tokens)
+    lengths: np.ndarray                   # (batch,)
+    prompt_lengths: np.ndarray            # (batch,)
+    prompt_logits: np.ndarray | None      # (batch, max prompt length, vocab), NaN past the end
+    texts: list[str] | None
+    report: RunReport
+
+
+def cache_dir() -> Path:
+    import os
+    root = os.environ.get("HPCPAR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcpar")
+    return Path(root)
+
+
+def resolve_checkpoint(comm, spec: str) -> Path:
+    """The checkpoint file for ``spec``: a path, or ``preset:NAME`` for a random model of that
+    preset kept in the cache folder (rank 0 creates it on first use). Collective."""
+    if not spec.startswith(PRESET_PREFIX):
+        return Path(spec)
+    name = spec[len(PRESET_PREFIX):]
+    path = cache_dir() / f"{name}-seed0.h5"
+
+    def create():
+        if comm.Get_rank() == 0 and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            init_checkpoint(path, name, seed=0)
+
+    with phase(f"creating the {name} checkpoint in {path.parent}"):
+        everyone(comm, create)
+    return path
+
+
+def load_tokenizer(ckpt: Checkpoint):
+    files = ckpt.tokenizer_files()
+    if "tokenizer.json" not in files:
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+
+
+@dataclass
+class _Plan:
+    layout: ParallelConfig
+    dtype: np.dtype
+    settings: GenerationSettings
+    prompts: Prompts
+    tokenizer: object
+
+
+def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> _Plan:
+    cfg = ckpt.config
+    par = job.parallel
+    layout = ParallelConfig.infer(world_size, dp=par.dp, pp=par.pp, tp=par.tp,
+                                  micro_batches=par.micro_batches, schedule=par.schedule,
+                                  stage_layers=par.stage_layers)
+    layout.check(cfg, world_size)
+    if layout.schedule != "gpipe":
+        raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
+                          "runs the 'gpipe' forward schedule")
+    gen = job.generate
+    sampling = SamplingParams(gen.temperature, gen.top_k, gen.top_p, gen.seed)
+    sampling.check()
+    settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
+                                  gen.save_logits)
+    tokenizer = load_tokenizer(ckpt)
+    source = job.data.prompts
+    if prompts is None:
+        if source == "random":
+            lengths = job.data.random_lengths
+            if len(lengths) != 2:
+                raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")
+            prompts = random_prompts(job.data.random_count, (lengths[0], lengths[1]),
+                                     cfg.vocab_size, job.data.random_seed)
+        else:
+            prompts = load_prompts(source, tokenizer)
+    check_prompts(prompts, cfg, settings.max_new_tokens, source)
+    if job.output.path:
+        check_output_path(job.output.path)
+    return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer)
+
+
+def run_generation(comm, job: Job, prompts: Prompts | None = None,
+                   progress: bool = True) -> GenerationResult | None:
+    """Run ``job`` on every rank of ``comm``; returns the result on rank 0, None elsewhere.
+    ``prompts`` replaces the job's ``[data]`` (for callers that hold them already)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    path = resolve_checkpoint(comm, job.model.checkpoint)
+    ckpt = everyone(comm, open_checkpoint, path)
+    cfg = ckpt.config
+    plan = everyone(comm, _validate, job, ckpt, size, prompts)
+    layout, settings = plan.layout, plan.settings
+
+    mesh = Mesh(comm, layout)
+    set_location(mesh.describe())
+    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
+    stats = CommStats()
+    tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
+    # Pipeline messages stay on MPI: NCCL point-to-point on one stream would queue compute
+    # behind receives posted ahead.
+    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
+
+    layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
+    specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
+    with phase("loading the checkpoint"):
+        shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
+                         dtype=plan.dtype, backend=backend)
+    stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
+                       mesh.is_last_stage, tp, backend.xp, plan.dtype)
+
+    rows = replica_rows(len(plan.prompts), layout.dp, mesh.dp_rank)
+    mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
+    eos = cfg.eos_token_id
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+    bar = _progress_bar(rank == 0 and progress, sum(b.size for b in mbs) * settings.max_new_tokens)
+    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
+                                on_step=(lambda mb, step: bar.update(mbs[mb].size)) if bar else None)
+    actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
+    executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs))
+    with phase("checking the pipeline schedule"):
+        everyone(comm, executor.preflight, actions)
+
+    comm.Barrier()
+    stats.reset()
+    start = perf_counter()
+    with phase("generating"):
+        executor.run(actions)
+        backend.synchronize()
+    finished = perf_counter()
+    if bar:
+        bar.close()
+
+    with phase("collecting the outputs on rank 0"):
+        figures = _figures(executor, program, stats, shard, backend, start, finished)
+        table = np.empty((size, RankFigures.width())) if rank == 0 else None
+        comm.Gather(figures.to_array(), table, root=0)
+        collected = _collect(comm, mesh, layout, plan.prompts, program, settings)
+    if rank != 0:
+        everyone(comm, lambda: None)
+        return None
+
+    tokens, lengths, logits = collected
+    prompt_tokens = sum(plan.prompts.lengths)
+    report = RunReport.build(table, layout, layout.micro_batches, len(plan.prompts),
+                             prompt_tokens, int(lengths.sum()))
+    texts = None
+    if plan.tokenizer is not None:
+        texts = [plan.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+                 for row, n in zip(tokens, lengths)]
+    result = GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, dtype=np.int64),
+                              logits, texts, report)
+    if job.output.path:
+        attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind) | report.attrs()
+        with phase(f"writing {job.output.path}"):
+            everyone(comm, write_output, job.output.path, tokens, lengths,
+                     result.prompt_lengths, logits, texts, attrs)
+    else:
+        everyone(comm, lambda: None)
+    return result
+
+
+def _progress_bar(enabled: bool, total: int):
+    """A tqdm bar on rank 0, shown only on a terminal (batch logs stay clean)."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="tok", desc="generating", leave=False)
+
+
+def _figures(executor, program, stats, shard, backend, start, finished) -> RankFigures:
+    t = executor.times
+    ops = stats.ops
+    return RankFigures(
+        compute_prefill=t.compute[0], compute_decode=t.compute[1],
+        wait_prefill=t.wait[0], wait_decode=t.wait[1],
+        prefill_end=(program.prefill_done_at or start) - start, total=finished - start,
+        tp_all_reduce_bytes=ops["tp.all_reduce"].bytes if "tp.all_reduce" in ops else 0,
+        tp_all_gather_bytes=ops["tp.all_gather"].bytes if "tp.all_gather" in ops else 0,
+        pp_send_bytes=ops["pp.send"].bytes if "pp.send" in ops else 0,
+        pp_recv_bytes=ops["pp.recv"].bytes if "pp.recv" in ops else 0,
+        peak_host_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        device_bytes=backend.device_memory_bytes(),
+        kv_cache_bytes=sum(c.nbytes for c in program.caches),
+        weight_bytes=sum(a.nbytes for a in shard.tensors.values()))
+
+
+def _collect(comm, mesh: Mesh, layout: ParallelConfig, prompts: Prompts,
+             program: GenerationProgram, settings: GenerationSettings):
+    """Every replica's tokens (and prompt logits) on world rank 0, in input order. Each
+    replica's last stage, tp rank 0, sends its block; both ends know every shape."""
+    world = create_communicator(comm, "mpi", NUMPY, None, "world")
+    n_new = settings.max_new_tokens
+    owners = [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
+    is_owner = comm.Get_rank() == owners[mesh.dp_rank]
+    if is_owner and comm.Get_rank() != 0 and program.mbs:
+        world.send(program.tokens, 0, TAG_TOKENS)
+        world.send(program.lengths, 0, TAG_LENGTHS)
+        if settings.save_logits:
+            for mb in program.mbs:
+                world.send(program.prompt_logits[mb.index], 0, TAG_LOGITS)
+    if comm.Get_rank() != 0:
+        return None
+
+    batch = len(prompts)
+    tokens = np.empty((batch, n_new), dtype=np.int64)
+    lengths = np.empty(batch, dtype=np.int64)
+    vocab = program.stage.cfg.vocab_size
+    logits = (np.full((batch, max(prompts.lengths), vocab), np.nan, dtype=np.float32)
+              if settings.save_logits else None)
+    for d, owner in enumerate(owners):
+        rows = replica_rows(batch, layout.dp, d)
+        if not len(rows):
+            continue
+        block = slice(rows.start, rows.stop)
+        mbs = micro_batches(prompts.ids, rows, layout.micro_batches)
+        if owner == 0:
+            tokens[block], lengths[block] = program.tokens, program.lengths
+        else:
+            world.recv(tokens[block], owner, TAG_TOKENS)
+            world.recv(lengths[block], owner, TAG_LENGTHS)
+        if logits is None:
+            continue
+        for mb in mbs:
+            if owner == 0:
+                full = program.prompt_logits[mb.index]
+            else:
+                full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32), owner,
+                                  TAG_LOGITS)
+            _unpad_into(logits, mb, full)
+    return tokens, lengths, logits
+
+
+def _unpad_into(logits: np.ndarray, mb: MicroBatch, full: np.ndarray) -> None:
+    """Left-padded (b, L, vocab) -> rows of ``logits`` with position t of each prompt at t."""
+    for j, row in enumerate(mb.rows):
+        logits[row, :mb.length - mb.pad[j]] = full[j, mb.pad[j]:]
+
+
+def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, backend: str,
+               comm_kind: str) -> dict:
+    s = plan.settings
+    return {
+        "hpcpar_version": __version__, "checkpoint": str(ckpt.path),
+        "prompts": job.data.prompts, "dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
+        "micro_batches": layout.micro_batches, "max_new_tokens": s.max_new_tokens,
+        "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
+        "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
+        "compute_dtype": dtype_name(plan.dtype), "backend": backend, "tp_comm": comm_kind,
+    }

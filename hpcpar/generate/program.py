@@ -1,0 +1,121 @@
+"""What one pipeline stage computes during generation (the executor's ``StageProgram``).
+
+Step 0 of a micro-batch is its prefill: the whole left-padded prompt goes through the stage
+and fills the KV cache. Step t > 0 feeds the token sampled at step t - 1, one position, at
+cache slot L + t - 1. The last stage samples; with several stages it sends the tokens back to
+the first, which embeds them for the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable
+
+import numpy as np
+
+from ..model import LlamaStage
+from ..pipeline.schedule import Op
+from .batching import MicroBatch
+from .sampling import SamplingParams, next_tokens
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_at_eos: bool = True
+    save_logits: bool = False
+
+
+class GenerationProgram:
+    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
+                 eos_ids: tuple[int, ...], pad_id: int, backend,
+                 on_step: Callable[[int, int], None] | None = None):
+        self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
+        self.xp = backend.xp
+        n = settings.max_new_tokens
+        self.caches = [stage.new_cache(mb.size, mb.length + n) for mb in mbs]
+        self.pads = [self.xp.asarray(mb.pad) for mb in mbs]
+        self.first_row = mbs[0].rows[0] if mbs else 0
+        rows = sum(mb.size for mb in mbs)
+        self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens, replica rows
+        self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
+        self.done = np.zeros(rows, dtype=bool)
+        self.eos = np.asarray(eos_ids if settings.stop_at_eos else (), dtype=np.int64)
+        self.pad_id = pad_id
+        self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
+        self.inputs: dict[int, object] = {}
+        self.outputs: dict[int, object] = {}
+        self.on_step = on_step
+        self.prefill_done_at: float | None = None
+
+    def _local(self, mb: MicroBatch) -> slice:
+        start = int(mb.rows[0] - self.first_row)
+        return slice(start, start + mb.size)
+
+    # ---- StageProgram ----------------------------------------------------------------------
+
+    def payload(self, op: Op, mb: int, step: int):
+        batch = self.mbs[mb]
+        if op in (Op.SEND, Op.RECV):
+            length = batch.length if step == 0 else 1
+            return (batch.size, length, self.stage.hidden_size), self.stage.dtype
+        return (batch.size,), np.dtype(np.int64)
+
+    def finished(self, mb: int) -> bool:
+        return self.stage.first and bool(self.done[self._local(self.mbs[mb])].all())
+
+    def receive(self, op: Op, mb: int, step: int, payload) -> None:
+        if op is Op.RECV:
+            self.inputs[mb] = payload
+        else:
+            self._record(self.mbs[mb], step, self.backend.to_host(payload))
+
+    def outgoing(self, op: Op, mb: int, step: int):
+        if op is Op.SEND:
+            return self.outputs.pop(mb)
+        return self.xp.asarray(self.tokens[self._local(self.mbs[mb]), step])
+
+    def forward(self, mb: int, step: int) -> None:
+        stage, batch, xp = self.stage, self.mbs[mb], self.xp
+        if stage.first:
+            ids = batch.ids if step == 0 else self.tokens[self._local(batch), step - 1][:, None]
+            x = stage.embed(xp.asarray(ids))
+            if self.on_step is not None:
+                self.on_step(mb, step)
+        else:
+            x = self.inputs.pop(mb)
+        slot = 0 if step == 0 else batch.length + step - 1
+        y = stage.forward(x, self.pads[mb], slot, self.caches[mb])
+        if not stage.last:
+            self.outputs[mb] = y
+        else:
+            self._sample(batch, step, y)
+        if step == 0 and mb == len(self.mbs) - 1:
+            self.prefill_done_at = perf_counter()
+
+    # ---- the last stage ---------------------------------------------------------------------
+
+    def _sample(self, batch: MicroBatch, step: int, y) -> None:
+        stage = self.stage
+        if step == 0 and self.settings.save_logits:
+            local = stage.logits(y)                                   # (b, L, vocab_i)
+            full = self.backend.to_host(stage.head.full_logits(local))
+            self.prompt_logits[batch.index] = full
+            last = local[:, -1]
+        else:
+            last = stage.logits(y[:, -1:])[:, 0]                      # (b, vocab_i)
+        tokens = next_tokens(stage.head, last, self.settings.sampling, batch.rows, step,
+                             self.backend.to_host)
+        self._record(batch, step, tokens)
+
+    def _record(self, batch: MicroBatch, step: int, tokens: np.ndarray) -> None:
+        """Store step ``step``'s tokens; rows already past EOS get the pad id."""
+        rows = self._local(batch)
+        done = self.done[rows]
+        tokens = np.where(done, self.pad_id, tokens)
+        self.tokens[rows, step] = tokens
+        hit = ~done & np.isin(tokens, self.eos)
+        self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
+        self.done[rows] = done | hit

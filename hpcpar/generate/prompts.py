@@ -1,0 +1,129 @@
+"""Reading and checking prompts: a ``.npy`` of token ids, a ``.jsonl`` of ids or text, or
+random ids for demos and benchmarks. Every problem is one line naming the file and the row."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import LlamaConfig
+from ..errors import HpcparError
+
+
+class PromptError(HpcparError):
+    pass
+
+
+@dataclass(frozen=True)
+class Prompts:
+    ids: list[np.ndarray]               # one int64 array per prompt, lengths may differ
+    texts: list[str] | None = None      # the source text, when prompts were given as text
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) for p in self.ids]
+
+
+def load_prompts(path: str | Path, tokenizer=None) -> Prompts:
+    """Prompts from ``path``: ``.npy`` int array (batch, seq), or ``.jsonl`` whose lines are
+    ``{"ids": [...]}`` or ``{"text": "..."}`` (text needs ``tokenizer``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"{path}: no such prompt file; pass a .npy of token ids or a .jsonl "
+                          "with {\"ids\": [...]} or {\"text\": \"...\"} per line")
+    if path.suffix == ".npy":
+        return _load_npy(path)
+    if path.suffix in (".jsonl", ".json"):
+        return _load_jsonl(path, tokenizer)
+    raise PromptError(f"{path}: prompts must be a .npy or .jsonl file, not {path.suffix or 'a file without suffix'}")
+
+
+def _load_npy(path: Path) -> Prompts:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise PromptError(f"{path}: not a readable .npy array ({e})") from None
+    if array.ndim == 1:
+        array = array[None, :]
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        raise PromptError(f"{path}: expected an integer array [batch, seq], got {array.dtype} "
+                          f"{list(array.shape)}")
+    if array.shape[0] == 0 or array.shape[1] == 0:
+        raise PromptError(f"{path}: holds no prompts (shape {list(array.shape)})")
+    return Prompts([row.astype(np.int64) for row in array])
+
+
+def _load_jsonl(path: Path, tokenizer) -> Prompts:
+    ids, texts = [], []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or ("ids" in record) == ("text" in record):
+            raise PromptError(f"{path}:{n}: each line needs exactly one of \"ids\" or \"text\"")
+        if "ids" in record:
+            row = record["ids"]
+            if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                    for t in row):
+                raise PromptError(f"{path}:{n}: \"ids\" must be a list of integers")
+            ids.append(np.asarray(row, dtype=np.int64))
+            texts.append(None)
+        else:
+            if tokenizer is None:
+                raise PromptError(f"{path}:{n}: text prompts need the tokenizer, and this "
+                                  "checkpoint has none; convert the model from a Hugging Face "
+                                  "folder that holds tokenizer.json, or give token ids")
+            if not isinstance(record["text"], str):
+                raise PromptError(f"{path}:{n}: \"text\" must be a string")
+            ids.append(np.asarray(tokenizer.encode(record["text"]).ids, dtype=np.int64))
+            texts.append(record["text"])
+        if len(ids[-1]) == 0:
+            raise PromptError(f"{path}:{n}: the prompt is empty (no tokens)")
+    if not ids:
+        raise PromptError(f"{path}: the prompt file is empty; add one JSON object per line")
+    return Prompts(ids, texts if any(t is not None for t in texts) else None)
+
+
+def random_prompts(count: int, lengths: tuple[int, int], vocab_size: int,
+                   seed: int = 0) -> Prompts:
+    """``count`` prompts of random ids with lengths drawn from [lo, hi] (for demos and
+    benchmarks); the same on every rank for a given seed."""
+    lo, hi = lengths
+    if count < 1 or not 1 <= lo <= hi:
+        raise PromptError(f"random prompts need count >= 1 and 1 <= min length <= max length, "
+                          f"got count {count}, lengths [{lo}, {hi}]")
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(lo, hi + 1, size=count)
+    return Prompts([rng.integers(0, vocab_size, size=int(n), dtype=np.int64) for n in sizes])
+
+
+def check_prompts(prompts: Prompts, cfg: LlamaConfig, max_new_tokens: int,
+                  source: str) -> None:
+    """Every prompt fits the model: ids in [0, vocab_size), prompt plus new tokens within
+    max_position_embeddings."""
+    if len(prompts) == 0:
+        raise PromptError(f"{source}: no prompts")
+    if max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    for n, row in enumerate(prompts.ids):
+        if len(row) == 0:
+            raise PromptError(f"{source}: prompt {n} is empty")
+        bad = row[(row < 0) | (row >= cfg.vocab_size)]
+        if bad.size:
+            raise PromptError(f"{source}: prompt {n} holds token id {int(bad[0])}, outside the "
+                              f"model's vocabulary [0, {cfg.vocab_size})")
+        if len(row) + max_new_tokens > cfg.max_position_embeddings:
+            what = ("is longer than" if len(row) > cfg.max_position_embeddings
+                    else f"plus {max_new_tokens} new tokens exceeds")
+            raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, which {what} the "
+                              f"model's max_position_embeddings {cfg.max_position_embeddings}; "
+                              "shorten it or lower max_new_tokens")

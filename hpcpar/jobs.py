@@ -1,0 +1,213 @@
+"""Job files: TOML whose sections mirror the command-line flags, as typed dataclasses.
+
+    [model]     checkpoint = "llama.h5"     (or "preset:tiny", a cached random model)
+                dtype = "float32"           compute dtype
+    [parallel]  dp, pp, tp (absent: inferred), micro_batches, schedule, stage_layers,
+                backend, comm
+    [data]      prompts = "prompts.jsonl"   (.npy, .jsonl, or "random" with random_count,
+                                             random_lengths = [min, max], random_seed)
+    [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, save_logits
+    [output]    path = "out.h5"
+
+Later sources win: the file, then ``--set section.key=value``, then explicit flags. Relative
+paths in a file are relative to the file; on the command line, to the working directory.
+Unknown sections or keys and values of the wrong type are errors that name them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from .errors import HpcparError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+PRESET_PREFIX = "preset:"
+
+
+class JobError(HpcparError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    checkpoint: str = PRESET_PREFIX + "tiny"
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    dp: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    micro_batches: int = 1
+    schedule: str = "gpipe"
+    stage_layers: tuple[int, ...] | None = None
+    backend: str = "auto"
+    comm: str = "auto"
+
+
+@dataclass(frozen=True)
+class DataSection:
+    prompts: str = "random"
+    random_count: int = 8
+    random_lengths: tuple[int, ...] = (4, 16)
+    random_seed: int = 0
+
+
+@dataclass(frozen=True)
+class GenerateSection:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_eos: bool = True
+    save_logits: bool = False
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+    generate: GenerateSection = field(default_factory=GenerateSection)
+    output: OutputSection = field(default_factory=OutputSection)
+
+
+SECTIONS = [f.name for f in fields(Job)]
+_SECTION_TYPES = get_type_hints(Job)
+_PATH_KEYS = {("model", "checkpoint"), ("data", "prompts"), ("output", "path")}
+
+
+def read_job_file(path: str | Path) -> dict:
+    """The job file as nested dicts, relative paths made relative to the file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise JobError(f"{path}: no such job file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise JobError(f"{path}: not valid TOML ({e})") from None
+    for section, key in _PATH_KEYS:
+        value = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
+        if isinstance(value, str) and _is_file_path(value) and not Path(value).is_absolute():
+            raw[section][key] = str(path.parent / value)
+    return raw
+
+
+def _is_file_path(value: str) -> bool:
+    return not value.startswith(PRESET_PREFIX) and value != "random"
+
+
+def parse_set(assignment: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is read as TOML (numbers,
+    booleans, lists, quoted strings), and as a plain string when it is not TOML."""
+    target, sep, text = assignment.partition("=")
+    section, dot, key = target.strip().partition(".")
+    if not sep or not dot or not key:
+        raise JobError(f"--set {assignment!r}: expected section.key=value, e.g. "
+                       "--set generate.max_new_tokens=64")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return section, key, value
+
+
+def merge(base: dict, section: str, key: str, value: Any) -> None:
+    if not isinstance(base.get(section, {}), dict):
+        raise JobError(f"[{section}] must be a table")
+    base.setdefault(section, {})[key] = value
+
+
+def build_job(raw: dict, source: str = "job") -> Job:
+    """Typed ``Job`` from nested dicts; every unknown name or wrong type is reported."""
+    problems, sections = [], {}
+    for name, table in raw.items():
+        if name not in SECTIONS:
+            problems.append(f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"[{name}] must be a table")
+            continue
+        cls = _SECTION_TYPES[name]
+        hints = get_type_hints(cls)
+        values = {}
+        for key, value in table.items():
+            if key not in hints:
+                problems.append(f"unknown key {name}.{key} (known: {', '.join(hints)})")
+                continue
+            try:
+                values[key] = _coerce(value, hints[key])
+            except TypeError:
+                problems.append(f"{name}.{key} = {value!r}: expected {_describe(hints[key])}")
+        sections[name] = cls(**values)
+    if problems:
+        raise JobError(f"{source}: " + "; ".join(problems))
+    return Job(**sections)
+
+
+def _coerce(value: Any, hint) -> Any:
+    """``value`` as type ``hint`` (int, float, bool, str, tuple[int, ...], or X | None)."""
+    args = getattr(hint, "__args__", ())
+    if type(None) in args:
+        if value is None:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        args = getattr(hint, "__args__", ())
+    origin = getattr(hint, "__origin__", hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise TypeError
+        return tuple(_coerce(v, args[0]) for v in value)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError
+    raise TypeError
+
+
+def _describe(hint) -> str:
+    args = [a for a in getattr(hint, "__args__", ()) if a is not type(None)]
+    origin = getattr(hint, "__origin__", hint)
+    if origin is tuple:
+        return f"list of {args[0].__name__}"
+    if args and getattr(hint, "__origin__", None) is None:
+        return _describe(args[0])
+    return getattr(hint, "__name__", str(hint))
+
+
+def load_job(path: str | Path | None, sets: list[str] = (),
+             flags: dict[tuple[str, str], Any] | None = None) -> Job:
+    """The job from a file (or the defaults), ``--set`` assignments, then explicit flags."""
+    raw = read_job_file(path) if path is not None else {}
+    for assignment in sets:
+        merge(raw, *parse_set(assignment))
+    for (section, key), value in (flags or {}).items():
+        if value is not None:
+            merge(raw, section, key, value)
+    return build_job(raw, str(path) if path is not None else "job")

@@ -1,0 +1,8 @@
+"""The Llama model as tensor-parallel pipeline stages (NumPy or CuPy through ``xp``)."""
+
+from .kv_cache import KVCache, kv_cache_bytes
+from .llama import LlamaStage, rms_norm
+from .rope import RotaryEmbedding, inverse_frequencies
+
+__all__ = ["KVCache", "LlamaStage", "RotaryEmbedding", "inverse_frequencies", "kv_cache_bytes",
+           "rms_norm"]

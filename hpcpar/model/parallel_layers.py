@@ -1,0 +1,151 @@
+"""Megatron's tensor-parallel layers, on plain arrays (NumPy or CuPy, through ``xp``).
+
+Notation: a linear layer computes Y = X A^T + b with Hugging Face's A of shape [out, in].
+p is the tp size, i this rank. Megatron's two conjugate operators name the communication:
+f is the identity forward and an AllReduce backward; g is an AllReduce forward and the
+identity backward. Inference runs the forward halves; the backward halves are stated for the
+training step that builds on these layers.
+
+Weights are stored transposed, [in, out] and contiguous, so every product is one GEMM over
+the flattened (B*T) rows.
+"""
+
+from __future__ import annotations
+
+from ..comm import Communicator
+from ..sharding import vocab_range
+
+
+def _matmul(x, weight_t):
+    """x (..., in) @ weight_t (in, out) as a single 2-D GEMM."""
+    lead = x.shape[:-1]
+    return (x.reshape(-1, x.shape[-1]) @ weight_t).reshape(lead + (weight_t.shape[1],))
+
+
+class ColumnParallelLinear:
+    """Y_i = X A_i^T + b_i, with A = [A_1; ...; A_p] split along its output features.
+
+    Forward: no communication (f: identity); every rank keeps its own column block Y_i.
+    Backward: dX = sum_i dY_i A_i, an AllReduce over tp (f's backward).
+    Several projections that read the same X (q/k/v, gate/up) are merged into one GEMM and
+    split again on the way out (``sizes``), as vLLM's QKVParallelLinear does.
+    """
+
+    def __init__(self, xp, weights: list, biases: list | None = None):
+        self.sizes = [w.shape[0] for w in weights]
+        self.weight_t = xp.ascontiguousarray(xp.concatenate(weights, axis=0).T)  # (in, out_i)
+        self.bias = None if not biases else xp.concatenate(biases)
+        self.xp = xp
+
+    def __call__(self, x):
+        y = _matmul(x, self.weight_t)
+        if self.bias is not None:
+            y += self.bias
+        if len(self.sizes) == 1:
+            return y
+        bounds = [sum(self.sizes[:k]) for k in range(1, len(self.sizes))]
+        return self.xp.split(y, bounds, axis=-1)
+
+
+class RowParallelLinear:
+    """Y = sum_i X_i A_i^T + b, with A = [A_1, ..., A_p] split along its input features and X
+    already split the same way (the output of a column-parallel layer).
+
+    Forward: each rank's partial product is AllReduced over tp (g), then the replicated bias
+    is added once. Backward: dX_i = dY A_i, no communication (g's backward is the identity).
+    """
+
+    def __init__(self, xp, weight, bias, tp: Communicator):
+        self.weight_t = xp.ascontiguousarray(weight.T)   # (in_i, out)
+        self.bias = bias
+        self.tp = tp
+
+    def __call__(self, x):
+        y = _matmul(x, self.weight_t)
+        self.tp.all_reduce(y)
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+
+class VocabParallelEmbedding:
+    """E[ids] with the table split by vocabulary rows: rank i holds rows [start_i, stop_i).
+
+    Forward: each rank looks up the ids it owns and writes zeros for the rest; an AllReduce
+    over tp sums the one non-zero contribution per token (g). Backward: each rank scatters
+    dY into its own rows only, no communication.
+    """
+
+    def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
+        self.weight = weight                 # (vocab_per_partition, hidden), padding rows zero
+        self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
+        self.tp = tp
+        self.xp = xp
+
+    def __call__(self, ids):
+        xp = self.xp
+        local = ids - self.start
+        outside = (ids < self.start) | (ids >= self.stop)
+        out = self.weight[xp.where(outside, 0, local)]          # (B, T, hidden)
+        if self.tp.size > 1:
+            out[outside] = 0
+            self.tp.all_reduce(out)
+        return out
+
+
+class ParallelLMHead:
+    """Logits_i = H W_i^T with W split by vocabulary rows (column-parallel over the vocab).
+
+    Forward: each rank computes the logits of its own vocabulary block; nothing is gathered.
+    ``argmax`` and ``top_k`` reduce over tp by exchanging a few candidates per row, and only
+    ``full_logits`` AllGathers the whole vocabulary. Backward (with the vocab-parallel
+    cross-entropy): dH = sum_i dLogits_i W_i, an AllReduce over tp.
+    Padding rows (beyond ``vocab_size``) never win: their logits are -inf.
+    """
+
+    def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
+        self.weight_t = xp.ascontiguousarray(weight.T)            # (hidden, vocab_per_partition)
+        self.vocab_size = vocab_size
+        self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
+        self.tp = tp
+        self.xp = xp
+
+    def local_logits(self, h):
+        """(..., vocab_per_partition) float32 logits of this rank's block, padding at -inf."""
+        logits = _matmul(h, self.weight_t).astype(self.xp.float32, copy=False)
+        real = self.stop - self.start
+        if real < logits.shape[-1]:
+            logits[..., real:] = -self.xp.inf
+        return logits
+
+    def full_logits(self, local):
+        """(..., vocab_size): every rank's block gathered along the vocabulary (AllGather)."""
+        return self.tp.all_gather(local, axis=-1)[..., :self.vocab_size]
+
+    def top_k(self, local, k: int):
+        """The k largest logits of each row over the whole vocabulary and their token ids,
+        exchanging only k candidates per rank. Returns (values, ids), each (rows, k * tp),
+        sorted by logit descending, ties by lower id (the order a single rank would give)."""
+        xp = self.xp
+        rows = local.reshape(-1, local.shape[-1])
+        k_local = min(k, rows.shape[-1])
+        if k_local == 1:
+            idx = xp.argmax(rows, axis=-1)[:, None]          # first occurrence on ties
+        else:
+            idx = xp.argpartition(-rows, k_local - 1, axis=-1)[:, :k_local]
+        vals = xp.take_along_axis(rows, idx, axis=-1)
+        ids = (idx + self.start).astype(xp.float32)   # exact: vocab sizes are < 2**24
+        both = xp.ascontiguousarray(xp.stack([vals, ids]))                  # (2, rows, k)
+        gathered = self.tp.all_gather(both, axis=-1)                        # (2, rows, k*p)
+        vals, ids = gathered[0], gathered[1].astype(xp.int64)
+        # Sort by id, then stably by logit: descending logits, ties to the lower id.
+        by_id = xp.argsort(ids, axis=-1)
+        vals, ids = xp.take_along_axis(vals, by_id, -1), xp.take_along_axis(ids, by_id, -1)
+        order = xp.argsort(-vals, axis=-1, kind="stable")
+        return xp.take_along_axis(vals, order, axis=-1), xp.take_along_axis(ids, order, axis=-1)
+
+    def argmax(self, local):
+        """The id of the largest logit of each row over the whole vocabulary (ties: lowest id),
+        as a distributed argmax: one (value, id) pair per rank and row is exchanged."""
+        vals, ids = self.top_k(local, 1)
+        return ids[:, 0]

@@ -1,0 +1,190 @@
+"""Runs one stage's action list: framed non-blocking messages, receives posted ahead.
+
+Every message between stages is one contiguous byte buffer: a fixed 32-byte header
+(op, micro-batch, step, flags as int64) followed by the payload. Both ends know the payload's
+shape from the job (every rank of a pipeline holds the same prompts), so micro-batches of
+different shapes need no shape handshake; the header lets the receiver check that it got the
+message it expected, and carries the STOP flag that retires a micro-batch whose rows have
+all finished.
+
+Overlap: before a FORWARD, the receive the stage will need next is posted, so its data
+arrives while this micro-batch computes; sends never block the compute. Only when a channel
+has more unfinished sends than micro-batches in flight does the oldest get waited on: at
+most one message per micro-batch can be unreceived on a channel, so that one has arrived.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from time import perf_counter
+from typing import Protocol
+
+import numpy as np
+
+from ..comm import Communicator
+from ..errors import CommError, HpcparError
+from .schedule import (ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode, encode,
+                       simulate)
+
+HEADER_WORDS = 4                    # op, micro-batch, step, flags
+HEADER_BYTES = HEADER_WORDS * 8
+FLAG_STOP = 1
+
+
+class StageProgram(Protocol):
+    """What a stage computes; the executor decides when, and moves the messages."""
+
+    def payload(self, op: Op, mb: int, step: int) -> tuple[tuple[int, ...], np.dtype]:
+        """Shape and dtype of the payload of a send or receive."""
+
+    def finished(self, mb: int) -> bool:
+        """Whether micro-batch ``mb`` needs no more steps (checked before each FORWARD)."""
+
+    def receive(self, op: Op, mb: int, step: int, payload) -> None: ...
+
+    def forward(self, mb: int, step: int) -> None: ...
+
+    def outgoing(self, op: Op, mb: int, step: int):
+        """The payload to send (an array of the ``payload`` shape)."""
+
+
+class Frame:
+    """A header + payload byte buffer, with typed views of both."""
+
+    def __init__(self, xp, shape, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        self.buf = xp.empty(HEADER_BYTES + nbytes, dtype=xp.uint8)
+        self.header = self.buf[:HEADER_BYTES].view(xp.int64)
+        self.payload = self.buf[HEADER_BYTES:].view(dtype).reshape(shape)
+
+
+@dataclass
+class StageTimes:
+    """Where one stage's time went, split by prefill (step 0) and decode (steps > 0)."""
+
+    compute: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    wait: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    wall: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+
+class PipelineExecutor:
+    def __init__(self, pp: Communicator, stage: int, program: StageProgram, backend,
+                 in_flight: int):
+        self.pp, self.stage, self.program = pp, stage, program
+        self.backend, self.xp = backend, backend.xp
+        self.in_flight = max(1, in_flight)
+        self.times = StageTimes()
+
+    # ---- pre-flight ------------------------------------------------------------------------
+
+    def sized(self, actions: list[Action]) -> list[Action]:
+        """``actions`` with every message's payload size filled in from the program."""
+        out = []
+        for a in actions:
+            if a.op in SENDS or a.op in RECVS:
+                shape, dtype = self.program.payload(a.op, a.mb, a.step)
+                a = replace(a, nbytes=int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+            out.append(a)
+        return out
+
+    def preflight(self, actions: list[Action]) -> None:
+        """Collective over the pipeline group: gather every stage's actions and check that each
+        send meets its receive (same micro-batch, step and size) and nothing deadlocks.
+        Raises ``HpcparError`` on every rank of the group alike."""
+        mine = np.array(encode(self.sized(actions)), dtype=np.int64).reshape(-1, ENCODED_FIELDS)
+        counts = self.pp.all_gather(np.array([len(mine)], dtype=np.int64))
+        rows = self.pp.all_gather(mine, axis=0, sizes=[int(c) for c in counts])
+        schedule, start = [], 0
+        for c in counts:
+            schedule.append(decode(rows[start:start + int(c)]))
+            start += int(c)
+        _, problems = simulate(schedule)
+        if problems:
+            raise HpcparError("pipeline schedule check failed before the first step: "
+                              + "; ".join(problems[:3]))
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def run(self, actions: list[Action]) -> None:
+        xp, program = self.xp, self.program
+        posted: dict[int, tuple[Frame, object]] = {}
+        sends: dict[tuple, deque] = {}
+        stop_step: dict[int, int] = {}            # micro-batch -> step its STOP applies from
+        next_recv = _next_receive_indices(actions)
+
+        def live(a: Action) -> bool:
+            return a.mb not in stop_step or a.step == stop_step[a.mb] and a.op is Op.SEND
+
+        def post(i: int):
+            a = actions[i]
+            frame = Frame(xp, *program.payload(a.op, a.mb, a.step))
+            posted[i] = (frame, self.pp.irecv(frame.buf, a.peer, tag=OP_CODES[a.op]))
+
+        for i, a in enumerate(actions):
+            if not live(a):
+                continue
+            phase = 0 if a.step == 0 else 1
+            t0 = perf_counter()
+            if a.op in RECVS:
+                if i not in posted:
+                    post(i)
+                frame, request = posted.pop(i)
+                request.wait()
+                self.times.wait[phase] += perf_counter() - t0
+                op, mb, step, flags = (int(v) for v in self.backend.to_host(frame.header))
+                if (op, mb, step) != (OP_CODES[_sender_of(a.op)], a.mb, a.step):
+                    raise CommError(f"pipeline stage {self.stage} expected {a} but received "
+                                    f"op {op}, micro-batch {mb}, step {step}")
+                if flags & FLAG_STOP:
+                    stop_step[a.mb] = a.step
+                else:
+                    program.receive(a.op, a.mb, a.step, frame.payload)
+            elif a.op is Op.FORWARD:
+                if program.finished(a.mb):
+                    stop_step[a.mb] = a.step
+                    continue
+                j = next_recv[i]
+                while j is not None and not live(actions[j]):
+                    j = next_recv[j]
+                if j is not None and j not in posted:
+                    post(j)
+                program.forward(a.mb, a.step)
+                self.times.compute[phase] += perf_counter() - t0
+            else:  # a send
+                frame = Frame(xp, *program.payload(a.op, a.mb, a.step))
+                stop = a.mb in stop_step
+                if not stop:
+                    frame.payload[...] = program.outgoing(a.op, a.mb, a.step)
+                frame.header[...] = xp.asarray(
+                    [OP_CODES[a.op], a.mb, a.step, FLAG_STOP if stop else 0], dtype=xp.int64)
+                queue = sends.setdefault((a.op, a.peer), deque())
+                queue.append(self.pp.isend(frame.buf, a.peer, tag=OP_CODES[_receiver_of(a.op)]))
+                while len(queue) > self.in_flight:
+                    queue.popleft().wait()
+                self.times.wait[phase] += perf_counter() - t0
+        t0 = perf_counter()
+        for queue in sends.values():
+            while queue:
+                queue.popleft().wait()
+        self.times.wait[1] += perf_counter() - t0
+
+
+def _sender_of(op: Op) -> Op:
+    return {Op.RECV: Op.SEND, Op.RECV_TOKENS: Op.SEND_TOKENS}[op]
+
+
+def _receiver_of(op: Op) -> Op:
+    return {Op.SEND: Op.RECV, Op.SEND_TOKENS: Op.RECV_TOKENS}[op]
+
+
+def _next_receive_indices(actions: list[Action]) -> list[int | None]:
+    """For each position, the index of the first receive after it (None if none)."""
+    out: list[int | None] = [None] * len(actions)
+    nxt = None
+    for i in range(len(actions) - 1, -1, -1):
+        out[i] = nxt
+        if actions[i].op in RECVS:
+            nxt = i
+    return out

@@ -1,0 +1,191 @@
+"""Pipeline schedules as plain data: one list of actions per stage, built by pure functions.
+
+An executor only runs these lists; nothing here touches MPI or arrays, so a schedule can be
+checked (``schedule_problems``), drawn (``draw``) and tested on its own.
+
+Actions name a micro-batch ``mb`` and a ``step`` (0 for a plain forward pass; in generation,
+step 0 is the prefill and step t > 0 the t-th decode step). Messages are matched in order
+per (sender, receiver, channel), as MPI and NCCL deliver them.
+
+GPipe forward over S = 3 stages, M = 2 micro-batches (R recv, F forward, S send):
+
+    stage 0:  F0 S0  F1 S1
+    stage 1:  R0 F0 S0  R1 F1 S1
+    stage 2:  R0 F0  R1 F1
+
+Generation adds a channel back from the last stage to the first (the sampled tokens), so the
+micro-batches circulate and every stage stays busy when M >= S.
+Training schedules (1F1B, interleaved) add BACKWARD, SEND_GRAD and RECV_GRAD actions to the
+same lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Op(Enum):
+    RECV = "recv"                 # activations from the previous stage
+    FORWARD = "forward"
+    SEND = "send"                 # activations to the next stage
+    RECV_TOKENS = "recv_tokens"   # sampled tokens from the last stage (generation, stage 0)
+    SEND_TOKENS = "send_tokens"   # sampled tokens to the first stage (generation, last stage)
+
+
+SENDS = {Op.SEND: "activations", Op.SEND_TOKENS: "tokens"}
+RECVS = {Op.RECV: "activations", Op.RECV_TOKENS: "tokens"}
+OP_CODES = {op: i for i, op in enumerate(Op)}
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op
+    mb: int
+    step: int = 0
+    peer: int | None = None       # the other stage of a send or receive
+    nbytes: int = 0               # payload size, filled in by the executor's pre-flight check
+
+    def __str__(self) -> str:
+        tail = f"->{self.peer}" if self.op in SENDS else f"<-{self.peer}" if self.op in RECVS else ""
+        return f"{self.op.value}(mb {self.mb}, step {self.step}){tail}"
+
+
+Schedule = list[list[Action]]     # schedule[stage] = that stage's actions, in order
+
+
+def _forward_pass(stage: int, num_stages: int, mb: int, step: int) -> list[Action]:
+    out = []
+    if stage > 0:
+        out.append(Action(Op.RECV, mb, step, stage - 1))
+    out.append(Action(Op.FORWARD, mb, step))
+    if stage < num_stages - 1:
+        out.append(Action(Op.SEND, mb, step, stage + 1))
+    return out
+
+
+def gpipe_forward(num_stages: int, num_micro_batches: int) -> Schedule:
+    """All micro-batches forward through every stage in order (GPipe's forward half)."""
+    return [[a for mb in range(num_micro_batches) for a in _forward_pass(s, num_stages, mb, 0)]
+            for s in range(num_stages)]
+
+
+def generation(num_stages: int, num_micro_batches: int, num_steps: int) -> Schedule:
+    """Prefill (step 0) then ``num_steps - 1`` decode steps for every micro-batch.
+
+    Step t of micro-batch m needs the token the last stage sampled at step t - 1, so the last
+    stage sends it back to stage 0 (unless there is one stage). Micro-batches are interleaved
+    step by step: while m waits for its token, stage 0 runs m + 1, ... Each step produces one
+    token per row; the last step's tokens stay on the last stage.
+    """
+    last = num_stages - 1
+    schedule: Schedule = [[] for _ in range(num_stages)]
+    for step in range(num_steps):
+        for mb in range(num_micro_batches):
+            for s in range(num_stages):
+                if s == 0 and step > 0 and last > 0:
+                    schedule[s].append(Action(Op.RECV_TOKENS, mb, step - 1, last))
+                schedule[s] += _forward_pass(s, num_stages, mb, step)
+                if s == last and last > 0 and step < num_steps - 1:
+                    schedule[s].append(Action(Op.SEND_TOKENS, mb, step, 0))
+    return schedule
+
+
+def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
+    """The idle share of a GPipe pass with equal stage times: (S - 1) / (S + M - 1)."""
+    return (num_stages - 1) / (num_stages + num_micro_batches - 1)
+
+
+def simulate(schedule: Schedule, cost: dict[Op, float] | None = None
+             ) -> tuple[list[list[tuple[float, float, Action]]], list[str]]:
+    """Run the schedule with sends that never block and receives that wait for their send.
+
+    Returns, per stage, (start, end, action) in execution order, and the problems found: a
+    receive whose matching send carries another micro-batch or step, a message never
+    received, or a deadlock (naming where each stage is stuck). ``cost`` gives each op's
+    duration (default: 1 for FORWARD, 0 for the rest).
+    """
+    cost = cost or {Op.FORWARD: 1.0}
+    n = len(schedule)
+    pos, clock = [0] * n, [0.0] * n
+    channels: dict[tuple, list[tuple[Action, float]]] = {}
+    timeline: list[list] = [[] for _ in range(n)]
+    problems: list[str] = []
+    progressed = True
+    while progressed and not problems:
+        progressed = False
+        for s in range(n):
+            while pos[s] < len(schedule[s]) and not problems:
+                a = schedule[s][pos[s]]
+                start = clock[s]
+                if a.op in SENDS:
+                    if not 0 <= (a.peer if a.peer is not None else -1) < n:
+                        problems.append(f"stage {s}: {a} goes to a stage that does not exist")
+                        break
+                    channels.setdefault((s, a.peer, SENDS[a.op]), []).append((a, start))
+                elif a.op in RECVS:
+                    queue = channels.get((a.peer, s, RECVS[a.op]), [])
+                    if not queue:
+                        break                         # blocked until the sender gets there
+                    sent, at = queue.pop(0)
+                    if (sent.mb, sent.step) != (a.mb, a.step):
+                        problems.append(f"stage {s}: {a} would receive stage {a.peer}'s {sent}")
+                    elif sent.nbytes != a.nbytes:
+                        problems.append(f"stage {s}: {a} expects {a.nbytes} bytes, stage "
+                                        f"{a.peer} sends {sent.nbytes}")
+                    start = max(start, at)
+                clock[s] = start + cost.get(a.op, 0.0)
+                timeline[s].append((start, clock[s], a))
+                pos[s] += 1
+                progressed = True
+    if not problems:
+        stuck = [f"stage {s} waits at {schedule[s][pos[s]]}" for s in range(n)
+                 if pos[s] < len(schedule[s])]
+        if stuck:
+            problems.append("deadlock: " + "; ".join(stuck))
+        for (src, dst, kind), queue in channels.items():
+            if queue:
+                problems.append(f"stage {src} sends {len(queue)} {kind} message(s) to stage "
+                                f"{dst} that are never received, first {queue[0][0]}")
+    return timeline, problems
+
+
+def schedule_problems(schedule: Schedule) -> list[str]:
+    """Every mismatched send/receive or deadlock in ``schedule`` (empty when it runs)."""
+    return simulate(schedule)[1]
+
+
+def draw(schedule: Schedule, width: int = 100) -> str:
+    """A text timeline: one row per stage, one column per unit of forward time,
+    'F<mb>' while computing and '.' while idle."""
+    timeline, problems = simulate(schedule)
+    if problems:
+        return "cannot draw: " + "; ".join(problems)
+    end = int(max((t[-1][1] for t in timeline if t), default=0))
+    cell = max(len(str(a.mb)) + 1 for row in schedule for a in row) + 1
+    shown = min(end, max(1, width // cell))
+    rows = []
+    for s, events in enumerate(timeline):
+        cells = ["." * (cell - 1)] * shown
+        for start, stop, a in events:
+            if a.op is Op.FORWARD and int(start) < shown:
+                cells[int(start)] = f"F{a.mb}".ljust(cell - 1)
+        more = " ..." if end > shown else ""
+        rows.append(f"stage {s}: " + " ".join(cells) + more)
+    return "\n".join(rows)
+
+
+ENCODED_FIELDS = 5
+
+
+def encode(actions: list[Action]) -> list[tuple[int, ...]]:
+    """Actions as integer rows (op, mb, step, peer, nbytes), to compare schedules across
+    ranks without pickling."""
+    return [(OP_CODES[a.op], a.mb, a.step, -1 if a.peer is None else a.peer, a.nbytes)
+            for a in actions]
+
+
+def decode(rows) -> list[Action]:
+    ops = list(Op)
+    return [Action(ops[int(op)], int(mb), int(step), None if peer < 0 else int(peer), int(nb))
+            for op, mb, step, peer, nb in rows]
