@@ -1,0 +1,90 @@
+"""``hpcpar plan``: what a layout costs, computed from the config alone (no MPI, no weights).
+
+For each pipeline stage: its layers, the bytes of parameters a rank of that stage holds, its
+KV cache for the job's batch and length, and the bytes it all-reduces over tp and sends to
+the next stage per token; then the pipeline bubble and the prefill schedule, drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import LlamaConfig, ParallelConfig
+from .model import kv_cache_bytes
+from .pipeline.partition import stage_layers
+from .pipeline.schedule import bubble_fraction, draw, gpipe_forward
+from .sharding import shard_of
+from .tensors import stage_tensors
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layers: range
+    weight_bytes: int          # per rank of this stage
+    kv_cache_bytes: int        # per rank, for the largest replica's batch
+    all_reduce_bytes_per_token: int
+    send_bytes_per_token: int
+
+
+def plan_stages(cfg: LlamaConfig, layout: ParallelConfig, batch: int, prompt_length: int,
+                max_new_tokens: int, itemsize: int) -> list[StagePlan]:
+    replica_batch = -(-batch // layout.dp)
+    kv_heads = max(1, cfg.num_key_value_heads // layout.tp)
+    out = []
+    for s in range(layout.pp):
+        layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)
+        first, last = s == 0, s == layout.pp - 1
+        specs = stage_tensors(cfg, layers, first, last)
+        weights = sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape)) for spec in specs)
+        reduces = (2 * len(layers) + (1 if first else 0)) if layout.tp > 1 else 0
+        out.append(StagePlan(
+            s, layers, weights * itemsize,
+            kv_cache_bytes(len(layers), replica_batch, kv_heads,
+                           prompt_length + max_new_tokens, cfg.head_dim, itemsize),
+            reduces * cfg.hidden_size * itemsize,
+            0 if last else cfg.hidden_size * itemsize))
+    return out
+
+
+def format_plan(cfg: LlamaConfig, layout: ParallelConfig, batch: int, prompt_length: int,
+                max_new_tokens: int, itemsize: int, model_name: str) -> str:
+    stages = plan_stages(cfg, layout, batch, prompt_length, max_new_tokens, itemsize)
+    total_params = sum(int(np.prod(s.shape)) for s in stage_tensors(
+        cfg, range(cfg.num_hidden_layers), True, True))
+    M = layout.micro_batches
+    lines = [
+        f"model: {model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, vocab "
+        f"{cfg.vocab_size}, {total_params / 1e6:.1f} M parameters",
+        f"layout: dp {layout.dp} x pp {layout.pp} x tp {layout.tp} = {layout.world_size} ranks; "
+        f"batch {batch} ({-(-batch // layout.dp)} per replica), prompt length {prompt_length}, "
+        f"{max_new_tokens} new tokens, {itemsize}-byte values",
+        "",
+        f"{'stage':>5} {'layers':>8} {'weights/rank':>13} {'KV cache/rank':>14} "
+        f"{'tp all-reduce/token':>20} {'pp send/token':>14}",
+    ]
+    for s in stages:
+        span = f"{s.layers.start}-{s.layers.stop - 1}"
+        lines.append(f"{s.stage:>5} {span:>8} {_size(s.weight_bytes):>13} "
+                     f"{_size(s.kv_cache_bytes):>14} {_size(s.all_reduce_bytes_per_token):>20} "
+                     f"{_size(s.send_bytes_per_token):>14}")
+    peak = max(s.weight_bytes + s.kv_cache_bytes for s in stages)
+    lines += [
+        "",
+        f"largest rank: {_size(peak)} of weights and KV cache (activations and logits extra)",
+        f"pipeline bubble with {M} micro-batch(es): (S-1)/(S+M-1) = "
+        f"{bubble_fraction(layout.pp, M):.1%}",
+        "prefill schedule (GPipe forward; F<m> = micro-batch m computing, . = idle):",
+        draw(gpipe_forward(layout.pp, M)),
+    ]
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
