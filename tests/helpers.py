@@ -90,3 +90,42 @@ def expected_slice(name: str, full: np.ndarray, cfg: dict, tp_rank: int, tp: int
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return np.split(full, tp, axis=1)[tp_rank]
     return np.split(full, tp, axis=0)[tp_rank]
+
+
+# Model configs for numerical tests: vocabularies that tp does not divide (padding), an
+# uneven layer split, KV heads fewer than tp, llama3 RoPE; and MQA with tied embeddings and
+# biases.
+GQA = dict(TINY, vocab_size=250, num_hidden_layers=9, max_position_embeddings=96,
+           eos_token_id=2, bos_token_id=1,
+           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+TIED = dict(TINY, vocab_size=251, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=16, intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True,
+            attention_bias=True, mlp_bias=True, rope_theta=500.0, eos_token_id=[3, 4])
+
+
+def realistic_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
+    """Weights at the scale of a trained model (std 0.05, norms near 1), float32."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in hf_tensor_shapes(cfg).items():
+        if "norm" in name:
+            out[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def make_checkpoint(folder: Path, cfg: dict, seed: int = 0) -> tuple[Path, dict]:
+    """A converted hpcpar checkpoint of ``cfg`` with realistic random weights; returns its
+    path and the float32 tensors by Hugging Face name."""
+    from hpcpar.checkpoint import convert
+    tensors = realistic_tensors(cfg, seed)
+    write_hf_checkpoint(folder / "hf", cfg, extra=tensors)
+    out = folder / "model.h5"
+    convert(folder / "hf", out)
+    return out, tensors
+
+
+PROMPTS = [np.array(p, dtype=np.int64) for p in
+           ([5, 17, 99, 3, 240], [7] * 9, [11, 12, 13], list(range(20, 32)), [200, 1, 8, 9, 150, 6, 77])]

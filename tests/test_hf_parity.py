@@ -1,0 +1,91 @@
+"""Parity with Hugging Face itself: a tiny random ``LlamaForCausalLM`` built with transformers,
+saved, converted with ``hpcpar convert``, and compared on prompt logits and greedy tokens.
+
+Skips without transformers; ``.ci/run`` installs it (CPU torch) so that CI never skips.
+"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from helpers import PROMPTS  # noqa: E402
+from hpcpar.checkpoint import convert  # noqa: E402
+from hpcpar.generate import Prompts, run_generation  # noqa: E402
+from hpcpar.jobs import load_job  # noqa: E402
+
+CONFIGS = {
+    "gqa-llama3": dict(vocab_size=250, hidden_size=64, intermediate_size=176,
+                       num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                       max_position_embeddings=128, rope_theta=10000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 16}),
+    "mqa-tied-bias": dict(vocab_size=251, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                          max_position_embeddings=128, tie_word_embeddings=True,
+                          attention_bias=True, mlp_bias=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def hf_model(request, tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**CONFIGS[request.param], eos_token_id=None,
+                                   bos_token_id=None, pad_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # norms away from 1 and non-zero biases, so each one is tested
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder / "hf", safe_serialization=True)
+    convert(folder / "hf", folder / "model.h5")
+    return model, folder / "model.h5"
+
+
+def _hpcpar(path, prompts, n):
+    job = load_job(None, [f"model.checkpoint='{path}'", "generate.save_logits=true",
+                          f"generate.max_new_tokens={n}", "generate.stop_at_eos=false"])
+    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(prompts), progress=False)
+
+
+def test_prompt_logits_match_transformers(hf_model):
+    model, path = hf_model
+    ours = _hpcpar(path, PROMPTS, 1)
+    for b, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            theirs = model(torch.tensor(prompt[None])).logits[0].numpy()
+        np.testing.assert_allclose(ours.prompt_logits[b, :len(prompt)], theirs, atol=1e-4,
+                                   rtol=0)
+
+
+def test_greedy_tokens_match_transformers_generate(hf_model):
+    model, path = hf_model
+    n = 10
+    ours = _hpcpar(path, PROMPTS, n)
+    for b, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = model.generate(torch.tensor(prompt[None]), max_new_tokens=n, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert ours.tokens[b].tolist() == out[0, len(prompt):].tolist()
+
+
+def test_left_padded_batch_matches_transformers_with_an_attention_mask(hf_model):
+    model, path = hf_model
+    ours = _hpcpar(path, PROMPTS, 1)
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(PROMPTS):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    with torch.no_grad():
+        theirs = model(ids, attention_mask=mask).logits.numpy()
+    for b, p in enumerate(PROMPTS):
+        np.testing.assert_allclose(ours.prompt_logits[b, :len(p)], theirs[b, width - len(p):],
+                                   atol=1e-4, rtol=0)

@@ -1,0 +1,72 @@
+"""hpcpar's single-rank model against the independent float64 reference (tests/reference.py):
+prompt logits, KV-cache greedy decoding, left padding, EOS handling."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import GQA, PROMPTS, TIED, make_checkpoint
+from hpcpar.generate import Prompts, run_generation
+from hpcpar.jobs import load_job
+from reference import greedy, llama_logits
+
+
+def _run(path, prompts, **generate):
+    sets = [f"model.checkpoint='{path}'", "parallel.dp=1", "generate.save_logits=true"]
+    sets += [f"generate.{k}={str(v).lower() if isinstance(v, bool) else v}"
+             for k, v in generate.items()]
+    job = load_job(None, sets)
+    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(prompts), progress=False)
+
+
+@pytest.fixture(scope="module", params=["gqa", "tied"])
+def model(request, tmp_path_factory):
+    cfg = {"gqa": GQA, "tied": TIED}[request.param]
+    path, tensors = make_checkpoint(tmp_path_factory.mktemp(request.param), cfg)
+    return cfg, path, tensors
+
+
+def test_prompt_logits_match_the_reference(model):
+    cfg, path, tensors = model
+    result = _run(path, PROMPTS, max_new_tokens=1)
+    for b, prompt in enumerate(PROMPTS):
+        expected = llama_logits(tensors, cfg, prompt[None])[0]
+        got = result.prompt_logits[b, :len(prompt)]
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+        assert np.isnan(result.prompt_logits[b, len(prompt):]).all()
+
+
+def test_padded_batch_equals_each_prompt_alone(model):
+    _, path, _ = model
+    together = _run(path, PROMPTS, max_new_tokens=4, stop_at_eos=False)
+    for b, prompt in enumerate(PROMPTS):
+        alone = _run(path, [prompt], max_new_tokens=4, stop_at_eos=False)
+        np.testing.assert_allclose(together.prompt_logits[b, :len(prompt)],
+                                   alone.prompt_logits[0], atol=1e-5, rtol=0)
+        assert together.tokens[b].tolist() == alone.tokens[0].tolist()
+
+
+def test_kv_cache_greedy_decoding_matches_full_recomputation(model):
+    cfg, path, tensors = model
+    result = _run(path, PROMPTS[:3], max_new_tokens=8, stop_at_eos=False)
+    for b, prompt in enumerate(PROMPTS[:3]):
+        assert result.tokens[b].tolist() == greedy(tensors, cfg, prompt, 8)
+    assert result.lengths.tolist() == [8, 8, 8]
+
+
+def test_rows_stop_at_eos_and_are_padded_after_it(model):
+    cfg, path, tensors = model
+    free = _run(path, PROMPTS[:1], max_new_tokens=6, stop_at_eos=False).tokens[0]
+    # make the third greedy token the EOS of a config that says so
+    eos = int(free[2])
+    patched = dict(cfg, eos_token_id=eos, pad_token_id=0)
+    from helpers import write_hf_checkpoint
+    from hpcpar.checkpoint import convert
+    folder = path.parent / f"eos{eos}"
+    write_hf_checkpoint(folder / "hf", patched, extra=tensors)
+    convert(folder / "hf", folder / "m.h5")
+    result = _run(folder / "m.h5", PROMPTS[:1], max_new_tokens=6)
+    first = free.tolist().index(eos)
+    assert result.tokens[0, :first + 1].tolist() == free[:first + 1].tolist()
+    assert (result.tokens[0, first + 1:] == 0).all()
+    assert result.lengths[0] == first + 1
