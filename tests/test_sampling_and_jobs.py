@@ -1,0 +1,108 @@
+"""Sampling (pure) and job files (TOML, --set, flags)."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcpar.comm import create_communicator
+from hpcpar.generate.sampling import SamplingParams, sample_from_candidates
+from hpcpar.jobs import JobError, load_job, parse_set
+from hpcpar.model.parallel_layers import ParallelLMHead
+
+
+def _sorted(logits):
+    ids = np.argsort(-logits, axis=1, kind="stable")
+    return np.take_along_axis(logits, ids, axis=1), ids
+
+
+def test_sampling_follows_the_softmax_of_the_scaled_logits():
+    logits = np.array([[2.0, 1.0, 0.5, -1.0]])
+    params = SamplingParams(temperature=0.7, seed=3)
+    vals, ids = _sorted(logits)
+    draws = np.array([sample_from_candidates(vals, ids, params, np.array([0]), step)[0]
+                      for step in range(4000)])
+    p = np.exp(logits[0] / 0.7)
+    p /= p.sum()
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    assert np.abs(freq - p).max() < 0.03, (freq, p)
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    vals, ids = _sorted(logits)
+    rows = np.array([0])
+    top_k = {int(sample_from_candidates(vals, ids, SamplingParams(1.0, top_k=2, seed=s), rows, 0)[0])
+             for s in range(300)}
+    assert top_k == {0, 1}
+    top_p = {int(sample_from_candidates(vals, ids, SamplingParams(1.0, top_p=0.7, seed=s), rows, 0)[0])
+             for s in range(300)}
+    assert top_p == {0, 1}          # 0.5 + 0.3 reaches 0.7; 0.15 and 0.05 are cut
+    tiny_p = {int(sample_from_candidates(vals, ids, SamplingParams(1.0, top_p=1e-6, seed=s), rows, 0)[0])
+              for s in range(50)}
+    assert tiny_p == {0}
+
+
+def test_a_rows_draw_depends_on_its_prompt_index_and_step_not_on_its_batch():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 50))
+    vals, ids = _sorted(logits)
+    params = SamplingParams(temperature=1.0, seed=11)
+    whole = sample_from_candidates(vals, ids, params, np.arange(6), step=4)
+    parts = np.concatenate([sample_from_candidates(vals[:2], ids[:2], params, np.arange(2), 4),
+                            sample_from_candidates(vals[2:], ids[2:], params, np.arange(2, 6), 4)])
+    assert whole.tolist() == parts.tolist()
+    other_seed = sample_from_candidates(vals, ids, SamplingParams(1.0, seed=12), np.arange(6), 4)
+    assert other_seed.tolist() != whole.tolist()
+
+
+def test_bad_sampling_parameters_are_named():
+    assert len(SamplingParams(temperature=-1, top_k=-2, top_p=1.5).problems()) == 3
+
+
+def test_lm_head_argmax_and_top_k_on_one_rank_match_numpy():
+    tp = create_communicator(MPI.COMM_SELF, "mpi", name="tp")
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((40, 8)).astype(np.float32)
+    weight[37:] = 100.0                                # 3 padding rows must never win
+    head = ParallelLMHead(np, weight, 37, tp)
+    h = rng.standard_normal((5, 8)).astype(np.float32)
+    local = head.local_logits(h)
+    expected = h @ weight[:37].T
+    assert head.argmax(local).tolist() == expected.argmax(axis=1).tolist()
+    vals, ids = head.top_k(local, 4)
+    assert ids.tolist() == np.argsort(-expected, axis=1)[:, :4].tolist()
+    np.testing.assert_allclose(vals, np.sort(expected, axis=1)[:, ::-1][:, :4], rtol=1e-6)
+    assert head.full_logits(local).shape == (5, 37)
+
+
+def test_job_file_sets_and_flags_override_in_order(tmp_path):
+    (tmp_path / "job.toml").write_text(
+        '[model]\ncheckpoint = "m.h5"\n[data]\nprompts = "p.jsonl"\n'
+        '[generate]\nmax_new_tokens = 8\ntemperature = 0.5\n[parallel]\ntp = 2\n')
+    job = load_job(tmp_path / "job.toml", ["generate.max_new_tokens=32", "parallel.tp=4"],
+                   {("parallel", "tp"): 8, ("generate", "seed"): None})
+    assert job.model.checkpoint == str(tmp_path / "m.h5")   # relative to the job file
+    assert job.data.prompts == str(tmp_path / "p.jsonl")
+    assert job.generate.max_new_tokens == 32 and job.generate.temperature == 0.5
+    assert job.parallel.tp == 8 and job.generate.seed == 0
+
+
+def test_job_errors_name_every_problem(tmp_path):
+    (tmp_path / "bad.toml").write_text('[generat]\nx = 1\n[model]\ncheckpont = "a"\n'
+                                       '[parallel]\ntp = "two"\n')
+    with pytest.raises(JobError) as e:
+        load_job(tmp_path / "bad.toml")
+    msg = str(e.value)
+    assert "unknown section [generat]" in msg and "unknown key model.checkpont" in msg
+    assert "parallel.tp = 'two': expected int" in msg
+    with pytest.raises(JobError, match="not valid TOML"):
+        (tmp_path / "broken.toml").write_text("[model\n")
+        load_job(tmp_path / "broken.toml")
+    with pytest.raises(JobError, match="expected section.key=value"):
+        parse_set("max_new_tokens=3")
+
+
+def test_set_values_are_read_as_toml():
+    assert parse_set("parallel.stage_layers=[2,1]") == ("parallel", "stage_layers", [2, 1])
+    assert parse_set("generate.save_logits=true")[2] is True
+    assert parse_set("model.checkpoint=dir/m.h5")[2] == "dir/m.h5"
