@@ -9,8 +9,9 @@
     [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, save_logits
     [output]    path = "out.h5"
 
-Later sources win: the file, then ``--set section.key=value``, then explicit flags. Relative
-paths in a file are relative to the file; on the command line, to the working directory.
+Later sources win: the file, then ``--set section.key=value``, then explicit flags. Input
+paths in a file (checkpoint, prompts) are relative to the file, so a job runs from anywhere;
+the output path, and every path on the command line, to the working directory.
 Unknown sections or keys and values of the wrong type are errors that name them.
 """
 
@@ -88,11 +89,11 @@ class Job:
 
 SECTIONS = [f.name for f in fields(Job)]
 _SECTION_TYPES = get_type_hints(Job)
-_PATH_KEYS = {("model", "checkpoint"), ("data", "prompts"), ("output", "path")}
+_INPUT_KEYS = {("model", "checkpoint"), ("data", "prompts")}
 
 
 def read_job_file(path: str | Path) -> dict:
-    """The job file as nested dicts, relative paths made relative to the file."""
+    """The job file as nested dicts, relative input paths made relative to the file."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -100,7 +101,7 @@ def read_job_file(path: str | Path) -> dict:
         raise JobError(f"{path}: no such job file") from None
     except tomllib.TOMLDecodeError as e:
         raise JobError(f"{path}: not valid TOML ({e})") from None
-    for section, key in _PATH_KEYS:
+    for section, key in _INPUT_KEYS:
         value = raw.get(section, {}).get(key) if isinstance(raw.get(section), dict) else None
         if isinstance(value, str) and _is_file_path(value) and not Path(value).is_absolute():
             raw[section][key] = str(path.parent / value)

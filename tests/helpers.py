@@ -5,6 +5,12 @@ written out independently from the Megatron rules."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +135,21 @@ def make_checkpoint(folder: Path, cfg: dict, seed: int = 0) -> tuple[Path, dict]
 
 PROMPTS = [np.array(p, dtype=np.int64) for p in
            ([5, 17, 99, 3, 240], [7] * 9, [11, 12, 13], list(range(20, 32)), [200, 1, 8, 9, 150, 6, 77])]
+
+
+# mpiexec as tests/run finds it: PATH (a cluster's MPI), else the mpich wheel's beside python
+MPIEXEC = (os.environ.get("MPIEXEC") or shutil.which("mpiexec")
+           or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))
+REPO = Path(__file__).resolve().parents[1]
+
+
+def mpirun(n: int, args: list[str], cwd: Path, timeout: float = 60):
+    """Run ``python ARGS`` under ``mpiexec -n n`` with the checkout's hpcpar and these
+    helpers importable; returns (CompletedProcess, seconds)."""
+    path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, HPCPAR_CACHE=str(cwd / "cache"), OMP_NUM_THREADS="1",
+               PYTHONPATH=path)
+    start = time.monotonic()
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return proc, time.monotonic() - start

@@ -1,35 +1,11 @@
 """Whole jobs under mpiexec in a subprocess: failures end every rank promptly, bad input is
 reported once, and the demo runs. Serial tests (they start their own MPI jobs)."""
 
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import time
-from pathlib import Path
-
 import pytest
 
 from hpcpar.errors import HpcparError
 from hpcpar.launch import check_launch
-
-# as tests/run finds it: PATH (a cluster's MPI), else the mpich wheel's beside this python
-MPIEXEC = (os.environ.get("MPIEXEC") or shutil.which("mpiexec")
-           or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _mpirun(n, args, tmp_path, timeout=60):
-    # the checkout's hpcpar, not an installed copy, and the tests' helpers
-    path = os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, HPCPAR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
-               PYTHONPATH=path)
-    start = time.monotonic()
-    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
-    return proc, time.monotonic() - start
-
+from helpers import mpirun as _mpirun
 
 def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path):
     job = ("from hpcpar.launch import run_guarded, world, phase\n"
@@ -62,12 +38,17 @@ def test_bad_input_is_reported_once_and_every_rank_exits_non_zero(tmp_path, args
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("n", [1, 3, 8])
-def test_the_demo_job_runs_and_checks_its_slices(tmp_path, n):
-    proc, _ = _mpirun(n, ["-m", "hpcpar"], tmp_path, timeout=120)
+@pytest.mark.parametrize("n, layout", [(1, "dp 1 x pp 1 x tp 1"), (3, "dp 1 x pp 3 x tp 1"),
+                                       (8, "dp 2 x pp 2 x tp 2")])
+def test_the_demo_job_generates_and_reports(tmp_path, n, layout):
+    proc, seconds = _mpirun(n, ["-m", "hpcpar"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "the ranks' slices add up to the file's" in proc.stdout
     assert proc.stdout.count("hpcpar demo:") == 1  # the report comes from rank 0 only
+    assert f"layout: {layout}" in proc.stdout
+    for words in ("tokens/s", "bubble: prefill", "stage  compute s  waiting s",
+                  "tp all-reduce", "peak host memory per rank"):
+        assert words in proc.stdout
+    assert "16 prompts" in proc.stdout and "256 new tokens" in proc.stdout
 
 
 def test_convert_and_init_commands(tmp_path):

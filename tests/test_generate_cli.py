@@ -1,0 +1,143 @@
+"""The generate / run / plan commands as users run them, under mpiexec in a subprocess:
+outputs on disk, text prompts through the checkpoint's tokenizer, the shipped job files, and
+bad input reported once with no output file left behind."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import GQA, REPO, make_checkpoint, mpirun, write_hf_checkpoint, realistic_tensors
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A converted checkpoint with a word-level tokenizer, and prompt files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from hpcpar.checkpoint import convert
+    folder = tmp_path_factory.mktemp("cli")
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(247)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    write_hf_checkpoint(folder / "hf", GQA, extra=realistic_tensors(GQA, 0))
+    tok.save(str(folder / "hf" / "tokenizer.json"))
+    convert(folder / "hf", folder / "model.h5")
+    (folder / "text.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}) for t in ["w5 w6 w7", "w100 w3", "w9 w9 w9 w9 w9"]))
+    (folder / "ids.jsonl").write_text('{"ids": [5, 6, 7]}\n{"ids": [100, 3, 4, 8]}\n')
+    np.save(folder / "ids.npy", np.array([[5, 6, 7, 8], [9, 10, 11, 12]]))
+    return folder
+
+
+def _generate(workdir, n, prompts, out, *extra, timeout=120):
+    return mpirun(n, ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts",
+                      prompts, "--max-new-tokens", "5", "--out", out, *extra], workdir,
+                  timeout=timeout)[0]
+
+
+def test_generate_writes_tokens_logits_text_and_the_report(workdir):
+    proc = _generate(workdir, 4, "text.jsonl", "text_out.h5", "--pp", "2", "--tp", "2",
+                     "--save-logits", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("layout: dp 1 x pp 2 x tp 2") == 1
+    with h5py.File(workdir / "text_out.h5") as f:
+        assert f["tokens"].shape == (3, 5) and f["tokens"].dtype == np.int64
+        assert f["prompt_logits"].shape == (3, 5, GQA["vocab_size"])
+        assert f["prompt_lengths"][()].tolist() == [3, 2, 5]
+        texts = [t.decode() for t in f["text"][()]]
+        assert all(t.split() and all(w.startswith("w") or w.startswith("<") for w in t.split())
+                   for t in texts)
+        assert f.attrs["tp"] == 2 and f.attrs["pp"] == 2
+        assert f.attrs["report_prefill_tokens_per_s"] > 0
+        assert len(f.attrs["report_stage_compute_s"]) == 2
+    # the same prompts as ids, on one rank, give the same tokens
+    proc = _generate(workdir, 1, "ids.npy", "npy_out.h5")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_npy_and_jsonl_ids_agree_across_rank_counts(workdir):
+    assert _generate(workdir, 1, "ids.jsonl", "one.h5").returncode == 0
+    proc = _generate(workdir, 2, "ids.jsonl", "two.h5", "--dp", "2")
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(workdir / "one.h5") as a, h5py.File(workdir / "two.h5") as b:
+        assert a["tokens"][()].tolist() == b["tokens"][()].tolist()
+
+
+@pytest.mark.parametrize("prompts, words", [
+    ('{"ids": [' + ",".join(["5"] * 95) + "]}", "has 95 tokens, which plus 5 new tokens exceeds"),
+    ('{"ids": [' + ",".join(["5"] * 97) + "]}", "has 97 tokens, which is longer than"),
+    ('{"ids": [5, 250, 7]}', "token id 250, outside the model's vocabulary [0, 250)"),
+    ("", "the prompt file is empty"),
+    ('{"ids": []}', "the prompt is empty"),
+    ('{"nope": 1}', 'each line needs exactly one of "ids" or "text"'),
+])
+def test_bad_prompts_are_one_error_and_no_output(workdir, prompts, words):
+    (workdir / "bad.jsonl").write_text(prompts)
+    proc = _generate(workdir, 4, "bad.jsonl", "bad_out.h5", "--tp", "2")
+    _assert_one_error(proc, words)
+    assert not (workdir / "bad_out.h5").exists()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--dp", "3", "--tp", "2"], "dp(3) * pp(1) * tp(2) = 6 != world size 4"),
+    (["--tp", "3"], "num_attention_heads 8 is not divisible by tp 3"),
+    (["--pp", "2", "--stage-layers", "4,4"], "stage_layers [4, 4] sum to 8, not num_hidden_layers 9"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--set", "generate.top_k=x"], "generate.top_k = 'x': expected int"),
+])
+def test_bad_layouts_and_settings_are_one_error_and_no_output(workdir, flags, words):
+    proc = _generate(workdir, 4, "ids.jsonl", "bad_out.h5", *flags)
+    _assert_one_error(proc, words)
+    assert not (workdir / "bad_out.h5").exists()
+
+
+def test_a_missing_output_folder_is_reported_before_any_work(workdir):
+    proc = _generate(workdir, 2, "ids.jsonl", "no/such/dir/out.h5")
+    _assert_one_error(proc, "output folder no/such/dir does not exist")
+
+
+def _assert_one_error(proc, words):
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert words in errors[0], errors[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_the_shipped_job_files_run(workdir):
+    proc, _ = mpirun(4, ["-m", "hpcpar", "run", str(REPO / "jobs" / "demo.toml")], workdir,
+                     timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: dp 1 x pp 2 x tp 2" in proc.stdout
+    proc, _ = mpirun(2, ["-m", "hpcpar", "run", str(REPO / "jobs" / "generate_hf.toml"),
+                         "--set", "model.checkpoint=model.h5", "--set",
+                         "generate.max_new_tokens=4", "--out", "hf_job.h5"], workdir,
+                     timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(workdir / "hf_job.h5") as f:
+        assert f["tokens"].shape == (4, 4) and len(f["text"]) == 4
+        assert f.attrs["temperature"] == pytest.approx(0.7)
+    proc, _ = mpirun(4, ["-m", "hpcpar", "run", str(REPO / "jobs" / "throughput.toml"),
+                         "--set", "model.checkpoint=model.h5", "--set", "data.random_count=8",
+                         "--set", "data.random_lengths=[8, 16]", "--max-new-tokens", "4",
+                         "--out", "tp_job.h5"], workdir, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(workdir / "tp_job.h5") as f:
+        assert f["tokens"].shape == (8, 4)
+
+
+def test_plan_prints_memory_communication_bubble_and_schedule(workdir):
+    proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", "model.h5", "--pp", "2",
+                         "--tp", "2", "--micro-batches", "3", "--batch", "4",
+                         "--prompt-length", "10", "--max-new-tokens", "6"], workdir)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "dp 1 x pp 2 x tp 2 = 4 ranks" in out
+    assert "(S-1)/(S+M-1) = 25.0%" in out
+    assert "stage 1: .. F0 F1 F2" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", "1 "))]
+    assert [r[1] for r in rows] == ["0-4", "5-8"]
+    proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--preset", "llama3-8b", "--tp", "8",
+                         "--dtype", "bfloat16"], workdir)
+    assert proc.returncode == 0 and "8030.3 M parameters" in proc.stdout, proc.stderr
