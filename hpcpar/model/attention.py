@@ -54,14 +54,17 @@ class Attention:
         k = RotaryEmbedding.apply(k, cos, sin, xp)
         keys, values = cache.append(layer, k, v, slot)           # (B, nkv, S, hd)
 
+        # The g query heads that share a KV head are stacked as rows of one product, so
+        # each (row, KV head) is a single GEMM against its keys, with no broadcast copies.
         group = nh // nkv
-        q = q.reshape(B, nkv, group, T, hd)                      # (B, nkv, g, T, hd)
-        scores = (q * self.scale) @ keys[:, :, None].transpose(0, 1, 2, 4, 3)  # (B, nkv, g, T, S)
-        scores = scores.astype(xp.float32, copy=False)
-        scores = xp.where(mask, scores, -xp.inf)
+        q = (q * self.scale).reshape(B, nkv, group * T, hd)      # (B, nkv, g*T, hd)
+        scores = q @ keys.transpose(0, 1, 3, 2)                  # (B, nkv, g*T, S)
+        scores = scores.astype(xp.float32, copy=False).reshape(B, nkv, group, T, -1)
+        scores = xp.where(mask, scores, -xp.inf)                 # (B, nkv, g, T, S)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        out = probs.astype(x.dtype, copy=False) @ values[:, :, None]   # (B, nkv, g, T, hd)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * hd)      # (B, T, nh*hd)
+        probs = probs.astype(x.dtype, copy=False).reshape(B, nkv, group * T, -1)
+        out = (probs @ values).reshape(B, nkv, group, T, hd)     # (B, nkv, g, T, hd)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * hd)  # (B, T, nh*hd)
         return self.o(out)

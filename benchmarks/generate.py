@@ -1,0 +1,132 @@
+"""Prefill and decode tokens/s of batch generation, as ratios against a single rank run in the
+same script, and against Hugging Face transformers on the same weights and thread count.
+
+    python benchmarks/generate.py                        # ~100M preset, 1, 2 and 4 ranks
+    python benchmarks/generate.py --batch 8 --prompt-length 32 --new-tokens 8 --ranks 1,2
+
+Each layout runs as 'mpiexec -n N python -m hpcpar run' (one BLAS thread per rank) and its
+figures are read back from the output file's report. The transformers baseline (CPU torch,
+one thread) runs when transformers is installed: pip install torch==2.13.0 transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUTS = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(1, 4), (4, 1), (2, 2)],
+           8: [(1, 8), (2, 4), (4, 2)]}        # (pp, tp)
+
+
+def run_hpcpar(mpiexec, n, pp, tp, micro_batches_per_stage, work: Path) -> dict:
+    out = work / f"bench-{n}-{pp}-{tp}.h5"
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "hpcpar", "run", str(work / "job.toml"),
+           "--pp", str(pp), "--tp", str(tp), "--dp", "1",
+           "--micro-batches", str(pp * micro_batches_per_stage), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+    with h5py.File(out) as f:
+        a = f.attrs
+        return {"prefill": float(a["report_prefill_tokens_per_s"]),
+                "decode": float(a["report_decode_tokens_per_s"]),
+                "tokens": f["tokens"][()]}
+
+
+def run_transformers(checkpoint: Path, prompts: np.ndarray, new_tokens: int, repeats: int):
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from hpcpar.checkpoint import open_checkpoint, read_tensor
+    torch.set_num_threads(1)
+    ckpt = open_checkpoint(checkpoint)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ckpt.hf_config)).eval()
+    state = {name: torch.from_numpy(read_tensor(ckpt, name).astype(np.float32))
+             for name in ckpt.tensors}
+    model.load_state_dict(state, strict=False)
+    if ckpt.config.tie_word_embeddings:
+        model.tie_weights()
+    ids = torch.from_numpy(prompts)
+    batch, length = prompts.shape
+    best_prefill = best_generate = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids)
+            best_prefill = min(best_prefill, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=0)
+            best_generate = min(best_generate, time.perf_counter() - t0)
+    decode_s = max(best_generate - best_prefill, 1e-9)
+    return {"prefill": batch * length / best_prefill,
+            "decode": batch * (new_tokens - 1) / decode_s,
+            "tokens": out[:, length:].numpy()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="100m")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--prompt-length", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--ranks", default="1,2,4")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per pipeline stage (decode reads every weight once per "
+                        "micro-batch, so more costs memory traffic there)")
+    p.add_argument("--repeats", type=int, default=2, help="transformers runs (best is kept)")
+    args = p.parse_args()
+    mpiexec = (os.environ.get("MPIEXEC") or shutil.which("mpiexec")
+               or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        L = args.prompt_length
+        (work / "job.toml").write_text(
+            f'[model]\ncheckpoint = "preset:{args.preset}"\n'
+            f'[data]\nprompts = "random"\nrandom_count = {args.batch}\n'
+            f'random_lengths = [{L}, {L}]\n'
+            f'[generate]\nmax_new_tokens = {args.new_tokens}\nstop_at_eos = false\n')
+        print(f"preset {args.preset}, batch {args.batch} x {L} prompt tokens, "
+              f"{args.new_tokens} new tokens, float32, one thread per rank, "
+              f"{os.cpu_count()} cores")
+        rows = []
+        for n in [int(r) for r in args.ranks.split(",")]:
+            for pp, tp in LAYOUTS[n]:
+                rows.append((f"{n} rank(s) pp {pp} tp {tp}",
+                             run_hpcpar(mpiexec, n, pp, tp, args.micro_batches, work)))
+        base = rows[0][1]
+        from hpcpar.generate.engine import cache_dir
+        from hpcpar.generate.prompts import random_prompts
+        from hpcpar.checkpoint import open_checkpoint
+        ckpt_path = cache_dir() / f"{args.preset}-seed0.h5"
+        cfg = open_checkpoint(ckpt_path).config
+        prompts = np.stack(random_prompts(args.batch, (L, L), cfg.vocab_size, 0).ids)
+        hf = run_transformers(ckpt_path, prompts, args.new_tokens, args.repeats)
+        print(f"{'run':<26} {'prefill tok/s':>14} {'vs 1 rank':>10} {'decode tok/s':>13} "
+              f"{'vs 1 rank':>10} {'same tokens':>12}")
+        for name, r in rows + ([("transformers (1 thread)", hf)] if hf else []):
+            same = "yes" if np.array_equal(r["tokens"], base["tokens"]) else "NO"
+            print(f"{name:<26} {r['prefill']:>14,.0f} {r['prefill'] / base['prefill']:>10.2f} "
+                  f"{r['decode']:>13,.1f} {r['decode'] / base['decode']:>10.2f} {same:>12}")
+        if hf is None:
+            print("transformers not installed: pip install torch==2.13.0 transformers")
+
+
+if __name__ == "__main__":
+    main()
