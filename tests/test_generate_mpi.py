@@ -108,3 +108,30 @@ def test_seeded_sampling_is_reproducible_and_layout_independent(checkpoint):
         if comm.Get_rank() == 0:
             assert result.tokens.tolist() == single.tokens.tolist(), layout
             assert result_p.tokens.tolist() == single_p.tokens.tolist(), layout
+
+
+class _FixedPayload:
+    def payload(self, op, mb, step):
+        return (4,), np.float32
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_wrong_schedule_is_an_error_on_every_rank_before_any_step():
+    from hpcpar.backend import NUMPY
+    from hpcpar.comm import create_communicator
+    from hpcpar.errors import HpcparError
+    from hpcpar.pipeline.executor import PipelineExecutor
+    from hpcpar.pipeline.schedule import Op, gpipe_forward
+
+    comm = MPI.COMM_WORLD
+    pp = create_communicator(comm, "mpi", NUMPY, name="pp")
+    stage, stages = comm.Get_rank(), comm.Get_size()
+    executor = PipelineExecutor(pp, stage, _FixedPayload(), NUMPY, in_flight=2)
+    good = gpipe_forward(stages, 2)[stage]
+    executor.preflight(good)                                  # passes on every rank
+    if stage == stages - 1:                                   # the last stage drops a receive
+        bad = [a for a in good if not (a.op is Op.RECV and a.mb == 1)]
+    else:
+        bad = good
+    with pytest.raises(HpcparError, match="never received|deadlock"):
+        executor.preflight(bad)
