@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import GQA, REPO, make_checkpoint, mpirun, write_hf_checkpoint, realistic_tensors
+from helpers import GQA, REPO, mpirun, realistic_tensors, write_hf_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,6 @@ class StageTimes:
 
     compute: list[float] = field(default_factory=lambda: [0.0, 0.0])
     wait: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    wall: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
 
 class PipelineExecutor:
