@@ -187,7 +187,7 @@ def _main(argv) -> int:
 
 def _plan_text(args) -> str:
     from .checkpoint import open_checkpoint, preset_config
-    from .config import LlamaConfig, ParallelConfig
+    from .config import LlamaConfig
     from .dtypes import float_dtype
     from .jobs import PRESET_PREFIX, load_job
 
@@ -207,8 +207,7 @@ def _plan_text(args) -> str:
         cfg = open_checkpoint(spec).config
     par = job.parallel
     world_size = args.world or (par.dp or 1) * (par.pp or 1) * (par.tp or 1)
-    layout = ParallelConfig.infer(world_size, dp=par.dp, pp=par.pp, tp=par.tp,
-                                  micro_batches=par.micro_batches, stage_layers=par.stage_layers)
+    layout = par.layout(world_size)
     layout.check(cfg, world_size)
     from .plan import format_plan
     return format_plan(cfg, layout, args.batch or job.data.random_count,

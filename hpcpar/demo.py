@@ -41,14 +41,14 @@ class DemoOptions:
     comm: str = "auto"
 
 
-def demo_job(opts: DemoOptions, cfg: LlamaConfig, world_size: int) -> Job:
+def demo_job(opts: DemoOptions, checkpoint: str, cfg: LlamaConfig, world_size: int) -> Job:
     if opts.dp is None and opts.pp is None and opts.tp is None:
         layout = demo_layout(world_size, cfg)
         dp, pp, tp = layout.dp, layout.pp, layout.tp
     else:
         dp, pp, tp = opts.dp, opts.pp, opts.tp
     return Job(
-        model=ModelSection(checkpoint=opts.checkpoint or DEMO_CHECKPOINT),
+        model=ModelSection(checkpoint=checkpoint),
         parallel=ParallelSection(dp=dp, pp=pp, tp=tp, micro_batches=2 * (pp or 1),
                                  backend=opts.backend, comm=opts.comm),
         data=DataSection(prompts="random", random_count=16, random_lengths=(4, 24)),
@@ -58,7 +58,7 @@ def demo_job(opts: DemoOptions, cfg: LlamaConfig, world_size: int) -> Job:
 def run_demo(comm, opts: DemoOptions) -> int:
     path = resolve_checkpoint(comm, opts.checkpoint or DEMO_CHECKPOINT)
     cfg = everyone(comm, open_checkpoint, path).config
-    result = run_generation(comm, demo_job(opts, cfg, comm.Get_size()))
+    result = run_generation(comm, demo_job(opts, str(path), cfg, comm.Get_size()))
     if result is not None:
         print(f"hpcpar demo: {path.name}, {cfg.num_hidden_layers} layers, hidden "
               f"{cfg.hidden_size}, vocab {cfg.vocab_size} (random weights)")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from .config import ParallelConfig
 from .errors import HpcparError
 
 if sys.version_info >= (3, 11):
@@ -52,6 +53,12 @@ class ParallelSection:
     stage_layers: tuple[int, ...] | None = None
     backend: str = "auto"
     comm: str = "auto"
+
+    def layout(self, world_size: int) -> ParallelConfig:
+        """The layout on ``world_size`` ranks, absent factors inferred (not yet checked)."""
+        return ParallelConfig.infer(world_size, dp=self.dp, pp=self.pp, tp=self.tp,
+                                    micro_batches=self.micro_batches, schedule=self.schedule,
+                                    stage_layers=self.stage_layers)
 
 
 @dataclass(frozen=True)

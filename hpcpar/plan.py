@@ -16,7 +16,7 @@ from .model import kv_cache_bytes
 from .pipeline.partition import stage_layers
 from .pipeline.schedule import bubble_fraction, draw, gpipe_forward
 from .sharding import shard_of
-from .tensors import stage_tensors
+from .tensors import layer_tensors, stage_tensors
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class StagePlan:
 def plan_stages(cfg: LlamaConfig, layout: ParallelConfig, batch: int, prompt_length: int,
                 max_new_tokens: int, itemsize: int) -> list[StagePlan]:
     replica_batch = -(-batch // layout.dp)
-    kv_heads = max(1, cfg.num_key_value_heads // layout.tp)
+    k_proj = next(spec for spec in layer_tensors(cfg, 0) if spec.role == "k")
+    kv_heads = shard_of(k_proj, cfg, 0, layout.tp).shape[0] // cfg.head_dim   # per rank
     out = []
     for s in range(layout.pp):
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)

@@ -96,10 +96,7 @@ class _Plan:
 
 def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> _Plan:
     cfg = ckpt.config
-    par = job.parallel
-    layout = ParallelConfig.infer(world_size, dp=par.dp, pp=par.pp, tp=par.tp,
-                                  micro_batches=par.micro_batches, schedule=par.schedule,
-                                  stage_layers=par.stage_layers)
+    layout = job.parallel.layout(world_size)
     layout.check(cfg, world_size)
     if layout.schedule != "gpipe":
         raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
@@ -181,27 +178,28 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         table = np.empty((size, RankFigures.width())) if rank == 0 else None
         comm.Gather(figures.to_array(), table, root=0)
         collected = _collect(comm, mesh, layout, plan.prompts, program, settings)
-    if rank != 0:
-        everyone(comm, lambda: None)
-        return None
+    result = None
+    if rank == 0:
+        tokens, lengths, logits = collected
+        report = RunReport.build(table, layout, len(mbs), len(plan.prompts),
+                                 sum(plan.prompts.lengths), int(lengths.sum()))
+        texts = None
+        if plan.tokenizer is not None:
+            texts = [plan.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+                     for row, n in zip(tokens, lengths)]
+        result = GenerationResult(tokens, lengths,
+                                  np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
+                                  texts, report)
 
-    tokens, lengths, logits = collected
-    prompt_tokens = sum(plan.prompts.lengths)
-    report = RunReport.build(table, layout, layout.micro_batches, len(plan.prompts),
-                             prompt_tokens, int(lengths.sum()))
-    texts = None
-    if plan.tokenizer is not None:
-        texts = [plan.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
-                 for row, n in zip(tokens, lengths)]
-    result = GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, dtype=np.int64),
-                              logits, texts, report)
-    if job.output.path:
-        attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind) | report.attrs()
-        with phase(f"writing {job.output.path}"):
-            everyone(comm, write_output, job.output.path, tokens, lengths,
-                     result.prompt_lengths, logits, texts, attrs)
-    else:
-        everyone(comm, lambda: None)
+    def write():
+        if result is not None and job.output.path:
+            attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind)
+            write_output(job.output.path, result.tokens, result.lengths,
+                         result.prompt_lengths, result.prompt_logits, result.texts,
+                         attrs | result.report.attrs())
+
+    with phase("writing the output file"):
+        everyone(comm, write)     # the other ranks wait for rank 0's verdict
     return result
 
 
@@ -215,15 +213,19 @@ def _progress_bar(enabled: bool, total: int):
 
 def _figures(executor, program, stats, shard, backend, start, finished) -> RankFigures:
     t = executor.times
-    ops = stats.ops
+
+    def nbytes(key: str) -> int:
+        op = stats.ops.get(key)
+        return op.bytes if op is not None else 0
+
     return RankFigures(
         compute_prefill=t.compute[0], compute_decode=t.compute[1],
         wait_prefill=t.wait[0], wait_decode=t.wait[1],
         prefill_end=(program.prefill_done_at or start) - start, total=finished - start,
-        tp_all_reduce_bytes=ops["tp.all_reduce"].bytes if "tp.all_reduce" in ops else 0,
-        tp_all_gather_bytes=ops["tp.all_gather"].bytes if "tp.all_gather" in ops else 0,
-        pp_send_bytes=ops["pp.send"].bytes if "pp.send" in ops else 0,
-        pp_recv_bytes=ops["pp.recv"].bytes if "pp.recv" in ops else 0,
+        tp_all_reduce_bytes=nbytes("tp.all_reduce"),
+        tp_all_gather_bytes=nbytes("tp.all_gather"),
+        pp_send_bytes=nbytes("pp.send"),
+        pp_recv_bytes=nbytes("pp.recv"),
         peak_host_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device_bytes=backend.device_memory_bytes(),
         kv_cache_bytes=sum(c.nbytes for c in program.caches),

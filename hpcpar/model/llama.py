@@ -13,11 +13,8 @@ With tied embeddings the last stage's head is its own copy of the embedding slic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..comm import Communicator
 from ..config import LlamaConfig
-from ..sharding import padded_vocab_size
 from ..tensors import TensorSpec
 from .attention import Attention, attention_mask
 from .kv_cache import KVCache
@@ -68,15 +65,6 @@ class DecoderLayer:
         return x + self.mlp(rms_norm(x, self.post_norm, self.eps, xp))
 
 
-@dataclass(frozen=True)
-class StageShape:
-    """What a stage's KV cache needs to know: its layer count and per-partition KV heads."""
-
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-
-
 class LlamaStage:
     """The layers ``layers`` of the model on this (pp, tp) rank, plus the embedding on the
     first stage and the final norm and head on the last.
@@ -102,15 +90,13 @@ class LlamaStage:
             head = top["embed"] if cfg.tie_word_embeddings else top["head"]
             self.head = ParallelLMHead(xp, head, cfg.vocab_size, tp)
         self.rope = RotaryEmbedding(cfg, xp, dtype)
-        kv_heads = self.decoder[0].attention.kv_heads if self.decoder else 0
-        self.shape = StageShape(len(layers), kv_heads, cfg.head_dim)
         self.hidden_size = cfg.hidden_size
-        self.vocab_per_partition = padded_vocab_size(cfg.vocab_size, tp.size) // tp.size
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        s = self.shape
-        return KVCache(self.xp, s.num_layers, batch, s.kv_heads, capacity, s.head_dim,
-                       self.dtype)
+        """This stage's KV cache for a micro-batch of ``batch`` rows and ``capacity`` slots."""
+        kv_heads = self.decoder[0].attention.kv_heads
+        return KVCache(self.xp, len(self.decoder), batch, kv_heads, capacity,
+                       self.cfg.head_dim, self.dtype)
 
     def embed(self, ids):
         """(B, T) token ids -> (B, T, hidden) (first stage)."""

@@ -32,7 +32,8 @@ class ColumnParallelLinear:
     """
 
     def __init__(self, xp, weights: list, biases: list | None = None):
-        self.sizes = [w.shape[0] for w in weights]
+        sizes = [w.shape[0] for w in weights]
+        self.bounds = [sum(sizes[:k]) for k in range(1, len(sizes))]   # where to split y
         self.weight_t = xp.ascontiguousarray(xp.concatenate(weights, axis=0).T)  # (in, out_i)
         self.bias = None if not biases else xp.concatenate(biases)
         self.xp = xp
@@ -41,10 +42,7 @@ class ColumnParallelLinear:
         y = _matmul(x, self.weight_t)
         if self.bias is not None:
             y += self.bias
-        if len(self.sizes) == 1:
-            return y
-        bounds = [sum(self.sizes[:k]) for k in range(1, len(self.sizes))]
-        return self.xp.split(y, bounds, axis=-1)
+        return self.xp.split(y, self.bounds, axis=-1) if self.bounds else y
 
 
 class RowParallelLinear:
