@@ -19,6 +19,8 @@ from typing import Callable, Iterable, Sequence
 from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
 
+REDUCE_OPS = ("sum", "max")
+
 
 def split_sizes(n: int, parts: int) -> list[int]:
     """Lengths of ``parts`` consecutive blocks of ``n`` items, remainder to the first blocks."""
@@ -88,7 +90,7 @@ class Request:
 class Communicator(ABC):
     """Collectives and point-to-point messages over one group of ranks.
 
-    All reductions are sums. Arrays may be NumPy or (on a GPU backend) CuPy; dtypes float32,
+    Reductions are sums (``all_reduce`` also takes the max). Arrays may be NumPy or (on a GPU backend) CuPy; dtypes float32,
     float16, bfloat16, float64 and int64 are supported by every implementation.
     """
 
@@ -106,15 +108,25 @@ class Communicator(ABC):
 
     # ---- public API -----------------------------------------------------------------------
 
-    def all_reduce(self, x):
-        """x <- sum of x over the group, in place; returns x."""
+    def all_reduce(self, x, op: str = "sum"):
+        """x <- sum (or max, with ``op="max"``) of x over the group, in place; returns x."""
+        if op not in REDUCE_OPS:
+            raise HpcparError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if self.size == 1:
             return x
         buf = self.xp.ascontiguousarray(x)
-        self._run("all_reduce", buf.nbytes, self._all_reduce, buf)
+        self._run("all_reduce", buf.nbytes, self._all_reduce, buf, op)
         if buf is not x:
             x[...] = buf
         return x
+
+    def iall_reduce(self, x) -> Request:
+        """Start summing ``x`` (contiguous) over the group in place; the sum is in ``x`` once
+        the returned request's ``wait()`` returns. Do not touch ``x`` before that."""
+        _require_contiguous(x, "iall_reduce")
+        if self.size == 1:
+            return Request(lambda: None)
+        return self._run("all_reduce", x.nbytes, self._iall_reduce, x)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None, out=None):
         """Concatenate every rank's ``x`` along ``axis`` in rank order.
@@ -225,7 +237,11 @@ class Communicator(ABC):
     # ---- what an implementation provides (contiguous buffers only) ------------------------
 
     @abstractmethod
-    def _all_reduce(self, buf) -> None: ...
+    def _all_reduce(self, buf, op: str) -> None: ...
+
+    @abstractmethod
+    def _iall_reduce(self, buf) -> Request:
+        """Start a sum over the group, in place."""
 
     @abstractmethod
     def _all_gather(self, send, recv, sizes: list[int]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import bfloat16
+from ..errors import CommError
 from .base import Communicator, Request
 
 
@@ -138,11 +139,16 @@ class MpiCommunicator(Communicator):
 
     # ---- primitives -------------------------------------------------------------------------
 
-    def _all_reduce(self, buf) -> None:
+    def _all_reduce(self, buf, op) -> None:
         host = self._stage_in(buf)
-        _, op, _ = _types(np.dtype(buf.dtype))
-        self.mpi_comm.Allreduce(MPI.IN_PLACE, self._msg(host), op=op)
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, self._msg(host), op=_reduce_op(buf.dtype, op))
         self._finish(host, buf, copy_back=True)
+
+    def _iall_reduce(self, buf) -> Request:
+        host = self._stage_in(buf)
+        req = self.mpi_comm.Iallreduce(MPI.IN_PLACE, self._msg(host),
+                                       op=_reduce_op(buf.dtype, "sum"))
+        return Request(req.Wait, lambda: self._finish(host, buf, copy_back=True), (host, buf))
 
     def _all_gather(self, send, recv, sizes) -> None:
         hsend, hrecv = self._stage_in(send), self._stage_out(recv)
@@ -189,6 +195,14 @@ class MpiCommunicator(Communicator):
     def _barrier(self) -> None:
         self.backend.synchronize()
         self.mpi_comm.Barrier()
+
+
+def _reduce_op(dtype, op: str) -> MPI.Op:
+    if op == "sum":
+        return _types(np.dtype(dtype))[1]
+    if _types(np.dtype(dtype))[2] != np.dtype(dtype):   # 16-bit floats sent as raw words
+        raise CommError(f"all_reduce op {op!r} is not available for {dtype}; reduce in float32")
+    return MPI.MAX
 
 
 def _counts_and_displs(sizes, block) -> tuple[list[int], list[int]]:

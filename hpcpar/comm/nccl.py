@@ -74,9 +74,14 @@ class NcclCommunicator(Communicator):
     def _t(self, a) -> int:
         return _nccl_dtype(self._lib, a.dtype)
 
-    def _all_reduce(self, buf) -> None:
+    def _all_reduce(self, buf, op) -> None:
         ptr = buf.data.ptr
-        self._comm.allReduce(ptr, ptr, buf.size, self._t(buf), self._lib.NCCL_SUM, self._stream())
+        nccl_op = self._lib.NCCL_MAX if op == "max" else self._lib.NCCL_SUM
+        self._comm.allReduce(ptr, ptr, buf.size, self._t(buf), nccl_op, self._stream())
+
+    def _iall_reduce(self, buf) -> Request:
+        self._all_reduce(buf, "sum")          # enqueued on the stream: already asynchronous
+        return self._event_request(buf)
 
     def _all_gather(self, send, recv, sizes) -> None:
         longest = max(sizes)
