@@ -15,8 +15,9 @@ GPipe forward over S = 3 stages, M = 2 micro-batches (R recv, F forward, S send)
 
 Generation adds a channel back from the last stage to the first (the sampled tokens), so the
 micro-batches circulate and every stage stays busy when M >= S.
-Training schedules (1F1B, interleaved) add BACKWARD, SEND_GRAD and RECV_GRAD actions to the
-same lists.
+Training schedules (``training_schedules``) add backward passes and the gradient channel
+back through the stages to the same lists; an action's ``chunk`` names which of a stage's
+model chunks it runs (the interleaved schedule holds several per stage).
 """
 
 from __future__ import annotations
@@ -31,11 +32,22 @@ class Op(Enum):
     SEND = "send"                 # activations to the next stage
     RECV_TOKENS = "recv_tokens"   # sampled tokens from the last stage (generation, stage 0)
     SEND_TOKENS = "send_tokens"   # sampled tokens to the first stage (generation, last stage)
+    BACKWARD = "backward"         # B: input and weight gradients of one chunk
+    BACKWARD_INPUT = "backward_input"    # I: the input-gradient half of B (zero-bubble)
+    BACKWARD_WEIGHT = "backward_weight"  # W: the weight-gradient half, run later
+    SEND_GRAD = "send_grad"       # input gradients to the previous stage
+    RECV_GRAD = "recv_grad"       # output gradients from the next stage
 
 
-SENDS = {Op.SEND: "activations", Op.SEND_TOKENS: "tokens"}
-RECVS = {Op.RECV: "activations", Op.RECV_TOKENS: "tokens"}
+SENDS = {Op.SEND: "activations", Op.SEND_TOKENS: "tokens", Op.SEND_GRAD: "gradients"}
+RECVS = {Op.RECV: "activations", Op.RECV_TOKENS: "tokens", Op.RECV_GRAD: "gradients"}
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 OP_CODES = {op: i for i, op in enumerate(Op)}
+LETTERS = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
+# Relative durations used to simulate and draw schedules: a backward costs two forwards, and
+# splits into equal input and weight halves.
+UNIT_COST = {Op.FORWARD: 1.0, Op.BACKWARD: 2.0, Op.BACKWARD_INPUT: 1.0,
+             Op.BACKWARD_WEIGHT: 1.0}
 
 
 @dataclass(frozen=True)
@@ -45,10 +57,12 @@ class Action:
     step: int = 0
     peer: int | None = None       # the other stage of a send or receive
     nbytes: int = 0               # payload size, filled in by the executor's pre-flight check
+    chunk: int = 0                # model chunk computed; for a message, the receiver's chunk
 
     def __str__(self) -> str:
         tail = f"->{self.peer}" if self.op in SENDS else f"<-{self.peer}" if self.op in RECVS else ""
-        return f"{self.op.value}(mb {self.mb}, step {self.step}){tail}"
+        where = f", chunk {self.chunk}" if self.chunk else ""
+        return f"{self.op.value}(mb {self.mb}, step {self.step}{where}){tail}"
 
 
 Schedule = list[list[Action]]     # schedule[stage] = that stage's actions, in order
@@ -103,9 +117,9 @@ def simulate(schedule: Schedule, cost: dict[Op, float] | None = None
     Returns, per stage, (start, end, action) in execution order, and the problems found: a
     receive whose matching send carries another micro-batch or step, a message never
     received, or a deadlock (naming where each stage is stuck). ``cost`` gives each op's
-    duration (default: 1 for FORWARD, 0 for the rest).
+    duration (default ``UNIT_COST``: 1 for a forward, 2 for a backward, 0 for messages).
     """
-    cost = cost or {Op.FORWARD: 1.0}
+    cost = cost or UNIT_COST
     n = len(schedule)
     pos, clock = [0] * n, [0.0] * n
     channels: dict[tuple, list[tuple[Action, float]]] = {}
@@ -128,7 +142,7 @@ def simulate(schedule: Schedule, cost: dict[Op, float] | None = None
                     if not queue:
                         break                         # blocked until the sender gets there
                     sent, at = queue.pop(0)
-                    if (sent.mb, sent.step) != (a.mb, a.step):
+                    if (sent.mb, sent.step, sent.chunk) != (a.mb, a.step, a.chunk):
                         problems.append(f"stage {s}: {a} would receive stage {a.peer}'s {sent}")
                     elif sent.nbytes != a.nbytes:
                         problems.append(f"stage {s}: {a} expects {a.nbytes} bytes, stage "
@@ -156,36 +170,43 @@ def schedule_problems(schedule: Schedule) -> list[str]:
 
 
 def draw(schedule: Schedule, width: int = 100) -> str:
-    """A text timeline: one row per stage, one column per unit of forward time,
-    'F<mb>' while computing and '.' while idle."""
+    """A text timeline: one row per stage, one column per unit of forward time, 'F<mb>'
+    (forward), 'B<mb>' (backward, two columns), 'I<mb>' / 'W<mb>' (its input and weight
+    halves) while computing, '.' while idle; chunks other than 0 add '.<chunk>'."""
     timeline, problems = simulate(schedule)
     if problems:
         return "cannot draw: " + "; ".join(problems)
     end = int(max((t[-1][1] for t in timeline if t), default=0))
-    cell = max(len(str(a.mb)) + 1 for row in schedule for a in row) + 1
+
+    def label(a: Action) -> str:
+        return f"{LETTERS[a.op]}{a.mb}" + (f".{a.chunk}" if a.chunk else "")
+
+    cell = max((len(label(a)) for row in schedule for a in row if a.op in COMPUTE),
+               default=2) + 1
     shown = min(end, max(1, width // cell))
     rows = []
     for s, events in enumerate(timeline):
         cells = ["." * (cell - 1)] * shown
         for start, stop, a in events:
-            if a.op is Op.FORWARD and int(start) < shown:
-                cells[int(start)] = f"F{a.mb}".ljust(cell - 1)
+            for t in range(int(start), min(int(stop), shown)):
+                if a.op in COMPUTE:
+                    cells[t] = label(a).ljust(cell - 1)
         more = " ..." if end > shown else ""
         rows.append(f"stage {s}: " + " ".join(cells) + more)
     return "\n".join(rows)
 
 
-ENCODED_FIELDS = 5
+ENCODED_FIELDS = 6
 
 
 def encode(actions: list[Action]) -> list[tuple[int, ...]]:
-    """Actions as integer rows (op, mb, step, peer, nbytes), to compare schedules across
-    ranks without pickling."""
-    return [(OP_CODES[a.op], a.mb, a.step, -1 if a.peer is None else a.peer, a.nbytes)
-            for a in actions]
+    """Actions as integer rows (op, mb, step, peer, nbytes, chunk), to compare schedules
+    across ranks without pickling."""
+    return [(OP_CODES[a.op], a.mb, a.step, -1 if a.peer is None else a.peer, a.nbytes,
+             a.chunk) for a in actions]
 
 
 def decode(rows) -> list[Action]:
     ops = list(Op)
-    return [Action(ops[int(op)], int(mb), int(step), None if peer < 0 else int(peer), int(nb))
-            for op, mb, step, peer, nb in rows]
+    return [Action(ops[int(op)], int(mb), int(step), None if peer < 0 else int(peer), int(nb),
+                   int(chunk)) for op, mb, step, peer, nb, chunk in rows]
