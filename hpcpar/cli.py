@@ -36,6 +36,15 @@ JOB_FLAGS = {
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
     "out": ("output", "path"),
 }
+# training flags -> (job section, key); --seed goes to [train] when the job trains
+TRAIN_FLAGS = {
+    "data": ("data", "dataset"), "schedule": ("parallel", "schedule"),
+    "virtual_stages": ("parallel", "virtual_stages"),
+    **{k: ("train", k) for k in (
+        "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
+        "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
+        "save_every", "resume", "shuffle", "peak_tflops")},
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -88,6 +97,41 @@ def _job_flags(p, required: bool) -> None:
     p.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
 
 
+def _float_pair(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B1,B2, got {text!r}")
+
+
+def _train_flags(p) -> None:
+    """The flags of ``train`` that ``generate`` does not have (``run`` takes both)."""
+    from .pipeline.training_schedules import TRAINING_SCHEDULES
+    from .train.optim import LR_SCHEDULES, OPTIMIZERS
+    p.add_argument("--data", help="training data: .npy rows, .bin tokens or .jsonl")
+    p.add_argument("--steps", type=int, help="total optimizer steps (counted from step 0)")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    p.add_argument("--schedule", choices=TRAINING_SCHEDULES, help="pipeline schedule (1f1b)")
+    p.add_argument("--virtual-stages", type=int, help="model chunks per stage (interleaved)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample for .bin / .jsonl data")
+    p.add_argument("--optimizer", choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--min-lr", type=float)
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES)
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--momentum", type=float)
+    p.add_argument("--betas", type=_float_pair, metavar="B1,B2")
+    p.add_argument("--eps", type=float)
+    p.add_argument("--clip-grad", type=float, help="max gradient norm (0: off)")
+    p.add_argument("--recompute", choices=["none", "full"])
+    p.add_argument("--save-every", type=int, help="checkpoint every K steps (and at the end)")
+    p.add_argument("--resume", help="a training checkpoint, or auto (DIR/latest)")
+    p.add_argument("--shuffle", action="store_const", const=True,
+                   help="permute the samples of each epoch")
+    p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per rank, for MFU")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .backend import BACKENDS
     from .checkpoint import PRESETS
@@ -111,10 +155,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override a job setting (repeatable)")
     _job_flags(run, required=False)
+    _train_flags(run)
 
     gen = sub.add_parser("generate", help="batch generation from prompts")
     gen.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     _job_flags(gen, required=True)
+
+    from .backend import BACKENDS as _backends
+    train = sub.add_parser("train", help="train from a checkpoint on token data")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    train.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
+    train.add_argument("--out", required=True, help="folder for checkpoints and metrics")
+    _layout_flags(train)
+    _train_flags(train)
+    train.add_argument("--seed", type=int, help="shuffle seed")
+    train.add_argument("--backend", choices=_backends)
+    train.add_argument("--comm", choices=COMM_KINDS, help="tp and dp communicator")
 
     plan = sub.add_parser("plan", help="memory, communication and bubble of a layout (no MPI)")
     plan.add_argument("job", nargs="?", type=Path, help="job file to plan (optional)")
@@ -159,11 +215,20 @@ def _main(argv) -> int:
                            backend=getattr(args, "backend", "auto"),
                            comm=getattr(args, "comm", "auto"))
         return run_demo(comm, opts)
-    if command in ("run", "generate"):
-        from .generate import run_generation
+    if command in ("run", "generate", "train"):
         from .jobs import load_job
+        job_file = getattr(args, "job", None)
+        training = command == "train" or (command == "run" and everyone(
+            comm, _is_training, job_file, args))
         flags = {JOB_FLAGS[k]: v for k, v in vars(args).items() if k in JOB_FLAGS}
-        job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags)
+        flags.update({TRAIN_FLAGS[k]: v for k, v in vars(args).items() if k in TRAIN_FLAGS})
+        if training:
+            flags.pop(JOB_FLAGS["seed"], None)
+            flags[("train", "seed")] = getattr(args, "seed", None)
+        job = everyone(comm, load_job, job_file, args.set, flags)
+        if training:
+            return _train(comm, job)
+        from .generate import run_generation
         result = run_generation(comm, job)
         if result is not None:
             print(result.report.format())
@@ -183,6 +248,23 @@ def _main(argv) -> int:
             args.out, lambda: init_checkpoint(args.out, args.preset, args.seed,
                                               float_dtype(args.dtype))))
     raise AssertionError(command)
+
+
+def _is_training(job_file, args) -> bool:
+    """A job trains when its file has a [train] section or a training flag or --set says so."""
+    from .jobs import read_job_file
+    raw = read_job_file(job_file) if job_file is not None else {}
+    return ("train" in raw or any(a.startswith("train.") for a in args.set)
+            or any(getattr(args, k, None) is not None for k in TRAIN_FLAGS))
+
+
+def _train(comm, job) -> int:
+    from .train.engine import run_training
+    report = run_training(comm, job)
+    if report is not None:
+        print(report.format())
+        print(f"wrote {job.output.path}")
+    return 0
 
 
 def _plan_text(args) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from .errors import HpcparError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 class ConfigError(HpcparError):

@@ -6,8 +6,10 @@
                 backend, comm
     [data]      prompts = "prompts.jsonl"   (.npy, .jsonl, or "random" with random_count,
                                              random_lengths = [min, max], random_seed)
+                dataset = "tokens.bin"      training data (.npy rows, .bin, .jsonl)
     [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, save_logits
-    [output]    path = "out.h5"
+    [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
+    [output]    path = "out.h5" (generation) or a folder (training)
 
 Later sources win: the file, then ``--set section.key=value``, then explicit flags. Input
 paths in a file (checkpoint, prompts) are relative to the file, so a job runs from anywhere;
@@ -49,15 +51,17 @@ class ParallelSection:
     pp: int | None = None
     tp: int | None = None
     micro_batches: int = 1
-    schedule: str = "gpipe"
+    schedule: str | None = None        # generation: gpipe; training: 1f1b
+    virtual_stages: int = 1            # model chunks per stage (interleaved schedule)
     stage_layers: tuple[int, ...] | None = None
     backend: str = "auto"
     comm: str = "auto"
 
-    def layout(self, world_size: int) -> ParallelConfig:
+    def layout(self, world_size: int, default_schedule: str = "gpipe") -> ParallelConfig:
         """The layout on ``world_size`` ranks, absent factors inferred (not yet checked)."""
         return ParallelConfig.infer(world_size, dp=self.dp, pp=self.pp, tp=self.tp,
-                                    micro_batches=self.micro_batches, schedule=self.schedule,
+                                    micro_batches=self.micro_batches,
+                                    schedule=self.schedule or default_schedule,
                                     stage_layers=self.stage_layers)
 
 
@@ -67,6 +71,7 @@ class DataSection:
     random_count: int = 8
     random_lengths: tuple[int, ...] = (4, 16)
     random_seed: int = 0
+    dataset: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,29 @@ class GenerateSection:
 
 
 @dataclass(frozen=True)
+class TrainSection:
+    steps: int = 10
+    global_batch: int = 8
+    seq_len: int | None = None          # needed by .bin and .jsonl data
+    optimizer: str = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    betas: tuple[float, ...] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 0.0
+    recompute: str = "none"
+    save_every: int = 0                 # 0: only at the end
+    resume: str | None = None           # a checkpoint path, or "auto"
+    seed: int = 0
+    shuffle: bool = False
+    peak_tflops: float = 0.0            # per rank, for MFU; 0: measured by a GEMM probe
+
+
+@dataclass(frozen=True)
 class OutputSection:
     path: str | None = None
 
@@ -91,12 +119,13 @@ class Job:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     data: DataSection = field(default_factory=DataSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
+    train: TrainSection = field(default_factory=TrainSection)
     output: OutputSection = field(default_factory=OutputSection)
 
 
 SECTIONS = [f.name for f in fields(Job)]
 _SECTION_TYPES = get_type_hints(Job)
-_INPUT_KEYS = {("model", "checkpoint"), ("data", "prompts")}
+_INPUT_KEYS = {("model", "checkpoint"), ("data", "prompts"), ("data", "dataset")}
 
 
 def read_job_file(path: str | Path) -> dict:

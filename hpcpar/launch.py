@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 EXIT_INVALID = 2   # bad input, reported once
 EXIT_FAILED = 1    # anything else
+EXIT_PREEMPTED = 3  # stopped on SIGTERM/SIGUSR1 after saving its state: run again to resume
 
 _state = {"phase": "start-up", "where": None}
 

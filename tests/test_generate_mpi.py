@@ -106,7 +106,7 @@ def test_seeded_sampling_is_reproducible_and_layout_independent(checkpoint):
 
 
 class _FixedPayload:
-    def payload(self, op, mb, step):
+    def payload(self, a):
         return (4,), np.float32
 
 

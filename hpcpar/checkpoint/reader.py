@@ -116,9 +116,11 @@ class LoadedShard:
 
 
 def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_size: int = 1,
-               dtype: np.dtype | None = None, backend: ArrayBackend = NUMPY) -> LoadedShard:
+               dtype: np.dtype | None = None, backend: ArrayBackend = NUMPY,
+               dataset: str = "{}") -> LoadedShard:
     """Read this rank's slice of each tensor in ``specs`` into arrays of ``dtype`` (default:
-    the checkpoint's) on ``backend``'s device.
+    the checkpoint's) on ``backend``'s device. ``dataset`` names the datasets read, with {}
+    for the tensor name (a training checkpoint's optimizer state is shaped like the tensors).
 
     Only the slice is read (an HDF5 hyperslab selection), straight into a preallocated buffer
     when no dtype conversion is needed; vocabulary padding rows stay zero.
@@ -132,9 +134,10 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
             shard = shard_of(spec, ckpt.config, tp_rank, tp_size)
             raw = np.zeros(shard.shape, dtype=stored)
             try:
-                f[spec.name].read_direct(raw, source_sel=shard.source, dest_sel=shard.dest)
+                f[dataset.format(spec.name)].read_direct(raw, source_sel=shard.source,
+                                                         dest_sel=shard.dest)
             except (OSError, KeyError) as e:
-                raise CheckpointError(f"{ckpt.path}: reading tensor {spec.name} failed, the "
+                raise CheckpointError(f"{ckpt.path}: reading {dataset.format(spec.name)} failed, the "
                                       f"file is truncated or corrupt ({_first_line(e)})") from None
             out.bytes_read += shard.source_numel * stored.itemsize
             host = raw.view(ckpt.dtype) if stored != ckpt.dtype else raw

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from ..model import LlamaStage
-from ..pipeline.schedule import Op
+from ..pipeline.schedule import Action, Op
 from .batching import MicroBatch
 from .sampling import SamplingParams, next_tokens
 
@@ -56,26 +56,29 @@ class GenerationProgram:
 
     # ---- StageProgram ----------------------------------------------------------------------
 
-    def payload(self, op: Op, mb: int, step: int):
-        batch = self.mbs[mb]
-        if op in (Op.SEND, Op.RECV):
-            length = batch.length if step == 0 else 1
+    def payload(self, a: Action):
+        batch = self.mbs[a.mb]
+        if a.op in (Op.SEND, Op.RECV):
+            length = batch.length if a.step == 0 else 1
             return (batch.size, length, self.stage.hidden_size), self.stage.dtype
         return (batch.size,), np.dtype(np.int64)
 
     def finished(self, mb: int) -> bool:
         return self.stage.first and bool(self.done[self._local(self.mbs[mb])].all())
 
-    def receive(self, op: Op, mb: int, step: int, payload) -> None:
-        if op is Op.RECV:
-            self.inputs[mb] = payload
+    def receive(self, a: Action, payload) -> None:
+        if a.op is Op.RECV:
+            self.inputs[a.mb] = payload
         else:
-            self._record(self.mbs[mb], step, self.backend.to_host(payload))
+            self._record(self.mbs[a.mb], a.step, self.backend.to_host(payload))
 
-    def outgoing(self, op: Op, mb: int, step: int):
-        if op is Op.SEND:
-            return self.outputs.pop(mb)
-        return self.xp.asarray(self.tokens[self._local(self.mbs[mb]), step])
+    def outgoing(self, a: Action):
+        if a.op is Op.SEND:
+            return self.outputs.pop(a.mb)
+        return self.xp.asarray(self.tokens[self._local(self.mbs[a.mb]), a.step])
+
+    def compute(self, a: Action) -> None:
+        self.forward(a.mb, a.step)
 
     def forward(self, mb: int, step: int) -> None:
         stage, batch, xp = self.stage, self.mbs[mb], self.xp

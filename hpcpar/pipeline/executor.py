@@ -1,13 +1,13 @@
 """Runs one stage's action list: framed non-blocking messages, receives posted ahead.
 
-Every message between stages is one contiguous byte buffer: a fixed 32-byte header
-(op, micro-batch, step, flags as int64) followed by the payload. Both ends know the payload's
+Every message between stages is one contiguous byte buffer: a fixed 40-byte header
+(op, micro-batch, step, chunk, flags as int64) followed by the payload. Both ends know the payload's
 shape from the job (every rank of a pipeline holds the same prompts), so micro-batches of
 different shapes need no shape handshake; the header lets the receiver check that it got the
 message it expected, and carries the STOP flag that retires a micro-batch whose rows have
 all finished.
 
-Overlap: before a FORWARD, the receive the stage will need next is posted, so its data
+Overlap: before a forward or backward pass, the receive the stage will need next is posted, so its data
 arrives while this micro-batch computes; sends never block the compute. Only when a channel
 has more unfinished sends than micro-batches in flight does the oldest get waited on: at
 most one message per micro-batch can be unreceived on a channel, so that one has arrived.
@@ -24,10 +24,10 @@ import numpy as np
 
 from ..comm import Communicator
 from ..errors import CommError, HpcparError
-from .schedule import (ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode, encode,
-                       simulate)
+from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode,
+                       encode, simulate)
 
-HEADER_WORDS = 4                    # op, micro-batch, step, flags
+HEADER_WORDS = 5                    # op, micro-batch, step, chunk, flags
 HEADER_BYTES = HEADER_WORDS * 8
 FLAG_STOP = 1
 
@@ -35,17 +35,18 @@ FLAG_STOP = 1
 class StageProgram(Protocol):
     """What a stage computes; the executor decides when, and moves the messages."""
 
-    def payload(self, op: Op, mb: int, step: int) -> tuple[tuple[int, ...], np.dtype]:
+    def payload(self, a: Action) -> tuple[tuple[int, ...], np.dtype]:
         """Shape and dtype of the payload of a send or receive."""
 
     def finished(self, mb: int) -> bool:
         """Whether micro-batch ``mb`` needs no more steps (checked before each FORWARD)."""
 
-    def receive(self, op: Op, mb: int, step: int, payload) -> None: ...
+    def receive(self, a: Action, payload) -> None: ...
 
-    def forward(self, mb: int, step: int) -> None: ...
+    def compute(self, a: Action) -> None:
+        """Run a FORWARD, BACKWARD, BACKWARD_INPUT or BACKWARD_WEIGHT action."""
 
-    def outgoing(self, op: Op, mb: int, step: int):
+    def outgoing(self, a: Action):
         """The payload to send (an array of the ``payload`` shape)."""
 
 
@@ -83,7 +84,7 @@ class PipelineExecutor:
         out = []
         for a in actions:
             if a.op in SENDS or a.op in RECVS:
-                shape, dtype = self.program.payload(a.op, a.mb, a.step)
+                shape, dtype = self.program.payload(a)
                 a = replace(a, nbytes=int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
             out.append(a)
         return out
@@ -118,7 +119,7 @@ class PipelineExecutor:
 
         def post(i: int):
             a = actions[i]
-            frame = Frame(xp, *program.payload(a.op, a.mb, a.step))
+            frame = Frame(xp, *program.payload(a))
             posted[i] = (frame, self.pp.irecv(frame.buf, a.peer, tag=OP_CODES[a.op]))
 
         for i, a in enumerate(actions):
@@ -132,16 +133,16 @@ class PipelineExecutor:
                 frame, request = posted.pop(i)
                 request.wait()
                 self.times.wait[phase] += perf_counter() - t0
-                op, mb, step, flags = (int(v) for v in self.backend.to_host(frame.header))
-                if (op, mb, step) != (OP_CODES[_sender_of(a.op)], a.mb, a.step):
+                op, mb, step, chunk, flags = (int(v) for v in self.backend.to_host(frame.header))
+                if (op, mb, step, chunk) != (OP_CODES[_sender_of(a.op)], a.mb, a.step, a.chunk):
                     raise CommError(f"pipeline stage {self.stage} expected {a} but received "
-                                    f"op {op}, micro-batch {mb}, step {step}")
+                                    f"op {op}, micro-batch {mb}, step {step}, chunk {chunk}")
                 if flags & FLAG_STOP:
                     stop_step[a.mb] = a.step
                 else:
-                    program.receive(a.op, a.mb, a.step, frame.payload)
-            elif a.op is Op.FORWARD:
-                if program.finished(a.mb):
+                    program.receive(a, frame.payload)
+            elif a.op in COMPUTE:
+                if a.op is Op.FORWARD and program.finished(a.mb):
                     stop_step[a.mb] = a.step
                     continue
                 j = next_recv[i]
@@ -149,15 +150,16 @@ class PipelineExecutor:
                     j = next_recv[j]
                 if j is not None and j not in posted:
                     post(j)
-                program.forward(a.mb, a.step)
+                program.compute(a)
                 self.times.compute[phase] += perf_counter() - t0
             else:  # a send
-                frame = Frame(xp, *program.payload(a.op, a.mb, a.step))
+                frame = Frame(xp, *program.payload(a))
                 stop = a.mb in stop_step
                 if not stop:
-                    frame.payload[...] = program.outgoing(a.op, a.mb, a.step)
+                    frame.payload[...] = program.outgoing(a)
                 frame.header[...] = xp.asarray(
-                    [OP_CODES[a.op], a.mb, a.step, FLAG_STOP if stop else 0], dtype=xp.int64)
+                    [OP_CODES[a.op], a.mb, a.step, a.chunk, FLAG_STOP if stop else 0],
+                    dtype=xp.int64)
                 queue = sends.setdefault((a.op, a.peer), deque())
                 queue.append(self.pp.isend(frame.buf, a.peer, tag=OP_CODES[_receiver_of(a.op)]))
                 while len(queue) > self.in_flight:
@@ -170,12 +172,15 @@ class PipelineExecutor:
         self.times.wait[1] += perf_counter() - t0
 
 
+_SENDER_OF = {Op.RECV: Op.SEND, Op.RECV_TOKENS: Op.SEND_TOKENS, Op.RECV_GRAD: Op.SEND_GRAD}
+
+
 def _sender_of(op: Op) -> Op:
-    return {Op.RECV: Op.SEND, Op.RECV_TOKENS: Op.SEND_TOKENS}[op]
+    return _SENDER_OF[op]
 
 
 def _receiver_of(op: Op) -> Op:
-    return {Op.SEND: Op.RECV, Op.SEND_TOKENS: Op.RECV_TOKENS}[op]
+    return {send: recv for recv, send in _SENDER_OF.items()}[op]
 
 
 def _next_receive_indices(actions: list[Action]) -> list[int | None]:

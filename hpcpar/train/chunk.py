@@ -62,7 +62,22 @@ class ModelChunk:
             self.head = top["embed"] if cfg.tie_word_embeddings else top["head"]
             self.loss = VocabParallelCrossEntropy(xp, cfg.vocab_size, tp)
         self.params = list(params.values())
+        self.groups = self._backward_groups(top)
         self.rope = RotaryEmbedding(cfg, xp, self.params[0].data.dtype)
+
+    def _backward_groups(self, top: dict[str, Param]) -> list[list[Param]]:
+        """The chunk's parameters grouped by when their gradient is complete in a backward
+        pass: the head and final norm, then each layer from the last, then the embedding
+        (a tied head is the embedding: complete only at the end)."""
+        groups = []
+        if self.last:
+            tied_here = self.first and self.head is top.get("embed")
+            head = [self.final_norm] + ([] if tied_here else [self.head])
+            groups.append(head)
+        groups += [list(layer.p.values()) for layer in reversed(self.decoder)]
+        if self.first:
+            groups.append([self.embedding.w])
+        return groups
 
     def forward(self, x, batch: Batch):
         """``x``: activations (B, T, hidden), or ignored on the first chunk (it embeds the
@@ -94,15 +109,24 @@ class ModelChunk:
         ctx["h"] = h
         return loss, ctx
 
-    def backward(self, ctx: dict, dy, sink: GradSink):
+    def backward(self, ctx: dict, dy, sink: GradSink, group_done=None):
         """dy: the gradient of the loss w.r.t. this chunk's output (ignored on the last chunk,
-        whose output is the loss). Returns dx for the previous chunk, None on the first."""
+        whose output is the loss). Returns dx for the previous chunk, None on the first.
+        ``group_done(k)`` is called as soon as ``self.groups[k]`` has its gradient added."""
+        done = iter(range(len(self.groups)))
+
+        def finished_group():
+            k = next(done)
+            if group_done is not None:
+                group_done(k)
+
         if self.last:
             dz = self.loss.backward(ctx.pop("loss"))                           # (N, V/p)
             h = ctx.pop("h")
             dh = linear_backward(dz.reshape(h.shape[:-1] + (-1,)), h, self.head, None, sink)
             self.tp.all_reduce(dh)                                             # f backward
             dy = rms_norm_backward(dh, ctx.pop("final_norm"), self.final_norm, sink)
+            finished_group()
         cos, sin, mask = ctx["rope"]
         saved = ctx.pop("layers")
         for layer in reversed(self.decoder):
@@ -110,8 +134,10 @@ class ModelChunk:
             if self.recompute:
                 _, lctx = layer.forward(lctx, cos, sin, mask)
             dy = layer.backward(dy, lctx, sink)
+            finished_group()
         if self.first:
             self.embedding.backward(dy, ctx.pop("embed"), sink)
+            finished_group()
             return None
         return dy
 

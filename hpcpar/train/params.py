@@ -21,9 +21,6 @@ from ..config import LlamaConfig
 from ..sharding import Split, split_of
 from ..tensors import EMBED, TensorSpec
 
-# Tensors whose gradient the optimizer's weight decay skips (DESIGN §3: norms, not matrices).
-NO_DECAY_ROLES = ("input_norm", "post_attention_norm", "final_norm")
-
 
 @dataclass(eq=False)
 class Param:
@@ -31,7 +28,7 @@ class Param:
     data: object            # this rank's shard, float32 master weights
     grad: object            # same shape; summed over micro-batches, then over dp
     counted: bool           # this rank's elements count in the global gradient norm
-    decay: bool             # weight decay applies (matrices and biases of linears)
+    decay: bool             # weight decay applies: matrices, not norm weights or biases
     kv_replicated: bool     # a KV head shared by several tp ranks: grads summed over them
 
     @property
@@ -55,8 +52,7 @@ def make_param(spec: TensorSpec, data, xp, cfg: LlamaConfig, tp_rank: int, tp_si
         counted = tp_rank % replicas == 0
     if last_stage_tied_copy and spec.name == EMBED:
         counted = False
-    return Param(spec, data, xp.zeros_like(data), counted, spec.role not in NO_DECAY_ROLES,
-                 replicas > 1)
+    return Param(spec, data, xp.zeros_like(data), counted, len(spec.shape) == 2, replicas > 1)
 
 
 class GradSink:

@@ -1,0 +1,144 @@
+"""Training checkpoints (DESIGN §4): a weights checkpoint plus the optimizer state and the
+training state, written by every rank's own slices and read back under any layout.
+
+    DIR/step-S.h5       the model tensors (float32 master weights, Hugging Face names),
+                        optimizer/<tensor name>/<state name> of the same shapes, and a
+                        ``train`` group whose attributes hold the step, the samples consumed
+                        and the run's settings; the source checkpoint's tokenizer
+    DIR/latest          the file name of the newest complete checkpoint
+
+Writing: rank 0 creates every dataset in a temporary file; then, one rank at a time, each
+rank that counts a slice (``Param.counted`` on dp rank 0: exactly one rank per element)
+writes its slices into place; rank 0 renames the file into place and updates ``latest``. No
+rank ever holds more than its own shard, and a crash leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..checkpoint import Checkpoint, CheckpointError, load_shard, open_checkpoint
+from ..checkpoint.format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION,
+                                 TOKENIZER_GROUP, chunk_shape)
+from ..errors import HpcparError
+from ..sharding import shard_of
+from ..tensors import model_tensors
+from .params import Param
+
+TRAIN_GROUP = "train"
+OPTIMIZER_GROUP = "optimizer"
+LATEST = "latest"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step}.h5"
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
+                train_attrs: dict) -> None:
+    """Rank 0: every dataset of the checkpoint, empty, in the temporary file."""
+    cfg = source.config
+    with h5py.File(_tmp(path), "w") as f:
+        f.attrs[ATTR_VERSION] = FORMAT_VERSION
+        f.attrs[ATTR_CONFIG] = json.dumps(source.hf_config, sort_keys=True)
+        f.attrs[ATTR_DTYPE] = "float32"
+        f.attrs["source"] = f"hpcpar train, step {train_attrs['step']}"
+        for spec in model_tensors(cfg):
+            chunks = chunk_shape(spec, cfg, 4)
+            f.create_dataset(spec.name, spec.shape, dtype=np.float32, chunks=chunks)
+            for state in state_names:
+                f.create_dataset(f"{OPTIMIZER_GROUP}/{spec.name}/{state}", spec.shape,
+                                 dtype=np.float32, chunks=chunks)
+        group = f.create_group(TRAIN_GROUP)
+        for k, v in train_attrs.items():
+            group.attrs[k] = v
+        for name, data in source.tokenizer_files().items():
+            f.require_group(TOKENIZER_GROUP).create_dataset(
+                name, data=np.frombuffer(data, dtype=np.uint8))
+
+
+def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, tp_rank: int,
+                 tp_size: int, to_host) -> None:
+    """This rank's counted slices of every param and its optimizer state."""
+    with h5py.File(_tmp(path), "r+") as f:
+        for p in params:
+            if not p.counted:
+                continue
+            shard = shard_of(p.spec, cfg, tp_rank, tp_size)
+            f[p.name][shard.source] = to_host(p.data)[shard.dest]
+            for state, value in states.get(p.name, {}).items():
+                f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][shard.source] = \
+                    to_host(value)[shard.dest]
+
+
+def commit(path: Path) -> None:
+    """Rank 0: move the finished file into place, then point ``latest`` at it."""
+    os.replace(_tmp(path), path)
+    latest = path.parent / LATEST
+    tmp = latest.with_name(f".{LATEST}.tmp")
+    tmp.write_text(path.name + "\n")
+    os.replace(tmp, latest)
+
+
+def discard(path: Path) -> None:
+    _tmp(path).unlink(missing_ok=True)
+
+
+def resolve_resume(spec: str | None, out_dir: Path) -> Path | None:
+    """The checkpoint to resume from: a path, ``auto`` (DIR/latest if it exists), or None."""
+    if not spec:
+        return None
+    if spec != "auto":
+        return Path(spec)
+    latest = out_dir / LATEST
+    if not latest.exists():
+        return None
+    name = latest.read_text().strip()
+    path = out_dir / name
+    if not path.exists():
+        raise HpcparError(f"{latest} names {name}, which does not exist; remove {latest} or "
+                          "resume from an explicit --resume PATH")
+    return path
+
+
+def open_resume(path: Path, model: Checkpoint) -> tuple[Checkpoint, dict]:
+    """Validate a training checkpoint to resume from; returns it and its train attributes."""
+    ckpt = open_checkpoint(path)
+    with ckpt.open() as f:
+        group = f.get(TRAIN_GROUP)
+        if group is None:
+            raise CheckpointError(f"{path}: not a training checkpoint (no '{TRAIN_GROUP}' "
+                                  "group); give it as --checkpoint to start a new training")
+        attrs = {k: _plain(v) for k, v in group.attrs.items()}
+    if ckpt.config != model.config:
+        diff = [k for k in ckpt.config.__dataclass_fields__
+                if getattr(ckpt.config, k) != getattr(model.config, k)]
+        raise CheckpointError(f"{path}: its model differs from --checkpoint {model.path} "
+                              f"({', '.join(diff)}); resume with the checkpoint it was "
+                              "trained from")
+    return ckpt, attrs
+
+
+def load_optimizer_state(ckpt: Checkpoint, specs, state_names, tp_rank: int, tp_size: int,
+                         backend) -> dict[str, dict]:
+    """name -> {state name -> this rank's slice} from a training checkpoint."""
+    out: dict[str, dict] = {}
+    for state in state_names:
+        shard = load_shard(ckpt, specs, tp_rank, tp_size, np.float32, backend,
+                           dataset=f"{OPTIMIZER_GROUP}/{{}}/{state}")
+        for name, value in shard.tensors.items():
+            out.setdefault(name, {})[state] = value
+    return out
+
+
+def _plain(v):
+    return v.item() if isinstance(v, np.generic) else v

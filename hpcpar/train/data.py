@@ -1,0 +1,193 @@
+"""Training data: token sequences and the order the steps read them in (DESIGN §3).
+
+A dataset is a list of samples of L + 1 tokens each (inputs ``row[:-1]``, labels ``row[1:]``):
+
+- ``.npy`` of int ids ``[rows, L + 1]``, one sample per row; negative ids at the start of a
+  row are left padding (its labels are ignored, and so is the label of the first real token,
+  which has no context);
+- ``.bin``, a flat token file (uint16 when the vocabulary fits, else uint32): sample i is
+  tokens ``[i L, i L + L + 1)`` with ``--seq-len L``;
+- ``.jsonl`` of ``{"ids": [...]}`` or ``{"text": "..."}`` lines, tokenized, joined (EOS
+  between documents when the model has one) and cut like a ``.bin``.
+
+Order: step s (1-based) reads global samples (s-1) B .. s B - 1, wrapping around the dataset;
+with ``shuffle`` each epoch is a permutation drawn from a generator keyed by (seed, epoch).
+The position is a global sample index, so it survives any change of dp or micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..config import LlamaConfig
+from ..errors import HpcparError
+
+
+class DataError(HpcparError):
+    pass
+
+
+@dataclass
+class Dataset:
+    samples: np.ndarray          # (n, L + 1) int64 (or a memmap view cut into windows)
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def seq_len(self) -> int:
+        """Input positions per sample (L)."""
+        return self.samples.shape[1] - 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of a ``.bin`` token file for this vocabulary."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _windows(tokens: np.ndarray, seq_len: int, source: str) -> np.ndarray:
+    """Samples i = tokens[i L, i L + L + 1) as a strided view (no copy of a memmap)."""
+    n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        raise DataError(f"{source}: {len(tokens)} tokens do not fill one sample of "
+                        f"seq_len {seq_len} + 1")
+    stride = tokens.strides[0]
+    return np.lib.stride_tricks.as_strided(tokens, (n, seq_len + 1), (seq_len * stride, stride),
+                                           writeable=False)
+
+
+def load_dataset(path: str | Path, cfg: LlamaConfig, seq_len: int | None = None,
+                 tokenizer=None) -> Dataset:
+    """Read and check a dataset; every problem is a one-line ``DataError``."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such data file (.npy rows, .bin tokens or .jsonl)")
+    suffix = path.suffix
+    if suffix == ".npy":
+        try:
+            rows = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise DataError(f"{path}: not a readable .npy array ({e})") from None
+        if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer):
+            raise DataError(f"{path}: expected int token ids of shape [rows, L + 1], got "
+                            f"{rows.dtype} {rows.shape}")
+        samples = rows.astype(np.int64, copy=False)
+    elif suffix in (".bin", ".jsonl"):
+        if not seq_len:
+            raise DataError(f"{path}: a {suffix} dataset needs --seq-len (tokens per sample)")
+        if suffix == ".bin":
+            tokens = np.memmap(path, dtype=token_dtype(cfg.vocab_size), mode="r")
+        else:
+            tokens = _jsonl_tokens(path, cfg, tokenizer)
+        samples = _windows(tokens, seq_len, str(path))
+    else:
+        raise DataError(f"{path}: unknown data format {suffix!r}; use .npy, .bin or .jsonl")
+    if seq_len and samples.shape[1] != seq_len + 1:
+        raise DataError(f"{path}: rows hold {samples.shape[1]} tokens, --seq-len {seq_len} "
+                        f"needs {seq_len + 1}")
+    check_samples(samples, cfg, str(path))
+    return Dataset(samples, str(path))
+
+
+def _jsonl_tokens(path: Path, cfg: LlamaConfig, tokenizer) -> np.ndarray:
+    eos = list(cfg.eos_token_id[:1])
+    ids: list[int] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e})") from None
+        if isinstance(item, dict) and isinstance(item.get("ids"), list):
+            doc = item["ids"]
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
+            if tokenizer is None:
+                raise DataError(f"{path}:{n}: text lines need the tokenizer kept in the "
+                                "checkpoint ('hpcpar convert' stores it); give ids instead")
+            doc = tokenizer.encode(item["text"]).ids
+        else:
+            raise DataError(f'{path}:{n}: expected {{"ids": [...]}} or {{"text": "..."}}')
+        ids += list(doc) + eos
+    return np.asarray(ids, dtype=np.int64)
+
+
+def check_samples(samples: np.ndarray, cfg: LlamaConfig, source: str) -> None:
+    if len(samples) == 0:
+        raise DataError(f"{source}: the dataset holds no samples")
+    if samples.shape[1] < 2:
+        raise DataError(f"{source}: samples of {samples.shape[1]} token(s); training needs at "
+                        "least 2 (an input and its next-token label)")
+    top = int(samples.max())
+    if top >= cfg.vocab_size:
+        where = np.argwhere(samples >= cfg.vocab_size)[0]
+        raise DataError(f"{source}: token id {top} >= vocab_size {cfg.vocab_size} (first at "
+                        f"sample {where[0]}, position {where[1]})")
+    real = samples >= 0
+    pad = pad_lengths(samples)
+    if (real.sum(axis=1) != samples.shape[1] - pad).any():
+        bad = int(np.argmax(real.sum(axis=1) != samples.shape[1] - pad))
+        raise DataError(f"{source}: sample {bad} has padding (negative ids) after a real "
+                        "token; only left padding is allowed")
+    short = samples.shape[1] - pad < 2
+    if short.any():
+        raise DataError(f"{source}: sample {int(np.argmax(short))} has fewer than 2 real "
+                        "tokens; training needs an input and a label")
+
+
+def pad_lengths(samples: np.ndarray) -> np.ndarray:
+    """Leading negative ids per row."""
+    real = samples >= 0
+    return np.where(real.any(axis=1), real.argmax(axis=1), samples.shape[1]).astype(np.int64)
+
+
+def sample_indices(first: int, count: int, num_samples: int, shuffle: bool,
+                   seed: int) -> np.ndarray:
+    """The dataset rows of global samples first .. first + count - 1 (step s of batch B
+    reads first = (s - 1) B)."""
+    g = np.arange(first, first + count, dtype=np.int64)
+    if not shuffle:
+        return g % num_samples
+    epochs, within = np.divmod(g, num_samples)
+    out = np.empty_like(g)
+    for epoch in np.unique(epochs):
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(num_samples)
+        pick = epochs == epoch
+        out[pick] = perm[within[pick]]
+    return out
+
+
+@dataclass
+class HostBatch:
+    """One micro-batch on the host (see ``chunk.Batch`` for the meaning of the fields)."""
+
+    ids: np.ndarray
+    pad: np.ndarray
+    labels: np.ndarray
+    weights: np.ndarray
+
+
+def label_count(samples: np.ndarray) -> int:
+    """How many labels count in the loss: per row, L + 1 - pad - 1 (the first real token
+    has no label)."""
+    return int((samples.shape[1] - 1 - pad_lengths(samples)).sum())
+
+
+def make_batches(samples: np.ndarray, num_micro_batches: int, total_labels: int,
+                 dtype) -> list[HostBatch]:
+    """Split a replica's samples into micro-batches of inputs, labels and loss weights."""
+    out = []
+    for part in np.array_split(samples, num_micro_batches):
+        pad = pad_lengths(part)
+        inputs, targets = part[:, :-1], part[:, 1:]
+        T = inputs.shape[1]
+        ignored = np.arange(T)[None, :] < pad[:, None]              # input is padding
+        labels = np.where(ignored, -1, targets).reshape(-1)
+        weights = np.where(ignored, 0.0, 1.0 / total_labels).astype(dtype).reshape(-1)
+        out.append(HostBatch(np.maximum(inputs, 0), pad, labels, weights))
+    return out

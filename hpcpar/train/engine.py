@@ -1,0 +1,344 @@
+"""A training job from start to end, on every rank of ``comm``.
+
+    validate (agreed by every rank) -> mesh and communicators -> load this rank's slices
+    (from --checkpoint, or from the checkpoint --resume names, with its optimizer state)
+    -> pre-flight check of the schedule -> for each step: this replica's samples, the
+    pipeline schedule, dp reduction in buckets, replicated sums, one tiny AllReduce (loss,
+    gradient norm, stop request), clip, optimizer step, metrics -> checkpoints -> report
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from ..backend import select_backend
+from ..checkpoint import Checkpoint, load_shard, open_checkpoint
+from ..comm import CommStats, create_communicator
+from ..config import ParallelConfig
+from ..errors import HpcparError
+from ..generate.engine import load_tokenizer, resolve_checkpoint
+from ..jobs import Job
+from ..launch import EXIT_PREEMPTED, JobFailed, everyone, local_rank, phase, set_location
+from ..mesh import Mesh
+from ..pipeline.executor import PipelineExecutor
+from ..pipeline.partition import stage_layers
+from ..pipeline.training_schedules import micro_batch_problems, training_schedule
+from ..tensors import stage_tensors
+from . import checkpoint as tc
+from .chunk import Batch, ModelChunk
+from .data import Dataset, label_count, load_dataset, make_batches, sample_indices
+from .grads import GradientReducer, local_sq_norm, sum_replicated
+from .optim import Optimizer, OptimizerSettings, clip_coefficient, learning_rate
+from .params import make_params
+from .program import TrainingProgram
+from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
+
+RECOMPUTE = ("none", "full")
+
+
+@dataclass
+class TrainPlan:
+    layout: ParallelConfig
+    virtual_stages: int
+    optimizer: OptimizerSettings
+    dataset: Dataset
+    out_dir: Path
+    resume: tuple[Checkpoint, dict] | None
+    start_step: int
+    samples_start: int
+
+
+def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
+    cfg, tr = ckpt.config, job.train
+    layout = job.parallel.layout(world_size, default_schedule="1f1b")
+    V = job.parallel.virtual_stages
+    problems = layout.problems(cfg, world_size)
+    if not problems:
+        problems += micro_batch_problems(layout.schedule, layout.pp, layout.micro_batches, V)
+    if layout.schedule == "interleaved" and V > 1:
+        if cfg.num_hidden_layers % (layout.pp * V):
+            problems.append(f"the interleaved schedule cuts the {cfg.num_hidden_layers} layers "
+                            f"into pp * virtual_stages = {layout.pp * V} equal chunks; choose "
+                            "pp and virtual_stages whose product divides the layers")
+        if layout.stage_layers is not None:
+            problems.append("stage_layers cannot be combined with the interleaved schedule")
+    replicas_x_mbs = layout.dp * layout.micro_batches
+    if tr.global_batch < 1 or tr.global_batch % replicas_x_mbs:
+        problems.append(f"global batch {tr.global_batch} is not divisible by dp * micro_batches"
+                        f" = {layout.dp} * {layout.micro_batches} = {replicas_x_mbs}")
+    if tr.steps < 1:
+        problems.append(f"steps must be >= 1, got {tr.steps}")
+    if tr.recompute not in RECOMPUTE:
+        problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if tr.save_every < 0:
+        problems.append(f"save_every must be >= 0, got {tr.save_every}")
+    settings = OptimizerSettings(tr.optimizer, tr.lr, tr.min_lr, tr.lr_schedule,
+                                 tr.warmup_steps, tr.weight_decay, tr.momentum,
+                                 tuple(tr.betas), tr.eps, tr.clip_grad)
+    problems += settings.problems()
+    if not job.data.dataset:
+        problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
+    if not job.output.path:
+        problems.append("no output folder: give --out DIR")
+    if problems:
+        raise HpcparError("invalid training job: " + "; ".join(problems))
+    dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt))
+    out_dir = Path(job.output.path)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise HpcparError(f"--out {out_dir} is a file; training writes a folder of checkpoints")
+    if not out_dir.parent.is_dir():
+        raise HpcparError(f"--out {out_dir}: folder {out_dir.parent} does not exist")
+    resume = None
+    start_step = samples_start = 0
+    resume_path = tc.resolve_resume(tr.resume, out_dir)
+    if resume_path is not None:
+        resume = tc.open_resume(resume_path, ckpt)
+        attrs = resume[1]
+        if attrs.get("optimizer") != settings.name:
+            raise HpcparError(f"{resume_path}: trained with optimizer {attrs.get('optimizer')!r}"
+                              f", this job uses {settings.name!r}; keep the optimizer to resume")
+        start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
+    return TrainPlan(layout, V, settings, dataset, out_dir, resume, start_step, samples_start)
+
+
+def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
+                 virtual_stages: int) -> list[range]:
+    """The layers of each chunk of ``stage``: one contiguous range, or with V chunks the
+    ranges of virtual stages stage, stage + p, ... (equal pieces of num_layers / pV)."""
+    if virtual_stages == 1:
+        return [stage_layers(num_layers, layout.pp, stage, layout.stage_layers)]
+    per = num_layers // (layout.pp * virtual_stages)
+    return [range(v * per, (v + 1) * per)
+            for v in range(stage, layout.pp * virtual_stages, layout.pp)]
+
+
+class _StopRequest:
+    """SIGTERM / SIGUSR1 set a flag; the ranks agree on it at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
+    """Run ``job`` on every rank of ``comm``; returns the report on rank 0, None elsewhere.
+    Raises ``JobFailed(EXIT_PREEMPTED)`` on every rank after saving when asked to stop."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    path = resolve_checkpoint(comm, job.model.checkpoint)
+    ckpt = everyone(comm, open_checkpoint, path)
+    cfg, tr = ckpt.config, job.train
+    with phase("checking the training job"):
+        plan = everyone(comm, _validate, job, ckpt, size)
+    layout, V = plan.layout, plan.virtual_stages
+    if plan.start_step >= tr.steps:
+        if rank == 0:
+            print(f"nothing to do: the checkpoint is at step {plan.start_step} >= steps "
+                  f"{tr.steps}")
+        return None
+
+    mesh = Mesh(comm, layout)
+    set_location(mesh.describe())
+    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
+    xp = backend.xp
+    stats = CommStats()
+    tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
+    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
+    dp = create_communicator(mesh.dp_comm, job.parallel.comm, backend, stats, "dp")
+    kv_comm = _kv_group(mesh, cfg, backend, stats)
+
+    # ---- this rank's chunks and parameters ---------------------------------------------
+    source = plan.resume[0] if plan.resume else ckpt
+    last_virtual = layout.pp * V - 1
+    chunks, params, all_specs = [], [], []
+    with phase("loading the checkpoint"):
+        for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.pp_rank, V)):
+            v = c * layout.pp + mesh.pp_rank
+            first, last = v == 0, v == last_virtual
+            specs = stage_tensors(cfg, layers, first, last)
+            shard = everyone(comm, load_shard, source, specs, mesh.tp_rank, layout.tp,
+                             np.float32, backend)
+            chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.tp_rank, layout.tp,
+                                       last_stage_tied_copy=last and not first)
+            chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, xp,
+                                     recompute=tr.recompute == "full"))
+            params += chunk_params.values()
+            all_specs += specs
+        optimizer = Optimizer(plan.optimizer, params, xp)
+        if plan.resume:
+            states = everyone(comm, tc.load_optimizer_state, plan.resume[0], all_specs,
+                              optimizer.state_names, mesh.tp_rank, layout.tp, backend)
+            optimizer.state.update(states)
+            optimizer.steps = plan.start_step
+    tied_peer = None
+    if cfg.tie_word_embeddings and layout.pp > 1 and (mesh.is_first_stage or mesh.is_last_stage):
+        tied_peer = (pp, layout.pp - 1 if mesh.is_first_stage else 0)
+    groups = [g for chunk in reversed(chunks) for g in chunk.groups]
+    reducer = GradientReducer(dp, groups, xp) if layout.dp > 1 else None
+
+    # ---- the schedule, checked once: every step has the same shapes ---------------------
+    B, M = tr.global_batch, layout.micro_batches
+    T = plan.dataset.seq_len
+    mb_rows = B // (layout.dp * M)
+    actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.pp_rank]
+    shape_only = [Batch(np.zeros((mb_rows, T), np.int64), None, None, None)] * M
+    executor = PipelineExecutor(pp, mesh.pp_rank, TrainingProgram(
+        chunks, shape_only, layout.pp, mesh.pp_rank, cfg.hidden_size, np.float32, xp),
+        backend, in_flight=M * V)
+    with phase("checking the pipeline schedule"):
+        everyone(comm, executor.preflight, actions)
+
+    metrics = Metrics(plan.out_dir / "metrics.jsonl", rank == 0, plan.start_step)
+    per_token = flops_per_token(cfg, T)
+    peak = tr.peak_tflops * 1e12 if tr.peak_tflops else peak_flops(xp, backend)
+    figures = TrainFigures()
+    bar = _progress_bar(rank == 0 and progress, tr.steps - plan.start_step)
+    comm.Barrier()
+    stats.reset()
+    step = plan.start_step
+    saved_at = step
+    with _StopRequest() as stop, phase("training"):
+        while step < tr.steps:
+            step += 1
+            start = perf_counter()
+            first_sample = plan.samples_start + (step - plan.start_step - 1) * B
+            rows = plan.dataset.samples[sample_indices(first_sample, B, len(plan.dataset),
+                                                       tr.shuffle, tr.seed)]
+            mine = rows[mesh.dp_rank * B // layout.dp:(mesh.dp_rank + 1) * B // layout.dp]
+            batches = [Batch(xp.asarray(b.ids), xp.asarray(b.pad), xp.asarray(b.labels),
+                             xp.asarray(b.weights))
+                       for b in make_batches(np.asarray(mine, dtype=np.int64), M,
+                                             label_count(np.asarray(rows)), np.float32)]
+            for p in params:
+                p.grad[...] = 0
+            if reducer:
+                reducer.start_step()
+            program = TrainingProgram(chunks, batches, layout.pp, mesh.pp_rank, cfg.hidden_size,
+                                      np.float32, xp, reducer.grads_done if reducer else None)
+            executor.program = program
+            executor.run(actions)
+            t_reduce = perf_counter()
+            if reducer:
+                reducer.finish()
+            sum_replicated(params, kv_comm, tied_peer, xp)
+            backend.synchronize()
+            figures.reduce += perf_counter() - t_reduce
+            counts_loss = chunks[-1].last and mesh.tp_rank == 0
+            agreed = np.array([program.loss if counts_loss else 0.0,
+                               local_sq_norm(params, xp) if mesh.dp_rank == 0 else 0.0,
+                               1.0 if stop.requested else 0.0])
+            comm.Allreduce(np.copy(agreed), agreed)
+            loss, norm, stopping = float(agreed[0]), math.sqrt(agreed[1]), agreed[2] > 0
+            everyone(comm, _check_finite, step, loss, norm, plan.out_dir, saved_at)
+            lr = learning_rate(plan.optimizer, step, tr.steps)
+            optimizer.step(lr, clip_coefficient(norm, plan.optimizer.clip_grad))
+            backend.synchronize()
+            seconds = perf_counter() - start
+            figures.add_step(executor.times, program.peak_held, seconds)
+            executor.times.compute[0] = executor.times.wait[0] = 0.0
+            tokens = B * T
+            metrics.write(StepRecord(step, loss, norm, lr, tokens, seconds, tokens / seconds,
+                                     tokens / seconds * per_token / (size * peak)))
+            if bar:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            elif rank == 0 and progress:
+                print(metrics.line(), flush=True)
+            if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
+                with phase(f"saving the checkpoint of step {step}"):
+                    _save(comm, mesh, plan, ckpt, params, optimizer, step, first_sample + B, job)
+                saved_at = step
+            if stopping and step < tr.steps:
+                if bar:
+                    bar.close()
+                if rank == 0:
+                    print(f"stopped at step {step} on request (SIGTERM/SIGUSR1); saved "
+                          f"{plan.out_dir / tc.checkpoint_name(step)}; run again with "
+                          "--resume auto to continue", flush=True)
+                raise JobFailed(EXIT_PREEMPTED)
+    if bar:
+        bar.close()
+    figures.set_comm(stats, reducer)
+    table = np.empty((size, TrainFigures.width())) if rank == 0 else None
+    comm.Gather(figures.to_array(), table, root=0)
+    if rank != 0:
+        return None
+    return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
+
+
+def _kv_group(mesh: Mesh, cfg, backend, stats):
+    """The tp ranks that hold the same KV head, when kv_heads < tp (else None)."""
+    tp_size = mesh.layout.tp
+    kv = cfg.num_key_value_heads
+    if kv >= tp_size:
+        return None
+    replicas = tp_size // kv
+    sub = mesh.tp_comm.Split(mesh.tp_rank // replicas, mesh.tp_rank)
+    return create_communicator(sub, "mpi", backend, stats, "kv")
+
+
+def _check_finite(step: int, loss: float, norm: float, out_dir: Path, saved_at: int) -> None:
+    if math.isfinite(loss) and math.isfinite(norm):
+        return
+    kept = (f"the last good checkpoint is {out_dir / tc.checkpoint_name(saved_at)}"
+            if saved_at and (out_dir / tc.checkpoint_name(saved_at)).exists()
+            else "no checkpoint was written by this run")
+    raise HpcparError(f"step {step}: loss is {loss}, gradient norm {norm}; training stopped "
+                      f"before the update ({kept}); lower --lr or set --clip-grad")
+
+
+def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer, step: int,
+          samples: int, job: Job) -> None:
+    """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``)."""
+    path = plan.out_dir / tc.checkpoint_name(step)
+    tr = job.train
+    attrs = {"step": step, "samples": samples, "optimizer": plan.optimizer.name,
+             "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
+             "seq_len": plan.dataset.seq_len, "data": str(plan.dataset.source),
+             "layout": f"dp {plan.layout.dp} x pp {plan.layout.pp} x tp {plan.layout.tp}",
+             "schedule": plan.layout.schedule, "lr": tr.lr}
+
+    def create():
+        if comm.Get_rank() == 0:
+            plan.out_dir.mkdir(exist_ok=True)
+            tc.create_file(path, ckpt, optimizer.state_names, attrs)
+
+    everyone(comm, create)
+    states = {p.name: optimizer.state_of(p) for p in params}
+    to_host = optimizer.xp.asnumpy if hasattr(optimizer.xp, "asnumpy") else np.asarray
+    for r in range(comm.Get_size()):
+        if r == comm.Get_rank() and mesh.dp_rank == 0:
+            tc.write_slices(path, params, states, ckpt.config, mesh.tp_rank, mesh.layout.tp,
+                            to_host)
+        comm.Barrier()
+
+    def commit():
+        if comm.Get_rank() == 0:
+            tc.commit(path)
+
+    everyone(comm, commit)
+
+
+def _progress_bar(enabled: bool, total: int):
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", desc="training", leave=False)

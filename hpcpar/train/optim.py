@@ -1,0 +1,132 @@
+"""Optimizers, learning-rate schedules and gradient clipping, as DESIGN §3 fixes them.
+
+SGD and AdamW follow ``torch.optim.SGD`` (momentum, no dampening, no Nesterov) and
+``torch.optim.AdamW`` (bias correction, eps outside the square root, decoupled weight decay)
+operation for operation, so float32 results agree with torch's to rounding. Weight decay
+applies to matrices (embeddings and linear weights), not to norm weights or biases.
+Every update is elementwise, so it runs on each rank's shard as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import HpcparError
+from .params import Param
+
+OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "cosine", "linear")
+STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 0.0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.name not in OPTIMIZERS:
+            out.append(f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            out.append(f"lr_schedule {self.lr_schedule!r} is not one of "
+                       f"{', '.join(LR_SCHEDULES)}")
+        for name in ("lr", "min_lr", "weight_decay", "momentum", "eps", "clip_grad"):
+            if getattr(self, name) < 0:
+                out.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            out.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            out.append(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
+        return out
+
+
+def learning_rate(s: OptimizerSettings, step: int, total_steps: int) -> float:
+    """The lr of step ``step`` (1-based): linear warmup to ``lr`` over ``warmup_steps``, then
+    constant, or cosine / linear decay reaching ``min_lr`` at step ``total_steps``."""
+    if step <= s.warmup_steps:
+        return s.lr * step / s.warmup_steps
+    if s.lr_schedule == "constant" or total_steps <= s.warmup_steps:
+        return s.lr
+    progress = min(1.0, (step - s.warmup_steps) / (total_steps - s.warmup_steps))
+    if s.lr_schedule == "cosine":
+        return s.min_lr + (s.lr - s.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return s.lr - (s.lr - s.min_lr) * progress
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """What ``torch.nn.utils.clip_grad_norm_`` multiplies the gradients by (1 when off)."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+class Optimizer:
+    """Per-parameter state (same shape as the shard) and the update of one step."""
+
+    def __init__(self, settings: OptimizerSettings, params: list[Param], xp):
+        problems = settings.problems()
+        if problems:
+            raise HpcparError("invalid optimizer settings: " + "; ".join(problems))
+        self.s, self.params, self.xp = settings, params, xp
+        self.state_names = STATE_NAMES[settings.name]
+        self.state: dict[str, dict[str, object]] = {}
+        self.steps = 0                      # optimizer steps taken (AdamW's bias correction)
+
+    def state_of(self, p: Param) -> dict[str, object]:
+        st = self.state.get(p.name)
+        if st is None:
+            st = self.state[p.name] = {k: self.xp.zeros_like(p.data) for k in self.state_names}
+        return st
+
+    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+        """Update every parameter from its ``grad`` (multiplied by ``grad_scale``, the clip
+        coefficient, first)."""
+        self.steps += 1
+        for p in self.params:
+            g = p.grad
+            if grad_scale != 1.0:
+                g *= grad_scale
+            if self.s.name == "sgd":
+                self._sgd(p, g, lr)
+            else:
+                self._adamw(p, g, lr)
+
+    def _sgd(self, p: Param, g, lr: float) -> None:
+        s = self.s
+        if s.weight_decay and p.decay:
+            g = g + s.weight_decay * p.data
+        if s.momentum:
+            st = self.state_of(p)
+            buf = st["momentum_buffer"]
+            if self.steps == 1:                       # torch: the buffer starts as the grad
+                buf[...] = g
+            else:
+                buf *= s.momentum
+                buf += g
+            g = buf
+        p.data -= lr * g
+
+    def _adamw(self, p: Param, g, lr: float) -> None:
+        s, xp = self.s, self.xp
+        b1, b2 = s.betas
+        if s.weight_decay and p.decay:
+            p.data *= 1.0 - lr * s.weight_decay
+        st = self.state_of(p)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        m += (1.0 - b1) * (g - m)                       # torch: exp_avg.lerp_(grad, 1 - b1)
+        v *= b2
+        v += (1.0 - b2) * g * g
+        bc1 = 1.0 - b1 ** self.steps
+        bc2_sqrt = math.sqrt(1.0 - b2 ** self.steps)
+        denom = xp.sqrt(v) / bc2_sqrt + s.eps
+        p.data -= (lr / bc1) * (m / denom)
