@@ -6,7 +6,8 @@
                 backend, comm
     [data]      prompts = "prompts.jsonl"   (.npy, .jsonl, or "random" with random_count,
                                              random_lengths = [min, max], random_seed)
-                dataset = "tokens.bin"      training data (.npy rows, .bin, .jsonl)
+                dataset = "tokens.bin"      training data (.npy rows, .bin, .jsonl, or
+                                             "synthetic", generated)
     [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, save_logits
     [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
     [output]    path = "out.h5" (generation) or a folder (training)
@@ -145,7 +146,7 @@ def read_job_file(path: str | Path) -> dict:
 
 
 def _is_file_path(value: str) -> bool:
-    return not value.startswith(PRESET_PREFIX) and value != "random"
+    return not value.startswith(PRESET_PREFIX) and value not in ("random", "synthetic")
 
 
 def parse_set(assignment: str) -> tuple[str, str, Any]:

@@ -8,7 +8,9 @@ A dataset is a list of samples of L + 1 tokens each (inputs ``row[:-1]``, labels
 - ``.bin``, a flat token file (uint16 when the vocabulary fits, else uint32): sample i is
   tokens ``[i L, i L + L + 1)`` with ``--seq-len L``;
 - ``.jsonl`` of ``{"ids": [...]}`` or ``{"text": "..."}`` lines, tokenized, joined (EOS
-  between documents when the model has one) and cut like a ``.bin``.
+  between documents when the model has one) and cut like a ``.bin``;
+- ``synthetic``: generated sequences a model can learn (each token is followed by a fixed
+  successor 90% of the time), for demos and benchmarks without data files.
 
 Order: step s (1-based) reads global samples (s-1) B .. s B - 1, wrapping around the dataset;
 with ``shuffle`` each epoch is a permutation drawn from a generator keyed by (seed, epoch).
@@ -61,9 +63,29 @@ def _windows(tokens: np.ndarray, seq_len: int, source: str) -> np.ndarray:
                                            writeable=False)
 
 
+SYNTHETIC = "synthetic"
+SYNTHETIC_ROWS = 4096
+
+
+def synthetic_samples(vocab_size: int, seq_len: int, rows: int = SYNTHETIC_ROWS,
+                      seed: int = 0) -> np.ndarray:
+    """Sequences where token t is followed by successor[t] with probability 0.9 and by a
+    uniform random token otherwise: a loss that falls from log(vocab) towards ~0.5 nats."""
+    rng = np.random.default_rng([seed, 1])
+    successor = rng.permutation(vocab_size)
+    out = np.empty((rows, seq_len + 1), dtype=np.int64)
+    out[:, 0] = rng.integers(0, vocab_size, rows)
+    for t in range(1, seq_len + 1):
+        noise = rng.random(rows) < 0.1
+        out[:, t] = np.where(noise, rng.integers(0, vocab_size, rows), successor[out[:, t - 1]])
+    return out
+
+
 def load_dataset(path: str | Path, cfg: LlamaConfig, seq_len: int | None = None,
                  tokenizer=None) -> Dataset:
     """Read and check a dataset; every problem is a one-line ``DataError``."""
+    if str(path) == SYNTHETIC:
+        return Dataset(synthetic_samples(cfg.vocab_size, seq_len or 64), SYNTHETIC)
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such data file (.npy rows, .bin tokens or .jsonl)")
