@@ -1,0 +1,154 @@
+"""``hpcpar train`` and training job files as users run them, under mpiexec in a subprocess:
+the shipped tiny job learns, its checkpoint generates, bad input is one error with no
+checkpoint written, and a job stopped by a signal resumes under another layout to the same
+weights as a run that was never stopped."""
+
+import json
+import os
+import signal
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import GQA, REPO, make_checkpoint, mpirun, MPIEXEC
+from test_generate_cli import _assert_one_error
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train_cli")
+    make_checkpoint(folder, GQA)
+    rows = np.random.default_rng(0).integers(0, GQA["vocab_size"], (64, 9))
+    np.save(folder / "data.npy", rows)
+    return folder
+
+
+def _train(workdir, n, out, *extra, timeout=120):
+    return mpirun(n, ["-m", "hpcpar", "train", "--checkpoint", "model.h5", "--data",
+                      "data.npy", "--steps", "2", "--global-batch", "8", "--out", out, *extra],
+                  workdir, timeout=timeout)[0]
+
+
+def test_the_tiny_job_learns_and_its_checkpoint_generates(workdir):
+    proc, seconds = mpirun(8, ["-m", "hpcpar", "run", str(REPO / "jobs" / "train_tiny.toml")],
+                           workdir, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: dp 2 x pp 2 x tp 2; schedule 1f1b, 4 micro-batch(es)" in proc.stdout
+    metrics = [json.loads(line) for line in open(workdir / "train_tiny" / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == list(range(1, 41))
+    assert metrics[0]["loss"] > 5.0 and metrics[-1]["loss"] < 2.0
+    for key in ("grad_norm", "lr", "tokens", "seconds", "tokens_per_s", "mfu"):
+        assert all(m[key] > 0 for m in metrics), key
+    assert (workdir / "train_tiny" / "latest").read_text().strip() == "step-40.h5"
+    assert (workdir / "train_tiny" / "step-20.h5").exists()
+    proc, _ = mpirun(2, ["-m", "hpcpar", "generate", "--checkpoint", "train_tiny/step-40.h5",
+                         "--prompts", "random", "--max-new-tokens", "4", "--out", "gen.h5",
+                         "--tp", "2"], workdir)
+    assert proc.returncode == 0, proc.stderr
+    with h5py.File(workdir / "gen.h5") as f:
+        assert f["tokens"].shape[1] == 4
+
+
+@pytest.mark.parametrize("rows, flags, words", [
+    ([[5, 250, 7]], [], "token id 250 >= vocab_size 250"),
+    ([[5], [6]], [], "samples of 1 token(s); training needs at least 2"),
+    (None, ["--global-batch", "6", "--dp", "2", "--micro-batches", "2"],
+     "global batch 6 is not divisible by dp * micro_batches = 2 * 2 = 4"),
+    (None, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+            "--micro-batches", "2"], "cuts the 9 layers into pp * virtual_stages = 4"),
+    (None, ["--schedule", "interleaved", "--pp", "2", "--virtual-stages", "3",
+            "--micro-batches", "3"], "micro_batches 3 is not a multiple of pp 2"),
+    (None, ["--lr", "-1"], "lr must be >= 0"),
+])
+def test_bad_training_input_is_one_error_and_no_checkpoint(workdir, rows, flags, words):
+    data = ["--data", "data.npy"]
+    if rows is not None:
+        np.save(workdir / "bad.npy", np.array(rows))
+        data = ["--data", "bad.npy"]
+    proc = _train(workdir, 2, "bad_out", *flags, *data)
+    _assert_one_error(proc, words)
+    assert not (workdir / "bad_out").exists()
+
+
+def test_resuming_from_another_model_is_refused(workdir):
+    proc = _train(workdir, 1, "other_model", "--steps", "1")
+    assert proc.returncode == 0, proc.stderr
+    other = make_checkpoint(workdir / "other", dict(GQA, intermediate_size=96))[0]
+    proc = mpirun(1, ["-m", "hpcpar", "train", "--checkpoint", str(other), "--data",
+                      "data.npy", "--steps", "2", "--global-batch", "8", "--out",
+                      "other_model", "--resume", "auto"], workdir)[0]
+    _assert_one_error(proc, "its model differs from --checkpoint")
+    assert not (workdir / "other_model" / "step-2.h5").exists()
+
+
+def test_a_diverging_run_stops_at_the_bad_step_and_keeps_the_last_good_checkpoint(workdir):
+    proc = _train(workdir, 2, "diverge", "--steps", "4", "--save-every", "1", "--optimizer",
+                  "sgd", "--lr", "1e30", "--dp", "2")
+    _assert_one_error(proc, "step 2: loss is")
+    assert "the last good checkpoint is diverge/step-1.h5" in proc.stderr
+    assert (workdir / "diverge" / "latest").read_text().strip() == "step-1.h5"
+    assert not (workdir / "diverge" / "step-2.h5").exists()
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry))
+    return children + [d for c in children for d in _descendants(c)]
+
+
+def test_a_signal_stops_at_a_step_boundary_and_the_run_resumes_under_another_layout(workdir):
+    common = ["--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9", "--global-batch",
+              "4", "--shuffle", "--seed", "3"]
+    straight = _train(workdir, 1, "straight", *common, "--steps", "200")
+    assert straight.returncode == 0, straight.stderr
+
+    import subprocess
+    import sys
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    args = [MPIEXEC, "-n", "2", sys.executable, "-m", "hpcpar", "train", "--checkpoint",
+            "model.h5", "--data", "data.npy", "--out", "stopped", "--dp", "2", "--steps",
+            "200", *common]
+    proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "stopped" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not metrics.exists()
+                                           or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.01)
+    ranks = [p for p in _descendants(proc.pid) if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert ranks, "no rank process found"
+    os.kill(ranks[-1], signal.SIGUSR1)                     # one rank hears it
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    stopped_at = int((workdir / "stopped" / "latest").read_text().strip()[5:-3])
+    assert 3 <= stopped_at < 200
+    assert f"stopped at step {stopped_at} on request" in out
+
+    resumed = mpirun(2, ["-m", "hpcpar", "train", "--checkpoint", "model.h5", "--data",
+                         "data.npy", "--out", "stopped", "--tp", "2", "--steps", "200",
+                         "--resume", "auto", *common], workdir, timeout=120)[0]
+    assert resumed.returncode == 0, resumed.stderr
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    expected = [json.loads(line)["loss"]
+                for line in open(workdir / "straight" / "metrics.jsonl")]
+    assert len(losses) == 200
+    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    with h5py.File(workdir / "stopped" / "step-200.h5") as a, \
+            h5py.File(workdir / "straight" / "step-200.h5") as b:
+        for name, dset in b.items():
+            if isinstance(dset, h5py.Dataset):
+                # 200 float32 steps summed in other orders: normwise per tensor
+                got, want = a[name][()], dset[()]
+                assert np.linalg.norm(got - want) <= 1e-4 * np.linalg.norm(want), name
+            else:
+                assert set(a[name]) == set(dset)
