@@ -184,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prompt-length", type=int, help="longest prompt, in tokens")
     plan.add_argument("--max-new-tokens", type=int)
     plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    plan.add_argument("--train", action="store_true",
+                      help="plan training (implied by a job with [train] or training flags)")
+    from .pipeline.training_schedules import TRAINING_SCHEDULES
+    plan.add_argument("--schedule", choices=TRAINING_SCHEDULES)
+    plan.add_argument("--virtual-stages", type=int)
+    plan.add_argument("--global-batch", type=int)
+    plan.add_argument("--seq-len", type=int)
+    plan.add_argument("--optimizer", choices=["adamw", "sgd"])
+    plan.add_argument("--recompute", choices=["none", "full"])
 
     conv = sub.add_parser("convert", help="Hugging Face folder -> HDF5 checkpoint")
     conv.add_argument("hf_dir", type=Path)
@@ -274,7 +283,9 @@ def _plan_text(args) -> str:
     from .jobs import PRESET_PREFIX, load_job
 
     flags = {("parallel", k): getattr(args, k) for k in
-             ("dp", "pp", "tp", "micro_batches", "stage_layers")}
+             ("dp", "pp", "tp", "micro_batches", "stage_layers", "schedule", "virtual_stages")}
+    flags.update({("train", k): getattr(args, k) for k in
+                  ("global_batch", "seq_len", "optimizer", "recompute")})
     flags[("model", "dtype")] = args.dtype
     flags[("model", "checkpoint")] = (PRESET_PREFIX + args.preset if args.preset
                                       else args.checkpoint)
@@ -289,8 +300,14 @@ def _plan_text(args) -> str:
         cfg = open_checkpoint(spec).config
     par = job.parallel
     world_size = args.world or (par.dp or 1) * (par.pp or 1) * (par.tp or 1)
-    layout = par.layout(world_size)
+    training = args.train or _is_training(args.job, args)
+    layout = par.layout(world_size, "1f1b" if training else "gpipe")
     layout.check(cfg, world_size)
+    if training:
+        from .plan import format_train_plan
+        tr = job.train
+        return format_train_plan(cfg, layout, par.virtual_stages, tr.global_batch,
+                                 tr.seq_len or 64, tr.optimizer, tr.recompute == "full", name)
     from .plan import format_plan
     return format_plan(cfg, layout, args.batch or job.data.random_count,
                        args.prompt_length or max(job.data.random_lengths),

@@ -89,3 +89,59 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def format_train_plan(cfg: LlamaConfig, layout: ParallelConfig, virtual_stages: int,
+                      global_batch: int, seq_len: int, optimizer: str, recompute: bool,
+                      model_name: str) -> str:
+    """Training: per stage, parameters, weights + gradients + optimizer state, activations
+    of one micro-batch and at the schedule's peak; the bubble and the drawn schedule."""
+    from .pipeline.training_schedules import (bubble_formula, micro_batch_problems,
+                                              peak_activations_formula, training_schedule)
+    from .train.engine import chunk_layers
+    from .train.memory import activation_bytes, state_bytes
+
+    p, M, V = layout.pp, layout.micro_batches, virtual_stages
+    kind = layout.schedule
+    rows = global_batch // (layout.dp * M)
+    lines = [
+        f"model: {model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}",
+        f"layout: dp {layout.dp} x pp {p} x tp {layout.tp} = {layout.world_size} ranks; "
+        f"{kind} with {M} micro-batch(es) of {rows} x {seq_len} tokens per replica"
+        + (f", {V} chunks per stage" if V > 1 else "")
+        + f"; {optimizer}; recompute {'full' if recompute else 'none'}",
+        "",
+        f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
+        f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
+    ]
+    for s in range(p):
+        chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
+        count, act = 0, 0
+        for c, layers in enumerate(chunks):
+            v = c * p + s
+            first, last = v == 0, v == p * V - 1
+            count += sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
+                         for spec in stage_tensors(cfg, layers, first, last))
+            act += activation_bytes(cfg, layout.tp, len(layers), rows, seq_len, first, last,
+                                    recompute)
+        per_mb = act // len(chunks)
+        peak = peak_activations_formula(kind, p, M, s, V) * per_mb
+        st = state_bytes(count, optimizer)
+        span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
+        lines.append(f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
+                     f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "
+                     f"{_size(per_mb):>17} {_size(peak):>10} "
+                     f"{_size(sum(st.values()) + peak):>10}")
+    problems = micro_batch_problems(kind, p, M, V)
+    if problems:
+        return "\n".join(lines + ["", "cannot run: " + "; ".join(problems)])
+    lines += [
+        "",
+        f"pipeline bubble: {bubble_formula(kind, p, M, V):.1%} by the {kind} formula "
+        "(F = 1, B = 2, I = W = 1 units)",
+        "schedule (F<m> forward, B<m> backward, I<m>/W<m> its input/weight halves, "
+        ".<c> chunk c, . idle):",
+        draw(training_schedule(kind, p, M, V)),
+    ]
+    return "\n".join(lines)

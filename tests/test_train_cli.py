@@ -152,3 +152,19 @@ def test_a_signal_stops_at_a_step_boundary_and_the_run_resumes_under_another_lay
                 assert np.linalg.norm(got - want) <= 1e-4 * np.linalg.norm(want), name
             else:
                 assert set(a[name]) == set(dset)
+
+
+def test_plan_shows_training_memory_bubble_and_the_zero_bubble_timeline(workdir):
+    proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", "model.h5", "--train",
+                         "--pp", "3", "--micro-batches", "4", "--schedule", "zb-h1",
+                         "--global-batch", "8", "--seq-len", "16"], workdir)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "zb-h1 with 4 micro-batch(es) of 2 x 16 tokens" in out
+    assert "pipeline bubble: 14.3% by the zb-h1 formula" in out      # 2 / (3 * 4 + 2)
+    assert "stage 0: F0 F1 F2" in out and "W3" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:2] in ("0 ", "1 ", "2 ")]
+    assert [r[1] for r in rows] == ["0-2", "3-5", "6-8"]
+    proc, _ = mpirun(1, ["-m", "hpcpar", "plan", str(REPO / "jobs" / "train_100m.toml"),
+                         "--world", "8"], workdir)
+    assert proc.returncode == 0 and "recompute full" in proc.stdout, proc.stderr

@@ -255,3 +255,18 @@ def test_left_padding_changes_nothing_but_the_ignored_labels():
     assert loss == pytest.approx(expect_loss, rel=1e-12)
     for k in grads:
         np.testing.assert_allclose(grads[k], expect[k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("recompute", [False, True])
+def test_plan_activation_memory_is_what_a_forward_keeps(name, recompute):
+    from hpcpar.train.chunk import held_bytes
+    from hpcpar.train.memory import activation_bytes
+    cfg = CONFIGS[name]
+    chunk, _ = build_chunk(cfg, realistic_tensors(cfg, 0), _tp1(), recompute=recompute)
+    batch = batch_of(np.random.default_rng(10).integers(0, 200, (3, 11)))
+    batch.weights = batch.weights.astype(np.float32)
+    _, ctx = chunk.forward(None, batch)
+    planned = activation_bytes(LlamaConfig.from_hf(cfg), 1, cfg["num_hidden_layers"], 3, 10,
+                               True, True, recompute)
+    assert held_bytes(ctx) == planned

@@ -1,0 +1,54 @@
+"""Training memory per rank, from the config alone (for ``hpcpar plan``): the activations a
+forward pass keeps for its backward, and the weights, gradients and optimizer state.
+
+The activation count mirrors what ``train.layers`` keeps (float32, per tp rank), for one
+micro-batch of B rows of T tokens:
+
+    per layer   B T (4 h + 2 + 2 q + 2 kv + 4 I) + B nh T^2        (nh, q, kv, I per rank)
+                - with recompute, only the layer's input: B T h
+    per chunk   rotary tables 2 B T d, the mask B T^2 (bytes)
+    first       ids and their owner mask: 9 B T bytes
+    last        final norm B T (h + 1), head input B T h, loss B T V/p (+ 21 B T bytes of
+                sums, targets and weights)
+
+A schedule multiplies this by the micro-batches a stage holds at its peak
+(``peak_activations_formula``).
+"""
+
+from __future__ import annotations
+
+from ..config import LlamaConfig
+from ..sharding import padded_vocab_size, shard_of
+from ..tensors import layer_tensors
+
+FLOAT = 4
+
+
+def activation_bytes(cfg: LlamaConfig, tp: int, num_layers: int, rows: int, seq_len: int,
+                     first: bool, last: bool, recompute: bool) -> int:
+    """Bytes one chunk keeps for one micro-batch between its forward and backward."""
+    B, T, h = rows, seq_len, cfg.hidden_size
+    k_proj = next(s for s in layer_tensors(cfg, 0) if s.role == "k")
+    kv = shard_of(k_proj, cfg, 0, tp).shape[0]                   # kv_heads * head_dim per rank
+    heads = cfg.num_attention_heads // tp
+    q = heads * cfg.head_dim
+    inter = cfg.intermediate_size // tp
+    if recompute:
+        per_layer = B * T * h * FLOAT
+    else:
+        per_layer = (B * T * (4 * h + 2 + 2 * q + 2 * kv + 4 * inter) + B * heads * T * T) * FLOAT
+    total = num_layers * per_layer + 2 * B * T * cfg.head_dim * FLOAT + B * T * T
+    if first:
+        total += 9 * B * T
+    if last:
+        vocab = padded_vocab_size(cfg.vocab_size, tp) // tp
+        total += (2 * B * T * h + B * T + B * T * vocab) * FLOAT + 21 * B * T
+    return total
+
+
+def state_bytes(param_count: int, optimizer: str) -> dict[str, int]:
+    """float32 master weights, their gradients and the optimizer's state for this many
+    parameters (AdamW two moments, SGD one momentum buffer)."""
+    states = 2 if optimizer == "adamw" else 1
+    return {"weights": param_count * FLOAT, "gradients": param_count * FLOAT,
+            "optimizer": states * param_count * FLOAT}
