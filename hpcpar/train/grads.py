@@ -50,8 +50,9 @@ class GradientReducer:
             self._make_bucket(current)
         self.pending: dict[int, set[int]] = {}
         self.requests: list[Request] = []
-        self.exposed_seconds = 0.0
+        self.exposed_seconds = 0.0          # waited for after the backward, over the run
         self.reduced_bytes = 0
+        self.started_early = self.started = 0   # buckets launched during the backward / all
 
     def _make_bucket(self, params: list[Param]) -> None:
         dtype = params[0].grad.dtype
@@ -79,16 +80,19 @@ class GradientReducer:
             waiting.discard(id(p))
             if not waiting:
                 del self.pending[b]
-                flat = self.buckets[b][0]
-                self.requests.append(self.dp.iall_reduce(flat))
-                self.reduced_bytes += flat.nbytes
+                self._launch(b)
+                self.started_early += 1
+
+    def _launch(self, b: int) -> None:
+        flat = self.buckets[b][0]
+        self.requests.append(self.dp.iall_reduce(flat))
+        self.reduced_bytes += flat.nbytes
+        self.started += 1
 
     def finish(self) -> None:
         """Start what the backward did not (a schedule without notifications), then wait."""
         for b in sorted(self.pending):
-            flat = self.buckets[b][0]
-            self.requests.append(self.dp.iall_reduce(flat))
-            self.reduced_bytes += flat.nbytes
+            self._launch(b)
         self.pending = {}
         start = perf_counter()
         Request.wait_all(self.requests)

@@ -98,6 +98,9 @@ class TrainFigures:
     tp_bytes: float = 0.0
     pp_bytes: float = 0.0
     dp_bytes: float = 0.0
+    dp_exposed: float = 0.0            # seconds waited for the dp reduction after the backward
+    dp_buckets: float = 0.0
+    dp_buckets_early: float = 0.0      # of them, started while the backward still ran
     steps: float = 0.0
 
     def add_step(self, times, peak_held: int, seconds: float) -> None:
@@ -113,6 +116,9 @@ class TrainFigures:
 
         self.tp_bytes, self.pp_bytes = total("tp."), total("pp.")
         self.dp_bytes = total("dp.")
+        if reducer is not None:
+            self.dp_exposed = reducer.exposed_seconds
+            self.dp_buckets, self.dp_buckets_early = reducer.started, reducer.started_early
         self.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def to_array(self) -> np.ndarray:
@@ -141,6 +147,7 @@ class TrainReport:
     tp_bytes: float
     pp_bytes: float
     dp_bytes: float
+    dp_overlap: str
 
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, virtual_stages: int,
@@ -174,7 +181,7 @@ class TrainReport:
             peak_activation_mb=[f.peak_activation_bytes / 1e6 for f in ranks],
             peak_host_mb=[f.peak_host_bytes / 1e6 for f in ranks],
             tp_bytes=sum(f.tp_bytes for f in ranks), pp_bytes=sum(f.pp_bytes for f in ranks),
-            dp_bytes=sum(f.dp_bytes for f in ranks))
+            dp_bytes=sum(f.dp_bytes for f in ranks), dp_overlap=_overlap(ranks))
 
     def format(self) -> str:
         lines = [
@@ -189,6 +196,21 @@ class TrainReport:
             zip(self.stage_compute_s, self.stage_wait_s, self.stage_reduce_s))]
         lines.append(f"communicated (all ranks): tp {self.tp_bytes / 1e6:.2f} MB, pp "
                      f"{self.pp_bytes / 1e6:.2f} MB, dp {self.dp_bytes / 1e6:.2f} MB")
+        if self.dp_overlap:
+            lines.append(self.dp_overlap)
         lines.append(f"peak activations per rank: {max(self.peak_activation_mb):.1f} MB; peak "
                      f"host memory {min(self.peak_host_mb):.0f}-{max(self.peak_host_mb):.0f} MB")
         return "\n".join(lines)
+
+
+def _overlap(ranks: list[TrainFigures]) -> str:
+    """How much of the dp reduction the backward hid, in words ('' without dp)."""
+    buckets = sum(f.dp_buckets for f in ranks)
+    if not buckets:
+        return ""
+    early = sum(f.dp_buckets_early for f in ranks)
+    exposed = max(f.dp_exposed for f in ranks)
+    reduce_time = max(f.reduce for f in ranks)
+    return (f"dp reduction: {early / buckets:.0%} of the buckets started during the backward; "
+            f"{exposed:.3f} s waited after it (the part not hidden), at most "
+            f"{reduce_time:.3f} s with the replicated sums")
