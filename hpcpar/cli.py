@@ -272,6 +272,7 @@ def _train(comm, job) -> int:
     report = run_training(comm, job)
     if report is not None:
         print(report.format())
+        report.save(Path(job.output.path) / "report.json")
         print(f"wrote {job.output.path}")
     return 0
 

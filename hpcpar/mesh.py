@@ -59,6 +59,14 @@ def rank_of(coords: MeshCoords, layout: ParallelConfig) -> int:
     return (coords.dp_rank * layout.pp + coords.pp_rank) * layout.tp + coords.tp_rank
 
 
+def by_stage(per_rank: list, layout: ParallelConfig) -> list[list]:
+    """Items given in world-rank order, grouped by the pipeline stage of their rank."""
+    groups: list[list] = [[] for _ in range(layout.pp)]
+    for rank, item in enumerate(per_rank):
+        groups[coords_of(rank, layout).pp_rank].append(item)
+    return groups
+
+
 def group_ranks(layout: ParallelConfig, axis: str) -> list[list[int]]:
     """Every group along ``axis`` ('dp', 'pp' or 'tp'), each listed in group-rank order."""
     if axis not in AXES:

@@ -30,22 +30,28 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def hf_model(request, tmp_path_factory):
+def build_hf_model(name: str, folder):
+    """A random transformers LlamaForCausalLM of ``CONFIGS[name]`` (norms away from 1 and
+    non-zero biases, so each one is tested), saved under folder/hf and converted to
+    folder/model.h5."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**CONFIGS[request.param], eos_token_id=None,
-                                   bos_token_id=None, pad_token_id=None)
+    cfg = transformers.LlamaConfig(**CONFIGS[name], eos_token_id=None, bos_token_id=None,
+                                   pad_token_id=None)
     model = transformers.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # norms away from 1 and non-zero biases, so each one is tested
-        for name, p in model.named_parameters():
-            if "norm" in name:
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
+            elif pname.endswith("bias"):
                 p.copy_(0.02 * torch.randn_like(p))
-    folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder / "hf", safe_serialization=True)
     convert(folder / "hf", folder / "model.h5")
     return model, folder / "model.h5"
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def hf_model(request, tmp_path_factory):
+    return build_hf_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def _hpcpar(path, prompts, n):

@@ -16,29 +16,18 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hpcpar.checkpoint import convert  # noqa: E402
 from hpcpar.jobs import load_job  # noqa: E402
 from hpcpar.train.engine import run_training  # noqa: E402
-from test_hf_parity import CONFIGS  # noqa: E402
+from test_hf_parity import CONFIGS, build_hf_model  # noqa: E402
 
 B, L = 4, 10
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def model(request, tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**CONFIGS[request.param], eos_token_id=None,
-                                   bos_token_id=None, pad_token_id=None)
-    hf = transformers.LlamaForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.02 * torch.randn_like(p))
     folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(folder / "hf", safe_serialization=True)
-    convert(folder / "hf", folder / "model.h5")
+    hf, _ = build_hf_model(request.param, folder)
+    cfg = hf.config
     rows = np.random.default_rng(0).integers(0, cfg.vocab_size, (3 * B, L + 1))
     np.save(folder / "data.npy", rows)
     return folder, rows

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from ..config import ParallelConfig
-from ..mesh import coords_of
+from ..mesh import by_stage
 from ..pipeline.schedule import bubble_fraction
 
 
@@ -73,9 +73,7 @@ class RunReport:
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
               prompt_tokens: int, new_tokens: int) -> "RunReport":
         ranks = [RankFigures.from_array(row) for row in table]
-        pp = layout.pp
-        stage_of = [coords_of(r, layout).pp_rank for r in range(len(ranks))]
-        by_stage = [[f for f, s in zip(ranks, stage_of) if s == st] for st in range(pp)]
+        stages = by_stage(ranks, layout)
 
         def mean(values):
             return float(np.mean(values)) if values else 0.0
@@ -83,19 +81,19 @@ class RunReport:
         prefill = max(f.prefill_end for f in ranks)
         total = max(f.total for f in ranks)
         decode = max(total - prefill, 0.0)
-        compute_p = [mean([f.compute_prefill for f in g]) for g in by_stage]
-        compute_d = [mean([f.compute_decode for f in g]) for g in by_stage]
+        compute_p = [mean([f.compute_prefill for f in g]) for g in stages]
+        compute_d = [mean([f.compute_decode for f in g]) for g in stages]
         return cls(
             layout=f"dp {layout.dp} x pp {layout.pp} x tp {layout.tp}",
             micro_batches=micro_batches, prompts=prompts, prompt_tokens=prompt_tokens,
             new_tokens=new_tokens, prefill_seconds=prefill, decode_seconds=decode,
             prefill_tokens_per_s=prompt_tokens / prefill if prefill else 0.0,
             decode_tokens_per_s=max(new_tokens - prompts, 0) / decode if decode else 0.0,
-            bubble_formula=bubble_fraction(pp, micro_batches),
+            bubble_formula=bubble_fraction(layout.pp, micro_batches),
             bubble_prefill=1 - mean(compute_p) / prefill if prefill else 0.0,
             bubble_decode=1 - mean(compute_d) / decode if decode else 0.0,
             stage_compute_s=[c + d for c, d in zip(compute_p, compute_d)],
-            stage_wait_s=[mean([f.wait_prefill + f.wait_decode for f in g]) for g in by_stage],
+            stage_wait_s=[mean([f.wait_prefill + f.wait_decode for f in g]) for g in stages],
             tp_all_reduce_bytes=int(sum(f.tp_all_reduce_bytes for f in ranks)),
             tp_all_gather_bytes=int(sum(f.tp_all_gather_bytes for f in ranks)),
             pp_send_recv_bytes=int(sum(f.pp_send_bytes + f.pp_recv_bytes for f in ranks)),

@@ -19,7 +19,6 @@ The position is a global sample index, so it survives any change of dp or micro-
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,26 +116,11 @@ def load_dataset(path: str | Path, cfg: LlamaConfig, seq_len: int | None = None,
 
 
 def _jsonl_tokens(path: Path, cfg: LlamaConfig, tokenizer) -> np.ndarray:
-    eos = list(cfg.eos_token_id[:1])
-    ids: list[int] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{n}: not valid JSON ({e})") from None
-        if isinstance(item, dict) and isinstance(item.get("ids"), list):
-            doc = item["ids"]
-        elif isinstance(item, dict) and isinstance(item.get("text"), str):
-            if tokenizer is None:
-                raise DataError(f"{path}:{n}: text lines need the tokenizer kept in the "
-                                "checkpoint ('hpcpar convert' stores it); give ids instead")
-            doc = tokenizer.encode(item["text"]).ids
-        else:
-            raise DataError(f'{path}:{n}: expected {{"ids": [...]}} or {{"text": "..."}}')
-        ids += list(doc) + eos
-    return np.asarray(ids, dtype=np.int64)
+    """Every line's ids (or its text through the tokenizer) joined, EOS after each."""
+    from ..generate.prompts import load_prompts     # the same {"ids"} / {"text"} lines
+    eos = np.asarray(cfg.eos_token_id[:1], dtype=np.int64)
+    docs = load_prompts(str(path), tokenizer).ids
+    return np.concatenate([part for doc in docs for part in (doc, eos)])
 
 
 def check_samples(samples: np.ndarray, cfg: LlamaConfig, source: str) -> None:

@@ -25,7 +25,8 @@ from ..config import ParallelConfig
 from ..errors import HpcparError
 from ..generate.engine import load_tokenizer, resolve_checkpoint
 from ..jobs import Job
-from ..launch import EXIT_PREEMPTED, JobFailed, everyone, local_rank, phase, set_location
+from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, everyone, local_rank, phase,
+                      print_error, set_location)
 from ..mesh import Mesh
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.partition import stage_layers
@@ -247,7 +248,10 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                                1.0 if stop.requested else 0.0])
             comm.Allreduce(np.copy(agreed), agreed)
             loss, norm, stopping = float(agreed[0]), math.sqrt(agreed[1]), agreed[2] > 0
-            everyone(comm, _check_finite, step, loss, norm, plan.out_dir, saved_at)
+            if not (math.isfinite(loss) and math.isfinite(norm)):   # the same on every rank
+                if rank == 0:
+                    print_error(_diverged(step, loss, norm, plan.out_dir, saved_at))
+                raise JobFailed(EXIT_INVALID)
             lr = learning_rate(plan.optimizer, step, tr.steps)
             optimizer.step(lr, clip_coefficient(norm, plan.optimizer.clip_grad))
             backend.synchronize()
@@ -295,14 +299,12 @@ def _kv_group(mesh: Mesh, cfg, backend, stats):
     return create_communicator(sub, "mpi", backend, stats, "kv")
 
 
-def _check_finite(step: int, loss: float, norm: float, out_dir: Path, saved_at: int) -> None:
-    if math.isfinite(loss) and math.isfinite(norm):
-        return
+def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int) -> str:
     kept = (f"the last good checkpoint is {out_dir / tc.checkpoint_name(saved_at)}"
             if saved_at and (out_dir / tc.checkpoint_name(saved_at)).exists()
             else "no checkpoint was written by this run")
-    raise HpcparError(f"step {step}: loss is {loss}, gradient norm {norm}; training stopped "
-                      f"before the update ({kept}); lower --lr or set --clip-grad")
+    return (f"step {step}: loss is {loss}, gradient norm {norm}; training stopped before the "
+            f"update ({kept}); lower --lr or set --clip-grad")
 
 
 def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer, step: int,

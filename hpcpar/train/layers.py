@@ -248,7 +248,8 @@ class VocabParallelCrossEntropy:
         self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
 
     def forward(self, logits, labels, weights):
-        """logits (N, V/p) float, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx)."""
+        """logits (N, V/p) float, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
+        ``logits`` is overwritten (it becomes exp(z - m)), and ``backward`` reuses it."""
         xp = self.xp
         N, width = logits.shape
         real = self.stop - self.start
@@ -256,20 +257,23 @@ class VocabParallelCrossEntropy:
             logits[:, real:] = -xp.inf
         m = logits.max(axis=-1)
         self.tp.all_reduce(m, op="max")
-        e = xp.exp(logits - m[:, None])
         owned = (labels >= self.start) & (labels < self.stop)
         local = xp.where(owned, labels - self.start, 0)
-        sums = xp.stack([e.sum(axis=-1),
-                         xp.where(owned, logits[xp.arange(N), local], 0.0)])   # (2, N)
+        target = xp.where(owned, logits[xp.arange(N), local], 0.0)
+        e = logits                                   # exp(z - m) in place: (N, V/p) is large
+        e -= m[:, None]
+        xp.exp(e, out=e)
+        sums = xp.stack([e.sum(axis=-1), target])                          # (2, N)
         self.tp.all_reduce(sums)
-        per_row = xp.log(sums[0]) + m - sums[1]
+        per_row = xp.log(sums[0]) + m - sums[1]   # log s + m - z_t
         loss = (per_row * weights).sum()
         return loss, (e, sums[0], local, owned, weights)
 
     def backward(self, ctx):
         xp = self.xp
         e, s, local, owned, weights = ctx
-        dz = e * (weights / s)[:, None]
+        dz = e                                       # softmax * weight, in place of e
+        dz *= (weights / s)[:, None]
         rows = xp.nonzero(owned)[0]
         dz[rows, local[rows]] -= weights[rows]
         return dz

@@ -81,6 +81,9 @@ class Optimizer:
         self.state_names = STATE_NAMES[settings.name]
         self.state: dict[str, dict[str, object]] = {}
         self.steps = 0                      # optimizer steps taken (AdamW's bias correction)
+        # one scratch buffer as large as the largest parameter: the update allocates nothing
+        largest = max((p.data.size for p in params), default=0)
+        self._scratch = xp.empty(largest, dtype=params[0].data.dtype) if params else None
 
     def state_of(self, p: Param) -> dict[str, object]:
         st = self.state.get(p.name)
@@ -117,16 +120,26 @@ class Optimizer:
         p.data -= lr * g
 
     def _adamw(self, p: Param, g, lr: float) -> None:
+        """torch's single-tensor AdamW, in place through one scratch buffer."""
         s, xp = self.s, self.xp
         b1, b2 = s.betas
         if s.weight_decay and p.decay:
             p.data *= 1.0 - lr * s.weight_decay
         st = self.state_of(p)
         m, v = st["exp_avg"], st["exp_avg_sq"]
-        m += (1.0 - b1) * (g - m)                       # torch: exp_avg.lerp_(grad, 1 - b1)
-        v *= b2
-        v += (1.0 - b2) * g * g
+        tmp = self._scratch[:g.size].reshape(g.shape)
+        xp.subtract(g, m, out=tmp)                      # torch: exp_avg.lerp_(grad, 1 - b1)
+        tmp *= 1.0 - b1
+        m += tmp
+        v *= b2                                         # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
+        xp.multiply(g, g, out=tmp)
+        tmp *= 1.0 - b2
+        v += tmp
         bc1 = 1.0 - b1 ** self.steps
         bc2_sqrt = math.sqrt(1.0 - b2 ** self.steps)
-        denom = xp.sqrt(v) / bc2_sqrt + s.eps
-        p.data -= (lr / bc1) * (m / denom)
+        xp.sqrt(v, out=tmp)                             # denom = sqrt(v) / sqrt(bc2) + eps
+        tmp /= bc2_sqrt
+        tmp += s.eps
+        xp.divide(m, tmp, out=tmp)                      # param.addcdiv_(m, denom, -lr / bc1)
+        tmp *= lr / bc1
+        p.data -= tmp

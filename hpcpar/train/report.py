@@ -18,7 +18,7 @@ from time import perf_counter
 import numpy as np
 
 from ..config import LlamaConfig, ParallelConfig
-from ..mesh import coords_of
+from ..mesh import by_stage
 from ..pipeline.training_schedules import bubble_formula
 from ..tensors import EMBED, model_tensors
 
@@ -154,14 +154,13 @@ class TrainReport:
               start_step: int, end_step: int, tokens_per_step: int,
               metrics: Metrics) -> "TrainReport":
         ranks = [TrainFigures(*(float(v) for v in row)) for row in table]
-        stage_of = [coords_of(r, layout).pp_rank for r in range(len(ranks))]
-        by_stage = [[f for f, s in zip(ranks, stage_of) if s == st] for st in range(layout.pp)]
+        stages = by_stage(ranks, layout)
 
         def mean(values):
             return float(np.mean(values)) if values else 0.0
 
-        compute = [mean([f.compute for f in g]) for g in by_stage]
-        wait = [mean([f.wait for f in g]) for g in by_stage]
+        compute = [mean([f.compute for f in g]) for g in stages]
+        wait = [mean([f.wait for f in g]) for g in stages]
         busy = [c + w for c, w in zip(compute, wait)]
         seconds = max(f.seconds for f in ranks)
         recs = metrics.records
@@ -177,11 +176,15 @@ class TrainReport:
             bubble_formula=bubble_formula(layout.schedule, layout.pp, layout.micro_batches,
                                           virtual_stages),
             stage_compute_s=compute, stage_wait_s=wait,
-            stage_reduce_s=[mean([f.reduce for f in g]) for g in by_stage],
+            stage_reduce_s=[mean([f.reduce for f in g]) for g in stages],
             peak_activation_mb=[f.peak_activation_bytes / 1e6 for f in ranks],
             peak_host_mb=[f.peak_host_bytes / 1e6 for f in ranks],
             tp_bytes=sum(f.tp_bytes for f in ranks), pp_bytes=sum(f.pp_bytes for f in ranks),
             dp_bytes=sum(f.dp_bytes for f in ranks), dp_overlap=_overlap(ranks))
+
+    def save(self, path: Path) -> None:
+        """The report as JSON beside the checkpoints (for scripts and benchmarks)."""
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     def format(self) -> str:
         lines = [
