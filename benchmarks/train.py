@@ -5,6 +5,8 @@ ratios against a single rank run in the same script and against PyTorch on the s
     python benchmarks/train.py --batch 8 --seq-len 32 --steps 3 --ranks 1,2
 
 Each run is 'mpiexec -n N python -m hpcpar train' with one BLAS thread per rank, float32;
+with pp 2 the last stage also computes the head (for the 100m preset, as much as 4 of its 12
+layers), so runs with '--stage-layers 8,4' balance the stages;
 its tokens/s come from metrics.jsonl (the first step, which warms up, is left out) and its
 memory from report.json. The PyTorch baseline is what its users run: LlamaForCausalLM on
 the same weights and batches, loss.backward(), torch.optim.AdamW, torch.set_num_threads(1).
@@ -31,8 +33,12 @@ RUNS = {
     "1 rank": (1, []),
     "tp 2": (2, ["--tp", "2"]),
     "pp 2, 1f1b, 8 mb": (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "8"]),
+    "pp 2, 1f1b, 8 mb, layers 8+4": (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches",
+                                         "8", "--stage-layers", "8,4"]),
     "pp 2, gpipe, 8 mb": (2, ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "8"]),
     "pp 2, zb-h1, 8 mb": (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches", "8"]),
+    "pp 2, zb-h1, 8 mb, layers 8+4": (2, ["--pp", "2", "--schedule", "zb-h1", "--micro-batches",
+                                          "8", "--stage-layers", "8,4"]),
     "pp 2, 1f1b, 8 mb, recompute": (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches",
                                         "8", "--recompute", "full"]),
     "dp 2": (2, ["--dp", "2"]),

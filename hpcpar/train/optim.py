@@ -16,6 +16,7 @@ from ..errors import HpcparError
 from .params import Param
 
 OPTIMIZERS = ("adamw", "sgd")
+BLOCK = 1 << 15                 # elements per block of the AdamW update (L2-sized)
 LR_SCHEDULES = ("constant", "cosine", "linear")
 STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
@@ -81,9 +82,12 @@ class Optimizer:
         self.state_names = STATE_NAMES[settings.name]
         self.state: dict[str, dict[str, object]] = {}
         self.steps = 0                      # optimizer steps taken (AdamW's bias correction)
-        # one scratch buffer as large as the largest parameter: the update allocates nothing
-        largest = max((p.data.size for p in params), default=0)
-        self._scratch = xp.empty(largest, dtype=params[0].data.dtype) if params else None
+        # On the CPU the update runs block by block through one cache-sized scratch buffer:
+        # it allocates nothing, and its ten elementwise passes read memory about once. A GPU
+        # takes each tensor whole (one kernel per pass, not one per block).
+        largest = max((p.data.size for p in params), default=1)
+        self.block = BLOCK if not hasattr(xp, "cuda") else largest
+        self._scratch = xp.empty(self.block, dtype=params[0].data.dtype) if params else None
 
     def state_of(self, p: Param) -> dict[str, object]:
         st = self.state.get(p.name)
@@ -120,14 +124,19 @@ class Optimizer:
         p.data -= lr * g
 
     def _adamw(self, p: Param, g, lr: float) -> None:
-        """torch's single-tensor AdamW, in place through one scratch buffer."""
+        """torch's single-tensor AdamW, elementwise, one block of elements at a time."""
+        st = self.state_of(p)
+        decay = 1.0 - lr * self.s.weight_decay if self.s.weight_decay and p.decay else 1.0
+        arrays = [a.reshape(-1) for a in (p.data, g, st["exp_avg"], st["exp_avg_sq"])]
+        for start in range(0, g.size, self.block):
+            self._adamw_block(*(a[start:start + self.block] for a in arrays), lr, decay)
+
+    def _adamw_block(self, w, g, m, v, lr: float, decay: float) -> None:
         s, xp = self.s, self.xp
         b1, b2 = s.betas
-        if s.weight_decay and p.decay:
-            p.data *= 1.0 - lr * s.weight_decay
-        st = self.state_of(p)
-        m, v = st["exp_avg"], st["exp_avg_sq"]
-        tmp = self._scratch[:g.size].reshape(g.shape)
+        if decay != 1.0:
+            w *= decay
+        tmp = self._scratch[:g.size]
         xp.subtract(g, m, out=tmp)                      # torch: exp_avg.lerp_(grad, 1 - b1)
         tmp *= 1.0 - b1
         m += tmp
@@ -142,4 +151,4 @@ class Optimizer:
         tmp += s.eps
         xp.divide(m, tmp, out=tmp)                      # param.addcdiv_(m, denom, -lr / bc1)
         tmp *= lr / bc1
-        p.data -= tmp
+        w -= tmp
