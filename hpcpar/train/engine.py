@@ -80,9 +80,7 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
         problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if tr.save_every < 0:
         problems.append(f"save_every must be >= 0, got {tr.save_every}")
-    settings = OptimizerSettings(tr.optimizer, tr.lr, tr.min_lr, tr.lr_schedule,
-                                 tr.warmup_steps, tr.weight_decay, tr.momentum,
-                                 tuple(tr.betas), tr.eps, tr.clip_grad)
+    settings = OptimizerSettings.of(tr)
     problems += settings.problems()
     if not job.data.dataset:
         problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
@@ -102,9 +100,10 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
     if resume_path is not None:
         resume = tc.open_resume(resume_path, ckpt)
         attrs = resume[1]
-        if attrs.get("optimizer") != settings.name:
+        if attrs.get("optimizer") != settings.optimizer:
             raise HpcparError(f"{resume_path}: trained with optimizer {attrs.get('optimizer')!r}"
-                              f", this job uses {settings.name!r}; keep the optimizer to resume")
+                              f", this job uses {settings.optimizer!r}; keep the optimizer to "
+                              "resume")
         start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
     return TrainPlan(layout, V, settings, dataset, out_dir, resume, start_step, samples_start)
 
@@ -166,29 +165,9 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     dp = create_communicator(mesh.dp_comm, job.parallel.comm, backend, stats, "dp")
     kv_comm = _kv_group(mesh, cfg, backend, stats)
 
-    # ---- this rank's chunks and parameters ---------------------------------------------
-    source = plan.resume[0] if plan.resume else ckpt
-    last_virtual = layout.pp * V - 1
-    chunks, params, all_specs = [], [], []
     with phase("loading the checkpoint"):
-        for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.pp_rank, V)):
-            v = c * layout.pp + mesh.pp_rank
-            first, last = v == 0, v == last_virtual
-            specs = stage_tensors(cfg, layers, first, last)
-            shard = everyone(comm, load_shard, source, specs, mesh.tp_rank, layout.tp,
-                             np.float32, backend)
-            chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.tp_rank, layout.tp,
-                                       last_stage_tied_copy=last and not first)
-            chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, xp,
-                                     recompute=tr.recompute == "full"))
-            params += chunk_params.values()
-            all_specs += specs
-        optimizer = Optimizer(plan.optimizer, params, xp)
-        if plan.resume:
-            states = everyone(comm, tc.load_optimizer_state, plan.resume[0], all_specs,
-                              optimizer.state_names, mesh.tp_rank, layout.tp, backend)
-            optimizer.state.update(states)
-            optimizer.steps = plan.start_step
+        chunks, params, optimizer = _load(comm, mesh, plan, ckpt, tp, backend,
+                                          recompute=tr.recompute == "full")
     tied_peer = None
     if cfg.tie_word_embeddings and layout.pp > 1 and (mesh.is_first_stage or mesh.is_last_stage):
         tied_peer = (pp, layout.pp - 1 if mesh.is_first_stage else 0)
@@ -221,13 +200,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
             step += 1
             start = perf_counter()
             first_sample = plan.samples_start + (step - plan.start_step - 1) * B
-            rows = plan.dataset.samples[sample_indices(first_sample, B, len(plan.dataset),
-                                                       tr.shuffle, tr.seed)]
-            mine = rows[mesh.dp_rank * B // layout.dp:(mesh.dp_rank + 1) * B // layout.dp]
-            batches = [Batch(xp.asarray(b.ids), xp.asarray(b.pad), xp.asarray(b.labels),
-                             xp.asarray(b.weights))
-                       for b in make_batches(np.asarray(mine, dtype=np.int64), M,
-                                             label_count(np.asarray(rows)), np.float32)]
+            batches = _replica_batches(plan, mesh, first_sample, B, tr, xp)
             for p in params:
                 p.grad[...] = 0
             if reducer:
@@ -288,6 +261,45 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
 
 
+def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool):
+    """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
+    being resumed) and the optimizer (with the resumed state)."""
+    cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
+    source = plan.resume[0] if plan.resume else ckpt
+    chunks, params, all_specs = [], [], []
+    for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.pp_rank, V)):
+        v = c * layout.pp + mesh.pp_rank
+        first, last = v == 0, v == layout.pp * V - 1
+        specs = stage_tensors(cfg, layers, first, last)
+        shard = everyone(comm, load_shard, source, specs, mesh.tp_rank, layout.tp, np.float32,
+                         backend)
+        chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.tp_rank, layout.tp,
+                                   last_stage_tied_copy=last and not first)
+        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, xp, recompute))
+        params += chunk_params.values()
+        all_specs += specs
+    optimizer = Optimizer(plan.optimizer, params, xp)
+    if plan.resume:
+        optimizer.state.update(everyone(comm, tc.load_optimizer_state, plan.resume[0],
+                                        all_specs, optimizer.state_names, mesh.tp_rank,
+                                        layout.tp, backend))
+        optimizer.steps = plan.start_step
+    return chunks, params, optimizer
+
+
+def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr, xp):
+    """This replica's micro-batches of the global batch starting at ``first_sample``, each
+    label weighted by 1 / (labels in the whole global batch)."""
+    dp = plan.layout.dp
+    rows = np.asarray(plan.dataset.samples[sample_indices(first_sample, B, len(plan.dataset),
+                                                          tr.shuffle, tr.seed)], np.int64)
+    mine = rows[mesh.dp_rank * B // dp:(mesh.dp_rank + 1) * B // dp]
+    return [Batch(xp.asarray(b.ids), xp.asarray(b.pad), xp.asarray(b.labels),
+                  xp.asarray(b.weights))
+            for b in make_batches(mine, plan.layout.micro_batches, label_count(rows),
+                                  np.float32)]
+
+
 def _kv_group(mesh: Mesh, cfg, backend, stats):
     """The tp ranks that hold the same KV head, when kv_heads < tp (else None)."""
     tp_size = mesh.layout.tp
@@ -312,7 +324,7 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
     """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``)."""
     path = plan.out_dir / tc.checkpoint_name(step)
     tr = job.train
-    attrs = {"step": step, "samples": samples, "optimizer": plan.optimizer.name,
+    attrs = {"step": step, "samples": samples, "optimizer": plan.optimizer.optimizer,
              "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
              "seq_len": plan.dataset.seq_len, "data": str(plan.dataset.source),
              "layout": f"dp {plan.layout.dp} x pp {plan.layout.pp} x tp {plan.layout.tp}",

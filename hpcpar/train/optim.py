@@ -10,7 +10,7 @@ Every update is elementwise, so it runs on each rank's shard as it is.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..errors import HpcparError
 from .params import Param
@@ -23,7 +23,7 @@ STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    name: str = "adamw"
+    optimizer: str = "adamw"
     lr: float = 3e-4
     min_lr: float = 0.0
     lr_schedule: str = "constant"
@@ -34,10 +34,16 @@ class OptimizerSettings:
     eps: float = 1e-8
     clip_grad: float = 0.0
 
+    @classmethod
+    def of(cls, section) -> "OptimizerSettings":
+        """The settings of a job's ``[train]`` section (same field names)."""
+        values = {f.name: getattr(section, f.name) for f in fields(cls)}
+        return cls(**values | {"betas": tuple(values["betas"])})
+
     def problems(self) -> list[str]:
         out = []
-        if self.name not in OPTIMIZERS:
-            out.append(f"optimizer {self.name!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.optimizer not in OPTIMIZERS:
+            out.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
         if self.lr_schedule not in LR_SCHEDULES:
             out.append(f"lr_schedule {self.lr_schedule!r} is not one of "
                        f"{', '.join(LR_SCHEDULES)}")
@@ -79,7 +85,7 @@ class Optimizer:
         if problems:
             raise HpcparError("invalid optimizer settings: " + "; ".join(problems))
         self.s, self.params, self.xp = settings, params, xp
-        self.state_names = STATE_NAMES[settings.name]
+        self.state_names = STATE_NAMES[settings.optimizer]
         self.state: dict[str, dict[str, object]] = {}
         self.steps = 0                      # optimizer steps taken (AdamW's bias correction)
         # On the CPU the update runs block by block through one cache-sized scratch buffer:
@@ -103,7 +109,7 @@ class Optimizer:
             g = p.grad
             if grad_scale != 1.0:
                 g *= grad_scale
-            if self.s.name == "sgd":
+            if self.s.optimizer == "sgd":
                 self._sgd(p, g, lr)
             else:
                 self._adamw(p, g, lr)
