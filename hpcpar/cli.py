@@ -42,7 +42,7 @@ TRAIN_FLAGS = {
     "virtual_stages": ("parallel", "virtual_stages"),
     **{k: ("train", k) for k in (
         "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
-        "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
+        "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute", "zero",
         "save_every", "resume", "shuffle", "peak_tflops")},
 }
 
@@ -125,6 +125,8 @@ def _train_flags(p) -> None:
     p.add_argument("--eps", type=float)
     p.add_argument("--clip-grad", type=float, help="max gradient norm (0: off)")
     p.add_argument("--recompute", choices=["none", "full"])
+    p.add_argument("--zero", type=int, choices=[0, 1],
+                   help="1: split the optimizer state over the dp replicas (ZeRO-1)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps (and at the end)")
     p.add_argument("--resume", help="a training checkpoint, or auto (DIR/latest)")
     p.add_argument("--shuffle", action="store_const", const=True,
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=int)
     plan.add_argument("--optimizer", choices=["adamw", "sgd"])
     plan.add_argument("--recompute", choices=["none", "full"])
+    plan.add_argument("--zero", type=int, choices=[0, 1])
 
     conv = sub.add_parser("convert", help="Hugging Face folder -> HDF5 checkpoint")
     conv.add_argument("hf_dir", type=Path)
@@ -286,7 +289,7 @@ def _plan_text(args) -> str:
     flags = {("parallel", k): getattr(args, k) for k in
              ("dp", "pp", "tp", "micro_batches", "stage_layers", "schedule", "virtual_stages")}
     flags.update({("train", k): getattr(args, k) for k in
-                  ("global_batch", "seq_len", "optimizer", "recompute")})
+                  ("global_batch", "seq_len", "optimizer", "recompute", "zero")})
     flags[("model", "dtype")] = args.dtype
     flags[("model", "checkpoint")] = (PRESET_PREFIX + args.preset if args.preset
                                       else args.checkpoint)
@@ -308,7 +311,8 @@ def _plan_text(args) -> str:
         from .plan import format_train_plan
         tr = job.train
         return format_train_plan(cfg, layout, par.virtual_stages, tr.global_batch,
-                                 tr.seq_len or 64, tr.optimizer, tr.recompute == "full", name)
+                                 tr.seq_len or 64, tr.optimizer, tr.recompute == "full", name,
+                                 tr.zero)
     from .plan import format_plan
     return format_plan(cfg, layout, args.batch or job.data.random_count,
                        args.prompt_length or max(job.data.random_lengths),

@@ -102,6 +102,7 @@ class TrainSection:
     eps: float = 1e-8
     clip_grad: float = 0.0
     recompute: str = "none"
+    zero: int = 0                       # 1: optimizer state split over the dp replicas
     save_every: int = 0                 # 0: only at the end
     resume: str | None = None           # a checkpoint path, or "auto"
     seed: int = 0

@@ -93,9 +93,10 @@ def _size(n: int) -> str:
 
 def format_train_plan(cfg: LlamaConfig, layout: ParallelConfig, virtual_stages: int,
                       global_batch: int, seq_len: int, optimizer: str, recompute: bool,
-                      model_name: str) -> str:
-    """Training: per stage, parameters, weights + gradients + optimizer state, activations
-    of one micro-batch and at the schedule's peak; the bubble and the drawn schedule."""
+                      model_name: str, zero: int = 0) -> str:
+    """Training: per stage, parameters, weights + gradients + optimizer state (split over dp
+    with ZeRO-1), activations of one micro-batch and at the schedule's peak; the bubble and
+    the drawn schedule."""
     from .pipeline.training_schedules import (bubble_formula, micro_batch_problems,
                                               peak_activations_formula, training_schedule)
     from .train.engine import chunk_layers
@@ -110,7 +111,8 @@ def format_train_plan(cfg: LlamaConfig, layout: ParallelConfig, virtual_stages: 
         f"layout: dp {layout.dp} x pp {p} x tp {layout.tp} = {layout.world_size} ranks; "
         f"{kind} with {M} micro-batch(es) of {rows} x {seq_len} tokens per replica"
         + (f", {V} chunks per stage" if V > 1 else "")
-        + f"; {optimizer}; recompute {'full' if recompute else 'none'}",
+        + f"; {optimizer}; recompute {'full' if recompute else 'none'}"
+        + (f"; ZeRO-1 over dp {layout.dp}" if zero and layout.dp > 1 else ""),
         "",
         f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
         f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
@@ -128,6 +130,8 @@ def format_train_plan(cfg: LlamaConfig, layout: ParallelConfig, virtual_stages: 
         per_mb = act // len(chunks)
         peak = peak_activations_formula(kind, p, M, s, V) * per_mb
         st = state_bytes(count, optimizer)
+        if zero:
+            st["optimizer"] = -(-st["optimizer"] // layout.dp)
         span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
         lines.append(f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
                      f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "

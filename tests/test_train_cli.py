@@ -168,3 +168,13 @@ def test_plan_shows_training_memory_bubble_and_the_zero_bubble_timeline(workdir)
     proc, _ = mpirun(1, ["-m", "hpcpar", "plan", str(REPO / "jobs" / "train_100m.toml"),
                          "--world", "8"], workdir)
     assert proc.returncode == 0 and "recompute full" in proc.stdout, proc.stderr
+    optimizer_mb = {}
+    for zero in ("0", "1"):
+        proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", "model.h5", "--train",
+                             "--dp", "4", "--zero", zero, "--global-batch", "8"], workdir)
+        assert proc.returncode == 0, proc.stderr
+        row = next(line.split() for line in proc.stdout.splitlines()
+                   if line.strip().startswith("0 "))
+        scale = {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}
+        optimizer_mb[zero] = float(row[5]) * scale[row[6]]       # the optimizer column
+    assert optimizer_mb["1"] == pytest.approx(optimizer_mb["0"] / 4, rel=0.01)

@@ -196,3 +196,31 @@ def test_tp2_stage_gradients_pass_finite_differences_and_equal_tp1():
             sub.Allreduce(MPI.IN_PLACE, analytic)
             assert fd == pytest.approx(analytic[0], rel=1e-6, abs=1e-9), tname
     sub.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero1_steps_and_its_checkpoints_equal_the_single_rank_run(setup):
+    """ZeRO-1 over every rank as dp, and over dp 2 with the rest as tp / pp; a ZeRO run
+    resumed without ZeRO (and the other way round) ends where the straight run ends."""
+    comm = MPI.COMM_WORLD
+    cfg, folder = setup
+    n = comm.Get_size()
+    mixed = next(lay for lay in [(2, 1, n // 2, 2, "1f1b", 1), (2, n // 2, 1, 2, "1f1b", 1)]
+                 if _fits(cfg, lay))
+    for i, layout in enumerate([(n, 1, 1, 1, "1f1b", 1), mixed]):
+        out = f"zero{n}-{i}"
+        run_training(comm, _job(folder, out, layout, "train.zero=1"), progress=False)
+        if comm.Get_rank() == 0:
+            np.testing.assert_allclose(_losses(f"{folder}/{out}"), _losses(f"{folder}/single"),
+                                       rtol=1e-5, err_msg=str(layout))
+            assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5",
+                                   f"{folder}/single/step-{STEPS}.h5", f"{folder}/model.h5")
+        comm.Barrier()
+    out = f"zero-resume{n}"
+    run_training(comm, _job(folder, out, mixed, "train.zero=1", "train.steps=1"), progress=False)
+    run_training(comm, _job(folder, out, (n, 1, 1, 1, "gpipe", 1), "train.resume='auto'"),
+                 progress=False)
+    if comm.Get_rank() == 0:
+        assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5",
+                               f"{folder}/single/step-{STEPS}.h5", f"{folder}/model.h5")
+    comm.Barrier()

@@ -68,7 +68,8 @@ def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
 
 def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, tp_rank: int,
                  tp_size: int, to_host) -> None:
-    """This rank's counted slices of every param and its optimizer state."""
+    """This rank's counted slices of every param and of its optimizer state (``states``
+    may leave params out: ZeRO writes their state by segments)."""
     with h5py.File(_tmp(path), "r+") as f:
         for p in params:
             if not p.counted:
@@ -78,6 +79,58 @@ def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, 
             for state, value in states.get(p.name, {}).items():
                 f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][shard.source] = \
                     to_host(value)[shard.dest]
+
+
+def write_segments(path: Path, segments: list[Param], offsets: dict[str, int],
+                   states: dict[str, dict], cfg, tp_rank: int, tp_size: int, to_host) -> None:
+    """ZeRO: the optimizer state of this rank's segments. A segment is elements
+    [a, a + n) of a param's local shard, flattened; it is written as the rectangles of the
+    full tensor those elements cover."""
+    with h5py.File(_tmp(path), "r+") as f:
+        for seg in segments:
+            if not seg.counted:
+                continue
+            shard = shard_of(seg.spec, cfg, tp_rank, tp_size)
+            for state, value in states.get(seg.name, {}).items():
+                dset = f[f"{OPTIMIZER_GROUP}/{seg.name}/{state}"]
+                _write_flat(dset, shard, offsets[seg.name], to_host(value))
+
+
+def _write_flat(dset, shard, a: int, values: np.ndarray) -> None:
+    """Elements [a, a + len(values)) of the local shard (C order) into the full tensor,
+    skipping vocabulary padding rows (outside ``shard.dest``)."""
+    for region, start in _rectangles(shard.shape, a, a + values.size):
+        extents = [r.stop - r.start for r in region]
+        block = values[start - a:start - a + int(np.prod(extents))].reshape(extents)
+        src, sub = [], []
+        for r, d, s in zip(region, shard.dest, shard.source):
+            lo, hi = max(r.start, d.start), min(r.stop, d.stop)
+            if lo >= hi:
+                break
+            sub.append(slice(lo - r.start, hi - r.start))
+            src.append(slice(s.start + lo - d.start, s.start + hi - d.start))
+        else:
+            dset[tuple(src)] = block[tuple(sub)]
+
+
+def _rectangles(shape: tuple[int, ...], a: int, b: int):
+    """Elements [a, b) of a C-ordered 1-D or 2-D array as rectangles: (region, flat start)."""
+    if len(shape) == 1:
+        yield (slice(a, b),), a
+        return
+    cols = shape[1]
+    r0, c0 = divmod(a, cols)
+    r1, c1 = divmod(b, cols)
+    if r0 == r1:
+        yield (slice(r0, r0 + 1), slice(c0, c1)), a
+        return
+    if c0:
+        yield (slice(r0, r0 + 1), slice(c0, cols)), a
+        r0 += 1
+    if r1 > r0:
+        yield (slice(r0, r1), slice(0, cols)), r0 * cols
+    if c1:
+        yield (slice(r1, r1 + 1), slice(0, c1)), r1 * cols
 
 
 def commit(path: Path) -> None:

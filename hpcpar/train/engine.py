@@ -36,10 +36,11 @@ from . import checkpoint as tc
 from .chunk import Batch, ModelChunk
 from .data import Dataset, label_count, load_dataset, make_batches, sample_indices
 from .grads import GradientReducer, local_sq_norm, sum_replicated
-from .optim import Optimizer, OptimizerSettings, clip_coefficient, learning_rate
+from .optim import STATE_NAMES, Optimizer, OptimizerSettings, clip_coefficient, learning_rate
 from .params import make_params
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
+from .zero import ZeroShards
 
 RECOMPUTE = ("none", "full")
 
@@ -78,6 +79,9 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
         problems.append(f"steps must be >= 1, got {tr.steps}")
     if tr.recompute not in RECOMPUTE:
         problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if tr.zero not in (0, 1):
+        problems.append(f"zero {tr.zero} is not a ZeRO stage hpcpar has: 0 (off) or 1 "
+                        "(optimizer state split over dp)")
     if tr.save_every < 0:
         problems.append(f"save_every must be >= 0, got {tr.save_every}")
     settings = OptimizerSettings.of(tr)
@@ -166,13 +170,19 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     kv_comm = _kv_group(mesh, cfg, backend, stats)
 
     with phase("loading the checkpoint"):
-        chunks, params, optimizer = _load(comm, mesh, plan, ckpt, tp, backend,
-                                          recompute=tr.recompute == "full")
+        chunks, params, states = _load(comm, mesh, plan, ckpt, tp, backend,
+                                       recompute=tr.recompute == "full")
     tied_peer = None
     if cfg.tie_word_embeddings and layout.pp > 1 and (mesh.is_first_stage or mesh.is_last_stage):
         tied_peer = (pp, layout.pp - 1 if mesh.is_first_stage else 0)
     groups = [g for chunk in reversed(chunks) for g in chunk.groups]
     reducer = GradientReducer(dp, groups, xp) if layout.dp > 1 else None
+    zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
+    updated = zero.segments if zero else params         # what the optimizer steps
+    optimizer = Optimizer(plan.optimizer, updated, xp)
+    if states is not None:
+        optimizer.state.update(zero.slice_state(states) if zero else states)
+        optimizer.steps = plan.start_step
 
     # ---- the schedule, checked once: every step has the same shapes ---------------------
     B, M = tr.global_batch, layout.micro_batches
@@ -205,19 +215,24 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 p.grad[...] = 0
             if reducer:
                 reducer.start_step()
+            overlap = reducer.grads_done if reducer and not zero else None
             program = TrainingProgram(chunks, batches, layout.pp, mesh.pp_rank, cfg.hidden_size,
-                                      np.float32, xp, reducer.grads_done if reducer else None)
+                                      np.float32, xp, overlap)
             executor.program = program
             executor.run(actions)
             t_reduce = perf_counter()
-            if reducer:
-                reducer.finish()
-            sum_replicated(params, kv_comm, tied_peer, xp)
+            if zero:                      # replicated sums first, then each rank its piece
+                sum_replicated(params, kv_comm, tied_peer, xp)
+                zero.reduce_scatter()
+            else:
+                if reducer:
+                    reducer.finish()
+                sum_replicated(params, kv_comm, tied_peer, xp)
             backend.synchronize()
             figures.reduce += perf_counter() - t_reduce
             counts_loss = chunks[-1].last and mesh.tp_rank == 0
             agreed = np.array([program.loss if counts_loss else 0.0,
-                               local_sq_norm(params, xp) if mesh.dp_rank == 0 else 0.0,
+                               local_sq_norm(updated, xp) if zero or mesh.dp_rank == 0 else 0.0,
                                1.0 if stop.requested else 0.0])
             comm.Allreduce(np.copy(agreed), agreed)
             loss, norm, stopping = float(agreed[0]), math.sqrt(agreed[1]), agreed[2] > 0
@@ -227,6 +242,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 raise JobFailed(EXIT_INVALID)
             lr = learning_rate(plan.optimizer, step, tr.steps)
             optimizer.step(lr, clip_coefficient(norm, plan.optimizer.clip_grad))
+            if zero:
+                zero.all_gather()
             backend.synchronize()
             seconds = perf_counter() - start
             figures.add_step(executor.times, program.peak_held, seconds)
@@ -241,7 +258,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 print(metrics.line(), flush=True)
             if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
                 with phase(f"saving the checkpoint of step {step}"):
-                    _save(comm, mesh, plan, ckpt, params, optimizer, step, first_sample + B, job)
+                    _save(comm, mesh, plan, ckpt, params, optimizer, zero, step,
+                          first_sample + B, job)
                 saved_at = step
             if stopping and step < tr.steps:
                 if bar:
@@ -263,7 +281,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
 
 def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool):
     """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
-    being resumed) and the optimizer (with the resumed state)."""
+    being resumed) and, when resuming, the optimizer state of those parameters."""
     cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
     source = plan.resume[0] if plan.resume else ckpt
     chunks, params, all_specs = [], [], []
@@ -278,13 +296,12 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
         chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, xp, recompute))
         params += chunk_params.values()
         all_specs += specs
-    optimizer = Optimizer(plan.optimizer, params, xp)
+    states = None
     if plan.resume:
-        optimizer.state.update(everyone(comm, tc.load_optimizer_state, plan.resume[0],
-                                        all_specs, optimizer.state_names, mesh.tp_rank,
-                                        layout.tp, backend))
-        optimizer.steps = plan.start_step
-    return chunks, params, optimizer
+        states = everyone(comm, tc.load_optimizer_state, plan.resume[0], all_specs,
+                          STATE_NAMES[plan.optimizer.optimizer], mesh.tp_rank, layout.tp,
+                          backend)
+    return chunks, params, states
 
 
 def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr, xp):
@@ -319,9 +336,10 @@ def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int)
             f"update ({kept}); lower --lr or set --clip-grad")
 
 
-def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer, step: int,
-          samples: int, job: Job) -> None:
-    """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``)."""
+def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
+          zero: ZeroShards | None, step: int, samples: int, job: Job) -> None:
+    """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``);
+    with ZeRO each replica writes the optimizer state of its own segments."""
     path = plan.out_dir / tc.checkpoint_name(step)
     tr = job.train
     attrs = {"step": step, "samples": samples, "optimizer": plan.optimizer.optimizer,
@@ -336,12 +354,17 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
             tc.create_file(path, ckpt, optimizer.state_names, attrs)
 
     everyone(comm, create)
-    states = {p.name: optimizer.state_of(p) for p in params}
+    states = {p.name: optimizer.state_of(p) for p in optimizer.params}
     to_host = optimizer.xp.asnumpy if hasattr(optimizer.xp, "asnumpy") else np.asarray
+    tp_rank, tp_size = mesh.tp_rank, mesh.layout.tp
     for r in range(comm.Get_size()):
-        if r == comm.Get_rank() and mesh.dp_rank == 0:
-            tc.write_slices(path, params, states, ckpt.config, mesh.tp_rank, mesh.layout.tp,
-                            to_host)
+        if r == comm.Get_rank():
+            if mesh.dp_rank == 0:
+                tc.write_slices(path, params, {} if zero else states, ckpt.config, tp_rank,
+                                tp_size, to_host)
+            if zero:
+                tc.write_segments(path, zero.segments, zero.offset, states, ckpt.config,
+                                  tp_rank, tp_size, to_host)
         comm.Barrier()
 
     def commit():

@@ -32,6 +32,7 @@ class GradientReducer:
                  bucket_bytes: int = BUCKET_BYTES):
         self.dp, self.xp = dp, xp
         self.buckets: list[tuple[object, set[int]]] = []    # (flat buffer, ids of its params)
+        self.bucket_params: list[list[Param]] = []          # each bucket's params, in order
         self.bucket_of: dict[int, int] = {}
         current: list[Param] = []
         size = 0
@@ -65,6 +66,7 @@ class GradientReducer:
             offset += p.grad.size
             self.bucket_of[id(p)] = len(self.buckets)
         self.buckets.append((flat, {id(p) for p in params}))
+        self.bucket_params.append(list(params))
 
     def start_step(self) -> None:
         self.pending = {b: set(ids) for b, (_, ids) in enumerate(self.buckets)}
