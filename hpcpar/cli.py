@@ -171,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_flags(train)
     _train_flags(train)
     train.add_argument("--seed", type=int, help="shuffle seed")
+    train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="compute dtype over float32 master weights (default float32)")
     train.add_argument("--backend", choices=_backends)
     train.add_argument("--comm", choices=COMM_KINDS, help="tp and dp communicator")
 

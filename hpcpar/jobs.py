@@ -103,6 +103,7 @@ class TrainSection:
     clip_grad: float = 0.0
     recompute: str = "none"
     zero: int = 0                       # 1: optimizer state split over the dp replicas
+    loss_scale: float = 65536.0         # float16 compute: the initial dynamic loss scale
     save_every: int = 0                 # 0: only at the end
     resume: str | None = None           # a checkpoint path, or "auto"
     seed: int = 0

@@ -75,7 +75,7 @@ def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, 
             if not p.counted:
                 continue
             shard = shard_of(p.spec, cfg, tp_rank, tp_size)
-            f[p.name][shard.source] = to_host(p.data)[shard.dest]
+            f[p.name][shard.source] = to_host(p.master)[shard.dest]
             for state, value in states.get(p.name, {}).items():
                 f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][shard.source] = \
                     to_host(value)[shard.dest]

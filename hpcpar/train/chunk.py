@@ -105,6 +105,7 @@ class ModelChunk:
             return x, ctx
         h, ctx["final_norm"] = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps, xp)
         logits = linear(h, self.head, None).reshape(B * T, -1)                 # (N, V/p)
+        logits = logits.astype(xp.float32) if logits.dtype.itemsize < 4 else logits
         loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
         ctx["h"] = h
         return loss, ctx
@@ -123,7 +124,8 @@ class ModelChunk:
         if self.last:
             dz = self.loss.backward(ctx.pop("loss"))                           # (N, V/p)
             h = ctx.pop("h")
-            dh = linear_backward(dz.reshape(h.shape[:-1] + (-1,)), h, self.head, None, sink)
+            dz = dz.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
+            dh = linear_backward(dz, h, self.head, None, sink)
             self.tp.all_reduce(dh)                                             # f backward
             dy = rms_norm_backward(dh, ctx.pop("final_norm"), self.final_norm, sink)
             finished_group()

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -22,6 +23,7 @@ from ..backend import select_backend
 from ..checkpoint import Checkpoint, load_shard, open_checkpoint
 from ..comm import CommStats, create_communicator
 from ..config import ParallelConfig
+from ..dtypes import float_dtype
 from ..errors import HpcparError
 from ..generate.engine import load_tokenizer, resolve_checkpoint
 from ..jobs import Job
@@ -36,18 +38,21 @@ from . import checkpoint as tc
 from .chunk import Batch, ModelChunk
 from .data import Dataset, label_count, load_dataset, make_batches, sample_indices
 from .grads import GradientReducer, local_sq_norm, sum_replicated
-from .optim import STATE_NAMES, Optimizer, OptimizerSettings, clip_coefficient, learning_rate
+from .optim import (STATE_NAMES, LossScaler, Optimizer, OptimizerSettings, clip_coefficient,
+                    learning_rate)
 from .params import make_params
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
 from .zero import ZeroShards
 
 RECOMPUTE = ("none", "full")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
 class TrainPlan:
     layout: ParallelConfig
+    dtype: np.dtype                    # compute dtype (master weights are float32)
     virtual_stages: int
     optimizer: OptimizerSettings
     dataset: Dataset
@@ -79,6 +84,11 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
         problems.append(f"steps must be >= 1, got {tr.steps}")
     if tr.recompute not in RECOMPUTE:
         problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if job.model.dtype not in COMPUTE_DTYPES:
+        problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
+                        f"weights), not {job.model.dtype}")
+    if tr.loss_scale <= 0:
+        problems.append(f"loss_scale must be > 0, got {tr.loss_scale}")
     if tr.zero not in (0, 1):
         problems.append(f"zero {tr.zero} is not a ZeRO stage hpcpar has: 0 (off) or 1 "
                         "(optimizer state split over dp)")
@@ -109,7 +119,8 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
                               f", this job uses {settings.optimizer!r}; keep the optimizer to "
                               "resume")
         start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
-    return TrainPlan(layout, V, settings, dataset, out_dir, resume, start_step, samples_start)
+    return TrainPlan(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir, resume,
+                     start_step, samples_start)
 
 
 def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
@@ -180,9 +191,17 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
     updated = zero.segments if zero else params         # what the optimizer steps
     optimizer = Optimizer(plan.optimizer, updated, xp)
+    scaler = LossScaler(tr.loss_scale) if plan.dtype == np.float16 else None
+    # float16 gradients may overflow on purpose (the scaler then skips the step): quietly
+    def overflow_is_expected():
+        return (np.errstate(over="ignore", invalid="ignore") if scaler
+                else contextlib.nullcontext())
     if states is not None:
         optimizer.state.update(zero.slice_state(states) if zero else states)
-        optimizer.steps = plan.start_step
+        attrs = plan.resume[1]
+        optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
+        if scaler is not None and "loss_scale" in attrs:
+            scaler.scale, scaler.good_steps = float(attrs["loss_scale"]), int(attrs["good_steps"])
 
     # ---- the schedule, checked once: every step has the same shapes ---------------------
     B, M = tr.global_batch, layout.micro_batches
@@ -191,7 +210,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.pp_rank]
     shape_only = [Batch(np.zeros((mb_rows, T), np.int64), None, None, None)] * M
     executor = PipelineExecutor(pp, mesh.pp_rank, TrainingProgram(
-        chunks, shape_only, layout.pp, mesh.pp_rank, cfg.hidden_size, np.float32, xp),
+        chunks, shape_only, layout.pp, mesh.pp_rank, cfg.hidden_size, plan.dtype, xp),
         backend, in_flight=M * V)
     with phase("checking the pipeline schedule"):
         everyone(comm, executor.preflight, actions)
@@ -210,16 +229,18 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
             step += 1
             start = perf_counter()
             first_sample = plan.samples_start + (step - plan.start_step - 1) * B
-            batches = _replica_batches(plan, mesh, first_sample, B, tr, xp)
+            scale = scaler.scale if scaler else 1.0
+            batches = _replica_batches(plan, mesh, first_sample, B, tr, xp, scale)
             for p in params:
                 p.grad[...] = 0
             if reducer:
                 reducer.start_step()
             overlap = reducer.grads_done if reducer and not zero else None
             program = TrainingProgram(chunks, batches, layout.pp, mesh.pp_rank, cfg.hidden_size,
-                                      np.float32, xp, overlap)
+                                      plan.dtype, xp, overlap)
             executor.program = program
-            executor.run(actions)
+            with overflow_is_expected():
+                executor.run(actions)
             t_reduce = perf_counter()
             if zero:                      # replicated sums first, then each rank its piece
                 sum_replicated(params, kv_comm, tied_peer, xp)
@@ -235,22 +256,33 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                                local_sq_norm(updated, xp) if zero or mesh.dp_rank == 0 else 0.0,
                                1.0 if stop.requested else 0.0])
             comm.Allreduce(np.copy(agreed), agreed)
-            loss, norm, stopping = float(agreed[0]), math.sqrt(agreed[1]), agreed[2] > 0
-            if not (math.isfinite(loss) and math.isfinite(norm)):   # the same on every rank
-                if rank == 0:
+            loss, norm = float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale
+            stopping = agreed[2] > 0
+            # float16 gradients that overflowed: skip the step and lower the loss scale
+            overflow = scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
+            if not overflow and not (math.isfinite(loss) and math.isfinite(norm)):
+                if rank == 0:                                  # the same on every rank
                     print_error(_diverged(step, loss, norm, plan.out_dir, saved_at))
                 raise JobFailed(EXIT_INVALID)
             lr = learning_rate(plan.optimizer, step, tr.steps)
-            optimizer.step(lr, clip_coefficient(norm, plan.optimizer.clip_grad))
-            if zero:
-                zero.all_gather()
+            if scaler is not None:
+                scaler.update(overflow)
+            if not overflow:
+                coef = clip_coefficient(norm, plan.optimizer.clip_grad)
+                optimizer.step(lr, coef / scale)
+                if zero:
+                    zero.all_gather()
+                for p in params:
+                    p.refresh()
             backend.synchronize()
             seconds = perf_counter() - start
             figures.add_step(executor.times, program.peak_held, seconds)
             executor.times.compute[0] = executor.times.wait[0] = 0.0
             tokens = B * T
-            metrics.write(StepRecord(step, loss, norm, lr, tokens, seconds, tokens / seconds,
-                                     tokens / seconds * per_token / (size * peak)))
+            metrics.write(StepRecord(step, loss, None if overflow else norm, lr, tokens, seconds,
+                                     tokens / seconds,
+                                     tokens / seconds * per_token / (size * peak),
+                                     scaler.scale if scaler else None))
             if bar:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
@@ -258,7 +290,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 print(metrics.line(), flush=True)
             if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
                 with phase(f"saving the checkpoint of step {step}"):
-                    _save(comm, mesh, plan, ckpt, params, optimizer, zero, step,
+                    _save(comm, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
                           first_sample + B, job)
                 saved_at = step
             if stopping and step < tr.steps:
@@ -292,7 +324,7 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
         shard = everyone(comm, load_shard, source, specs, mesh.tp_rank, layout.tp, np.float32,
                          backend)
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.tp_rank, layout.tp,
-                                   last_stage_tied_copy=last and not first)
+                                   last_stage_tied_copy=last and not first, dtype=plan.dtype)
         chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, xp, recompute))
         params += chunk_params.values()
         all_specs += specs
@@ -304,15 +336,16 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
     return chunks, params, states
 
 
-def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr, xp):
+def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr, xp,
+                     loss_scale: float = 1.0):
     """This replica's micro-batches of the global batch starting at ``first_sample``, each
-    label weighted by 1 / (labels in the whole global batch)."""
+    label weighted by loss_scale / (labels in the whole global batch)."""
     dp = plan.layout.dp
     rows = np.asarray(plan.dataset.samples[sample_indices(first_sample, B, len(plan.dataset),
                                                           tr.shuffle, tr.seed)], np.int64)
     mine = rows[mesh.dp_rank * B // dp:(mesh.dp_rank + 1) * B // dp]
     return [Batch(xp.asarray(b.ids), xp.asarray(b.pad), xp.asarray(b.labels),
-                  xp.asarray(b.weights))
+                  xp.asarray(b.weights * np.float32(loss_scale)))
             for b in make_batches(mine, plan.layout.micro_batches, label_count(rows),
                                   np.float32)]
 
@@ -337,7 +370,8 @@ def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int)
 
 
 def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
-          zero: ZeroShards | None, step: int, samples: int, job: Job) -> None:
+          zero: ZeroShards | None, scaler: LossScaler | None, step: int, samples: int,
+          job: Job) -> None:
     """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``);
     with ZeRO each replica writes the optimizer state of its own segments."""
     path = plan.out_dir / tc.checkpoint_name(step)
@@ -346,7 +380,10 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
              "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
              "seq_len": plan.dataset.seq_len, "data": str(plan.dataset.source),
              "layout": f"dp {plan.layout.dp} x pp {plan.layout.pp} x tp {plan.layout.tp}",
-             "schedule": plan.layout.schedule, "lr": tr.lr}
+             "schedule": plan.layout.schedule, "lr": tr.lr,
+             "optimizer_steps": optimizer.steps, "compute_dtype": job.model.dtype}
+    if scaler is not None:
+        attrs |= {"loss_scale": scaler.scale, "good_steps": scaler.good_steps}
 
     def create():
         if comm.Get_rank() == 0:

@@ -10,6 +10,10 @@ Notation as in ``hpcpar.model.parallel_layers``: Y = X W^T + b with Hugging Face
 Weight gradients go through a ``GradSink`` (added at once, or deferred to a zero-bubble
 schedule's W pass); input gradients are returned. X of shape (B, T, ...) is flattened to
 N = B*T rows for every product.
+
+Precision: products run in the dtype of the weights' compute copy (``Param.data``: float32,
+or bfloat16 / float16 over float32 masters), as do activations; RMSNorm statistics, the
+softmax and the cross-entropy run in float32 at least, as transformers does.
 """
 
 from __future__ import annotations
@@ -28,9 +32,15 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
+def _wide(a):
+    """``a`` in float32 at least (statistics and softmax), no copy when it already is."""
+    return a if a.dtype.itemsize >= 4 else a.astype("float32")
+
+
 def linear(x, w: Param, b: Param | None):
-    """Y = X W^T + b, one GEMM over the flattened rows."""
-    y = (_rows(x) @ w.data.T).reshape(x.shape[:-1] + (w.data.shape[0],))
+    """Y = X W^T + b, one GEMM over the flattened rows, in the weights' compute dtype."""
+    y = (_rows(x) @ w.data.T).astype(w.data.dtype, copy=False)
+    y = y.reshape(x.shape[:-1] + (w.data.shape[0],))
     if b is not None:
         y += b.data
     return y
@@ -43,25 +53,28 @@ def linear_backward(dy, x, w: Param, b: Param | None, sink: GradSink):
     sink.outer(w, dy2, _rows(x))
     if b is not None:
         sink.add(b, lambda: dy2.sum(axis=0))
-    return (dy2 @ w.data).reshape(x.shape)
+    return (dy2 @ w.data).astype(x.dtype, copy=False).reshape(x.shape)
 
 
 # ---- RMSNorm -----------------------------------------------------------------------------
 
 def rms_norm(x, w: Param, eps: float, xp):
-    """y = w * x̂, x̂ = x r, r = 1 / sqrt(mean(x²) + eps) over the hidden dimension.
-    Replicated over tp: no communication either way."""
-    r = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
-    xhat = x * r
-    return w.data * xhat, (xhat, r)
+    """y = w * x̂, x̂ = x r, r = 1 / sqrt(mean(x²) + eps) over the hidden dimension (x̂ and r
+    in float32 at least). Replicated over tp: no communication either way."""
+    xf = _wide(x)
+    r = 1.0 / xp.sqrt((xf * xf).mean(axis=-1, keepdims=True) + eps)
+    xhat = xf * r
+    return w.data * xhat.astype(x.dtype, copy=False), (xhat, r)
 
 
 def rms_norm_backward(dy, ctx, w: Param, sink: GradSink):
     """dw = sum over rows of dy x̂;  dx = r (g - x̂ mean(g x̂)), g = dy w."""
     xhat, r = ctx
-    sink.add(w, lambda: _rows(dy * xhat).sum(axis=0))
-    g = dy * w.data
-    return r * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    dyf = _wide(dy)
+    sink.add(w, lambda: _rows(dyf * xhat).sum(axis=0))
+    g = dyf * _wide(w.data)
+    dx = r * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    return dx.astype(dy.dtype, copy=False)
 
 
 # ---- rotary embedding ----------------------------------------------------------------------
@@ -104,12 +117,12 @@ class Attention:
         q = RotaryEmbedding.apply(q, cos, sin, xp)                  # (B, nh, T, hd)
         k = RotaryEmbedding.apply(k, cos, sin, xp)                  # (B, nkv, T, hd)
         qs = (q * self.scale).reshape(B, nkv, group * T, hd)        # (B, nkv, g*T, hd)
-        scores = (qs @ k.transpose(0, 1, 3, 2)).reshape(B, nkv, group, T, T)
+        scores = _wide(qs @ k.transpose(0, 1, 3, 2)).reshape(B, nkv, group, T, T)
         scores = xp.where(mask, scores, -xp.inf)                    # (B, nkv, g, T, T)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
         probs /= probs.sum(axis=-1, keepdims=True)
-        probs = probs.reshape(B, nkv, group * T, T)                 # (B, nkv, g*T, T)
+        probs = probs.astype(h.dtype, copy=False).reshape(B, nkv, group * T, T)
         out = (probs @ v).reshape(B, nkv, group, T, hd)             # (B, nkv, g, T, hd)
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * hd)   # (B, T, nh*hd)
         y = linear(out, p["o"], None)
@@ -129,11 +142,13 @@ class Attention:
         dout = linear_backward(dy, out, p["o"], None, sink)         # g backward: identity
         dout = dout.reshape(B, T, nkv, group, hd).transpose(0, 2, 3, 1, 4)
         dout = dout.reshape(B, nkv, group * T, hd)                  # (B, nkv, g*T, hd)
-        dv = probs.transpose(0, 1, 3, 2) @ dout                     # (B, nkv, T, hd)
-        dprobs = dout @ v.transpose(0, 1, 3, 2)                     # (B, nkv, g*T, T)
-        dscores = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
-        dq = (dscores @ k).reshape(B, nh, T, hd) * self.scale       # (B, nh, T, hd)
-        dk = dscores.transpose(0, 1, 3, 2) @ qs                     # (B, nkv, T, hd)
+        dv = (probs.transpose(0, 1, 3, 2) @ dout).astype(h.dtype, copy=False)   # (B,nkv,T,hd)
+        dprobs = _wide(dout @ v.transpose(0, 1, 3, 2))              # (B, nkv, g*T, T)
+        pf = _wide(probs)
+        dscores = (pf * (dprobs - (dprobs * pf).sum(axis=-1, keepdims=True))).astype(
+            h.dtype, copy=False)
+        dq = (dscores @ k).astype(h.dtype, copy=False).reshape(B, nh, T, hd) * self.scale
+        dk = (dscores.transpose(0, 1, 3, 2) @ qs).astype(h.dtype, copy=False)  # (B,nkv,T,hd)
         dq = rope_backward(dq, cos, sin, xp).transpose(0, 2, 1, 3).reshape(B, T, nh * hd)
         dk = rope_backward(dk, cos, sin, xp).transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)
         dv = dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)

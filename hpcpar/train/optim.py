@@ -91,19 +91,20 @@ class Optimizer:
         # On the CPU the update runs block by block through one cache-sized scratch buffer:
         # it allocates nothing, and its ten elementwise passes read memory about once. A GPU
         # takes each tensor whole (one kernel per pass, not one per block).
-        largest = max((p.data.size for p in params), default=1)
+        largest = max((p.master.size for p in params), default=1)
         self.block = BLOCK if not hasattr(xp, "cuda") else largest
-        self._scratch = xp.empty(self.block, dtype=params[0].data.dtype) if params else None
+        self._scratch = xp.empty(self.block, dtype=params[0].master.dtype) if params else None
 
     def state_of(self, p: Param) -> dict[str, object]:
         st = self.state.get(p.name)
         if st is None:
-            st = self.state[p.name] = {k: self.xp.zeros_like(p.data) for k in self.state_names}
+            st = self.state[p.name] = {k: self.xp.zeros_like(p.master)
+                                            for k in self.state_names}
         return st
 
     def step(self, lr: float, grad_scale: float = 1.0) -> None:
-        """Update every parameter from its ``grad`` (multiplied by ``grad_scale``, the clip
-        coefficient, first)."""
+        """Update every parameter's master weights from its ``grad`` (multiplied by
+        ``grad_scale`` first: the clip coefficient, over the loss scale)."""
         self.steps += 1
         for p in self.params:
             g = p.grad
@@ -117,7 +118,7 @@ class Optimizer:
     def _sgd(self, p: Param, g, lr: float) -> None:
         s = self.s
         if s.weight_decay and p.decay:
-            g = g + s.weight_decay * p.data
+            g = g + s.weight_decay * p.master
         if s.momentum:
             st = self.state_of(p)
             buf = st["momentum_buffer"]
@@ -127,13 +128,13 @@ class Optimizer:
                 buf *= s.momentum
                 buf += g
             g = buf
-        p.data -= lr * g
+        p.master -= lr * g
 
     def _adamw(self, p: Param, g, lr: float) -> None:
         """torch's single-tensor AdamW, elementwise, one block of elements at a time."""
         st = self.state_of(p)
         decay = 1.0 - lr * self.s.weight_decay if self.s.weight_decay and p.decay else 1.0
-        arrays = [a.reshape(-1) for a in (p.data, g, st["exp_avg"], st["exp_avg_sq"])]
+        arrays = [a.reshape(-1) for a in (p.master, g, st["exp_avg"], st["exp_avg_sq"])]
         for start in range(0, g.size, self.block):
             self._adamw_block(*(a[start:start + self.block] for a in arrays), lr, decay)
 
@@ -158,3 +159,25 @@ class Optimizer:
         xp.divide(m, tmp, out=tmp)                      # param.addcdiv_(m, denom, -lr / bc1)
         tmp *= lr / bc1
         w -= tmp
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling for float16 compute (torch.amp.GradScaler's rule): the loss is
+    multiplied by ``scale`` so small gradients survive float16; a step whose gradients
+    overflow is skipped and the scale halved; after ``growth_interval`` good steps in a row
+    it doubles. Powers of two, so scaling and unscaling are exact."""
+
+    scale: float = 2.0 ** 16
+    growth_interval: int = 2000
+    good_steps: int = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale /= 2.0
+            self.good_steps = 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= 2.0
+            self.good_steps = 0

@@ -2,7 +2,10 @@
 two facts the optimizer needs about it.
 
 A ``Param`` holds the shard in Hugging Face's orientation ([out, in] for linear weights), as
-``sharding.shard_of`` cuts it, in float32 (the master copy). Which rank *counts* a tensor's
+``sharding.shard_of`` cuts it: ``master`` in float32, which the optimizer updates and
+checkpoints store, and ``data`` in the compute dtype, which the layers read (the same array
+when computing in float32; a copy refreshed after each step in bfloat16 or float16).
+Gradients accumulate in float32. Which rank *counts* a tensor's
 elements decides the global gradient norm, so it is decided here, once:
 
 - tp-replicated tensors (norm weights, row-parallel biases) are identical on every tp rank:
@@ -25,15 +28,25 @@ from ..tensors import EMBED, TensorSpec
 @dataclass(eq=False)
 class Param:
     spec: TensorSpec
-    data: object            # this rank's shard, float32 master weights
-    grad: object            # same shape; summed over micro-batches, then over dp
+    data: object            # this rank's shard in the compute dtype (what the layers read)
+    grad: object            # float32, same shape; summed over micro-batches, then over dp
     counted: bool           # this rank's elements count in the global gradient norm
     decay: bool             # weight decay applies: matrices, not norm weights or biases
     kv_replicated: bool     # a KV head shared by several tp ranks: grads summed over them
+    master: object = None   # float32 weights (``data`` itself when computing in float32)
+
+    def __post_init__(self):
+        if self.master is None:
+            self.master = self.data
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def refresh(self) -> None:
+        """Copy the updated master weights into the compute copy."""
+        if self.data is not self.master:
+            self.data[...] = self.master
 
 
 def kv_replicas(cfg: LlamaConfig, tp_size: int) -> int:
@@ -42,8 +55,9 @@ def kv_replicas(cfg: LlamaConfig, tp_size: int) -> int:
     return tp_size // kv if kv < tp_size else 1
 
 
-def make_param(spec: TensorSpec, data, xp, cfg: LlamaConfig, tp_rank: int, tp_size: int,
-               last_stage_tied_copy: bool = False) -> Param:
+def make_param(spec: TensorSpec, master, xp, cfg: LlamaConfig, tp_rank: int, tp_size: int,
+               last_stage_tied_copy: bool = False, dtype=None) -> Param:
+    """A param of float32 ``master`` weights, computing in ``dtype`` (default: float32)."""
     split = split_of(spec)
     replicas = kv_replicas(cfg, tp_size) if spec.role in ("k", "v", "k_bias", "v_bias") else 1
     if split is Split.REPLICATED:
@@ -52,7 +66,9 @@ def make_param(spec: TensorSpec, data, xp, cfg: LlamaConfig, tp_rank: int, tp_si
         counted = tp_rank % replicas == 0
     if last_stage_tied_copy and spec.name == EMBED:
         counted = False
-    return Param(spec, data, xp.zeros_like(data), counted, len(spec.shape) == 2, replicas > 1)
+    data = master if dtype is None or master.dtype == dtype else master.astype(dtype)
+    return Param(spec, data, xp.zeros_like(master), counted, len(spec.shape) == 2,
+                 replicas > 1, master)
 
 
 class GradSink:
@@ -96,7 +112,8 @@ class GradSink:
 
 
 def make_params(cfg: LlamaConfig, specs: list[TensorSpec], shards: dict, xp, tp_rank: int,
-                tp_size: int, last_stage_tied_copy: bool = False) -> dict[str, Param]:
+                tp_size: int, last_stage_tied_copy: bool = False,
+                dtype=None) -> dict[str, Param]:
     """Params for ``specs`` from this rank's shards (name -> xp array, already sliced)."""
     return {s.name: make_param(s, shards[s.name], xp, cfg, tp_rank, tp_size,
-                               last_stage_tied_copy) for s in specs}
+                               last_stage_tied_copy, dtype) for s in specs}

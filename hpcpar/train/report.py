@@ -47,12 +47,13 @@ def peak_flops(xp, backend, size: int = 1024, repeats: int = 5) -> float:
 class StepRecord:
     step: int
     loss: float
-    grad_norm: float
+    grad_norm: float | None      # None: a float16 step skipped because its gradients overflowed
     lr: float
     tokens: int
     seconds: float
     tokens_per_s: float
     mfu: float
+    loss_scale: float | None = None
 
     def __post_init__(self):
         self.peak_host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -75,12 +76,17 @@ class Metrics:
         if not self.enabled:
             return
         self.path.parent.mkdir(exist_ok=True)
+        row = asdict(record) | {"peak_host_mb": record.peak_host_mb}
+        if row["loss_scale"] is None:
+            del row["loss_scale"]
         with open(self.path, "a") as f:
-            f.write(json.dumps(asdict(record) | {"peak_host_mb": record.peak_host_mb}) + "\n")
+            f.write(json.dumps(row) + "\n")
 
     def line(self) -> str:
         r = self.records[-1]
-        return (f"step {r.step}: loss {r.loss:.4f}, grad norm {r.grad_norm:.3f}, lr {r.lr:.3g}, "
+        norm = (f"grad norm {r.grad_norm:.3f}" if r.grad_norm is not None else
+                f"gradients overflowed: step skipped, loss scale now {r.loss_scale:g}")
+        return (f"step {r.step}: loss {r.loss:.4f}, {norm}, lr {r.lr:.3g}, "
                 f"{r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}, "
                 f"peak host {r.peak_host_mb:.0f} MB")
 

@@ -7,8 +7,8 @@ Each gradient bucket (``grads.GradientReducer``) is cut into dp consecutive piec
     optimizer step on that piece            -> state for 1/dp of the elements
     all-gather the updated weights over dp  -> every replica holds the whole model again
 
-The parameters' weights become views into one flat buffer per bucket (as their gradients
-already are), so the gather lands in place. The optimizer runs on *segments*: one ``Param``
+The parameters' float32 master weights become views into one flat buffer per bucket (as
+their gradients already are), so the gather lands in place. The optimizer runs on *segments*: one ``Param``
 per (parameter, piece) overlap, whose data and grad are views, so the elementwise update
 and the norm count (``Param.counted``) work unchanged. Checkpoints stay layout-free: every
 replica writes its own segments' optimizer state (``train.checkpoint.write_segments``).
@@ -43,14 +43,16 @@ class ZeroShards:
             sizes = split_sizes(flat.size, dp.size)
             bounds = [sum(sizes[:r]) for r in range(dp.size + 1)]
             lo, hi = bounds[dp.rank], bounds[dp.rank + 1]
-            weights = xp.empty(flat.size, dtype=params[0].data.dtype)
+            weights = xp.empty(flat.size, dtype=params[0].master.dtype)
             mine = xp.zeros(hi - lo, dtype=flat.dtype)
             start = 0
             for p in params:
-                n = p.data.size
-                view = weights[start:start + n].reshape(p.data.shape)
-                view[...] = p.data
-                p.data = view
+                n = p.master.size
+                view = weights[start:start + n].reshape(p.master.shape)
+                view[...] = p.master
+                if p.data is p.master:
+                    p.data = view
+                p.master = view
                 a, b = max(start, lo), min(start + n, hi)
                 if a < b:
                     self.offset[p.name] = a - start
@@ -76,6 +78,6 @@ class ZeroShards:
         out = {}
         for seg in self.segments:
             a = self.offset[seg.name]
-            out[seg.name] = {k: v.reshape(-1)[a:a + seg.data.size].copy()
+            out[seg.name] = {k: v.reshape(-1)[a:a + seg.master.size].copy()
                              for k, v in full[seg.name].items()}
         return out

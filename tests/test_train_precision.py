@@ -1,0 +1,68 @@
+"""Mixed precision: bfloat16 and float16 compute over float32 master weights, and float16's
+dynamic loss scaling (skip the step and halve the scale on overflow, resume with it)."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import GQA, make_checkpoint
+from hpcpar.jobs import load_job
+from hpcpar.train.engine import run_training
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("precision")
+    make_checkpoint(folder, dict(GQA, num_hidden_layers=2))
+    rows = np.random.default_rng(2).integers(0, GQA["vocab_size"], (32, 9))
+    np.save(folder / "data.npy", rows)
+    return folder
+
+
+def _train(folder, out, dtype, *sets):
+    job = load_job(None, [f"model.checkpoint='{folder}/model.h5'", f"model.dtype='{dtype}'",
+                          f"data.dataset='{folder}/data.npy'", f"output.path='{folder}/{out}'",
+                          "train.global_batch=8", "train.optimizer='sgd'", "train.lr=0.5",
+                          "train.steps=2", "train.peak_tflops=1.0", *sets])
+    run_training(MPI.COMM_SELF, job, progress=False)
+    return [json.loads(line) for line in open(folder / out / "metrics.jsonl")]
+
+
+def _weights(path):
+    with h5py.File(path) as f:
+        return {k: v[()] for k, v in f.items() if isinstance(v, h5py.Dataset)}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_steps_follow_the_float32_steps(folder, dtype):
+    ref = _train(folder, "fp32", "float32")
+    got = _train(folder, dtype, dtype)
+    assert got[0]["loss"] == pytest.approx(ref[0]["loss"], rel=2e-3)
+    assert got[0]["grad_norm"] == pytest.approx(ref[0]["grad_norm"], rel=3e-2)
+    before, w32 = _weights(folder / "model.h5"), _weights(folder / "fp32" / "step-2.h5")
+    w16 = _weights(folder / dtype / "step-2.h5")
+    for name, w in w16.items():
+        assert w.dtype == np.float32, name                  # master weights stay float32
+        update = w32[name] - before[name]
+        assert np.linalg.norm(w - w32[name]) <= 0.1 * np.linalg.norm(update) + 1e-7, name
+
+
+def test_float16_overflow_skips_the_step_halves_the_scale_and_resumes_with_it(folder):
+    metrics = _train(folder, "scaled", "float16", "train.loss_scale=16777216.0", "train.steps=3",
+                     "train.save_every=1")
+    first = metrics[0]
+    assert first["grad_norm"] is None and first["loss_scale"] == 2.0 ** 23      # skipped, halved
+    with h5py.File(folder / "scaled" / "step-1.h5") as f:
+        assert dict(f["train"].attrs)["optimizer_steps"] == 0
+        np.testing.assert_array_equal(f["model.norm.weight"][()],
+                                      _weights(folder / "model.h5")["model.norm.weight"])
+    scales = [m["loss_scale"] for m in metrics]
+    assert scales == sorted(scales, reverse=True)
+    resumed = _train(folder, "scaled", "float16", "train.loss_scale=16777216.0", "train.steps=8",
+                     "train.resume='auto'")
+    assert resumed[3]["loss_scale"] <= scales[-1]           # the scale came from the checkpoint
+    ok = [m for m in resumed if m["grad_norm"] is not None]
+    assert ok, "the scale never came down far enough for a step to run"
