@@ -2,7 +2,7 @@
 ratios against a single rank run in the same script and against PyTorch on the same weights.
 
     python benchmarks/train.py                      # ~100M preset, 1, 2 and 4 ranks
-    python benchmarks/train.py --batch 8 --seq-len 32 --steps 3 --ranks 1,2
+    python benchmarks/train.py --batch 8 --seq-len 32 --steps 3 --ranks 1,2      # quicker
 
 Each run is 'mpiexec -n N python -m hpcpar train' with one BLAS thread per rank, float32;
 with pp 2 the last stage also computes the head (for the 100m preset, as much as 4 of its 12
@@ -106,7 +106,7 @@ def run_torch(args, samples: np.ndarray):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="100m")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="steps per run (the first is warm-up)")
     p.add_argument("--ranks", default="1,2,4")
