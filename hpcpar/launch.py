@@ -11,11 +11,15 @@ Three rules keep an MPI job from hanging or flooding the terminal:
    with ``MPI_Abort``, so no rank is left blocked in a collective.
 3. A process that finds itself alone where the launcher started several (an MPI library that
    does not match the launcher, e.g. ``srun --mpi=none``) stops instead of running N copies.
+
+A job that can stop early (training) turns SIGTERM / SIGUSR1 into a request the ranks agree
+on at a step boundary (``StopRequest``), then exits with ``EXIT_PREEMPTED`` after saving.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from contextlib import contextmanager
@@ -147,3 +151,25 @@ def _abort(message: str, code: int, with_traceback: bool) -> None:
     if comm.Get_size() > 1:
         comm.Abort(code)
     raise SystemExit(code)
+
+
+class StopRequest:
+    """Context manager: SIGTERM / SIGUSR1 (a scheduler's time limit or preemption) only set
+    ``requested``; the job's ranks agree on it at their next step boundary, save and exit
+    with ``EXIT_PREEMPTED``."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

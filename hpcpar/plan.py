@@ -99,7 +99,7 @@ def format_train_plan(cfg: LlamaConfig, layout: ParallelConfig, virtual_stages: 
     the drawn schedule."""
     from .pipeline.training_schedules import (bubble_formula, micro_batch_problems,
                                               peak_activations_formula, training_schedule)
-    from .train.engine import chunk_layers
+    from .train.setup import chunk_layers
     from .train.memory import activation_bytes, state_bytes
 
     p, M, V = layout.pp, layout.micro_batches, virtual_stages

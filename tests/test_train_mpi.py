@@ -91,6 +91,14 @@ def assert_same_checkpoint(path, ref_path, before_path):
         assert dict(f["train"].attrs)["step"] == dict(ref["train"].attrs)["step"]
 
 
+def assert_matches_single(folder, out, what=""):
+    """The run in folder/out logged the single-rank run's losses and wrote its checkpoint."""
+    np.testing.assert_allclose(_losses(f"{folder}/{out}"), _losses(f"{folder}/single"),
+                               rtol=1e-5, err_msg=what)
+    assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5", f"{folder}/single/step-{STEPS}.h5",
+                           f"{folder}/model.h5")
+
+
 @pytest.mark.mpi(min_size=2)
 def test_every_schedule_and_layout_reproduces_the_single_rank_steps(setup):
     comm = MPI.COMM_WORLD
@@ -101,10 +109,7 @@ def test_every_schedule_and_layout_reproduces_the_single_rank_steps(setup):
         out = f"layout{comm.Get_size()}-{i}"
         run_training(comm, _job(folder, out, layout), progress=False)
         if comm.Get_rank() == 0:
-            np.testing.assert_allclose(_losses(f"{folder}/{out}"), _losses(f"{folder}/single"),
-                                       rtol=1e-5, err_msg=str(layout))
-            assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5",
-                                   f"{folder}/single/step-{STEPS}.h5", f"{folder}/model.h5")
+            assert_matches_single(folder, out, str(layout))
         comm.Barrier()
 
 
@@ -142,10 +147,7 @@ def test_a_run_resumed_under_another_layout_ends_with_the_same_weights(setup):
     run_training(comm, _job(folder, out, second, "train.resume='auto'"), progress=False)
     if comm.Get_rank() == 0:
         assert open(f"{folder}/{out}/latest").read().strip() == f"step-{STEPS}.h5"
-        np.testing.assert_allclose(_losses(f"{folder}/{out}"), _losses(f"{folder}/single"),
-                                   rtol=1e-5)
-        assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5",
-                               f"{folder}/single/step-{STEPS}.h5", f"{folder}/model.h5")
+        assert_matches_single(folder, out)
     comm.Barrier()
 
 
@@ -211,16 +213,12 @@ def test_zero1_steps_and_its_checkpoints_equal_the_single_rank_run(setup):
         out = f"zero{n}-{i}"
         run_training(comm, _job(folder, out, layout, "train.zero=1"), progress=False)
         if comm.Get_rank() == 0:
-            np.testing.assert_allclose(_losses(f"{folder}/{out}"), _losses(f"{folder}/single"),
-                                       rtol=1e-5, err_msg=str(layout))
-            assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5",
-                                   f"{folder}/single/step-{STEPS}.h5", f"{folder}/model.h5")
+            assert_matches_single(folder, out, str(layout))
         comm.Barrier()
     out = f"zero-resume{n}"
     run_training(comm, _job(folder, out, mixed, "train.zero=1", "train.steps=1"), progress=False)
     run_training(comm, _job(folder, out, (n, 1, 1, 1, "gpipe", 1), "train.resume='auto'"),
                  progress=False)
     if comm.Get_rank() == 0:
-        assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5",
-                               f"{folder}/single/step-{STEPS}.h5", f"{folder}/model.h5")
+        assert_matches_single(folder, out)
     comm.Barrier()

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 
@@ -22,136 +20,24 @@ import numpy as np
 from ..backend import select_backend
 from ..checkpoint import Checkpoint, load_shard, open_checkpoint
 from ..comm import CommStats, create_communicator
-from ..config import ParallelConfig
-from ..dtypes import float_dtype
-from ..errors import HpcparError
-from ..generate.engine import load_tokenizer, resolve_checkpoint
+from ..generate.engine import resolve_checkpoint
 from ..jobs import Job
-from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, everyone, local_rank, phase,
-                      print_error, set_location)
+from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone,
+                      local_rank, phase, print_error, set_location)
 from ..mesh import Mesh
 from ..pipeline.executor import PipelineExecutor
-from ..pipeline.partition import stage_layers
-from ..pipeline.training_schedules import micro_batch_problems, training_schedule
+from ..pipeline.training_schedules import training_schedule
 from ..tensors import stage_tensors
 from . import checkpoint as tc
 from .chunk import Batch, ModelChunk
-from .data import Dataset, label_count, load_dataset, make_batches, sample_indices
+from .data import label_count, make_batches, sample_indices
 from .grads import GradientReducer, local_sq_norm, sum_replicated
-from .optim import (STATE_NAMES, LossScaler, Optimizer, OptimizerSettings, clip_coefficient,
-                    learning_rate)
+from .optim import STATE_NAMES, LossScaler, Optimizer, clip_coefficient, learning_rate
 from .params import make_params
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
+from .setup import TrainPlan, chunk_layers, validate
 from .zero import ZeroShards
-
-RECOMPUTE = ("none", "full")
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class TrainPlan:
-    layout: ParallelConfig
-    dtype: np.dtype                    # compute dtype (master weights are float32)
-    virtual_stages: int
-    optimizer: OptimizerSettings
-    dataset: Dataset
-    out_dir: Path
-    resume: tuple[Checkpoint, dict] | None
-    start_step: int
-    samples_start: int
-
-
-def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
-    cfg, tr = ckpt.config, job.train
-    layout = job.parallel.layout(world_size, default_schedule="1f1b")
-    V = job.parallel.virtual_stages
-    problems = layout.problems(cfg, world_size)
-    if not problems:
-        problems += micro_batch_problems(layout.schedule, layout.pp, layout.micro_batches, V)
-    if layout.schedule == "interleaved" and V > 1:
-        if cfg.num_hidden_layers % (layout.pp * V):
-            problems.append(f"the interleaved schedule cuts the {cfg.num_hidden_layers} layers "
-                            f"into pp * virtual_stages = {layout.pp * V} equal chunks; choose "
-                            "pp and virtual_stages whose product divides the layers")
-        if layout.stage_layers is not None:
-            problems.append("stage_layers cannot be combined with the interleaved schedule")
-    replicas_x_mbs = layout.dp * layout.micro_batches
-    if tr.global_batch < 1 or tr.global_batch % replicas_x_mbs:
-        problems.append(f"global batch {tr.global_batch} is not divisible by dp * micro_batches"
-                        f" = {layout.dp} * {layout.micro_batches} = {replicas_x_mbs}")
-    if tr.steps < 1:
-        problems.append(f"steps must be >= 1, got {tr.steps}")
-    if tr.recompute not in RECOMPUTE:
-        problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    if job.model.dtype not in COMPUTE_DTYPES:
-        problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
-                        f"weights), not {job.model.dtype}")
-    if tr.loss_scale <= 0:
-        problems.append(f"loss_scale must be > 0, got {tr.loss_scale}")
-    if tr.zero not in (0, 1):
-        problems.append(f"zero {tr.zero} is not a ZeRO stage hpcpar has: 0 (off) or 1 "
-                        "(optimizer state split over dp)")
-    if tr.save_every < 0:
-        problems.append(f"save_every must be >= 0, got {tr.save_every}")
-    settings = OptimizerSettings.of(tr)
-    problems += settings.problems()
-    if not job.data.dataset:
-        problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
-    if not job.output.path:
-        problems.append("no output folder: give --out DIR")
-    if problems:
-        raise HpcparError("invalid training job: " + "; ".join(problems))
-    dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt))
-    out_dir = Path(job.output.path)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise HpcparError(f"--out {out_dir} is a file; training writes a folder of checkpoints")
-    if not out_dir.parent.is_dir():
-        raise HpcparError(f"--out {out_dir}: folder {out_dir.parent} does not exist")
-    resume = None
-    start_step = samples_start = 0
-    resume_path = tc.resolve_resume(tr.resume, out_dir)
-    if resume_path is not None:
-        resume = tc.open_resume(resume_path, ckpt)
-        attrs = resume[1]
-        if attrs.get("optimizer") != settings.optimizer:
-            raise HpcparError(f"{resume_path}: trained with optimizer {attrs.get('optimizer')!r}"
-                              f", this job uses {settings.optimizer!r}; keep the optimizer to "
-                              "resume")
-        start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
-    return TrainPlan(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir, resume,
-                     start_step, samples_start)
-
-
-def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
-                 virtual_stages: int) -> list[range]:
-    """The layers of each chunk of ``stage``: one contiguous range, or with V chunks the
-    ranges of virtual stages stage, stage + p, ... (equal pieces of num_layers / pV)."""
-    if virtual_stages == 1:
-        return [stage_layers(num_layers, layout.pp, stage, layout.stage_layers)]
-    per = num_layers // (layout.pp * virtual_stages)
-    return [range(v * per, (v + 1) * per)
-            for v in range(stage, layout.pp * virtual_stages, layout.pp)]
-
-
-class _StopRequest:
-    """SIGTERM / SIGUSR1 set a flag; the ranks agree on it at the next step boundary."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
@@ -162,7 +48,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     ckpt = everyone(comm, open_checkpoint, path)
     cfg, tr = ckpt.config, job.train
     with phase("checking the training job"):
-        plan = everyone(comm, _validate, job, ckpt, size)
+        plan = everyone(comm, validate, job, ckpt, size)
     layout, V = plan.layout, plan.virtual_stages
     if plan.start_step >= tr.steps:
         if rank == 0:
@@ -224,7 +110,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     stats.reset()
     step = plan.start_step
     saved_at = step
-    with _StopRequest() as stop, phase("training"):
+    with StopRequest() as stop, phase("training"):
         while step < tr.steps:
             step += 1
             start = perf_counter()
