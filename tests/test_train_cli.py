@@ -127,7 +127,7 @@ def test_a_signal_stops_at_a_step_boundary_and_the_run_resumes_under_another_lay
         time.sleep(0.01)
     ranks = [p for p in _descendants(proc.pid) if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()]
     assert ranks, "no rank process found"
-    os.kill(ranks[-1], signal.SIGUSR1)                     # one rank hears it
+    os.kill(ranks[-1], signal.SIGTERM)                      # one rank hears it
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
     stopped_at = int((workdir / "stopped" / "latest").read_text().strip()[5:-3])

@@ -95,8 +95,8 @@ class GradSink:
 
     def scatter_rows(self, param: Param, rows, values) -> None:
         """param.grad[rows[j]] += values[j] for every j, repeated rows summed."""
-        def scatter():
-            self.xp.add.at(param.grad, rows, values)
+        def scatter():   # ufunc.at: NumPy, and CuPy >= 12 (atomicAdd, float32 grads)
+            self.xp.add.at(param.grad, rows, values.astype(param.grad.dtype, copy=False))
         if self.defer:
             self.pending.append((None, scatter))
         else:
