@@ -130,7 +130,8 @@ def main():
           f"{'host MB':>8} {'same loss':>10}")
     for name, r in rows + ([("torch (1 thread)", torch_run)] if torch_run else []):
         same = np.allclose(r["loss"], base["loss"], rtol=1e-4)
-        print(f"{name:<30} {r['tokens_per_s']:>9,.0f} {r['tokens_per_s'] / base['tokens_per_s']:>10.2f}"
+        ratio = r["tokens_per_s"] / base["tokens_per_s"]
+        print(f"{name:<30} {r['tokens_per_s']:>9,.0f} {ratio:>10.2f}"
               f" {r['step_s']:>7.2f} {r['activations_mb']:>8.1f} {r['host_mb']:>8.0f}"
               f" {'yes' if same else 'NO':>10}")
     if torch_run:

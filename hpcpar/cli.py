@@ -42,7 +42,8 @@ TRAIN_FLAGS = {
     "virtual_stages": ("parallel", "virtual_stages"),
     **{k: ("train", k) for k in (
         "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
-        "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute", "zero",
+        "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
+        "zero",
         "save_every", "resume", "shuffle", "peak_tflops")},
 }
 

@@ -125,7 +125,8 @@ def test_a_signal_stops_at_a_step_boundary_and_the_run_resumes_under_another_lay
     while time.monotonic() < deadline and (not metrics.exists()
                                            or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.01)
-    ranks = [p for p in _descendants(proc.pid) if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()]
+    ranks = [p for p in _descendants(proc.pid)
+             if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()]
     assert ranks, "no rank process found"
     os.kill(ranks[-1], signal.SIGTERM)                      # one rank hears it
     out, err = proc.communicate(timeout=60)

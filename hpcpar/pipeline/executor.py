@@ -7,10 +7,11 @@ different shapes need no shape handshake; the header lets the receiver check tha
 message it expected, and carries the STOP flag that retires a micro-batch whose rows have
 all finished.
 
-Overlap: before a forward or backward pass, the receive the stage will need next is posted, so its data
-arrives while this micro-batch computes; sends never block the compute. Only when a channel
-has more unfinished sends than micro-batches in flight does the oldest get waited on: at
-most one message per micro-batch can be unreceived on a channel, so that one has arrived.
+Overlap: before a forward or backward pass, the receive the stage will need next is posted,
+so its data arrives while this micro-batch computes; sends never block the compute. Only
+when a channel has more unfinished sends than micro-batches in flight does the oldest get
+waited on: at most one message per micro-batch can be unreceived on a channel, so that one
+has arrived.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from ..config import LlamaConfig
 from ..model.rope import RotaryEmbedding
 from .layers import (DecoderLayer, VocabParallelCrossEntropy, VocabParallelEmbedding, linear,
                      linear_backward, rms_norm, rms_norm_backward, training_mask)
+from .memory import activation_bytes
 from .params import GradSink, Param
 
 
@@ -64,6 +65,16 @@ class ModelChunk:
         self.params = list(params.values())
         self.groups = self._backward_groups(top)
         self.rope = RotaryEmbedding(cfg, xp, self.params[0].data.dtype)
+
+    def recompute_saving(self, batch: Batch) -> int:
+        """Activation bytes recompute saves on one micro-batch (0 without recompute)."""
+        if not self.recompute:
+            return 0
+        B, T = batch.shape
+        args = (self.cfg, self.tp.size, len(self.decoder), B, T, self.first, self.last)
+        itemsize = self.params[0].data.dtype.itemsize
+        return (activation_bytes(*args, recompute=False, itemsize=itemsize)
+                - activation_bytes(*args, recompute=True, itemsize=itemsize))
 
     def _backward_groups(self, top: dict[str, Param]) -> list[list[Param]]:
         """The chunk's parameters grouped by when their gradient is complete in a backward

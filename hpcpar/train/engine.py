@@ -162,7 +162,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                     p.refresh()
             backend.synchronize()
             seconds = perf_counter() - start
-            figures.add_step(executor.times, program.peak_held, seconds)
+            figures.add_step(executor.times, program.peak_held, program.peak_held_full, seconds)
             executor.times.compute[0] = executor.times.wait[0] = 0.0
             tokens = B * T
             metrics.write(StepRecord(step, loss, None if overflow else norm, lr, tokens, seconds,

@@ -25,8 +25,9 @@ FLOAT = 4
 
 
 def activation_bytes(cfg: LlamaConfig, tp: int, num_layers: int, rows: int, seq_len: int,
-                     first: bool, last: bool, recompute: bool) -> int:
-    """Bytes one chunk keeps for one micro-batch between its forward and backward."""
+                     first: bool, last: bool, recompute: bool, itemsize: int = FLOAT) -> int:
+    """Bytes one chunk keeps for one micro-batch between its forward and backward (exact in
+    float32; with 16-bit compute, ``itemsize`` 2 approximates it)."""
     B, T, h = rows, seq_len, cfg.hidden_size
     k_proj = next(s for s in layer_tensors(cfg, 0) if s.role == "k")
     kv = shard_of(k_proj, cfg, 0, tp).shape[0]                   # kv_heads * head_dim per rank
@@ -34,10 +35,11 @@ def activation_bytes(cfg: LlamaConfig, tp: int, num_layers: int, rows: int, seq_
     q = heads * cfg.head_dim
     inter = cfg.intermediate_size // tp
     if recompute:
-        per_layer = B * T * h * FLOAT
+        per_layer = B * T * h * itemsize
     else:
-        per_layer = (B * T * (4 * h + 2 + 2 * q + 2 * kv + 4 * inter) + B * heads * T * T) * FLOAT
-    total = num_layers * per_layer + 2 * B * T * cfg.head_dim * FLOAT + B * T * T
+        per_layer = (B * T * (4 * h + 2 + 2 * q + 2 * kv + 4 * inter)
+                     + B * heads * T * T) * itemsize
+    total = num_layers * per_layer + 2 * B * T * cfg.head_dim * itemsize + B * T * T
     if first:
         total += 9 * B * T
     if last:

@@ -30,7 +30,7 @@ class TrainingProgram:
                                                                 np.dtype(dtype), xp)
         self.grad_done = grad_done
         self.loss = 0.0                       # this stage's sum of micro-batch losses
-        self.ctxs: dict[tuple[int, int], tuple[dict, int]] = {}   # (mb, chunk) -> ctx, bytes
+        self.ctxs: dict[tuple[int, int], tuple] = {}   # (mb, chunk) -> ctx, its bytes, ...
         self.inputs: dict[tuple[int, int], object] = {}
         self.out_grads: dict[tuple[int, int], object] = {}
         self.outputs: dict[tuple[int, int], object] = {}
@@ -38,6 +38,7 @@ class TrainingProgram:
         self.sinks: dict[tuple[int, int], GradSink] = {}
         self.backwards_done = [0] * len(chunks)   # weight-gradient passes finished per chunk
         self.held = self.peak_held = 0            # activation bytes kept for backward
+        self.held_full = self.peak_held_full = 0  # ... had recompute been off
 
     def _virtual(self, chunk: int) -> int:
         return chunk * self.p + self.stage
@@ -64,21 +65,25 @@ class TrainingProgram:
         if a.op is Op.FORWARD:
             out, ctx = chunk.forward(self.inputs.pop(key, None), self.batches[a.mb])
             nbytes = held_bytes(ctx)
-            self.ctxs[key] = (ctx, nbytes)
+            full = nbytes + chunk.recompute_saving(self.batches[a.mb])
+            self.ctxs[key] = (ctx, nbytes, full)
             self.held += nbytes
+            self.held_full += full
             self.peak_held = max(self.peak_held, self.held)
+            self.peak_held_full = max(self.peak_held_full, self.held_full)
             if chunk.last:
                 self.loss += float(out)
             else:
                 self.outputs[(a.mb, (self._virtual(a.chunk) + 1) // self.p)] = out
         elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-            ctx, nbytes = self.ctxs.pop(key)
+            ctx, nbytes, full = self.ctxs.pop(key)
             split = a.op is Op.BACKWARD_INPUT
             sink = GradSink(self.xp, defer=split)
             last_pass = not split and self.backwards_done[a.chunk] == len(self.batches) - 1
             notify = self._notifier(chunk) if last_pass else None
             dx = chunk.backward(ctx, self.out_grads.pop(key, None), sink, notify)
             self.held -= nbytes
+            self.held_full -= full
             if dx is not None:
                 self.back_grads[(a.mb, (self._virtual(a.chunk) - 1) // self.p)] = dx
             if split:

@@ -100,6 +100,7 @@ class TrainFigures:
     reduce: float = 0.0                # dp reduction not hidden, plus the replicated sums
     seconds: float = 0.0
     peak_activation_bytes: float = 0.0
+    peak_activation_full_bytes: float = 0.0     # the same without recompute (planned)
     peak_host_bytes: float = 0.0
     tp_bytes: float = 0.0
     pp_bytes: float = 0.0
@@ -109,11 +110,12 @@ class TrainFigures:
     dp_buckets_early: float = 0.0      # of them, started while the backward still ran
     steps: float = 0.0
 
-    def add_step(self, times, peak_held: int, seconds: float) -> None:
+    def add_step(self, times, peak_held: int, peak_held_full: int, seconds: float) -> None:
         self.compute += times.compute[0]
         self.wait += times.wait[0]
         self.seconds += seconds
         self.peak_activation_bytes = max(self.peak_activation_bytes, peak_held)
+        self.peak_activation_full_bytes = max(self.peak_activation_full_bytes, peak_held_full)
         self.steps += 1
 
     def set_comm(self, stats, reducer) -> None:
@@ -149,6 +151,7 @@ class TrainReport:
     stage_wait_s: list[float]
     stage_reduce_s: list[float]
     peak_activation_mb: list[float]
+    peak_activation_full_mb: list[float]
     peak_host_mb: list[float]
     tp_bytes: float
     pp_bytes: float
@@ -184,6 +187,7 @@ class TrainReport:
             stage_compute_s=compute, stage_wait_s=wait,
             stage_reduce_s=[mean([f.reduce for f in g]) for g in stages],
             peak_activation_mb=[f.peak_activation_bytes / 1e6 for f in ranks],
+            peak_activation_full_mb=[f.peak_activation_full_bytes / 1e6 for f in ranks],
             peak_host_mb=[f.peak_host_bytes / 1e6 for f in ranks],
             tp_bytes=sum(f.tp_bytes for f in ranks), pp_bytes=sum(f.pp_bytes for f in ranks),
             dp_bytes=sum(f.dp_bytes for f in ranks), dp_overlap=_overlap(ranks))
@@ -207,8 +211,12 @@ class TrainReport:
                      f"{self.pp_bytes / 1e6:.2f} MB, dp {self.dp_bytes / 1e6:.2f} MB")
         if self.dp_overlap:
             lines.append(self.dp_overlap)
-        lines.append(f"peak activations per rank: {max(self.peak_activation_mb):.1f} MB; peak "
-                     f"host memory {min(self.peak_host_mb):.0f}-{max(self.peak_host_mb):.0f} MB")
+        held, full = max(self.peak_activation_mb), max(self.peak_activation_full_mb)
+        activations = f"peak activations per rank: {held:.1f} MB"
+        if full > held:
+            activations += f" (recompute saved {full - held:.1f} MB of {full:.1f})"
+        lines.append(f"{activations}; peak host memory {min(self.peak_host_mb):.0f}-"
+                     f"{max(self.peak_host_mb):.0f} MB")
         return "\n".join(lines)
 
 
