@@ -270,3 +270,26 @@ def test_plan_activation_memory_is_what_a_forward_keeps(name, recompute):
     planned = activation_bytes(LlamaConfig.from_hf(cfg), 1, cfg["num_hidden_layers"], 3, 10,
                                True, True, recompute)
     assert held_bytes(ctx) == planned
+
+
+def test_data_files_and_their_order(tmp_path):
+    """.npy rows, a .bin token file cut into windows, .jsonl ids packed with EOS between
+    documents; bad padding refused; the sample order wraps and shuffles by (seed, epoch)."""
+    from hpcpar.train.data import DataError, load_dataset, sample_indices, token_dtype
+    cfg = LlamaConfig.from_hf(dict(GQA, eos_token_id=2))
+    tokens = np.arange(1, 42) % 250
+    tokens.astype(token_dtype(cfg.vocab_size)).tofile(tmp_path / "t.bin")
+    ds = load_dataset(tmp_path / "t.bin", cfg, seq_len=8)
+    assert len(ds) == 5 and ds.seq_len == 8
+    np.testing.assert_array_equal(ds.samples[1], tokens[8:17])
+    (tmp_path / "d.jsonl").write_text('{"ids": [5, 6, 7]}\n{"ids": [8, 9]}\n')
+    packed = load_dataset(tmp_path / "d.jsonl", cfg, seq_len=3)
+    np.testing.assert_array_equal(packed.samples[0], [5, 6, 7, 2])
+    np.save(tmp_path / "bad.npy", np.array([[4, -1, 5, 6]]))
+    with pytest.raises(DataError, match="padding .* after a real token"):
+        load_dataset(tmp_path / "bad.npy", cfg)
+    assert sample_indices(8, 4, 10, False, 0).tolist() == [8, 9, 0, 1]
+    epoch0, epoch1 = sample_indices(0, 10, 10, True, 3), sample_indices(10, 10, 10, True, 3)
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0.tolist() != epoch1.tolist()
+    assert sample_indices(5, 10, 10, True, 3).tolist() == epoch0[5:].tolist() + epoch1[:5].tolist()

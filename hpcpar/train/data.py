@@ -123,27 +123,35 @@ def _jsonl_tokens(path: Path, cfg: LlamaConfig, tokenizer) -> np.ndarray:
     return np.concatenate([part for doc in docs for part in (doc, eos)])
 
 
-def check_samples(samples: np.ndarray, cfg: LlamaConfig, source: str) -> None:
+def check_samples(samples: np.ndarray, cfg: LlamaConfig, source: str,
+                  block_rows: int = 1 << 16) -> None:
+    """Every id below the vocabulary, padding only at the start of a row, and at least two
+    real tokens per sample. Reads the data in blocks of rows (a token file may be larger
+    than memory)."""
     if len(samples) == 0:
         raise DataError(f"{source}: the dataset holds no samples")
     if samples.shape[1] < 2:
         raise DataError(f"{source}: samples of {samples.shape[1]} token(s); training needs at "
                         "least 2 (an input and its next-token label)")
-    top = int(samples.max())
-    if top >= cfg.vocab_size:
-        where = np.argwhere(samples >= cfg.vocab_size)[0]
-        raise DataError(f"{source}: token id {top} >= vocab_size {cfg.vocab_size} (first at "
-                        f"sample {where[0]}, position {where[1]})")
-    real = samples >= 0
-    pad = pad_lengths(samples)
-    if (real.sum(axis=1) != samples.shape[1] - pad).any():
-        bad = int(np.argmax(real.sum(axis=1) != samples.shape[1] - pad))
-        raise DataError(f"{source}: sample {bad} has padding (negative ids) after a real "
-                        "token; only left padding is allowed")
-    short = samples.shape[1] - pad < 2
-    if short.any():
-        raise DataError(f"{source}: sample {int(np.argmax(short))} has fewer than 2 real "
-                        "tokens; training needs an input and a label")
+    signed = np.issubdtype(samples.dtype, np.signedinteger)
+    for first in range(0, len(samples), block_rows):
+        block = np.asarray(samples[first:first + block_rows])
+        top = int(block.max())
+        if top >= cfg.vocab_size:
+            where = np.argwhere(block >= cfg.vocab_size)[0]
+            raise DataError(f"{source}: token id {top} >= vocab_size {cfg.vocab_size} (first "
+                            f"at sample {first + where[0]}, position {where[1]})")
+        if not signed:
+            continue                                   # token files hold no padding
+        pad = pad_lengths(block)
+        inner = (block >= 0).sum(axis=1) != block.shape[1] - pad
+        if inner.any():
+            raise DataError(f"{source}: sample {first + int(np.argmax(inner))} has padding "
+                            "(negative ids) after a real token; only left padding is allowed")
+        short = block.shape[1] - pad < 2
+        if short.any():
+            raise DataError(f"{source}: sample {first + int(np.argmax(short))} has fewer than 2 "
+                            "real tokens; training needs an input and a label")
 
 
 def pad_lengths(samples: np.ndarray) -> np.ndarray:
