@@ -173,3 +173,90 @@ def test_wrong_gather_sizes_are_refused_before_communicating(world):
     from hpcpar.errors import HpcparError
     with pytest.raises(HpcparError, match="do not match"):
         world.all_gather(np.ones(3), sizes=[1] * world.size)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_gather_to_every_root_with_uneven_and_empty_blocks(world, dtype, axis):
+    sizes = [r % 3 for r in range(world.size)]            # rank 0 gives nothing
+    block = lambda r: _data(r, (sizes[r], 4) if axis == 0 else (4, sizes[r]), dtype)  # noqa: E731
+    expected = np.concatenate([block(r) for r in range(world.size)], axis=axis)
+    for root in range(world.size):
+        got = world.gather(block(world.rank), root=root, axis=axis, sizes=sizes)
+        if world.rank == root:
+            assert got.dtype == np.dtype(dtype) and got.flags.c_contiguous
+            np.testing.assert_array_equal(_as64(got), _as64(expected))
+        else:
+            assert got is None
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_scatter_gives_each_rank_its_block(world, dtype, axis):
+    sizes = [r % 3 + 1 for r in range(world.size)]
+    shape = (sum(sizes), 3) if axis == 0 else (3, sum(sizes))
+    for root in range(world.size):
+        full = _data(root, shape, dtype) if world.rank == root else None
+        out = np.empty((sizes[world.rank], 3) if axis == 0 else (3, sizes[world.rank]), dtype)
+        assert world.scatter(full, out, root=root, axis=axis) is out
+        bounds = np.cumsum([0] + sizes)
+        mine = np.take(_data(root, shape, dtype),
+                       range(bounds[world.rank], bounds[world.rank + 1]), axis=axis)
+        np.testing.assert_array_equal(_as64(out), _as64(mine))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_scatter_that_does_not_fit_is_an_error_on_every_rank(world):
+    from hpcpar.errors import HpcparError
+    full = np.zeros((world.size + 1, 2), np.float32) if world.rank == 0 else None
+    with pytest.raises(HpcparError, match="does not split into the blocks"):
+        world.scatter(full, np.empty((1, 2), np.float32), root=0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_sums_on_the_root_only(world, dtype):
+    for root in range(world.size):
+        x = _data(world.rank, (3, 5), dtype)
+        before = x.copy()
+        world.reduce(x, root=root)
+        if world.rank == root:
+            expected = sum(_as64(_data(r, (3, 5), dtype)) for r in range(world.size))
+            np.testing.assert_array_equal(_as64(x), expected)
+        else:
+            np.testing.assert_array_equal(_as64(x), _as64(before))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_max_reductions_and_the_non_blocking_sum(world):
+    x = _data(world.rank, (4, 3), np.float32)
+    expected_max = np.max([_data(r, (4, 3), np.float32) for r in range(world.size)], axis=0)
+    np.testing.assert_array_equal(world.all_reduce(x.copy(), op="max"), expected_max)
+    y = x.copy()
+    world.reduce(y, root=0, op="max")
+    if world.rank == 0:
+        np.testing.assert_array_equal(y, expected_max)
+    z = x.copy()
+    request = world.iall_reduce(z)
+    request.wait()
+    np.testing.assert_array_equal(_as64(z), sum(_as64(_data(r, (4, 3), np.float32))
+                                                for r in range(world.size)))
+    with pytest.raises(Exception, match="max"):
+        world.all_reduce(_data(world.rank, (2,), bfloat16), op="max")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gather_scatter_and_reduce_count_their_bytes(world):
+    world.stats.reset()
+    block = np.ones((2, 4), np.float32)                    # 32 bytes
+    world.gather(block, root=0)
+    world.scatter(np.ones((2 * world.size, 4), np.float32) if world.rank == 0 else None,
+                  np.empty((2, 4), np.float32), root=0)
+    world.reduce(block, root=0)
+    ops = world.stats.ops
+    root = world.rank == 0
+    assert ops["world.gather"].bytes == (32 * world.size if root else 32)
+    assert ops["world.scatter"].bytes == (32 * world.size if root else 32)
+    assert ops["world.reduce"].bytes == 32 and ops["world.reduce"].calls == 1

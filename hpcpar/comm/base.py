@@ -4,8 +4,9 @@
 moves the gathered / scattered axis to the front so every rank's block is one contiguous run of
 memory, splits uneven lengths like ``numpy.array_split`` (remainder to the first ranks), counts
 the bytes and time of every call, and names the operation and group when one fails. Subclasses
-only move contiguous buffers: ``_all_reduce``, ``_all_gather``, ``_reduce_scatter``,
-``_broadcast``, ``_isend``, ``_irecv``, ``_sendrecv``, ``_barrier``.
+only move contiguous buffers: ``_all_reduce``, ``_iall_reduce``, ``_all_gather``,
+``_reduce_scatter``, ``_gather``, ``_scatter``, ``_reduce``, ``_broadcast``, ``_isend``,
+``_irecv``, ``_sendrecv``, ``_barrier``.
 """
 
 from __future__ import annotations
@@ -136,12 +137,7 @@ class Communicator(ABC):
         buffers save an allocation per call on hot paths)."""
         axis = _normalize_axis(axis, x.ndim)
         front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n_local, *rest)
-        n_local = front.shape[0]
-        if sizes is None:
-            sizes = [n_local] * self.size
-        elif len(sizes) != self.size or sizes[self.rank] != n_local:
-            raise HpcparError(f"all_gather on {self.name}: sizes {list(sizes)} do not match "
-                              f"{self.size} ranks with local length {n_local} on rank {self.rank}")
+        sizes = self._block_sizes(sizes, front.shape[0], "all_gather")
         gathered = self._result_buffer(out, axis, (sum(sizes),) + front.shape[1:], x.dtype)
         if self.size == 1:
             gathered[...] = front
@@ -181,6 +177,84 @@ class Communicator(ABC):
         if front is not out:
             out[...] = _from_front(front, axis)
         return out
+
+    def gather(self, x, root: int = 0, axis: int = 0, sizes: Sequence[int] | None = None):
+        """Every rank's ``x`` concatenated along ``axis`` in rank order, on ``root`` only
+        (other ranks get None). Blocks may differ in length along ``axis``: pass every rank's
+        length as ``sizes`` (0 for a rank with nothing to give)."""
+        axis = _normalize_axis(axis, x.ndim)
+        front = self.xp.ascontiguousarray(_to_front(x, axis))
+        sizes = self._block_sizes(sizes, front.shape[0], "gather")
+        gathered = None
+        if self.rank == root:
+            gathered = self.xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)
+        if self.size == 1:
+            gathered[...] = front
+        else:
+            nbytes = gathered.nbytes if gathered is not None else front.nbytes
+            self._run("gather", nbytes, self._gather, front, gathered, list(sizes), root)
+        return None if gathered is None else self._place(gathered, axis, None)
+
+    def scatter(self, x, out, root: int = 0, axis: int = 0):
+        """``root``'s ``x`` cut along ``axis`` into consecutive blocks, block i to rank i, into
+        every rank's ``out`` (whose length along ``axis`` says how much that rank takes; the
+        lengths must add up to root's). ``x`` is read on root only; returns ``out``."""
+        _require_contiguous(out, "scatter")
+        axis = _normalize_axis(axis, out.ndim)
+        block_shape = _to_front(out, axis).shape
+        front = None
+        if self.rank == root:
+            front = self.xp.ascontiguousarray(_to_front(x, axis))
+        # every rank learns every block's length and root's, so all agree on a mismatch
+        mine = [block_shape[0], _count(block_shape[1:]), -1, -1]
+        if front is not None:
+            mine[2:] = [front.shape[0], _count(front.shape[1:])]
+        table = self._all_rows(mine)
+        sizes = [int(r[0]) for r in table]
+        total, rest = (int(v) for v in table[root][2:])
+        if sum(sizes) != total or any(int(r[1]) != rest for r in table):
+            raise HpcparError(f"scatter on {self.name}: root's array does not split into the "
+                              f"blocks {sizes} along axis {axis} (root has {total} there)")
+        block = out if axis == 0 else self.xp.empty(block_shape, out.dtype)
+        if self.size == 1:
+            block[...] = front
+        else:
+            nbytes = front.nbytes if front is not None else block.nbytes
+            self._run("scatter", nbytes, self._scatter, front, block, sizes, root)
+        if block is not out:
+            out[...] = _from_front(block, axis)
+        return out
+
+    def reduce(self, x, root: int = 0, op: str = "sum"):
+        """x <- sum (or max) of x over the group on ``root``, in place; other ranks' x is
+        left as it was. Returns x."""
+        if op not in REDUCE_OPS:
+            raise HpcparError(f"reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+        if self.size == 1:
+            return x
+        buf = self.xp.ascontiguousarray(x)
+        self._run("reduce", buf.nbytes, self._reduce, buf, root, op)
+        if buf is not x and self.rank == root:
+            x[...] = buf
+        return x
+
+    def _block_sizes(self, sizes, n_local: int, op: str) -> list[int]:
+        if sizes is None:
+            return [n_local] * self.size
+        if len(sizes) != self.size or sizes[self.rank] != n_local:
+            raise HpcparError(f"{op} on {self.name}: sizes {list(sizes)} do not match "
+                              f"{self.size} ranks with local length {n_local} on rank "
+                              f"{self.rank}")
+        return list(sizes)
+
+    def _all_rows(self, row: list[int]):
+        """Every rank's small integer ``row``, as a host table (size, len(row))."""
+        mine = self.xp.asarray(row, dtype=self.xp.int64)
+        if self.size == 1:
+            return self.backend.to_host(mine)[None]
+        table = self.xp.empty((self.size, len(row)), dtype=self.xp.int64)
+        self._all_gather(mine, table, [1] * self.size)
+        return self.backend.to_host(table)
 
     def broadcast(self, x, root: int = 0):
         """x <- root's x, in place; returns x."""
@@ -252,6 +326,19 @@ class Communicator(ABC):
         """recv (sizes[rank], *rest) <- this rank's block of the sum of send (n, *rest)."""
 
     @abstractmethod
+    def _gather(self, send, recv, sizes: list[int], root: int) -> None:
+        """recv (n_total, *rest) on root <- every rank's send (sizes[r], *rest), rank order;
+        recv is None on the other ranks."""
+
+    @abstractmethod
+    def _scatter(self, send, recv, sizes: list[int], root: int) -> None:
+        """recv (sizes[rank], *rest) <- block ``rank`` of root's send; send is None off root."""
+
+    @abstractmethod
+    def _reduce(self, buf, root: int, op: str) -> None:
+        """buf on root <- the sum (max) of every rank's buf."""
+
+    @abstractmethod
     def _broadcast(self, buf, root: int) -> None: ...
 
     @abstractmethod
@@ -285,6 +372,13 @@ def _from_front(x, axis: int):
     if axis == 0:
         return x
     return x.transpose(tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, x.ndim)))
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _require_contiguous(a, op: str) -> None:

@@ -171,6 +171,35 @@ class MpiCommunicator(Communicator):
         self._finish(hsend, send, copy_back=False)
         self._finish(hrecv, recv, copy_back=True)
 
+    def _gather(self, send, recv, sizes, root) -> None:
+        hsend = self._stage_in(send)
+        hrecv = self._stage_out(recv) if recv is not None else None
+        counts, displs = _counts_and_displs(sizes, send)
+        target = self._msg(hrecv, counts, displs) if hrecv is not None else None
+        self.mpi_comm.Gatherv(self._msg(hsend), target, root=root)
+        self._finish(hsend, send, copy_back=False)
+        if recv is not None:
+            self._finish(hrecv, recv, copy_back=True)
+
+    def _scatter(self, send, recv, sizes, root) -> None:
+        hsend = self._stage_in(send) if send is not None else None
+        hrecv = self._stage_out(recv)
+        counts, displs = _counts_and_displs(sizes, recv)
+        source = self._msg(hsend, counts, displs) if hsend is not None else None
+        self.mpi_comm.Scatterv(source, self._msg(hrecv), root=root)
+        if send is not None:
+            self._finish(hsend, send, copy_back=False)
+        self._finish(hrecv, recv, copy_back=True)
+
+    def _reduce(self, buf, root, op) -> None:
+        host = self._stage_in(buf)
+        mpi_op = _reduce_op(buf.dtype, op)
+        if self.rank == root:
+            self.mpi_comm.Reduce(MPI.IN_PLACE, self._msg(host), op=mpi_op, root=root)
+        else:
+            self.mpi_comm.Reduce(self._msg(host), None, op=mpi_op, root=root)
+        self._finish(host, buf, copy_back=self.rank == root)
+
     def _broadcast(self, buf, root) -> None:
         host = self._stage_in(buf)
         self.mpi_comm.Bcast(self._msg(host), root=root)

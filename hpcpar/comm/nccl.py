@@ -115,6 +115,38 @@ class NcclCommunicator(Communicator):
                                  self._lib.NCCL_SUM, self._stream())
         recv[...] = out[: sizes[self.rank]]
 
+    def _gather(self, send, recv, sizes, root) -> None:
+        # NCCL has no gather: grouped point-to-point, as NCCL's own examples do
+        self._lib.groupStart()
+        if send.size:
+            self._comm.send(send.data.ptr, send.size, self._t(send), root, self._stream())
+        if recv is not None:
+            offset = 0
+            for r, n in enumerate(sizes):
+                if n:
+                    part = recv[offset:offset + n]
+                    self._comm.recv(part.data.ptr, part.size, self._t(part), r, self._stream())
+                offset += n
+        self._lib.groupEnd()
+
+    def _scatter(self, send, recv, sizes, root) -> None:
+        self._lib.groupStart()
+        if send is not None:
+            offset = 0
+            for r, n in enumerate(sizes):
+                if n:
+                    part = send[offset:offset + n]
+                    self._comm.send(part.data.ptr, part.size, self._t(part), r, self._stream())
+                offset += n
+        if recv.size:
+            self._comm.recv(recv.data.ptr, recv.size, self._t(recv), root, self._stream())
+        self._lib.groupEnd()
+
+    def _reduce(self, buf, root, op) -> None:
+        ptr = buf.data.ptr
+        nccl_op = self._lib.NCCL_MAX if op == "max" else self._lib.NCCL_SUM
+        self._comm.reduce(ptr, ptr, buf.size, self._t(buf), nccl_op, root, self._stream())
+
     def _broadcast(self, buf, root) -> None:
         self._comm.bcast(buf.data.ptr, buf.size, self._t(buf), root, self._stream())
 

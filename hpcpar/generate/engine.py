@@ -37,7 +37,7 @@ from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
 from .sampling import SamplingParams
 
-TAG_TOKENS, TAG_LENGTHS, TAG_LOGITS = 11, 12, 13
+TAG_LOGITS = 13
 
 
 @dataclass
@@ -174,10 +174,10 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         bar.close()
 
     with phase("collecting the outputs on rank 0"):
+        world = create_communicator(comm, "mpi", NUMPY, None, "world")
         figures = _figures(executor, program, stats, shard, backend, start, finished)
-        table = np.empty((size, RankFigures.width())) if rank == 0 else None
-        comm.Gather(figures.to_array(), table, root=0)
-        collected = _collect(comm, mesh, layout, plan.prompts, program, settings)
+        table = world.gather(figures.to_array()[None], root=0)       # (ranks, figures)
+        collected = _collect(world, mesh, layout, plan.prompts, program, settings)
     result = None
     if rank == 0:
         tokens, lengths, logits = collected
@@ -232,43 +232,34 @@ def _figures(executor, program, stats, shard, backend, start, finished) -> RankF
         weight_bytes=sum(a.nbytes for a in shard.tensors.values()))
 
 
-def _collect(comm, mesh: Mesh, layout: ParallelConfig, prompts: Prompts,
+def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts,
              program: GenerationProgram, settings: GenerationSettings):
     """Every replica's tokens (and prompt logits) on world rank 0, in input order. Each
-    replica's last stage, tp rank 0, sends its block; both ends know every shape."""
-    world = create_communicator(comm, "mpi", NUMPY, None, "world")
-    n_new = settings.max_new_tokens
+    replica's last stage, tp rank 0, holds its block: tokens and lengths are gathered (owners
+    are in replica order, the other ranks give nothing), logits sent micro-batch by
+    micro-batch; both ends know every shape."""
+    batch = len(prompts)
     owners = [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
-    is_owner = comm.Get_rank() == owners[mesh.dp_rank]
-    if is_owner and comm.Get_rank() != 0 and program.mbs:
-        world.send(program.tokens, 0, TAG_TOKENS)
-        world.send(program.lengths, 0, TAG_LENGTHS)
-        if settings.save_logits:
-            for mb in program.mbs:
-                world.send(program.prompt_logits[mb.index], 0, TAG_LOGITS)
-    if comm.Get_rank() != 0:
+    is_owner = world.rank == owners[mesh.dp_rank]
+    sizes = [0] * world.size
+    for d, owner in enumerate(owners):
+        sizes[owner] = len(replica_rows(batch, layout.dp, d))
+    mine = slice(None) if is_owner else slice(0, 0)
+    tokens = world.gather(program.tokens[mine], root=0, sizes=sizes)
+    lengths = world.gather(program.lengths[mine], root=0, sizes=sizes)
+    if is_owner and world.rank != 0 and settings.save_logits:
+        for mb in program.mbs:
+            world.send(program.prompt_logits[mb.index], 0, TAG_LOGITS)
+    if world.rank != 0:
         return None
 
-    batch = len(prompts)
-    tokens = np.empty((batch, n_new), dtype=np.int64)
-    lengths = np.empty(batch, dtype=np.int64)
+    if not settings.save_logits:
+        return tokens, lengths, None
     vocab = program.stage.cfg.vocab_size
-    logits = (np.full((batch, max(prompts.lengths), vocab), np.nan, dtype=np.float32)
-              if settings.save_logits else None)
+    logits = np.full((batch, max(prompts.lengths), vocab), np.nan, dtype=np.float32)
     for d, owner in enumerate(owners):
-        rows = replica_rows(batch, layout.dp, d)
-        if not len(rows):
-            continue
-        block = slice(rows.start, rows.stop)
-        mbs = micro_batches(prompts.ids, rows, layout.micro_batches)
-        if owner == 0:
-            tokens[block], lengths[block] = program.tokens, program.lengths
-        else:
-            world.recv(tokens[block], owner, TAG_TOKENS)
-            world.recv(lengths[block], owner, TAG_LENGTHS)
-        if logits is None:
-            continue
-        for mb in mbs:
+        for mb in micro_batches(prompts.ids, replica_rows(batch, layout.dp, d),
+                                layout.micro_batches):
             if owner == 0:
                 full = program.prompt_logits[mb.index]
             else:

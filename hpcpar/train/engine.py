@@ -17,7 +17,7 @@ from time import perf_counter
 
 import numpy as np
 
-from ..backend import select_backend
+from ..backend import NUMPY, select_backend
 from ..checkpoint import Checkpoint, load_shard, open_checkpoint
 from ..comm import CommStats, create_communicator
 from ..generate.engine import resolve_checkpoint
@@ -190,8 +190,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     if bar:
         bar.close()
     figures.set_comm(stats, reducer)
-    table = np.empty((size, TrainFigures.width())) if rank == 0 else None
-    comm.Gather(figures.to_array(), table, root=0)
+    world = create_communicator(comm, "mpi", NUMPY, None, "world")
+    table = world.gather(figures.to_array()[None], root=0)               # (ranks, figures)
     if rank != 0:
         return None
     return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
