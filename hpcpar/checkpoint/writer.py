@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,6 +18,7 @@ import numpy as np
 from ..config import LlamaConfig
 from ..dtypes import dtype_name
 from ..errors import HpcparError
+from ..outputs import remove_stale_temporaries
 from ..tensors import TensorSpec, model_tensors
 from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
                      chunk_shape, storage_dtype, to_storage)
@@ -24,11 +26,14 @@ from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKE
 
 class AtomicPath:
     """A temporary sibling of ``path`` that replaces it on ``commit`` and vanishes on
-    ``discard``. Use for every output file, so none is ever left half-written."""
+    ``discard``. Use for every output file, so none is ever left half-written. Temporaries
+    that crashed writers on this host left beside ``path`` are removed first."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        remove_stale_temporaries(self.path)
+        self.tmp = self.path.with_name(
+            f".{self.path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
     def commit(self) -> None:
         os.replace(self.tmp, self.path)

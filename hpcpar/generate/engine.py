@@ -25,13 +25,14 @@ from ..errors import HpcparError
 from ..jobs import PRESET_PREFIX, Job
 from ..launch import everyone, local_rank, phase, set_location
 from ..mesh import Mesh, MeshCoords, rank_of
+from ..outputs import check_output, claimed
 from ..model import LlamaStage
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.partition import stage_layers
 from ..pipeline.schedule import generation
 from ..tensors import stage_tensors
 from .batching import MicroBatch, micro_batches, replica_rows
-from .output import check_output_path, write_output
+from .output import write_output
 from .program import GenerationProgram, GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
@@ -119,7 +120,10 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
             prompts = load_prompts(source, tokenizer)
     check_prompts(prompts, cfg, settings.max_new_tokens, source)
     if job.output.path:
-        check_output_path(job.output.path)
+        inputs = {"checkpoint": ckpt.path}
+        if prompts is None and source != "random":
+            inputs["prompts"] = source
+        check_output(job.output.path, inputs)
     return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer)
 
 
@@ -133,74 +137,75 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
     cfg = ckpt.config
     plan = everyone(comm, _validate, job, ckpt, size, prompts)
     layout, settings = plan.layout, plan.settings
+    with claimed(comm, job.output.path):   # one writer; the lock goes with the job
+        mesh = Mesh(comm, layout)
+        set_location(mesh.describe())
+        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
+        stats = CommStats()
+        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
+        # Pipeline messages stay on MPI: NCCL point-to-point on one stream would queue compute
+        # behind receives posted ahead.
+        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
 
-    mesh = Mesh(comm, layout)
-    set_location(mesh.describe())
-    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
-    stats = CommStats()
-    tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
-    # Pipeline messages stay on MPI: NCCL point-to-point on one stream would queue compute
-    # behind receives posted ahead.
-    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
+        layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
+        specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
+        with phase("loading the checkpoint"):
+            shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
+                             dtype=plan.dtype, backend=backend)
+        stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
+                           mesh.is_last_stage, tp, backend.xp, plan.dtype)
 
-    layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
-    specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
-    with phase("loading the checkpoint"):
-        shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
-                         dtype=plan.dtype, backend=backend)
-    stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
-                       mesh.is_last_stage, tp, backend.xp, plan.dtype)
+        rows = replica_rows(len(plan.prompts), layout.dp, mesh.dp_rank)
+        mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
+        eos = cfg.eos_token_id
+        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+        n_new = settings.max_new_tokens
+        bar = _progress_bar(rank == 0 and progress, sum(b.size for b in mbs) * n_new)
+        on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
+        program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step)
+        actions = generation(layout.pp, len(mbs), n_new)[mesh.pp_rank] if mbs else []
+        executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs))
+        with phase("checking the pipeline schedule"):
+            everyone(comm, executor.preflight, actions)
 
-    rows = replica_rows(len(plan.prompts), layout.dp, mesh.dp_rank)
-    mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
-    eos = cfg.eos_token_id
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-    bar = _progress_bar(rank == 0 and progress, sum(b.size for b in mbs) * settings.max_new_tokens)
-    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
-                                on_step=(lambda mb, step: bar.update(mbs[mb].size)) if bar else None)
-    actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
-    executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs))
-    with phase("checking the pipeline schedule"):
-        everyone(comm, executor.preflight, actions)
+        comm.Barrier()
+        stats.reset()
+        start = perf_counter()
+        with phase("generating"):
+            executor.run(actions)
+            backend.synchronize()
+        finished = perf_counter()
+        if bar:
+            bar.close()
 
-    comm.Barrier()
-    stats.reset()
-    start = perf_counter()
-    with phase("generating"):
-        executor.run(actions)
-        backend.synchronize()
-    finished = perf_counter()
-    if bar:
-        bar.close()
+        with phase("collecting the outputs on rank 0"):
+            world = create_communicator(comm, "mpi", NUMPY, None, "world")
+            figures = _figures(executor, program, stats, shard, backend, start, finished)
+            table = world.gather(figures.to_array()[None], root=0)       # (ranks, figures)
+            collected = _collect(world, mesh, layout, plan.prompts, program, settings)
+        result = None
+        if rank == 0:
+            tokens, lengths, logits = collected
+            report = RunReport.build(table, layout, len(mbs), len(plan.prompts),
+                                     sum(plan.prompts.lengths), int(lengths.sum()))
+            texts = None
+            if plan.tokenizer is not None:
+                texts = [plan.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+                         for row, n in zip(tokens, lengths)]
+            result = GenerationResult(tokens, lengths,
+                                      np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
+                                      texts, report)
 
-    with phase("collecting the outputs on rank 0"):
-        world = create_communicator(comm, "mpi", NUMPY, None, "world")
-        figures = _figures(executor, program, stats, shard, backend, start, finished)
-        table = world.gather(figures.to_array()[None], root=0)       # (ranks, figures)
-        collected = _collect(world, mesh, layout, plan.prompts, program, settings)
-    result = None
-    if rank == 0:
-        tokens, lengths, logits = collected
-        report = RunReport.build(table, layout, len(mbs), len(plan.prompts),
-                                 sum(plan.prompts.lengths), int(lengths.sum()))
-        texts = None
-        if plan.tokenizer is not None:
-            texts = [plan.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
-                     for row, n in zip(tokens, lengths)]
-        result = GenerationResult(tokens, lengths,
-                                  np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
-                                  texts, report)
+        def write():
+            if result is not None and job.output.path:
+                attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind)
+                write_output(job.output.path, result.tokens, result.lengths,
+                             result.prompt_lengths, result.prompt_logits, result.texts,
+                             attrs | result.report.attrs())
 
-    def write():
-        if result is not None and job.output.path:
-            attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind)
-            write_output(job.output.path, result.tokens, result.lengths,
-                         result.prompt_lengths, result.prompt_logits, result.texts,
-                         attrs | result.report.attrs())
-
-    with phase("writing the output file"):
-        everyone(comm, write)     # the other ranks wait for rank 0's verdict
-    return result
+        with phase("writing the output file"):
+            everyone(comm, write)     # the other ranks wait for rank 0's verdict
+        return result
 
 
 def _progress_bar(enabled: bool, total: int):

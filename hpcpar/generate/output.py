@@ -17,15 +17,6 @@ import h5py
 import numpy as np
 
 from ..checkpoint import AtomicPath
-from ..errors import HpcparError
-
-
-def check_output_path(path: str | Path) -> None:
-    path = Path(path)
-    if path.is_dir():
-        raise HpcparError(f"output {path} is a folder; give a file name such as {path}/out.h5")
-    if not path.parent.is_dir():
-        raise HpcparError(f"output folder {path.parent} does not exist; create it first")
 
 
 def write_output(path: str | Path, tokens: np.ndarray, lengths: np.ndarray,

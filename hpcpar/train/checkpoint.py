@@ -133,6 +133,12 @@ def _rectangles(shape: tuple[int, ...], a: int, b: int):
         yield (slice(r1, r1 + 1), slice(0, c1)), r1 * cols
 
 
+def remove_partial(out_dir: Path) -> None:
+    """Checkpoints a crashed run left half-written (the folder's lock is held)."""
+    for tmp in out_dir.glob(".step-*.h5.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
 def commit(path: Path) -> None:
     """Rank 0: move the finished file into place, then point ``latest`` at it."""
     os.replace(_tmp(path), path)

@@ -25,6 +25,7 @@ from ..jobs import Job
 from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone,
                       local_rank, phase, print_error, set_location)
 from ..mesh import Mesh
+from ..outputs import claimed
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.training_schedules import training_schedule
 from ..tensors import stage_tensors
@@ -56,145 +57,150 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                   f"{tr.steps}")
         return None
 
-    mesh = Mesh(comm, layout)
-    set_location(mesh.describe())
-    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
-    xp = backend.xp
-    stats = CommStats()
-    tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
-    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
-    dp = create_communicator(mesh.dp_comm, job.parallel.comm, backend, stats, "dp")
-    kv_comm = _kv_group(mesh, cfg, backend, stats)
+    with claimed(comm, plan.out_dir, folder=True):   # one job writes this folder
+        if rank == 0:
+            tc.remove_partial(plan.out_dir)
+        mesh = Mesh(comm, layout)
+        set_location(mesh.describe())
+        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
+        xp = backend.xp
+        stats = CommStats()
+        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
+        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
+        dp = create_communicator(mesh.dp_comm, job.parallel.comm, backend, stats, "dp")
+        kv_comm = _kv_group(mesh, cfg, backend, stats)
 
-    with phase("loading the checkpoint"):
-        chunks, params, states = _load(comm, mesh, plan, ckpt, tp, backend,
-                                       recompute=tr.recompute == "full")
-    tied_peer = None
-    if cfg.tie_word_embeddings and layout.pp > 1 and (mesh.is_first_stage or mesh.is_last_stage):
-        tied_peer = (pp, layout.pp - 1 if mesh.is_first_stage else 0)
-    groups = [g for chunk in reversed(chunks) for g in chunk.groups]
-    reducer = GradientReducer(dp, groups, xp) if layout.dp > 1 else None
-    zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
-    updated = zero.segments if zero else params         # what the optimizer steps
-    optimizer = Optimizer(plan.optimizer, updated, xp)
-    scaler = LossScaler(tr.loss_scale) if plan.dtype == np.float16 else None
-    # float16 gradients may overflow on purpose (the scaler then skips the step): quietly
-    def overflow_is_expected():
-        return (np.errstate(over="ignore", invalid="ignore") if scaler
-                else contextlib.nullcontext())
-    if states is not None:
-        optimizer.state.update(zero.slice_state(states) if zero else states)
-        attrs = plan.resume[1]
-        optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
-        if scaler is not None and "loss_scale" in attrs:
-            scaler.scale, scaler.good_steps = float(attrs["loss_scale"]), int(attrs["good_steps"])
+        with phase("loading the checkpoint"):
+            chunks, params, states = _load(comm, mesh, plan, ckpt, tp, backend,
+                                           recompute=tr.recompute == "full")
+        tied_peer = None
+        holds_embedding = mesh.is_first_stage or mesh.is_last_stage
+        if cfg.tie_word_embeddings and layout.pp > 1 and holds_embedding:
+            tied_peer = (pp, layout.pp - 1 if mesh.is_first_stage else 0)
+        groups = [g for chunk in reversed(chunks) for g in chunk.groups]
+        reducer = GradientReducer(dp, groups, xp) if layout.dp > 1 else None
+        zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
+        updated = zero.segments if zero else params         # what the optimizer steps
+        optimizer = Optimizer(plan.optimizer, updated, xp)
+        scaler = LossScaler(tr.loss_scale) if plan.dtype == np.float16 else None
+        # float16 gradients may overflow on purpose (the scaler then skips the step): quietly
+        def overflow_is_expected():
+            return (np.errstate(over="ignore", invalid="ignore") if scaler
+                    else contextlib.nullcontext())
+        if states is not None:
+            optimizer.state.update(zero.slice_state(states) if zero else states)
+            attrs = plan.resume[1]
+            optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
+            if scaler is not None and "loss_scale" in attrs:
+                scaler.scale = float(attrs["loss_scale"])
+                scaler.good_steps = int(attrs["good_steps"])
 
-    # ---- the schedule, checked once: every step has the same shapes ---------------------
-    B, M = tr.global_batch, layout.micro_batches
-    T = plan.dataset.seq_len
-    mb_rows = B // (layout.dp * M)
-    actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.pp_rank]
-    shape_only = [Batch(np.zeros((mb_rows, T), np.int64), None, None, None)] * M
-    executor = PipelineExecutor(pp, mesh.pp_rank, TrainingProgram(
-        chunks, shape_only, layout.pp, mesh.pp_rank, cfg.hidden_size, plan.dtype, xp),
-        backend, in_flight=M * V)
-    with phase("checking the pipeline schedule"):
-        everyone(comm, executor.preflight, actions)
+        # ---- the schedule, checked once: every step has the same shapes ---------------------
+        B, M = tr.global_batch, layout.micro_batches
+        T = plan.dataset.seq_len
+        mb_rows = B // (layout.dp * M)
+        actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.pp_rank]
+        shape_only = [Batch(np.zeros((mb_rows, T), np.int64), None, None, None)] * M
+        executor = PipelineExecutor(pp, mesh.pp_rank, TrainingProgram(
+            chunks, shape_only, layout.pp, mesh.pp_rank, cfg.hidden_size, plan.dtype, xp),
+            backend, in_flight=M * V)
+        with phase("checking the pipeline schedule"):
+            everyone(comm, executor.preflight, actions)
 
-    metrics = Metrics(plan.out_dir / "metrics.jsonl", rank == 0, plan.start_step)
-    per_token = flops_per_token(cfg, T)
-    peak = tr.peak_tflops * 1e12 if tr.peak_tflops else peak_flops(xp, backend)
-    figures = TrainFigures()
-    bar = _progress_bar(rank == 0 and progress, tr.steps - plan.start_step)
-    comm.Barrier()
-    stats.reset()
-    step = plan.start_step
-    saved_at = step
-    with StopRequest() as stop, phase("training"):
-        while step < tr.steps:
-            step += 1
-            start = perf_counter()
-            first_sample = plan.samples_start + (step - plan.start_step - 1) * B
-            scale = scaler.scale if scaler else 1.0
-            batches = _replica_batches(plan, mesh, first_sample, B, tr, xp, scale)
-            for p in params:
-                p.grad[...] = 0
-            if reducer:
-                reducer.start_step()
-            overlap = reducer.grads_done if reducer and not zero else None
-            program = TrainingProgram(chunks, batches, layout.pp, mesh.pp_rank, cfg.hidden_size,
-                                      plan.dtype, xp, overlap)
-            executor.program = program
-            with overflow_is_expected():
-                executor.run(actions)
-            t_reduce = perf_counter()
-            if zero:                      # replicated sums first, then each rank its piece
-                sum_replicated(params, kv_comm, tied_peer, xp)
-                zero.reduce_scatter()
-            else:
-                if reducer:
-                    reducer.finish()
-                sum_replicated(params, kv_comm, tied_peer, xp)
-            backend.synchronize()
-            figures.reduce += perf_counter() - t_reduce
-            counts_loss = chunks[-1].last and mesh.tp_rank == 0
-            agreed = np.array([program.loss if counts_loss else 0.0,
-                               local_sq_norm(updated, xp) if zero or mesh.dp_rank == 0 else 0.0,
-                               1.0 if stop.requested else 0.0])
-            comm.Allreduce(np.copy(agreed), agreed)
-            loss, norm = float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale
-            stopping = agreed[2] > 0
-            # float16 gradients that overflowed: skip the step and lower the loss scale
-            overflow = scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
-            if not overflow and not (math.isfinite(loss) and math.isfinite(norm)):
-                if rank == 0:                                  # the same on every rank
-                    print_error(_diverged(step, loss, norm, plan.out_dir, saved_at))
-                raise JobFailed(EXIT_INVALID)
-            lr = learning_rate(plan.optimizer, step, tr.steps)
-            if scaler is not None:
-                scaler.update(overflow)
-            if not overflow:
-                coef = clip_coefficient(norm, plan.optimizer.clip_grad)
-                optimizer.step(lr, coef / scale)
-                if zero:
-                    zero.all_gather()
+        metrics = Metrics(plan.out_dir / "metrics.jsonl", rank == 0, plan.start_step)
+        per_token = flops_per_token(cfg, T)
+        peak = tr.peak_tflops * 1e12 if tr.peak_tflops else peak_flops(xp, backend)
+        figures = TrainFigures()
+        bar = _progress_bar(rank == 0 and progress, tr.steps - plan.start_step)
+        comm.Barrier()
+        stats.reset()
+        step = plan.start_step
+        saved_at = step
+        with StopRequest() as stop, phase("training"):
+            while step < tr.steps:
+                step += 1
+                start = perf_counter()
+                first_sample = plan.samples_start + (step - plan.start_step - 1) * B
+                scale = scaler.scale if scaler else 1.0
+                batches = _replica_batches(plan, mesh, first_sample, B, tr, xp, scale)
                 for p in params:
-                    p.refresh()
-            backend.synchronize()
-            seconds = perf_counter() - start
-            figures.add_step(executor.times, program.peak_held, program.peak_held_full, seconds)
-            executor.times.compute[0] = executor.times.wait[0] = 0.0
-            tokens = B * T
-            metrics.write(StepRecord(step, loss, None if overflow else norm, lr, tokens, seconds,
-                                     tokens / seconds,
-                                     tokens / seconds * per_token / (size * peak),
-                                     scaler.scale if scaler else None))
-            if bar:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
-            elif rank == 0 and progress:
-                print(metrics.line(), flush=True)
-            if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
-                with phase(f"saving the checkpoint of step {step}"):
-                    _save(comm, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
-                          first_sample + B, job)
-                saved_at = step
-            if stopping and step < tr.steps:
+                    p.grad[...] = 0
+                if reducer:
+                    reducer.start_step()
+                overlap = reducer.grads_done if reducer and not zero else None
+                program = TrainingProgram(chunks, batches, layout.pp, mesh.pp_rank, cfg.hidden_size,
+                                          plan.dtype, xp, overlap)
+                executor.program = program
+                with overflow_is_expected():
+                    executor.run(actions)
+                t_reduce = perf_counter()
+                if zero:                      # replicated sums first, then each rank its piece
+                    sum_replicated(params, kv_comm, tied_peer, xp)
+                    zero.reduce_scatter()
+                else:
+                    if reducer:
+                        reducer.finish()
+                    sum_replicated(params, kv_comm, tied_peer, xp)
+                backend.synchronize()
+                figures.reduce += perf_counter() - t_reduce
+                counts_loss = chunks[-1].last and mesh.tp_rank == 0
+                agreed = np.array([program.loss if counts_loss else 0.0,
+                                   local_sq_norm(updated, xp) if zero or mesh.dp_rank == 0 else 0.0,
+                                   1.0 if stop.requested else 0.0])
+                comm.Allreduce(np.copy(agreed), agreed)
+                loss, norm = float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale
+                stopping = agreed[2] > 0
+                # float16 gradients that overflowed: skip the step and lower the loss scale
+                overflow = scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
+                if not overflow and not (math.isfinite(loss) and math.isfinite(norm)):
+                    if rank == 0:                                  # the same on every rank
+                        print_error(_diverged(step, loss, norm, plan.out_dir, saved_at))
+                    raise JobFailed(EXIT_INVALID)
+                lr = learning_rate(plan.optimizer, step, tr.steps)
+                if scaler is not None:
+                    scaler.update(overflow)
+                if not overflow:
+                    coef = clip_coefficient(norm, plan.optimizer.clip_grad)
+                    optimizer.step(lr, coef / scale)
+                    if zero:
+                        zero.all_gather()
+                    for p in params:
+                        p.refresh()
+                backend.synchronize()
+                seconds = perf_counter() - start
+                figures.add_step(executor.times, program.peak_held, program.peak_held_full, seconds)
+                executor.times.compute[0] = executor.times.wait[0] = 0.0
+                tokens = B * T
+                rate = tokens / seconds
+                metrics.write(StepRecord(step, loss, None if overflow else norm, lr, tokens,
+                                         seconds, rate, rate * per_token / (size * peak),
+                                         scaler.scale if scaler else None))
                 if bar:
-                    bar.close()
-                if rank == 0:
-                    print(f"stopped at step {step} on request (SIGTERM/SIGUSR1); saved "
-                          f"{plan.out_dir / tc.checkpoint_name(step)}; run again with "
-                          "--resume auto to continue", flush=True)
-                raise JobFailed(EXIT_PREEMPTED)
-    if bar:
-        bar.close()
-    figures.set_comm(stats, reducer)
-    world = create_communicator(comm, "mpi", NUMPY, None, "world")
-    table = world.gather(figures.to_array()[None], root=0)               # (ranks, figures)
-    if rank != 0:
-        return None
-    return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss:.4f}")
+                elif rank == 0 and progress:
+                    print(metrics.line(), flush=True)
+                if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
+                    with phase(f"saving the checkpoint of step {step}"):
+                        _save(comm, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
+                              first_sample + B, job)
+                    saved_at = step
+                if stopping and step < tr.steps:
+                    if bar:
+                        bar.close()
+                    if rank == 0:
+                        print(f"stopped at step {step} on request (SIGTERM/SIGUSR1); saved "
+                              f"{plan.out_dir / tc.checkpoint_name(step)}; run again with "
+                              "--resume auto to continue", flush=True)
+                    raise JobFailed(EXIT_PREEMPTED)
+        if bar:
+            bar.close()
+        figures.set_comm(stats, reducer)
+        world = create_communicator(comm, "mpi", NUMPY, None, "world")
+        table = world.gather(figures.to_array()[None], root=0)               # (ranks, figures)
+        if rank != 0:
+            return None
+        return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
 
 
 def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool):

@@ -17,6 +17,7 @@ from ..generate.engine import load_tokenizer
 from ..jobs import Job
 from ..pipeline.partition import stage_layers
 from ..pipeline.training_schedules import micro_batch_problems
+from ..outputs import check_output
 from . import checkpoint as tc
 from .data import Dataset, load_dataset
 from .optim import OptimizerSettings
@@ -80,10 +81,7 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
         raise HpcparError("invalid training job: " + "; ".join(problems))
     dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt))
     out_dir = Path(job.output.path)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise HpcparError(f"--out {out_dir} is a file; training writes a folder of checkpoints")
-    if not out_dir.parent.is_dir():
-        raise HpcparError(f"--out {out_dir}: folder {out_dir.parent} does not exist")
+    check_output(out_dir, {"checkpoint": ckpt.path, "data": dataset.source}, folder=True)
     resume = None
     start_step = samples_start = 0
     resume_path = tc.resolve_resume(tr.resume, out_dir)

@@ -10,8 +10,9 @@ Each gradient bucket (``grads.GradientReducer``) is cut into dp consecutive piec
 The parameters' float32 master weights become views into one flat buffer per bucket (as
 their gradients already are), so the gather lands in place. The optimizer runs on
 *segments*: one ``Param`` per (parameter, piece) overlap, whose data and grad are views, so
-the elementwise update and the norm count (``Param.counted``) work unchanged. Checkpoints stay layout-free: every
-replica writes its own segments' optimizer state (``train.checkpoint.write_segments``).
+the elementwise update and the norm count (``Param.counted``) work unchanged. Checkpoints
+stay layout-free: every replica writes its own segments' optimizer state
+(``train.checkpoint.write_segments``).
 """
 
 from __future__ import annotations
