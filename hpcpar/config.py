@@ -85,13 +85,25 @@ class LlamaConfig:
         if missing:
             raise ConfigError(source, [f"missing required field(s) {', '.join(missing)}"])
 
+        try:
+            cfg = cls._build(hf, source)
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ConfigError(source, [f"malformed value ({type(e).__name__}: {e}); fields must "
+                                       "be numbers as transformers writes them"]) from None
+        problems = cfg.problems()
+        if problems:
+            raise ConfigError(source, problems)
+        return cfg
+
+    @classmethod
+    def _build(cls, hf: Mapping[str, Any], source: str) -> "LlamaConfig":
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if heads else 0)
         rope_theta, scaling = _parse_rope(hf, source)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        cfg = cls(
+        return cls(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
@@ -104,19 +116,17 @@ class LlamaConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos_ids,
             pad_token_id=hf.get("pad_token_id"))
-        problems = cfg.problems()
-        if problems:
-            raise ConfigError(source, problems)
-        return cfg
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> "LlamaConfig":
         path = Path(path)
         try:
-            hf = json.loads(path.read_text())
+            hf = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise HpcparError(f"{path}: no such file; a Hugging Face model folder holds "
                               "config.json beside its weights") from None
+        except (IsADirectoryError, UnicodeDecodeError) as e:
+            raise HpcparError(f"{path}: not a readable config.json ({e})") from None
         except json.JSONDecodeError as e:
             raise HpcparError(f"{path}: not valid JSON ({e})") from None
         return cls.from_hf(hf, source=str(path))
@@ -137,6 +147,9 @@ class LlamaConfig:
                        f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
             out.append(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_id):
+            out.append(f"eos_token_id must be an integer or a list of integers, got "
+                       f"{list(self.eos_token_id)}")
         if self.rms_norm_eps <= 0:
             out.append(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:

@@ -138,6 +138,10 @@ def read_job_file(path: str | Path) -> dict:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise JobError(f"{path}: no such job file") from None
+    except IsADirectoryError:
+        raise JobError(f"{path}: is a folder, not a job file (.toml)") from None
+    except UnicodeDecodeError as e:
+        raise JobError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise JobError(f"{path}: not valid TOML ({e})") from None
     for section, key in _INPUT_KEYS:

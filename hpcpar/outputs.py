@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,9 +45,12 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
             raise HpcparError(f"the {what} {source} {where} the output {path}; writing there "
                               "would destroy it; choose another output")
     writable = path if folder and path.is_dir() else parent
-    if not os.access(writable, os.W_OK | os.X_OK):
-        raise HpcparError(f"cannot write into {writable}: permission denied; choose a folder "
-                          "you can write")
+    try:                       # really create a file: permissions, read-only mounts, quotas
+        with tempfile.NamedTemporaryFile(dir=writable, prefix=".hpcpar-probe-"):
+            pass
+    except OSError as e:
+        raise HpcparError(f"cannot write into {writable} ({e.strerror}); choose a folder you "
+                          "can write") from None
 
 
 def _owner_alive(text: str) -> bool:

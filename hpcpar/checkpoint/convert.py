@@ -16,6 +16,7 @@ import numpy as np
 from ..config import LlamaConfig
 from ..dtypes import float_dtype
 from ..errors import HpcparError
+from ..outputs import OutputLock, check_output
 from ..tensors import model_tensors
 from .format import TOKENIZER_FILES
 from .writer import CheckpointWriter
@@ -78,10 +79,18 @@ def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> Ll
         raise HpcparError(f"{hf_dir}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) "
                           "is not part of a Llama model; is this really a Llama checkpoint?")
 
+    shards = sorted(set(files[n] for n in expected))
+    absent = [p for p in shards if not p.is_file()]
+    if absent:
+        raise HpcparError(f"{hf_dir}: the index names {absent[0].name}, which is not in the "
+                          "folder; download every shard the index lists")
+    sources = [config_path, *shards, *(hf_dir / n for n in TOKENIZER_FILES)]
+    check_output(out, {f"source file {p.name}": p for p in sources})
+
     safe_open = _safetensors()
     with ExitStack() as stack:
-        handles = {p: stack.enter_context(safe_open(p, framework="numpy"))
-                   for p in sorted(set(files[n] for n in expected))}
+        stack.enter_context(OutputLock(out))
+        handles = {p: stack.enter_context(safe_open(p, framework="numpy")) for p in shards}
         first = handles[files[specs[0].name]].get_tensor(specs[0].name)
         target = float_dtype(dtype) if dtype else np.dtype(first.dtype)
         with CheckpointWriter(out, hf_config, target, source=str(hf_dir)) as w:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..errors import HpcparError
+from ..outputs import OutputLock, check_output
 from ..tensors import TensorSpec, model_tensors
 from .writer import CheckpointWriter
 
@@ -67,7 +68,8 @@ def init_checkpoint(out: str | Path, preset: str | dict, seed: int = 0,
     """Write a checkpoint of random weights for ``preset`` (a name or a config.json dict)."""
     hf = preset_config(preset) if isinstance(preset, str) else dict(preset)
     label = f"hpcpar init --preset {preset} --seed {seed}" if isinstance(preset, str) else "init"
-    with CheckpointWriter(out, hf, dtype, source=label) as w:
+    check_output(out)
+    with OutputLock(out), CheckpointWriter(out, hf, dtype, source=label) as w:
         for spec in model_tensors(w.config):
             w.write(spec, random_tensor(spec, seed, hf.get("initializer_range", 0.02)))
     return w.config

@@ -141,11 +141,22 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
                                       f"file is truncated or corrupt ({_first_line(e)})") from None
             out.bytes_read += shard.source_numel * stored.itemsize
             host = raw.view(ckpt.dtype) if stored != ckpt.dtype else raw
+            _check_finite(ckpt.path, dataset.format(spec.name), host)
             if host.dtype != dtype:
                 host = host.astype(dtype)
             out.tensors[spec.name] = backend.asarray(host)
     out.seconds = perf_counter() - start
     return out
+
+
+def _check_finite(path: Path, name: str, values: np.ndarray) -> None:
+    """NaN or inf in weights turns every output into garbage: refuse them at load time."""
+    finite = np.isfinite(values)
+    if not finite.all():
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise CheckpointError(f"{path}: {name} holds NaN or inf values (first at local index "
+                              f"{where}); the file is damaged or came from a diverged training; "
+                              "convert it again or use an earlier checkpoint")
 
 
 def read_tensor(ckpt: Checkpoint, name: str) -> np.ndarray:

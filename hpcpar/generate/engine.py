@@ -109,20 +109,22 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
                                   gen.save_logits)
     tokenizer = load_tokenizer(ckpt)
     source = job.data.prompts
+    from_file = prompts is None and source != "random"
     if prompts is None:
         if source == "random":
             lengths = job.data.random_lengths
             if len(lengths) != 2:
                 raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")
+            if not 0 <= job.data.random_seed < 2 ** 63:
+                raise HpcparError(f"data.random_seed must be in [0, 2^63), got "
+                                  f"{job.data.random_seed}")
             prompts = random_prompts(job.data.random_count, (lengths[0], lengths[1]),
                                      cfg.vocab_size, job.data.random_seed)
         else:
             prompts = load_prompts(source, tokenizer)
     check_prompts(prompts, cfg, settings.max_new_tokens, source)
     if job.output.path:
-        inputs = {"checkpoint": ckpt.path}
-        if prompts is None and source != "random":
-            inputs["prompts"] = source
+        inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
         check_output(job.output.path, inputs)
     return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer)
 

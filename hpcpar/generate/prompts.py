@@ -61,7 +61,12 @@ def _load_npy(path: Path) -> Prompts:
 
 def _load_jsonl(path: Path, tokenizer) -> Prompts:
     ids, texts = [], []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the "
+                          "prompt file as UTF-8") from None
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -75,6 +80,8 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
             if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                     for t in row):
                 raise PromptError(f"{path}:{n}: \"ids\" must be a list of integers")
+            if any(not -2 ** 63 <= t < 2 ** 63 for t in row):
+                raise PromptError(f"{path}:{n}: token id {max(row, key=abs)} is out of range")
             ids.append(np.asarray(row, dtype=np.int64))
             texts.append(None)
         else:

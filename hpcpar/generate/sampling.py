@@ -8,6 +8,7 @@ from a stream whose position depends on how rows were batched.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,13 @@ class SamplingParams:
 
     def problems(self) -> list[str]:
         out = []
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                out.append(f"{name} must be a finite number, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2 ** 63:
+            out.append(f"seed must be in [0, 2^63), got {self.seed}")
+        if out:
+            return out
         if self.temperature < 0:
             out.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:

@@ -66,6 +66,8 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
                         f"weights), not {job.model.dtype}")
     if tr.loss_scale <= 0:
         problems.append(f"loss_scale must be > 0, got {tr.loss_scale}")
+    if not 0 <= tr.seed < 2 ** 63:
+        problems.append(f"seed must be in [0, 2^63), got {tr.seed}")
     if tr.zero not in (0, 1):
         problems.append(f"zero {tr.zero} is not a ZeRO stage hpcpar has: 0 (off) or 1 "
                         "(optimizer state split over dp)")
