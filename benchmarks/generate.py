@@ -1,6 +1,7 @@
 """Prefill and decode tokens/s of batch generation, as ratios against a single rank run in the
 same script, and against Hugging Face transformers on the same weights with as many threads
-as hpcpar has ranks.
+as hpcpar has ranks (at most one per core: torch with more threads than cores runs its
+prefill ~20x slower here, which no torch user would do).
 
     python benchmarks/generate.py                        # ~100M preset, 1, 2 and 4 ranks
     python benchmarks/generate.py --batch 8 --prompt-length 32 --new-tokens 8 --ranks 1,2
@@ -122,12 +123,15 @@ def main():
         ckpt_path = cache_dir() / f"{args.preset}-seed0.h5"
         cfg = open_checkpoint(ckpt_path).config
         prompts = np.stack(random_prompts(args.batch, (L, L), cfg.vocab_size, 0).ids)
-        hf = {n: run_transformers(ckpt_path, prompts, args.new_tokens, args.repeats, n)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
+        hf = {n: run_transformers(ckpt_path, prompts, args.new_tokens, args.repeats,
+                                  min(n, cores))
               for n in counts}
     print(f"{'run':<28} {'prefill tok/s':>13} {'vs 1 rank':>9} {'vs HF':>6} "
           f"{'decode tok/s':>12} {'vs 1 rank':>9} {'vs HF':>6} {'same tokens':>11}")
     table = [(n, name, r) for n, name, r in rows]
-    table += [(n, f"transformers ({n} thread{'s' if n > 1 else ''})", r)
+    table += [(n, f"transformers (vs {n} rank{'s' if n > 1 else ''})", r)
               for n, r in hf.items() if r is not None]
     for n, name, r in table:
         ref = hf.get(n)
