@@ -177,6 +177,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--backend", choices=_backends)
     train.add_argument("--comm", choices=COMM_KINDS, help="tp and dp communicator")
 
+    sub_ = sub.add_parser("submit", help="queue a job file on Slurm (sbatch), one rank per GPU")
+    sub_.add_argument("job", type=Path)
+    sub_.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    sub_.add_argument("--nodes", type=int, default=1)
+    sub_.add_argument("--ranks-per-node", type=int, default=8, help="ranks (tasks) per node")
+    sub_.add_argument("--gpus-per-node", type=int,
+                      help="default: one per rank; 0 for CPU nodes")
+    sub_.add_argument("--cpus-per-task", type=int, help="cores (BLAS threads) per rank")
+    sub_.add_argument("--time", default="01:00:00", help="time limit (Slurm format)")
+    sub_.add_argument("--partition")
+    sub_.add_argument("--account")
+    sub_.add_argument("--signal-seconds", type=int, default=120,
+                      help="USR1 this long before the time limit: save, requeue, resume")
+    sub_.add_argument("--launcher", choices=["pmi2", "pmix", "mpirun"], default="pmi2",
+                      help="srun --mpi=pmi2 (mpich wheel), srun --mpi=pmix, or the site mpirun")
+    sub_.add_argument("--dry-run", action="store_true", help="print the script, queue nothing")
+
     plan = sub.add_parser("plan", help="memory, communication and bubble of a layout (no MPI)")
     plan.add_argument("job", nargs="?", type=Path, help="job file to plan (optional)")
     plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -250,6 +267,8 @@ def _main(argv) -> int:
             if job.output.path:
                 print(f"wrote {job.output.path}")
         return 0
+    if command == "submit":
+        return _on_rank0(comm, "submitting the job", lambda: _submit(args))
     if command == "plan":
         return _on_rank0(comm, "planning", lambda: print(_plan_text(args)))
     if command == "convert":
@@ -263,6 +282,23 @@ def _main(argv) -> int:
             args.out, lambda: init_checkpoint(args.out, args.preset, args.seed,
                                               float_dtype(args.dtype))))
     raise AssertionError(command)
+
+
+def _submit(args) -> None:
+    from .jobs import load_job
+    from .slurm import SlurmRequest, check_layout, submit
+    training = _is_training(args.job, args)
+    job = load_job(args.job, args.set)
+    req = SlurmRequest(str(args.job), training, args.nodes, args.ranks_per_node,
+                       args.gpus_per_node, args.cpus_per_task, args.time, args.partition,
+                       args.account, args.signal_seconds, args.job.stem, args.launcher,
+                       tuple(args.set))
+    problems = req.problems()
+    if problems:
+        raise HpcparError("hpcpar submit: " + "; ".join(problems))
+    check_layout(job, req.ranks, training)
+    out = submit(req, dry_run=args.dry_run)
+    print(out if args.dry_run else f"submitted batch job {out}")
 
 
 def _is_training(job_file, args) -> bool:

@@ -1,0 +1,170 @@
+"""Slurm: the batch scripts ``hpcpar submit`` renders, and jobs run for real on a single-node
+Slurm (slurmctld + slurmd + munge from the distribution's packages, started by
+slurm/local-cluster.sh and stopped by their PIDs): the demo and a training job submitted with
+``hpcpar submit``; a training job that gets the time-limit signal saves, requeues itself,
+resumes and ends with the same files as an uninterrupted run.
+
+Needs root and the distribution's packages (installed when absent); without them the
+fixture fails with the reason. It never skips.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import REPO
+from hpcpar.slurm import SlurmRequest, render, static_scripts
+from test_generate_cli import _assert_one_error
+
+CLUSTER = REPO / "slurm" / "local-cluster.sh"
+
+
+def test_the_script_has_the_time_limit_pattern_and_resumes_training():
+    script = render(SlurmRequest("jobs/train_tiny.toml", True, nodes=2, ranks_per_node=4,
+                                 partition="gpu", account="proj", time="02:00:00"))
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
+                 "#SBATCH --gpus-per-task=1", "#SBATCH --time=02:00:00",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj",
+                 "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue",
+                 "#SBATCH --open-mode=append", "trap forward USR1",
+                 'scontrol requeue "$SLURM_JOB_ID"', "--set train.resume=auto",
+                 "HPCPAR_LAUNCH=${HPCPAR_LAUNCH:-srun --mpi=pmi2}"):
+        assert line in script, line
+    cpu = render(SlurmRequest("jobs/demo.toml", False, gpus_per_node=0))
+    assert "--gpus-per-task" not in cpu and "train.resume" not in cpu
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_the_scripts_in_slurm_are_the_rendered_defaults():
+    for name, text in static_scripts().items():
+        assert (REPO / "slurm" / name).read_text() == text, name
+        subprocess.run(["bash", "-n", str(REPO / "slurm" / name)], check=True)
+
+
+def _submit(*args, cwd, env=None):
+    return subprocess.run([sys.executable, "-m", "hpcpar", "submit", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ if env is None else env, PYTHONPATH=str(REPO)))
+
+
+def test_submit_checks_the_layout_against_the_ranks_before_queueing(tmp_path):
+    proc = _submit(str(REPO / "jobs" / "train_tiny.toml"), "--ranks-per-node", "3",
+                   "--gpus-per-node", "0", "--dry-run", cwd=tmp_path)
+    _assert_one_error(proc, "dp(1) * pp(2) * tp(2) = 4 != world size 3")
+    proc = _submit(str(REPO / "jobs" / "demo.toml"), "--ranks-per-node", "4",
+                   "--gpus-per-node", "2", "--dry-run", cwd=tmp_path)
+    _assert_one_error(proc, "one rank per GPU")
+    proc = _submit(str(REPO / "jobs" / "train_tiny.toml"), "--nodes", "2", "--ranks-per-node",
+                   "4", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "#SBATCH --nodes=2" in proc.stdout and "train.resume=auto" in proc.stdout
+
+
+# ---- a real Slurm ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm():
+    # not under pytest's private temp root: munged runs as its own user and must reach it
+    state = Path(tempfile.mkdtemp(prefix="hpcpar-slurm-"))
+    state.chmod(0o711)
+    up = subprocess.run(["bash", str(CLUSTER), "up", str(state)], capture_output=True,
+                        text=True, timeout=300)
+    if up.returncode:
+        pytest.fail(f"could not start a local Slurm: {up.stderr.strip()}")
+    env = dict(os.environ, SLURM_CONF=str(state / "slurm.conf"))
+    yield env
+    subprocess.run(["bash", str(CLUSTER), "down", str(state)], timeout=60)
+    shutil.rmtree(state, ignore_errors=True)
+
+
+def _scontrol(env, job):
+    out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
+                         text=True).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def _wait(env, job, timeout=240):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = _scontrol(env, job).get("JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+            return state
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env)
+    raise AssertionError(f"job {job} did not end in {timeout} s")
+
+
+def _job_id(proc):
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()[-1]
+
+
+TRAIN = ["--ranks-per-node", "2", "--gpus-per-node", "0", "--set", "parallel.pp=2",
+         "--set", "parallel.tp=1", "--set", "parallel.micro_batches=2",
+         "--set", "train.global_batch=8"]
+
+
+def test_the_demo_and_a_training_job_run_through_hpcpar_submit(slurm, tmp_path):
+    demo = _job_id(_submit(str(REPO / "jobs" / "demo.toml"), "--ranks-per-node", "4",
+                           "--gpus-per-node", "0", "--set", "output.path='demo.h5'",
+                           cwd=tmp_path, env=slurm))
+    train = _job_id(_submit(str(REPO / "jobs" / "train_tiny.toml"), *TRAIN,
+                            "--set", "train.steps=6", "--set", "output.path='run'",
+                            cwd=tmp_path, env=slurm))
+    assert _wait(slurm, demo) == "COMPLETED", (tmp_path / f"demo-{demo}.out").read_text()
+    with h5py.File(tmp_path / "demo.h5") as f:
+        assert f.attrs["pp"] == 2 and f["tokens"].shape[0] > 0
+    log = (tmp_path / f"train_tiny-{train}.out")
+    assert _wait(slurm, train) == "COMPLETED", log.read_text()
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-6.h5"
+    assert "layout: dp 1 x pp 2 x tp 1" in log.read_text()
+
+
+def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupted_run(
+        slurm, tmp_path):
+    common = [*TRAIN, "--set", "train.steps=120", "--set", "train.optimizer='sgd'",
+              "--set", "train.lr=0.01"]
+    straight = _job_id(_submit(str(REPO / "jobs" / "train_tiny.toml"), *common,
+                               "--set", "output.path='straight'", cwd=tmp_path, env=slurm))
+    assert _wait(slurm, straight) == "COMPLETED"
+    job = _job_id(_submit(str(REPO / "jobs" / "train_tiny.toml"), *common,
+                          "--set", "output.path='stopped'", cwd=tmp_path, env=slurm))
+    metrics = tmp_path / "stopped" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists()
+                                           or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:               # requeued: pending again, restarted
+        info = _scontrol(slurm, job)
+        if info.get("Restarts") == "1" and info.get("JobState") in ("PENDING", "RUNNING",
+                                                                    "COMPLETED"):
+            break
+        time.sleep(0.2)
+    # Slurm holds a requeued job back two minutes; let it start now
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
+    assert _wait(slurm, job) == "COMPLETED"
+    log = (tmp_path / f"train_tiny-{job}.out").read_text()
+    assert "requeueing job" in log and "restart 1" in log, log
+    stopped_at = int(log.split("stopped at step ")[1].split()[0])
+    assert 3 <= stopped_at < 120
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    expected = [json.loads(line)["loss"]
+                for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 120
+    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    with h5py.File(tmp_path / "stopped" / "step-120.h5") as a, \
+            h5py.File(tmp_path / "straight" / "step-120.h5") as b:
+        for name, dset in b.items():
+            if isinstance(dset, h5py.Dataset):
+                np.testing.assert_array_equal(a[name][()], dset[()], err_msg=name)
