@@ -120,24 +120,14 @@ class NcclCommunicator(Communicator):
         self._lib.groupStart()
         if send.size:
             self._comm.send(send.data.ptr, send.size, self._t(send), root, self._stream())
-        if recv is not None:
-            offset = 0
-            for r, n in enumerate(sizes):
-                if n:
-                    part = recv[offset:offset + n]
-                    self._comm.recv(part.data.ptr, part.size, self._t(part), r, self._stream())
-                offset += n
+        for r, part in _pieces(recv, sizes) if recv is not None else ():
+            self._comm.recv(part.data.ptr, part.size, self._t(part), r, self._stream())
         self._lib.groupEnd()
 
     def _scatter(self, send, recv, sizes, root) -> None:
         self._lib.groupStart()
-        if send is not None:
-            offset = 0
-            for r, n in enumerate(sizes):
-                if n:
-                    part = send[offset:offset + n]
-                    self._comm.send(part.data.ptr, part.size, self._t(part), r, self._stream())
-                offset += n
+        for r, part in _pieces(send, sizes) if send is not None else ():
+            self._comm.send(part.data.ptr, part.size, self._t(part), r, self._stream())
         if recv.size:
             self._comm.recv(recv.data.ptr, recv.size, self._t(recv), root, self._stream())
         self._lib.groupEnd()
@@ -173,3 +163,12 @@ class NcclCommunicator(Communicator):
     def _barrier(self) -> None:
         self.backend.synchronize()
         self.mpi_comm.Barrier()
+
+
+def _pieces(buf, sizes):
+    """(rank, its non-empty block of ``buf``) for blocks of ``sizes`` rows, in rank order."""
+    offset = 0
+    for r, n in enumerate(sizes):
+        if n:
+            yield r, buf[offset:offset + n]
+        offset += n
