@@ -84,6 +84,9 @@ class GenerateSection:
     seed: int = 0
     stop_at_eos: bool = True
     save_logits: bool = False
+    wave_size: int = 0              # prompts per wave (0: all at once); the output is
+                                    # saved and a stop is possible after each wave
+    resume: str | None = None       # "auto": skip the prompts a stopped run finished
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import resource
 import sys
 from dataclasses import dataclass
@@ -23,7 +25,8 @@ from ..config import ParallelConfig
 from ..dtypes import dtype_name, float_dtype
 from ..errors import HpcparError
 from ..jobs import PRESET_PREFIX, Job
-from ..launch import everyone, local_rank, phase, set_location
+from ..launch import (EXIT_PREEMPTED, JobFailed, StopRequest, everyone, local_rank, phase,
+                      set_location)
 from ..mesh import Mesh, MeshCoords, rank_of
 from ..outputs import check_output, claimed
 from ..model import LlamaStage
@@ -32,7 +35,7 @@ from ..pipeline.partition import stage_layers
 from ..pipeline.schedule import generation
 from ..tensors import stage_tensors
 from .batching import MicroBatch, micro_batches, replica_rows
-from .output import write_output
+from .output import PartialOutput
 from .program import GenerationProgram, GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
@@ -157,57 +160,142 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
                            mesh.is_last_stage, tp, backend.xp, plan.dtype)
 
-        rows = replica_rows(len(plan.prompts), layout.dp, mesh.dp_rank)
-        mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
+        world = create_communicator(comm, "mpi", NUMPY, None, "world")
         eos = cfg.eos_token_id
         pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-        n_new = settings.max_new_tokens
-        bar = _progress_bar(rank == 0 and progress, sum(b.size for b in mbs) * n_new)
-        on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
-        program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step)
-        actions = generation(layout.pp, len(mbs), n_new)[mesh.pp_rank] if mbs else []
-        executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs))
-        with phase("checking the pipeline schedule"):
-            everyone(comm, executor.preflight, actions)
+        n_prompts = len(plan.prompts)
+        waves = wave_ranges(n_prompts, job.generate.wave_size)
+        out = None
 
-        comm.Barrier()
-        stats.reset()
-        start = perf_counter()
-        with phase("generating"):
-            executor.run(actions)
-            backend.synchronize()
-        finished = perf_counter()
+        def open_output():
+            nonlocal out
+            if rank == 0 and job.output.path:
+                out = PartialOutput(job.output.path, n_prompts, settings.max_new_tokens,
+                                    plan.prompts, cfg.vocab_size, settings.save_logits,
+                                    plan.tokenizer is not None, _fingerprint(job, ckpt, plan),
+                                    job.generate.resume)
+
+        with phase("opening the output file"):
+            everyone(comm, open_output)
+        done = np.zeros(n_prompts, dtype=np.int64)          # prompts a stopped run finished
+        if out is not None:
+            done[:] = out.done
+        world.broadcast(done)
+        todo = [w for w in waves if not done[w.start:w.stop].all()]
+        bar = _progress_bar(rank == 0 and progress,
+                            sum(len(w) for w in todo) * settings.max_new_tokens)
+        tokens = np.full((n_prompts, settings.max_new_tokens), pad_id, dtype=np.int64)
+        lengths = np.zeros(n_prompts, dtype=np.int64)
+        logits = None
+        if rank == 0 and settings.save_logits and out is None:   # no file: held in memory
+            logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size), np.nan,
+                             dtype=np.float32)
+        totals = None
+        micro = 0
+        with StopRequest() as stop:
+            for i, wave in enumerate(todo):
+                figures, collected, micro_w = _run_wave(
+                    comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,
+                    backend, pp, stats, bar, out, logits)
+                micro = max(micro, micro_w)
+                totals = figures if totals is None else totals.combine(figures)
+                if rank == 0:
+                    tokens[wave], lengths[wave] = collected
+                    if out is not None:
+                        texts = _decode(plan.tokenizer, tokens[wave], lengths[wave])
+                        out.finish_wave(wave, tokens[wave], lengths[wave], texts)
+                flag = world.all_reduce(np.array([int(stop.requested)], dtype=np.int64))
+                if flag[0] and i < len(todo) - 1:
+                    if bar:
+                        bar.close()
+                    if rank == 0:
+                        print(f"stopped after {wave.stop} of {n_prompts} prompts on request "
+                              f"(SIGTERM/SIGUSR1); the finished ones are saved; run again "
+                              f"with --resume auto to continue", flush=True)
+                    raise JobFailed(EXIT_PREEMPTED)
         if bar:
             bar.close()
 
         with phase("collecting the outputs on rank 0"):
-            world = create_communicator(comm, "mpi", NUMPY, None, "world")
-            figures = _figures(executor, program, stats, shard, backend, start, finished)
-            table = world.gather(figures.to_array()[None], root=0)       # (ranks, figures)
-            collected = _collect(world, mesh, layout, plan.prompts, program, settings)
+            totals = totals or RankFigures()
+            table = world.gather(totals.to_array()[None], root=0)       # (ranks, figures)
         result = None
         if rank == 0:
-            tokens, lengths, logits = collected
-            report = RunReport.build(table, layout, len(mbs), len(plan.prompts),
-                                     sum(plan.prompts.lengths), int(lengths.sum()))
-            texts = None
-            if plan.tokenizer is not None:
-                texts = [plan.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
-                         for row, n in zip(tokens, lengths)]
+            if out is not None:                    # earlier runs' prompts come from the file
+                tokens, lengths = out.tokens_and_lengths()
+            ran = sum(len(w) for w in todo)
+            ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
+            new_tokens = int(sum(lengths[r] for w in todo for r in w))
+            report = RunReport.build(table, layout, micro, ran, ran_tokens, new_tokens)
+            texts = _decode(plan.tokenizer, tokens, lengths)
             result = GenerationResult(tokens, lengths,
                                       np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
                                       texts, report)
 
         def write():
-            if result is not None and job.output.path:
+            if out is not None:
                 attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind)
-                write_output(job.output.path, result.tokens, result.lengths,
-                             result.prompt_lengths, result.prompt_logits, result.texts,
-                             attrs | result.report.attrs())
+                out.complete(attrs | result.report.attrs())
 
         with phase("writing the output file"):
             everyone(comm, write)     # the other ranks wait for rank 0's verdict
         return result
+
+
+def wave_ranges(count: int, wave_size: int) -> list[range]:
+    """The prompts [0, count) in waves of ``wave_size`` (0: one wave)."""
+    size = wave_size if wave_size > 0 else max(count, 1)
+    return [range(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+def _run_wave(comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,
+              backend, pp, stats, bar, out, logits):
+    """Generate for the prompts of ``wave``; returns this rank's figures, the wave's
+    (tokens, lengths) on rank 0 and the micro-batches a replica ran. Prompt logits go
+    micro-batch by micro-batch to the output file, or into ``logits`` (rank 0)."""
+    replica = replica_rows(len(wave), layout.dp, mesh.dp_rank)
+    rows = range(wave.start + replica.start, wave.start + replica.stop)   # global prompt ids
+    mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
+    on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
+    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step)
+    actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
+    executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs))
+    with phase("checking the pipeline schedule"):
+        everyone(comm, executor.preflight, actions)
+    comm.Barrier()
+    stats.reset()
+    start = perf_counter()
+    with phase("generating"):
+        executor.run(actions)
+        backend.synchronize()
+    finished = perf_counter()
+    with phase("collecting the outputs on rank 0"):
+        figures = _figures(executor, program, stats, shard, backend, start, finished)
+        collected = _collect(world, mesh, layout, plan.prompts, wave, program, settings,
+                             out, logits)
+    return figures, collected, len(mbs)
+
+
+def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:
+    """What a resumed run must share with the stopped one for the file to be one run's."""
+    digest = hashlib.sha256()
+    for ids in plan.prompts.ids:
+        digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
+    s = plan.settings
+    return json.dumps({
+        "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
+        "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
+        "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
+        "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
+        "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
+        "dtype": dtype_name(plan.dtype)}, sort_keys=True)
+
+
+def _decode(tokenizer, tokens, lengths) -> list[str] | None:
+    if tokenizer is None:
+        return None
+    return [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+            for row, n in zip(tokens, lengths)]
 
 
 def _progress_bar(enabled: bool, total: int):
@@ -239,18 +327,17 @@ def _figures(executor, program, stats, shard, backend, start, finished) -> RankF
         weight_bytes=sum(a.nbytes for a in shard.tensors.values()))
 
 
-def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts,
-             program: GenerationProgram, settings: GenerationSettings):
-    """Every replica's tokens (and prompt logits) on world rank 0, in input order. Each
-    replica's last stage, tp rank 0, holds its block: tokens and lengths are gathered (owners
-    are in replica order, the other ranks give nothing), logits sent micro-batch by
-    micro-batch; both ends know every shape."""
-    batch = len(prompts)
+def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: range,
+             program: GenerationProgram, settings: GenerationSettings, out, logits):
+    """The wave's tokens and lengths on world rank 0, in input order, and its prompt logits
+    written one micro-batch at a time (to ``out``, or into ``logits``). Each replica's last
+    stage, tp rank 0, holds its block: tokens and lengths are gathered (owners are in replica
+    order, the other ranks give nothing), logits sent micro-batch by micro-batch."""
     owners = [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
     is_owner = world.rank == owners[mesh.dp_rank]
     sizes = [0] * world.size
     for d, owner in enumerate(owners):
-        sizes[owner] = len(replica_rows(batch, layout.dp, d))
+        sizes[owner] = len(replica_rows(len(wave), layout.dp, d))
     mine = slice(None) if is_owner else slice(0, 0)
     tokens = world.gather(program.tokens[mine], root=0, sizes=sizes)
     lengths = world.gather(program.lengths[mine], root=0, sizes=sizes)
@@ -259,21 +346,22 @@ def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts,
             world.send(program.prompt_logits[mb.index], 0, TAG_LOGITS)
     if world.rank != 0:
         return None
-
-    if not settings.save_logits:
-        return tokens, lengths, None
-    vocab = program.stage.cfg.vocab_size
-    logits = np.full((batch, max(prompts.lengths), vocab), np.nan, dtype=np.float32)
-    for d, owner in enumerate(owners):
-        for mb in micro_batches(prompts.ids, replica_rows(batch, layout.dp, d),
-                                layout.micro_batches):
-            if owner == 0:
-                full = program.prompt_logits[mb.index]
-            else:
-                full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32), owner,
-                                  TAG_LOGITS)
-            _unpad_into(logits, mb, full)
-    return tokens, lengths, logits
+    if settings.save_logits:
+        vocab = program.stage.cfg.vocab_size
+        for d, owner in enumerate(owners):
+            replica = replica_rows(len(wave), layout.dp, d)
+            rows = range(wave.start + replica.start, wave.start + replica.stop)
+            for mb in micro_batches(prompts.ids, rows, layout.micro_batches):
+                if owner == 0:
+                    full = program.prompt_logits[mb.index]
+                else:
+                    full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32),
+                                      owner, TAG_LOGITS)
+                if out is not None:
+                    out.write_logits(mb, full)
+                else:
+                    _unpad_into(logits, mb, full)
+    return tokens, lengths
 
 
 def _unpad_into(logits: np.ndarray, mb: MicroBatch, full: np.ndarray) -> None:

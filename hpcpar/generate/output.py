@@ -1,4 +1,5 @@
-"""The output file of a generation job, written atomically by rank 0.
+"""The output file of a generation job, written by rank 0 as the job goes and renamed into
+place when complete.
 
     tokens         int64 [batch, max_new_tokens]   new tokens only; pad id after a row's EOS
     lengths        int64 [batch]                   new tokens up to and including EOS
@@ -11,30 +12,82 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from ..checkpoint import AtomicPath
+from ..errors import HpcparError
+from ..outputs import remove_stale_temporaries
 
 
-def write_output(path: str | Path, tokens: np.ndarray, lengths: np.ndarray,
-                 prompt_lengths: np.ndarray, prompt_logits: np.ndarray | None,
-                 texts: list[str] | None, attrs: dict) -> None:
-    out = AtomicPath(path)
-    try:
-        with h5py.File(out.tmp, "w") as f:
-            f.create_dataset("tokens", data=tokens)
-            f.create_dataset("lengths", data=lengths)
-            f.create_dataset("prompt_lengths", data=prompt_lengths)
-            if prompt_logits is not None:
-                f.create_dataset("prompt_logits", data=prompt_logits)
-            if texts is not None:
-                f.create_dataset("text", data=texts, dtype=h5py.string_dtype("utf-8"))
-            for key, value in attrs.items():
-                f.attrs[key] = value
-        out.commit()
-    except BaseException:
-        out.discard()
-        raise
+
+class PartialOutput:
+    """The output file while a generation runs (rank 0 only): a hidden sibling
+    ``.NAME.partial`` that holds every dataset from the start, receives each wave's tokens,
+    lengths and text and each micro-batch's prompt logits as they are ready, and records
+    which prompts are done and the run's settings. ``complete`` renames it into place; a run
+    stopped early leaves it for ``resume="auto"``, which keeps the prompts it finished. The
+    output path itself only ever holds a complete file."""
+
+    def __init__(self, path: str | Path, count: int, max_new_tokens: int, prompts, vocab: int,
+                 save_logits: bool, with_text: bool, fingerprint: str, resume: str | None):
+        self.path = Path(path)
+        self.partial = self.path.with_name(f".{self.path.name}.partial")
+        remove_stale_temporaries(self.path)
+        if resume not in (None, "auto"):
+            raise HpcparError(f"generate.resume must be 'auto' or absent, got {resume!r}")
+        if resume and self.partial.exists():
+            self.file = h5py.File(self.partial, "r+")
+            if self.file.attrs.get("run") != fingerprint:
+                self.file.close()
+                raise HpcparError(f"{self.partial}: a stopped run with other settings (model, "
+                                  "prompts, sampling, wave size); run it with those, or "
+                                  f"remove {self.partial} to start over")
+        else:
+            self.file = h5py.File(self.partial, "w")
+            f = self.file
+            f.attrs["run"] = fingerprint
+            f.create_dataset("tokens", (count, max_new_tokens), dtype=np.int64)
+            f.create_dataset("lengths", (count,), dtype=np.int64)
+            f.create_dataset("prompt_lengths", data=np.asarray(prompts.lengths, np.int64))
+            f.create_dataset("done", (count,), dtype=bool)
+            if with_text:
+                f.create_dataset("text", (count,), dtype=h5py.string_dtype("utf-8"))
+            if save_logits:
+                longest = max(prompts.lengths)
+                f.create_dataset("prompt_logits", (count, longest, vocab), dtype=np.float32,
+                                 chunks=(1, longest, vocab), fillvalue=np.nan)
+            f.flush()
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.file["done"][()]
+
+    def write_logits(self, mb, full: np.ndarray) -> None:
+        """A left-padded micro-batch (b, L, vocab): position t of each prompt at row t."""
+        dset = self.file["prompt_logits"]
+        for j, row in enumerate(mb.rows):
+            dset[row, :mb.length - mb.pad[j]] = full[j, mb.pad[j]:]
+
+    def finish_wave(self, rows: range, tokens, lengths, texts) -> None:
+        f = self.file
+        f["tokens"][rows.start:rows.stop] = tokens
+        f["lengths"][rows.start:rows.stop] = lengths
+        if texts is not None and "text" in f:
+            f["text"][rows.start:rows.stop] = texts
+        f["done"][rows.start:rows.stop] = True
+        f.flush()                                   # what a stop keeps is on disk
+
+    def tokens_and_lengths(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.file["tokens"][()], self.file["lengths"][()]
+
+    def complete(self, attrs: dict) -> None:
+        f = self.file
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        del f["done"]
+        del f.attrs["run"]
+        f.close()
+        os.replace(self.partial, self.path)

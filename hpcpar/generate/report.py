@@ -36,6 +36,12 @@ class RankFigures:
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
 
+    def combine(self, later: "RankFigures") -> "RankFigures":
+        """Two waves of one run: times and bytes add up, memory is the larger."""
+        peaks = ("peak_host_bytes", "device_bytes", "kv_cache_bytes", "weight_bytes")
+        return RankFigures(**{f.name: (max if f.name in peaks else sum)(
+            (getattr(self, f.name), getattr(later, f.name))) for f in fields(self)})
+
     @classmethod
     def from_array(cls, row) -> "RankFigures":
         return cls(*(float(v) for v in row))
