@@ -34,6 +34,7 @@ JOB_FLAGS = {
     "temperature": ("generate", "temperature"), "top_k": ("generate", "top_k"),
     "top_p": ("generate", "top_p"), "seed": ("generate", "seed"),
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
+    "wave_size": ("generate", "wave_size"),
     "out": ("output", "path"),
 }
 # training flags -> (job section, key); --seed goes to [train] when the job trains
@@ -92,6 +93,9 @@ def _job_flags(p, required: bool) -> None:
                    help="store the logits of every prompt position")
     p.add_argument("--ignore-eos", dest="stop_at_eos", action="store_const", const=False,
                    help="always generate max-new-tokens, past EOS")
+    p.add_argument("--wave-size", type=int,
+                   help="prompts per wave: the output is saved, and the job can stop, after "
+                        "each (default: all at once)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
                    help="compute dtype (default float32)")
     p.add_argument("--backend", choices=BACKENDS)
@@ -163,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="batch generation from prompts")
     gen.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     _job_flags(gen, required=True)
+    gen.add_argument("--resume", choices=["auto"],
+                     help="keep the prompts a stopped run with the same settings finished")
 
     from .backend import BACKENDS as _backends
     train = sub.add_parser("train", help="train from a checkpoint on token data")
@@ -257,6 +263,9 @@ def _main(argv) -> int:
         if training:
             flags.pop(JOB_FLAGS["seed"], None)
             flags[("train", "seed")] = getattr(args, "seed", None)
+        else:                                   # --resume of a generation job
+            flags[("generate", "resume")] = flags.pop(TRAIN_FLAGS["resume"], None) or getattr(
+                args, "resume", None)
         job = everyone(comm, load_job, job_file, args.set, flags)
         if training:
             return _train(comm, job)
@@ -306,7 +315,7 @@ def _is_training(job_file, args) -> bool:
     from .jobs import read_job_file
     raw = read_job_file(job_file) if job_file is not None else {}
     return ("train" in raw or any(a.startswith("train.") for a in args.set)
-            or any(getattr(args, k, None) is not None for k in TRAIN_FLAGS))
+            or any(getattr(args, k, None) is not None for k in TRAIN_FLAGS if k != "resume"))
 
 
 def _train(comm, job) -> int:

@@ -5,7 +5,8 @@ GPU each, unless the nodes have none), sets the environment that matters in one 
 follows the time-limit pattern: Slurm sends USR1 to the batch shell ``signal_seconds`` before
 the limit, the shell forwards it to the ranks, which agree to stop at a step boundary, save
 and exit with status 3; the shell then requeues the job, and the next start resumes
-(``--resume auto``). ``slurm/*.sbatch`` are this template rendered with its defaults
+(``--resume auto``: training continues from its checkpoint, generation keeps the waves it
+finished). ``slurm/*.sbatch`` are this template rendered with its defaults
 (``static_scripts``).
 """
 
@@ -79,7 +80,7 @@ def render(req: SlurmRequest, job_expression: str | None = None) -> str:
               "#SBATCH --requeue",
               "#SBATCH --open-mode=append",
               "#SBATCH --output=%x-%j.out"]
-    sets = list(req.sets) + (["train.resume=auto"] if req.training else [])
+    sets = list(req.sets) + [f"{'train' if req.training else 'generate'}.resume=auto"]
     extra = "".join(f" --set {shlex.quote(s)}" for s in sets)
     return "\n".join(lines) + _BODY.format(
         launcher=LAUNCHERS[req.launcher], job=job_expression or shlex.quote(req.job),

@@ -41,6 +41,7 @@ def test_the_script_has_the_time_limit_pattern_and_resumes_training():
         assert line in script, line
     cpu = render(SlurmRequest("jobs/demo.toml", False, gpus_per_node=0))
     assert "--gpus-per-task" not in cpu and "train.resume" not in cpu
+    assert "--set generate.resume=auto" in cpu
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
 
 

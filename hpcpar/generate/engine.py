@@ -161,38 +161,39 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                            mesh.is_last_stage, tp, backend.xp, plan.dtype)
 
         world = create_communicator(comm, "mpi", NUMPY, None, "world")
-        eos = cfg.eos_token_id
-        pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-        n_prompts = len(plan.prompts)
-        waves = wave_ranges(n_prompts, job.generate.wave_size)
-        out = None
-
-        def open_output():
-            nonlocal out
-            if rank == 0 and job.output.path:
-                out = PartialOutput(job.output.path, n_prompts, settings.max_new_tokens,
-                                    plan.prompts, cfg.vocab_size, settings.save_logits,
-                                    plan.tokenizer is not None, _fingerprint(job, ckpt, plan),
-                                    job.generate.resume)
-
-        with phase("opening the output file"):
-            everyone(comm, open_output)
-        done = np.zeros(n_prompts, dtype=np.int64)          # prompts a stopped run finished
-        if out is not None:
-            done[:] = out.done
-        world.broadcast(done)
-        todo = [w for w in waves if not done[w.start:w.stop].all()]
-        bar = _progress_bar(rank == 0 and progress,
-                            sum(len(w) for w in todo) * settings.max_new_tokens)
-        tokens = np.full((n_prompts, settings.max_new_tokens), pad_id, dtype=np.int64)
-        lengths = np.zeros(n_prompts, dtype=np.int64)
-        logits = None
-        if rank == 0 and settings.save_logits and out is None:   # no file: held in memory
-            logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size), np.nan,
-                             dtype=np.float32)
-        totals = None
-        micro = 0
+        # from here a SIGTERM / SIGUSR1 only asks to stop after the current wave
         with StopRequest() as stop:
+            eos = cfg.eos_token_id
+            pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+            n_prompts = len(plan.prompts)
+            waves = wave_ranges(n_prompts, job.generate.wave_size)
+            out = None
+
+            def open_output():
+                nonlocal out
+                if rank == 0 and job.output.path:
+                    out = PartialOutput(job.output.path, n_prompts, settings.max_new_tokens,
+                                        plan.prompts, cfg.vocab_size, settings.save_logits,
+                                        plan.tokenizer is not None, _fingerprint(job, ckpt, plan),
+                                        job.generate.resume)
+
+            with phase("opening the output file"):
+                everyone(comm, open_output)
+            done = np.zeros(n_prompts, dtype=np.int64)          # prompts a stopped run finished
+            if out is not None:
+                done[:] = out.done
+            world.broadcast(done)
+            todo = [w for w in waves if not done[w.start:w.stop].all()]
+            bar = _progress_bar(rank == 0 and progress,
+                                sum(len(w) for w in todo) * settings.max_new_tokens)
+            tokens = np.full((n_prompts, settings.max_new_tokens), pad_id, dtype=np.int64)
+            lengths = np.zeros(n_prompts, dtype=np.int64)
+            logits = None
+            if rank == 0 and settings.save_logits and out is None:   # no file: held in memory
+                logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size), np.nan,
+                                 dtype=np.float32)
+            totals = None
+            micro = 0
             for i, wave in enumerate(todo):
                 figures, collected, micro_w = _run_wave(
                     comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,

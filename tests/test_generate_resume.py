@@ -1,0 +1,89 @@
+"""Preemption-safe generation: prompts run in waves whose results (tokens, text, logits) are
+saved as they finish; a signal stops the job after a wave with status 3 and no output file;
+``--resume auto`` keeps what was done, and the output equals an uninterrupted run's."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import GQA, MPIEXEC, REPO, make_checkpoint, mpirun
+from test_generate_cli import _assert_one_error
+from test_train_cli import _descendants
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("resume")
+    make_checkpoint(folder, GQA)
+    rng = np.random.default_rng(4)
+    np.save(folder / "many.npy", rng.integers(3, 250, (PROMPTS, 6)))
+    return folder
+
+
+PROMPTS = 400
+ARGS = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "many.npy",
+        "--max-new-tokens", "6", "--save-logits", "--ignore-eos", "--dp", "2"]
+
+
+def _read(path):
+    with h5py.File(path) as f:
+        return {k: f[k][()] for k in ("tokens", "lengths", "prompt_logits")}
+
+
+def test_waves_give_the_tokens_of_one_wave_and_leave_no_partial_file(work):
+    one = mpirun(2, [*ARGS, "--out", "one.h5"], work)[0]
+    waves = mpirun(2, [*ARGS, "--out", "waves.h5", "--wave-size", "10"], work)[0]
+    assert one.returncode == 0 and waves.returncode == 0, one.stderr + waves.stderr
+    a, b = _read(work / "one.h5"), _read(work / "waves.h5")
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+    np.testing.assert_allclose(a["prompt_logits"], b["prompt_logits"], atol=1e-4)
+    assert not (work / ".waves.h5.partial").exists()
+
+
+def test_a_stopped_generation_resumes_to_the_uninterrupted_file(work):
+    straight = mpirun(2, [*ARGS, "--out", "straight.h5", "--wave-size", "2"], work,
+                      timeout=300)[0]
+    assert straight.returncode == 0, straight.stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, *ARGS, "--out", "stopped.h5",
+                             "--wave-size", "2"], cwd=work, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    partial = work / ".stopped.h5.partial"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not partial.exists():
+        time.sleep(0.01)
+    time.sleep(0.05)                     # (a signal before the first wave stops after it)
+    ranks = [p for p in _descendants(proc.pid)
+             if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()]
+    os.kill(ranks[0], signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "stopped after" in out and not (work / "stopped.h5").exists()
+    with h5py.File(partial) as f:
+        done = int(f["done"][()].sum())
+    assert 0 < done < PROMPTS
+    resumed = mpirun(2, [*ARGS, "--out", "stopped.h5", "--wave-size", "2", "--resume",
+                         "auto"], work, timeout=300)[0]
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{PROMPTS - done} prompts" in resumed.stdout            # only the rest ran
+    a, b = _read(work / "straight.h5"), _read(work / "stopped.h5")
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert not partial.exists()
+
+
+def test_resuming_with_other_settings_is_refused(work):
+    partial = work / ".other.h5.partial"
+    with h5py.File(partial, "w") as f:
+        f.attrs["run"] = "{}"
+    proc = mpirun(2, [*ARGS, "--out", "other.h5", "--wave-size", "2", "--resume", "auto"],
+                  work)[0]
+    _assert_one_error(proc, "a stopped run with other settings")
+    assert partial.exists() and not (work / "other.h5").exists()
