@@ -169,3 +169,29 @@ def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupt
         for name, dset in b.items():
             if isinstance(dset, h5py.Dataset):
                 np.testing.assert_array_equal(a[name][()], dset[()], err_msg=name)
+
+
+def test_a_generation_job_survives_the_time_limit_signal_with_the_same_output(slurm, tmp_path):
+    common = ["--ranks-per-node", "2", "--gpus-per-node", "0", "--set", "parallel.pp=1",
+              "--set", "parallel.tp=2", "--set", "data.random_count=400",
+              "--set", "generate.wave_size=4", "--set", "generate.save_logits=true"]
+    straight = _job_id(_submit(str(REPO / "jobs" / "demo.toml"), *common,
+                               "--set", "output.path='straight.h5'", cwd=tmp_path, env=slurm))
+    assert _wait(slurm, straight) == "COMPLETED"
+    job = _job_id(_submit(str(REPO / "jobs" / "demo.toml"), *common,
+                          "--set", "output.path='stopped.h5'", cwd=tmp_path, env=slurm))
+    partial = tmp_path / ".stopped.h5.partial"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not partial.exists():
+        time.sleep(0.02)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _scontrol(slurm, job).get("Restarts") != "1":
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
+    assert _wait(slurm, job) == "COMPLETED"
+    log = (tmp_path / f"demo-{job}.out").read_text()
+    assert "stopped after" in log and "requeueing job" in log and "restart 1" in log, log
+    with h5py.File(tmp_path / "stopped.h5") as a, h5py.File(tmp_path / "straight.h5") as b:
+        for name in ("tokens", "lengths", "prompt_logits"):
+            np.testing.assert_array_equal(a[name][()], b[name][()], err_msg=name)
