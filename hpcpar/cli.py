@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv) -> int:
     comm = world()
     everyone(comm, check_launch, comm)
+    from .faults import check_environment
+    everyone(comm, check_environment)
     args = everyone(comm, build_parser().parse_args, argv)
     command = args.command or "demo"
     if command == "demo":

@@ -27,6 +27,7 @@ from ..errors import HpcparError
 from ..jobs import PRESET_PREFIX, Job
 from ..launch import (EXIT_PREEMPTED, JobFailed, StopRequest, everyone, local_rank, phase,
                       set_location)
+from ..faults import fault_point
 from ..mesh import Mesh, MeshCoords, rank_of
 from ..outputs import check_output, claimed
 from ..model import LlamaStage
@@ -155,6 +156,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
         specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
         with phase("loading the checkpoint"):
+            fault_point("load")
             shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
                              dtype=plan.dtype, backend=backend)
         stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
@@ -266,6 +268,7 @@ def _run_wave(comm, world, mesh, layout, stage, shard, plan, settings, wave, eos
     comm.Barrier()
     stats.reset()
     start = perf_counter()
+    fault_point("prefill")
     with phase("generating"):
         executor.run(actions)
         backend.synchronize()

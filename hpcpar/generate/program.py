@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..faults import fault_point
 from ..model import LlamaStage
 from ..pipeline.schedule import Action, Op
 from .batching import MicroBatch
@@ -78,6 +79,8 @@ class GenerationProgram:
         return self.xp.asarray(self.tokens[self._local(self.mbs[a.mb]), a.step])
 
     def compute(self, a: Action) -> None:
+        if a.step > 0:
+            fault_point("decode", a.step)
         self.forward(a.mb, a.step)
 
     def forward(self, mb: int, step: int) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from ..backend import NUMPY, select_backend
 from ..checkpoint import Checkpoint, load_shard, open_checkpoint
 from ..comm import CommStats, create_communicator
+from ..faults import fault_point
 from ..generate.engine import resolve_checkpoint
 from ..jobs import Job
 from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone,
@@ -119,6 +120,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         with StopRequest() as stop, phase("training"):
             while step < tr.steps:
                 step += 1
+                fault_point("train", step)
                 start = perf_counter()
                 first_sample = plan.samples_start + (step - plan.start_step - 1) * B
                 scale = scaler.scale if scaler else 1.0
@@ -213,6 +215,7 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
         v = c * layout.pp + mesh.pp_rank
         first, last = v == 0, v == layout.pp * V - 1
         specs = stage_tensors(cfg, layers, first, last)
+        fault_point("load")
         shard = everyone(comm, load_shard, source, specs, mesh.tp_rank, layout.tp, np.float32,
                          backend)
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.tp_rank, layout.tp,

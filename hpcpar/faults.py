@@ -1,0 +1,81 @@
+"""Fault injection for tests: ``HPCPAR_FAULT=rank=2,phase=decode,step=5,kind=raise`` makes
+world rank 2 fail at decode step 5.
+
+    rank    the world rank that fails (required)
+    phase   load | prefill | decode | train (required); the points the jobs call
+            ``fault_point`` at: before reading the checkpoint, before a wave's prefill, before
+            each decode step, before each training step
+    step    decode step (1-based) or training step; absent: the first time the phase comes
+    kind    raise (an exception: the normal error path), exit (the process ends with status
+            1 without a word, as a crash would), kill (SIGKILL to itself)
+
+Unset, ``fault_point`` costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from .errors import HpcparError
+
+PHASES = ("load", "prefill", "decode", "train")
+KINDS = ("raise", "exit", "kill")
+
+
+class InjectedFault(RuntimeError):
+    """The failure ``HPCPAR_FAULT`` asked for (a bug-like error, not bad input)."""
+
+
+def parse(text: str) -> dict:
+    """``rank=R,phase=P[,step=S][,kind=K]`` -> a dict; a malformed value is an error."""
+    spec = {"kind": "raise", "step": None}
+    try:
+        for item in text.split(","):
+            key, _, value = item.partition("=")
+            key = key.strip()
+            if key in ("rank", "step"):
+                spec[key] = int(value)
+            elif key in ("phase", "kind"):
+                spec[key] = value.strip()
+            else:
+                raise ValueError(f"unknown key {key!r}")
+    except ValueError as e:
+        raise HpcparError(f"HPCPAR_FAULT={text!r}: {e}; expected "
+                          "rank=R,phase=P[,step=S][,kind=raise|exit|kill]") from None
+    if "rank" not in spec or spec.get("phase") not in PHASES or spec["kind"] not in KINDS:
+        raise HpcparError(f"HPCPAR_FAULT={text!r}: needs rank=R and phase one of "
+                          f"{', '.join(PHASES)}; kind is one of {', '.join(KINDS)}")
+    return spec
+
+
+_spec: dict | None = None
+_loaded = False
+
+
+def check_environment() -> None:
+    """Parse ``HPCPAR_FAULT`` now, so a malformed one is reported before any work."""
+    global _spec, _loaded
+    text = os.environ.get("HPCPAR_FAULT")
+    _spec = parse(text) if text else None
+    _loaded = True
+
+
+def fault_point(phase: str, step: int | None = None) -> None:
+    """Fail here if ``HPCPAR_FAULT`` names this rank, phase and step."""
+    global _spec
+    if not _loaded:
+        check_environment()
+    if _spec is None or _spec["phase"] != phase:
+        return
+    if _spec["step"] is not None and _spec["step"] != step:
+        return
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() != _spec["rank"]:
+        return
+    kind, _spec = _spec["kind"], None              # fire once
+    if kind == "raise":
+        raise InjectedFault(f"injected fault at {phase}" + (f" step {step}" if step else ""))
+    if kind == "exit":
+        os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)

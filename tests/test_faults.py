@@ -1,0 +1,85 @@
+"""Fault injection (HPCPAR_FAULT) over ranks, phases and kinds under mpiexec -n 4: the job
+ends promptly with a non-zero status, leaves no process behind and no output file; a raised
+error names the rank and what it was doing."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from helpers import GQA, make_checkpoint, mpirun
+from hpcpar.faults import parse
+from hpcpar.errors import HpcparError
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("faults")
+    make_checkpoint(folder, GQA)
+    np.save(folder / "data.npy", np.random.default_rng(0).integers(0, 250, (32, 9)))
+    return folder
+
+
+GENERATE = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "random",
+            "--max-new-tokens", "4", "--pp", "2", "--tp", "2", "--micro-batches", "2"]
+TRAIN = ["-m", "hpcpar", "train", "--checkpoint", "model.h5", "--data", "data.npy",
+         "--steps", "3", "--global-batch", "8", "--pp", "2", "--tp", "2", "--micro-batches",
+         "2"]
+POINTS = [("load", 1, None, GENERATE), ("prefill", 3, None, GENERATE),
+          ("decode", 2, 2, GENERATE), ("train", 1, 2, TRAIN)]
+
+
+def _running(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line holds ``marker``."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            if state != "Z" and marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def _survivors(marker: str, grace: float = 10.0) -> list[int]:
+    """Ranks still running ``grace`` seconds after the launcher returned (killed ranks
+    take a moment to go)."""
+    deadline = time.monotonic() + grace
+    while _running(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _running(marker)
+
+
+@pytest.mark.parametrize("kind", ["raise", "exit", "kill"])
+@pytest.mark.parametrize("phase, rank, step, command", POINTS,
+                         ids=[p[0] for p in POINTS])
+def test_a_failing_rank_ends_the_whole_job_promptly_and_cleanly(work, kind, phase, rank, step,
+                                                                command):
+    out = f"out-{phase}-{kind}"
+    fault = f"rank={rank},phase={phase},kind={kind}" + (f",step={step}" if step else "")
+    os.environ["HPCPAR_FAULT"] = fault
+    try:
+        proc, seconds = mpirun(4, [*command, "--out", out + (".h5" if command is GENERATE
+                                                             else "")], work, timeout=120)
+    finally:
+        del os.environ["HPCPAR_FAULT"]
+    assert proc.returncode != 0, proc.stdout
+    assert seconds < 60
+    assert not _survivors(out), "a rank outlived the job"
+    assert not (work / f"{out}.h5").exists()
+    if command is TRAIN:
+        assert not list((work / out).glob("step-*.h5")) if (work / out).exists() else True
+    if kind == "raise":
+        assert f"rank {rank} (" in proc.stderr and "injected fault at" in proc.stderr, \
+            proc.stderr
+
+
+def test_a_malformed_fault_setting_is_refused():
+    for text in ("rank=1", "rank=x,phase=load", "rank=1,phase=lunch",
+                 "rank=1,phase=load,kind=melt", "rank=1,phase=load,when=now"):
+        with pytest.raises(HpcparError, match="HPCPAR_FAULT"):
+            parse(text)
+    assert parse("rank=2,phase=decode,step=5,kind=exit") == {
+        "rank": 2, "phase": "decode", "step": 5, "kind": "exit"}
