@@ -30,6 +30,7 @@ JOB_FLAGS = {
     "dp": ("parallel", "dp"), "pp": ("parallel", "pp"), "tp": ("parallel", "tp"),
     "micro_batches": ("parallel", "micro_batches"), "stage_layers": ("parallel", "stage_layers"),
     "backend": ("parallel", "backend"), "comm": ("parallel", "comm"),
+    "timeout": ("parallel", "timeout"),
     "max_new_tokens": ("generate", "max_new_tokens"),
     "temperature": ("generate", "temperature"), "top_k": ("generate", "top_k"),
     "top_p": ("generate", "top_p"), "seed": ("generate", "seed"),
@@ -76,6 +77,13 @@ def _layout_flags(p, stage_layers: bool = True) -> None:
                        help="layers per pipeline stage (default: even, remainder first)")
 
 
+
+def _timeout_flag(p) -> None:
+    p.add_argument("--timeout", type=float,
+                   help="seconds a receive or collective may wait before the job is ended "
+                        "with a report of where every rank is (default 600; 0: forever)")
+
+
 def _job_flags(p, required: bool) -> None:
     from .backend import BACKENDS
     from .comm import COMM_KINDS
@@ -85,6 +93,7 @@ def _job_flags(p, required: bool) -> None:
     p.add_argument("--max-new-tokens", type=int, **need)
     p.add_argument("--out", **need, help="output HDF5 file")
     _layout_flags(p)
+    _timeout_flag(p)
     p.add_argument("--temperature", type=float, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
@@ -176,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
     train.add_argument("--out", required=True, help="folder for checkpoints and metrics")
     _layout_flags(train)
+    _timeout_flag(train)
     _train_flags(train)
     train.add_argument("--seed", type=int, help="shuffle seed")
     train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],

@@ -12,3 +12,7 @@ class HpcparError(Exception):
 
 class CommError(HpcparError):
     """A communication call failed; the message names the operation and the group."""
+
+
+class CommTimeout(CommError):
+    """A receive or collective waited longer than the job's timeout (the watchdog)."""

@@ -7,7 +7,8 @@ world rank 2 fail at decode step 5.
             each decode step, before each training step
     step    decode step (1-based) or training step; absent: the first time the phase comes
     kind    raise (an exception: the normal error path), exit (the process ends with status
-            1 without a word, as a crash would), kill (SIGKILL to itself)
+            1 without a word, as a crash would), kill (SIGKILL to itself), hang (SIGSTOP to
+            itself: the other ranks' watchdog, --timeout, must end the job)
 
 Unset, ``fault_point`` costs one dictionary lookup.
 """
@@ -20,7 +21,7 @@ import signal
 from .errors import HpcparError
 
 PHASES = ("load", "prefill", "decode", "train")
-KINDS = ("raise", "exit", "kill")
+KINDS = ("raise", "exit", "kill", "hang")
 
 
 class InjectedFault(RuntimeError):
@@ -78,4 +79,4 @@ def fault_point(phase: str, step: int | None = None) -> None:
         raise InjectedFault(f"injected fault at {phase}" + (f" step {step}" if step else ""))
     if kind == "exit":
         os._exit(1)
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if kind == "hang" else signal.SIGKILL)

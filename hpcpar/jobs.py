@@ -57,6 +57,7 @@ class ParallelSection:
     stage_layers: tuple[int, ...] | None = None
     backend: str = "auto"
     comm: str = "auto"
+    timeout: float = 600.0             # seconds a receive or collective may wait (0: forever)
 
     def layout(self, world_size: int, default_schedule: str = "gpipe") -> ParallelConfig:
         """The layout on ``world_size`` ranks, absent factors inferred (not yet checked)."""

@@ -21,21 +21,23 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 from typing import Callable, TypeVar
 
 import numpy as np
 
-from .errors import HpcparError
+from .errors import CommTimeout, HpcparError
 
 T = TypeVar("T")
 
 EXIT_INVALID = 2   # bad input, reported once
 EXIT_FAILED = 1    # anything else
 EXIT_PREEMPTED = 3  # stopped on SIGTERM/SIGUSR1 after saving its state: run again to resume
+EXIT_HUNG = 4       # a receive or collective outlasted --timeout: a rank stopped or hung
 
-_state = {"phase": "start-up", "where": None}
+_state = {"phase": "start-up", "where": None, "board": None, "timeout": 600.0}
 
 
 class JobFailed(SystemExit):
@@ -61,6 +63,16 @@ def set_location(description: str) -> None:
     _state["where"] = description
 
 
+def set_timeout(seconds: float) -> None:
+    """How long ``everyone`` may wait for the other ranks (the job's --timeout)."""
+    _state["timeout"] = seconds
+
+
+def set_board(board) -> None:
+    """The job's ``watchdog.ActionBoard``, read for the hang report."""
+    _state["board"] = board
+
+
 def print_error(message: str) -> None:
     """One line on stderr, whatever the message holds."""
     print("hpcpar: error: " + " ".join(message.split()), file=sys.stderr, flush=True)
@@ -81,7 +93,9 @@ def everyone(comm, fn: Callable[..., T], *args, **kwargs) -> T:
     first_failed = np.array([rank if error is not None else size], dtype=np.int64)
     if size > 1:
         from mpi4py import MPI
-        comm.Allreduce(MPI.IN_PLACE, first_failed, op=MPI.MIN)
+        from .comm.mpi import wait_bounded
+        wait_bounded(comm.Iallreduce(MPI.IN_PLACE, first_failed, op=MPI.MIN),
+                     _state["timeout"], f"agreeing while {_state['phase']}")
     if first_failed[0] < size:
         if rank == first_failed[0]:
             print_error(str(error))
@@ -122,6 +136,12 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         return main() or 0
     except JobFailed as e:
         return int(e.code)
+    except CommTimeout as e:
+        board = _state["board"]
+        where = "".join(f"\n  {line}" for line in board.report()) if board else ""
+        _abort(f"{_who()} gave up while {_state['phase']}: {e}; a rank stopped, died or hangs. "
+               f"Where the ranks of this node are:{where}" if where else f"{_who()}: {e}",
+               EXIT_HUNG, with_traceback=False)
     except HpcparError as e:
         # Failed on this rank alone, after validation: the others may be blocked in a
         # collective, so end them all.
@@ -149,6 +169,9 @@ def _abort(message: str, code: int, with_traceback: bool) -> None:
     sys.stdout.flush()
     comm = world()
     if comm.Get_size() > 1:
+        # MPI_Abort tears the job down at once; give the launcher a moment to forward the
+        # lines just written, or the message naming the rank can be lost
+        time.sleep(0.2)
         comm.Abort(code)
     raise SystemExit(code)
 

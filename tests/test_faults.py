@@ -1,6 +1,7 @@
 """Fault injection (HPCPAR_FAULT) over ranks, phases and kinds under mpiexec -n 4: the job
 ends promptly with a non-zero status, leaves no process behind and no output file; a raised
-error names the rank and what it was doing."""
+error names the rank and what it was doing; a rank that stops (hang) is found by the others'
+watchdog (--timeout), which ends the job with status 4 and says where every rank was."""
 
 import os
 import time
@@ -22,10 +23,11 @@ def work(tmp_path_factory):
 
 
 GENERATE = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "random",
-            "--max-new-tokens", "4", "--pp", "2", "--tp", "2", "--micro-batches", "2"]
+            "--max-new-tokens", "4", "--pp", "2", "--tp", "2", "--micro-batches", "2",
+            "--timeout", "3"]
 TRAIN = ["-m", "hpcpar", "train", "--checkpoint", "model.h5", "--data", "data.npy",
          "--steps", "3", "--global-batch", "8", "--pp", "2", "--tp", "2", "--micro-batches",
-         "2"]
+         "2", "--timeout", "3"]
 POINTS = [("load", 1, None, GENERATE), ("prefill", 3, None, GENERATE),
           ("decode", 2, 2, GENERATE), ("train", 1, 2, TRAIN)]
 
@@ -52,7 +54,7 @@ def _survivors(marker: str, grace: float = 10.0) -> list[int]:
     return _running(marker)
 
 
-@pytest.mark.parametrize("kind", ["raise", "exit", "kill"])
+@pytest.mark.parametrize("kind", ["raise", "exit", "kill", "hang"])
 @pytest.mark.parametrize("phase, rank, step, command", POINTS,
                          ids=[p[0] for p in POINTS])
 def test_a_failing_rank_ends_the_whole_job_promptly_and_cleanly(work, kind, phase, rank, step,
@@ -74,6 +76,12 @@ def test_a_failing_rank_ends_the_whole_job_promptly_and_cleanly(work, kind, phas
     if kind == "raise":
         assert f"rank {rank} (" in proc.stderr and "injected fault at" in proc.stderr, \
             proc.stderr
+    if kind == "hang":
+        assert proc.returncode == 4, proc.stderr
+        assert "waited 3 s" in proc.stderr and "a rank stopped, died or hangs" in proc.stderr
+        if phase != "load":            # in the schedule: every rank's action is reported
+            for r in range(4):
+                assert f"rank {r} (" in proc.stderr.split("Where the ranks")[1], proc.stderr
 
 
 def test_a_malformed_fault_setting_is_refused():

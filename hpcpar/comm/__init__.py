@@ -19,7 +19,8 @@ __all__ = ["COMM_KINDS", "CommStats", "Communicator", "MpiCommunicator", "Reques
 
 
 def create_communicator(mpi_comm, kind: str = "auto", backend: ArrayBackend = NUMPY,
-                        stats: CommStats | None = None, name: str = "world") -> Communicator:
+                        stats: CommStats | None = None, name: str = "world",
+                        timeout: float = 0.0) -> Communicator:
     """A communicator over the ranks of ``mpi_comm`` (collective over that group).
 
     ``auto`` takes NCCL when arrays live on GPUs, CuPy has NCCL, and no two ranks of the group
@@ -31,8 +32,8 @@ def create_communicator(mpi_comm, kind: str = "auto", backend: ArrayBackend = NU
         kind = "nccl" if _nccl_usable(mpi_comm, backend) else "mpi"
     if kind == "nccl":
         from .nccl import NcclCommunicator
-        return NcclCommunicator(mpi_comm, backend, stats, name)
-    return MpiCommunicator(mpi_comm, backend, stats, name)
+        return NcclCommunicator(mpi_comm, backend, stats, name, timeout)
+    return MpiCommunicator(mpi_comm, backend, stats, name, timeout)
 
 
 def _nccl_usable(mpi_comm, backend: ArrayBackend) -> bool:

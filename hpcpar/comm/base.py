@@ -98,7 +98,7 @@ class Communicator(ABC):
     kind = "abstract"
 
     def __init__(self, mpi_comm, backend: ArrayBackend = NUMPY, stats: CommStats | None = None,
-                 name: str = "world"):
+                 name: str = "world", timeout: float = 0.0):
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
@@ -106,6 +106,7 @@ class Communicator(ABC):
         self.xp = backend.xp
         self.stats = stats if stats is not None else CommStats()
         self.name = name
+        self.timeout = timeout        # seconds any wait may take (0: forever)
 
     # ---- public API -----------------------------------------------------------------------
 

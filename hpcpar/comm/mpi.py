@@ -11,13 +11,15 @@ words and sums use a user-defined operation that adds in float32 and rounds back
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+from time import monotonic
 
 import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import bfloat16
-from ..errors import CommError
+from ..errors import CommError, CommTimeout
 from .base import Communicator, Request
 
 
@@ -96,9 +98,9 @@ class _HostStaging:
 class MpiCommunicator(Communicator):
     kind = "mpi"
 
-    def __init__(self, mpi_comm, backend=None, stats=None, name="world"):
+    def __init__(self, mpi_comm, backend=None, stats=None, name="world", timeout=0.0):
         from ..backend import NUMPY
-        super().__init__(mpi_comm, backend or NUMPY, stats, name)
+        super().__init__(mpi_comm, backend or NUMPY, stats, name, timeout)
         self.cuda_aware = self.backend.is_gpu and cuda_aware()
         self._staging = _HostStaging(self.backend)
 
@@ -141,22 +143,25 @@ class MpiCommunicator(Communicator):
 
     def _all_reduce(self, buf, op) -> None:
         host = self._stage_in(buf)
-        self.mpi_comm.Allreduce(MPI.IN_PLACE, self._msg(host), op=_reduce_op(buf.dtype, op))
+        self._complete(self.mpi_comm.Iallreduce(MPI.IN_PLACE, self._msg(host),
+                                                op=_reduce_op(buf.dtype, op)), "all_reduce")
         self._finish(host, buf, copy_back=True)
 
     def _iall_reduce(self, buf) -> Request:
         host = self._stage_in(buf)
         req = self.mpi_comm.Iallreduce(MPI.IN_PLACE, self._msg(host),
                                        op=_reduce_op(buf.dtype, "sum"))
-        return Request(req.Wait, lambda: self._finish(host, buf, copy_back=True), (host, buf))
+        return Request(lambda: self._complete(req, "all_reduce"),
+                       lambda: self._finish(host, buf, copy_back=True), (host, buf))
 
     def _all_gather(self, send, recv, sizes) -> None:
         hsend, hrecv = self._stage_in(send), self._stage_out(recv)
         if len(set(sizes)) == 1:
-            self.mpi_comm.Allgather(self._msg(hsend), self._msg(hrecv))
+            req = self.mpi_comm.Iallgather(self._msg(hsend), self._msg(hrecv))
         else:
             counts, displs = _counts_and_displs(sizes, send)
-            self.mpi_comm.Allgatherv(self._msg(hsend), self._msg(hrecv, counts, displs))
+            req = self.mpi_comm.Iallgatherv(self._msg(hsend), self._msg(hrecv, counts, displs))
+        self._complete(req, "all_gather")
         self._finish(hsend, send, copy_back=False)
         self._finish(hrecv, recv, copy_back=True)
 
@@ -164,10 +169,13 @@ class MpiCommunicator(Communicator):
         hsend, hrecv = self._stage_in(send), self._stage_out(recv)
         _, op, _ = _types(np.dtype(send.dtype))
         if len(set(sizes)) == 1:
-            self.mpi_comm.Reduce_scatter_block(self._msg(hsend), self._msg(hrecv), op=op)
+            req = self.mpi_comm.Ireduce_scatter_block(self._msg(hsend), self._msg(hrecv),
+                                                      op=op)
         else:
             counts, _ = _counts_and_displs(sizes, send)
-            self.mpi_comm.Reduce_scatter(self._msg(hsend), self._msg(hrecv), counts, op=op)
+            req = self.mpi_comm.Ireduce_scatter(self._msg(hsend), self._msg(hrecv), counts,
+                                                op=op)
+        self._complete(req, "reduce_scatter")
         self._finish(hsend, send, copy_back=False)
         self._finish(hrecv, recv, copy_back=True)
 
@@ -176,7 +184,7 @@ class MpiCommunicator(Communicator):
         hrecv = self._stage_out(recv) if recv is not None else None
         counts, displs = _counts_and_displs(sizes, send)
         target = self._msg(hrecv, counts, displs) if hrecv is not None else None
-        self.mpi_comm.Gatherv(self._msg(hsend), target, root=root)
+        self._complete(self.mpi_comm.Igatherv(self._msg(hsend), target, root=root), "gather")
         self._finish(hsend, send, copy_back=False)
         if recv is not None:
             self._finish(hrecv, recv, copy_back=True)
@@ -186,7 +194,7 @@ class MpiCommunicator(Communicator):
         hrecv = self._stage_out(recv)
         counts, displs = _counts_and_displs(sizes, recv)
         source = self._msg(hsend, counts, displs) if hsend is not None else None
-        self.mpi_comm.Scatterv(source, self._msg(hrecv), root=root)
+        self._complete(self.mpi_comm.Iscatterv(source, self._msg(hrecv), root=root), "scatter")
         if send is not None:
             self._finish(hsend, send, copy_back=False)
         self._finish(hrecv, recv, copy_back=True)
@@ -195,35 +203,61 @@ class MpiCommunicator(Communicator):
         host = self._stage_in(buf)
         mpi_op = _reduce_op(buf.dtype, op)
         if self.rank == root:
-            self.mpi_comm.Reduce(MPI.IN_PLACE, self._msg(host), op=mpi_op, root=root)
+            req = self.mpi_comm.Ireduce(MPI.IN_PLACE, self._msg(host), op=mpi_op, root=root)
         else:
-            self.mpi_comm.Reduce(self._msg(host), None, op=mpi_op, root=root)
+            req = self.mpi_comm.Ireduce(self._msg(host), None, op=mpi_op, root=root)
+        self._complete(req, "reduce")
         self._finish(host, buf, copy_back=self.rank == root)
 
     def _broadcast(self, buf, root) -> None:
         host = self._stage_in(buf)
-        self.mpi_comm.Bcast(self._msg(host), root=root)
+        self._complete(self.mpi_comm.Ibcast(self._msg(host), root=root), "broadcast")
         self._finish(host, buf, copy_back=self.rank != root)
 
     def _isend(self, buf, dest, tag) -> Request:
         host = self._stage_in(buf)
         req = self.mpi_comm.Isend(self._msg(host), dest=dest, tag=tag)
-        return Request(req.Wait, lambda: self._finish(host, buf, copy_back=False), (host, buf))
+        return Request(lambda: self._complete(req, f"send to {dest}"),
+                       lambda: self._finish(host, buf, copy_back=False), (host, buf))
 
     def _irecv(self, buf, source, tag) -> Request:
         host = self._stage_out(buf)
         req = self.mpi_comm.Irecv(self._msg(host), source=source, tag=tag)
-        return Request(req.Wait, lambda: self._finish(host, buf, copy_back=True), (host, buf))
+        return Request(lambda: self._complete(req, f"receive from {source}"),
+                       lambda: self._finish(host, buf, copy_back=True), (host, buf))
 
     def _sendrecv(self, send, dest, recv, source, tag) -> None:
         hsend, hrecv = self._stage_in(send), self._stage_out(recv)
-        self.mpi_comm.Sendrecv(self._msg(hsend), dest, tag, self._msg(hrecv), source, tag)
+        reqs = [self.mpi_comm.Isend(self._msg(hsend), dest, tag),
+                self.mpi_comm.Irecv(self._msg(hrecv), source, tag)]
+        for req in reqs:
+            self._complete(req, f"sendrecv with {dest}/{source}")
         self._finish(hsend, send, copy_back=False)
         self._finish(hrecv, recv, copy_back=True)
 
+    def _complete(self, req, what: str) -> None:
+        wait_bounded(req, self.timeout,
+                     f"{what} on the {self.name} group (group rank {self.rank} of {self.size})")
+
     def _barrier(self) -> None:
         self.backend.synchronize()
-        self.mpi_comm.Barrier()
+        self._complete(self.mpi_comm.Ibarrier(), "barrier")
+
+
+def wait_bounded(req, timeout: float, what: str) -> None:
+    """Wait for an MPI request; with a timeout, poll it and give up with ``CommTimeout``
+    (the watchdog: a rank that stopped or died must not leave this one waiting forever)."""
+    if timeout <= 0:
+        req.Wait()
+        return
+    deadline = monotonic() + timeout
+    polls = 0
+    while not req.Test():
+        polls += 1
+        if polls % 256 == 0:
+            if monotonic() > deadline:
+                raise CommTimeout(f"{what} waited {timeout:g} s")
+            os.sched_yield()                        # oversubscribed ranks share the cores
 
 
 def _reduce_op(dtype, op: str) -> MPI.Op:

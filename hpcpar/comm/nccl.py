@@ -60,10 +60,10 @@ def _share_unique_id(nccl, mpi_comm):
 class NcclCommunicator(Communicator):
     kind = "nccl"
 
-    def __init__(self, mpi_comm, backend, stats=None, name="world"):
+    def __init__(self, mpi_comm, backend, stats=None, name="world", timeout=0.0):
         if not backend.is_gpu:
             raise HpcparError("the NCCL communicator needs the cupy backend (a GPU per rank)")
-        super().__init__(mpi_comm, backend, stats, name)
+        super().__init__(mpi_comm, backend, stats, name, timeout)
         self._lib = _nccl()
         uid = _share_unique_id(self._lib, mpi_comm)
         self._comm = self._lib.NcclCommunicator(self.size, uid, self.rank)

@@ -26,8 +26,9 @@ from ..dtypes import dtype_name, float_dtype
 from ..errors import HpcparError
 from ..jobs import PRESET_PREFIX, Job
 from ..launch import (EXIT_PREEMPTED, JobFailed, StopRequest, everyone, local_rank, phase,
-                      set_location)
+                      set_board, set_location, set_timeout)
 from ..faults import fault_point
+from ..watchdog import ActionBoard
 from ..mesh import Mesh, MeshCoords, rank_of
 from ..outputs import check_output, claimed
 from ..model import LlamaStage
@@ -143,15 +144,19 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
     cfg = ckpt.config
     plan = everyone(comm, _validate, job, ckpt, size, prompts)
     layout, settings = plan.layout, plan.settings
+    set_timeout(job.parallel.timeout)
     with claimed(comm, job.output.path):   # one writer; the lock goes with the job
         mesh = Mesh(comm, layout)
         set_location(mesh.describe())
         backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
         stats = CommStats()
-        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
+        timeout = job.parallel.timeout
+        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
         # Pipeline messages stay on MPI: NCCL point-to-point on one stream would queue compute
         # behind receives posted ahead.
-        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
+        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
+        board = ActionBoard(comm, layout)
+        set_board(board)
 
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
         specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
@@ -162,7 +167,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
                            mesh.is_last_stage, tp, backend.xp, plan.dtype)
 
-        world = create_communicator(comm, "mpi", NUMPY, None, "world")
+        world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
         # from here a SIGTERM / SIGUSR1 only asks to stop after the current wave
         with StopRequest() as stop:
             eos = cfg.eos_token_id
@@ -199,7 +204,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             for i, wave in enumerate(todo):
                 figures, collected, micro_w = _run_wave(
                     comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,
-                    backend, pp, stats, bar, out, logits)
+                    backend, pp, stats, bar, out, logits, board)
                 micro = max(micro, micro_w)
                 totals = figures if totals is None else totals.combine(figures)
                 if rank == 0:
@@ -252,7 +257,7 @@ def wave_ranges(count: int, wave_size: int) -> list[range]:
 
 
 def _run_wave(comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,
-              backend, pp, stats, bar, out, logits):
+              backend, pp, stats, bar, out, logits, board):
     """Generate for the prompts of ``wave``; returns this rank's figures, the wave's
     (tokens, lengths) on rank 0 and the micro-batches a replica ran. Prompt logits go
     micro-batch by micro-batch to the output file, or into ``logits`` (rank 0)."""
@@ -262,10 +267,11 @@ def _run_wave(comm, world, mesh, layout, stage, shard, plan, settings, wave, eos
     on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
     program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step)
     actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
-    executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs))
+    executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
+                                board=board)
     with phase("checking the pipeline schedule"):
         everyone(comm, executor.preflight, actions)
-    comm.Barrier()
+    world.barrier()
     stats.reset()
     start = perf_counter()
     fault_point("prefill")

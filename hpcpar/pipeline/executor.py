@@ -72,8 +72,9 @@ class StageTimes:
 
 class PipelineExecutor:
     def __init__(self, pp: Communicator, stage: int, program: StageProgram, backend,
-                 in_flight: int):
+                 in_flight: int, board=None):
         self.pp, self.stage, self.program = pp, stage, program
+        self.board = board            # watchdog.ActionBoard: where this rank is, for reports
         self.backend, self.xp = backend, backend.xp
         self.in_flight = max(1, in_flight)
         self.times = StageTimes()
@@ -126,6 +127,8 @@ class PipelineExecutor:
         for i, a in enumerate(actions):
             if not live(a):
                 continue
+            if self.board is not None:
+                self.board.publish(a)
             phase = 0 if a.step == 0 else 1
             t0 = perf_counter()
             if a.op in RECVS:

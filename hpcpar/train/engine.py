@@ -24,12 +24,14 @@ from ..faults import fault_point
 from ..generate.engine import resolve_checkpoint
 from ..jobs import Job
 from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone,
-                      local_rank, phase, print_error, set_location)
+                      local_rank, phase, print_error, set_board, set_location,
+                      set_timeout)
 from ..mesh import Mesh
 from ..outputs import claimed
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.training_schedules import training_schedule
 from ..tensors import stage_tensors
+from ..watchdog import ActionBoard
 from . import checkpoint as tc
 from .chunk import Batch, ModelChunk
 from .data import label_count, make_batches, sample_indices
@@ -51,6 +53,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     cfg, tr = ckpt.config, job.train
     with phase("checking the training job"):
         plan = everyone(comm, validate, job, ckpt, size)
+    set_timeout(job.parallel.timeout)
     layout, V = plan.layout, plan.virtual_stages
     if plan.start_step >= tr.steps:
         if rank == 0:
@@ -66,10 +69,14 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
         xp = backend.xp
         stats = CommStats()
-        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp")
-        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp")
-        dp = create_communicator(mesh.dp_comm, job.parallel.comm, backend, stats, "dp")
-        kv_comm = _kv_group(mesh, cfg, backend, stats)
+        timeout = job.parallel.timeout
+        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
+        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
+        dp = create_communicator(mesh.dp_comm, job.parallel.comm, backend, stats, "dp", timeout)
+        kv_comm = _kv_group(mesh, cfg, backend, stats, timeout)
+        world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
+        board = ActionBoard(comm, layout)
+        set_board(board)
 
         with phase("loading the checkpoint"):
             chunks, params, states = _load(comm, mesh, plan, ckpt, tp, backend,
@@ -104,7 +111,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         shape_only = [Batch(np.zeros((mb_rows, T), np.int64), None, None, None)] * M
         executor = PipelineExecutor(pp, mesh.pp_rank, TrainingProgram(
             chunks, shape_only, layout.pp, mesh.pp_rank, cfg.hidden_size, plan.dtype, xp),
-            backend, in_flight=M * V)
+            backend, in_flight=M * V, board=board)
         with phase("checking the pipeline schedule"):
             everyone(comm, executor.preflight, actions)
 
@@ -113,7 +120,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         peak = tr.peak_tflops * 1e12 if tr.peak_tflops else peak_flops(xp, backend)
         figures = TrainFigures()
         bar = _progress_bar(rank == 0 and progress, tr.steps - plan.start_step)
-        comm.Barrier()
+        world.barrier()
         stats.reset()
         step = plan.start_step
         saved_at = step
@@ -149,7 +156,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 agreed = np.array([program.loss if counts_loss else 0.0,
                                    local_sq_norm(updated, xp) if zero or mesh.dp_rank == 0 else 0.0,
                                    1.0 if stop.requested else 0.0])
-                comm.Allreduce(np.copy(agreed), agreed)
+                world.all_reduce(agreed)
                 loss, norm = float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale
                 stopping = agreed[2] > 0
                 # float16 gradients that overflowed: skip the step and lower the loss scale
@@ -184,7 +191,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                     print(metrics.line(), flush=True)
                 if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
                     with phase(f"saving the checkpoint of step {step}"):
-                        _save(comm, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
+                        _save(comm, world, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
                               first_sample + B, job)
                     saved_at = step
                 if stopping and step < tr.steps:
@@ -198,7 +205,6 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         if bar:
             bar.close()
         figures.set_comm(stats, reducer)
-        world = create_communicator(comm, "mpi", NUMPY, None, "world")
         table = world.gather(figures.to_array()[None], root=0)               # (ranks, figures)
         if rank != 0:
             return None
@@ -245,7 +251,7 @@ def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr,
                                   np.float32)]
 
 
-def _kv_group(mesh: Mesh, cfg, backend, stats):
+def _kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):
     """The tp ranks that hold the same KV head, when kv_heads < tp (else None)."""
     tp_size = mesh.layout.tp
     kv = cfg.num_key_value_heads
@@ -253,7 +259,7 @@ def _kv_group(mesh: Mesh, cfg, backend, stats):
         return None
     replicas = tp_size // kv
     sub = mesh.tp_comm.Split(mesh.tp_rank // replicas, mesh.tp_rank)
-    return create_communicator(sub, "mpi", backend, stats, "kv")
+    return create_communicator(sub, "mpi", backend, stats, "kv", timeout)
 
 
 def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int) -> str:
@@ -264,7 +270,7 @@ def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int)
             f"update ({kept}); lower --lr or set --clip-grad")
 
 
-def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
+def _save(comm, world, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
           zero: ZeroShards | None, scaler: LossScaler | None, step: int, samples: int,
           job: Job) -> None:
     """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``);
@@ -297,7 +303,7 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
             if zero:
                 tc.write_segments(path, zero.segments, zero.offset, states, ckpt.config,
                                   tp_rank, tp_size, to_host)
-        comm.Barrier()
+        world.barrier()
 
     def commit():
         if comm.Get_rank() == 0:
