@@ -91,3 +91,28 @@ def test_a_malformed_fault_setting_is_refused():
             parse(text)
     assert parse("rank=2,phase=decode,step=5,kind=exit") == {
         "rank": 2, "phase": "decode", "step": 5, "kind": "exit"}
+
+
+def test_ctrl_c_to_the_launcher_ends_every_rank_with_a_failure_status(work):
+    import signal
+    import subprocess
+    import sys
+    from helpers import MPIEXEC, REPO
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    marker = "ctrl-c-out.h5"
+    proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, *GENERATE[:-2], "--prompts",
+                             "random", "--set", "data.random_count=3000", "--max-new-tokens",
+                             "60", "--ignore-eos", "--out", marker], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (work / f".{marker}.partial").exists():
+        time.sleep(0.05)
+    time.sleep(0.5)                                     # generating by now
+    proc.send_signal(signal.SIGINT)                     # one Ctrl-C
+    start = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode not in (0, None), err
+    assert time.monotonic() - start < 10
+    assert "KeyboardInterrupt" in err
+    assert not _survivors(marker) and not (work / marker).exists()
