@@ -138,6 +138,9 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         return int(e.code)
     except CommTimeout as e:
         board = _state["board"]
+        if board is not None and not board.claim_report():
+            time.sleep(2.0)              # another rank reports and ends the job; else we do
+            world().Abort(EXIT_HUNG)
         where = "".join(f"\n  {line}" for line in board.report()) if board else ""
         _abort(f"{_who()} gave up while {_state['phase']}: {e}; a rank stopped, died or hangs. "
                f"Where the ranks of this node are:{where}" if where else f"{_who()}: {e}",

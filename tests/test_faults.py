@@ -79,9 +79,12 @@ def test_a_failing_rank_ends_the_whole_job_promptly_and_cleanly(work, kind, phas
     if kind == "hang":
         assert proc.returncode == 4, proc.stderr
         assert "waited 3 s" in proc.stderr and "a rank stopped, died or hangs" in proc.stderr
+        assert proc.stderr.count("gave up while") == 1, proc.stderr     # one report
         if phase != "load":            # in the schedule: every rank's action is reported
+            report = proc.stderr.split("Where the ranks")[1]
             for r in range(4):
-                assert f"rank {r} (" in proc.stderr.split("Where the ranks")[1], proc.stderr
+                assert f"rank {r} (" in report, proc.stderr
+            assert f"rank {rank} (" in report.split("[stopped]")[0].splitlines()[-1], report
 
 
 def test_a_malformed_fault_setting_is_refused():
