@@ -12,8 +12,10 @@ Three rules keep an MPI job from hanging or flooding the terminal:
 3. A process that finds itself alone where the launcher started several (an MPI library that
    does not match the launcher, e.g. ``srun --mpi=none``) stops instead of running N copies.
 
-A job that can stop early (training) turns SIGTERM / SIGUSR1 into a request the ranks agree
-on at a step boundary (``StopRequest``), then exits with ``EXIT_PREEMPTED`` after saving.
+Jobs turn SIGTERM / SIGUSR1 into a request the ranks agree on at a step boundary (a training
+step, a generation wave: ``StopRequest``), then exit with ``EXIT_PREEMPTED`` after saving.
+Every wait is bounded by the job's timeout; one that runs out (``CommTimeout``) ends the job
+with ``EXIT_HUNG`` and a report of where the node's ranks are (``watchdog``).
 """
 
 from __future__ import annotations

@@ -70,8 +70,9 @@ class OutputLock:
     """``with OutputLock(path):`` the only writer of ``path`` (a file or a folder)."""
 
     def __init__(self, path: str | Path):
-        path = Path(path)
-        self.lock = path / ".lock" if path.is_dir() else path.with_name(f".{path.name}.lock")
+        self.path = Path(path)
+        self.lock = (self.path / ".lock" if self.path.is_dir()
+                     else self.path.with_name(f".{self.path.name}.lock"))
         self.mine = f"{socket.gethostname()}:{os.getpid()}"
         self.held = False
 
@@ -86,8 +87,8 @@ class OutputLock:
                     owner = ""
                 if _owner_alive(owner):
                     raise HpcparError(f"another job ({owner.strip() or 'unknown'}) is writing "
-                                      f"{self.lock.parent / self.lock.name[1:-5]}; wait for "
-                                      f"it, or remove {self.lock} if it is gone") from None
+                                      f"{self.path}; wait for it, or remove {self.lock} if it "
+                                      "is gone") from None
                 self.lock.unlink(missing_ok=True)          # its writer died: take over
                 continue
             with os.fdopen(fd, "w") as f:
@@ -127,8 +128,6 @@ def claimed(comm, path: str | Path | None, folder: bool = False):
     the folder first when the output is one). A lock held by another live job is an agreed
     error on every rank. No path: nothing to hold."""
     lock = None
-    if path is not None and comm.Get_rank() == 0:
-        lock = OutputLock(path) if not folder else None
 
     def take():
         nonlocal lock
@@ -136,7 +135,7 @@ def claimed(comm, path: str | Path | None, folder: bool = False):
             return
         if folder:
             Path(path).mkdir(exist_ok=True)
-            lock = OutputLock(path)
+        lock = OutputLock(path)
         lock.acquire()
 
     everyone(comm, take)

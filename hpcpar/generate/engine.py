@@ -36,8 +36,8 @@ from ..pipeline.executor import PipelineExecutor
 from ..pipeline.partition import stage_layers
 from ..pipeline.schedule import generation
 from ..tensors import stage_tensors
-from .batching import MicroBatch, micro_batches, replica_rows
-from .output import PartialOutput
+from .batching import micro_batches, replica_rows
+from .output import PartialOutput, unpad_into
 from .program import GenerationProgram, GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
@@ -256,13 +256,18 @@ def wave_ranges(count: int, wave_size: int) -> list[range]:
     return [range(start, min(start + size, count)) for start in range(0, count, size)]
 
 
+def _wave_rows(wave: range, dp: int, dp_rank: int) -> range:
+    """The global prompt ids replica ``dp_rank`` runs in ``wave``."""
+    replica = replica_rows(len(wave), dp, dp_rank)
+    return range(wave.start + replica.start, wave.start + replica.stop)
+
+
 def _run_wave(comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,
               backend, pp, stats, bar, out, logits, board):
     """Generate for the prompts of ``wave``; returns this rank's figures, the wave's
     (tokens, lengths) on rank 0 and the micro-batches a replica ran. Prompt logits go
     micro-batch by micro-batch to the output file, or into ``logits`` (rank 0)."""
-    replica = replica_rows(len(wave), layout.dp, mesh.dp_rank)
-    rows = range(wave.start + replica.start, wave.start + replica.stop)   # global prompt ids
+    rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
     on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
     program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step)
@@ -347,7 +352,7 @@ def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: 
     is_owner = world.rank == owners[mesh.dp_rank]
     sizes = [0] * world.size
     for d, owner in enumerate(owners):
-        sizes[owner] = len(replica_rows(len(wave), layout.dp, d))
+        sizes[owner] = len(_wave_rows(wave, layout.dp, d))
     mine = slice(None) if is_owner else slice(0, 0)
     tokens = world.gather(program.tokens[mine], root=0, sizes=sizes)
     lengths = world.gather(program.lengths[mine], root=0, sizes=sizes)
@@ -359,25 +364,15 @@ def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: 
     if settings.save_logits:
         vocab = program.stage.cfg.vocab_size
         for d, owner in enumerate(owners):
-            replica = replica_rows(len(wave), layout.dp, d)
-            rows = range(wave.start + replica.start, wave.start + replica.stop)
-            for mb in micro_batches(prompts.ids, rows, layout.micro_batches):
+            for mb in micro_batches(prompts.ids, _wave_rows(wave, layout.dp, d),
+                                    layout.micro_batches):
                 if owner == 0:
                     full = program.prompt_logits[mb.index]
                 else:
                     full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32),
                                       owner, TAG_LOGITS)
-                if out is not None:
-                    out.write_logits(mb, full)
-                else:
-                    _unpad_into(logits, mb, full)
+                unpad_into(out.logits if out is not None else logits, mb, full)
     return tokens, lengths
-
-
-def _unpad_into(logits: np.ndarray, mb: MicroBatch, full: np.ndarray) -> None:
-    """Left-padded (b, L, vocab) -> rows of ``logits`` with position t of each prompt at t."""
-    for j, row in enumerate(mb.rows):
-        logits[row, :mb.length - mb.pad[j]] = full[j, mb.pad[j]:]
 
 
 def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, backend: str,

@@ -23,6 +23,13 @@ from ..outputs import remove_stale_temporaries
 
 
 
+def unpad_into(logits, mb, full: np.ndarray) -> None:
+    """A left-padded micro-batch's logits (b, L, vocab) into ``logits`` (an array or an HDF5
+    dataset of [batch, seq, vocab]), position t of each prompt at t."""
+    for j, row in enumerate(mb.rows):
+        logits[row, :mb.length - mb.pad[j]] = full[j, mb.pad[j]:]
+
+
 class PartialOutput:
     """The output file while a generation runs (rank 0 only): a hidden sibling
     ``.NAME.partial`` that holds every dataset from the start, receives each wave's tokens,
@@ -65,11 +72,10 @@ class PartialOutput:
     def done(self) -> np.ndarray:
         return self.file["done"][()]
 
-    def write_logits(self, mb, full: np.ndarray) -> None:
-        """A left-padded micro-batch (b, L, vocab): position t of each prompt at row t."""
-        dset = self.file["prompt_logits"]
-        for j, row in enumerate(mb.rows):
-            dset[row, :mb.length - mb.pad[j]] = full[j, mb.pad[j]:]
+    @property
+    def logits(self):
+        """The prompt_logits dataset, written one micro-batch at a time (``unpad_into``)."""
+        return self.file["prompt_logits"]
 
     def finish_wave(self, rows: range, tokens, lengths, texts) -> None:
         f = self.file

@@ -148,10 +148,6 @@ def commit(path: Path) -> None:
     os.replace(tmp, latest)
 
 
-def discard(path: Path) -> None:
-    _tmp(path).unlink(missing_ok=True)
-
-
 def resolve_resume(spec: str | None, out_dir: Path) -> Path | None:
     """The checkpoint to resume from: a path, ``auto`` (DIR/latest if it exists), or None."""
     if not spec:

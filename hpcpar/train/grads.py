@@ -52,7 +52,6 @@ class GradientReducer:
         self.pending: dict[int, set[int]] = {}
         self.requests: list[Request] = []
         self.exposed_seconds = 0.0          # waited for after the backward, over the run
-        self.reduced_bytes = 0
         self.started_early = self.started = 0   # buckets launched during the backward / all
 
     def _make_bucket(self, params: list[Param]) -> None:
@@ -88,7 +87,6 @@ class GradientReducer:
     def _launch(self, b: int) -> None:
         flat = self.buckets[b][0]
         self.requests.append(self.dp.iall_reduce(flat))
-        self.reduced_bytes += flat.nbytes
         self.started += 1
 
     def finish(self) -> None:
