@@ -1,6 +1,7 @@
 """``python -m hpcpar`` (under ``mpiexec -n N`` or alone)."""
 
 import os
+import sys
 
 
 def _share_cores_between_ranks() -> None:
@@ -21,6 +22,15 @@ def _share_cores_between_ranks() -> None:
 
 _share_cores_between_ranks()
 
+from . import supervisor  # noqa: E402  (standard library only)
+
+if supervisor.wanted():
+    raise SystemExit(supervisor.supervise([sys.executable, "-m", "hpcpar", *sys.argv[1:]]))
+
 from .cli import main  # noqa: E402
 
-raise SystemExit(main())
+try:
+    status = main()
+finally:
+    supervisor.mark_known_exit()
+raise SystemExit(status)

@@ -20,7 +20,6 @@ with ``EXIT_HUNG`` and a report of where the node's ranks are (``watchdog``).
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -31,6 +30,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from .errors import CommTimeout, HpcparError
+from .supervisor import launcher_size, mark_known_exit
 
 T = TypeVar("T")
 
@@ -114,15 +114,6 @@ def local_rank(comm) -> int:
     return local
 
 
-def launcher_size() -> int | None:
-    """How many tasks the launcher says it started, if it says."""
-    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "SLURM_NTASKS"):
-        value = os.environ.get(var)
-        if value and value.isdigit():
-            return int(value)
-    return None
-
-
 def check_launch(comm) -> None:
     started = launcher_size()
     if comm.Get_size() == 1 and started is not None and started > 1:
@@ -138,6 +129,8 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         return main() or 0
     except JobFailed as e:
         return int(e.code)
+    except SystemExit as e:           # --help (0), or a library's own exit
+        return e.code if isinstance(e.code, int) else EXIT_FAILED
     except CommTimeout as e:
         board = _state["board"]
         if board is not None and not board.claim_report():
@@ -172,6 +165,7 @@ def _abort(message: str, code: int, with_traceback: bool) -> None:
         traceback.print_exc(file=sys.stderr)
     print(f"hpcpar: error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    mark_known_exit()                 # said why: the rank's keeper need not
     comm = world()
     if comm.Get_size() > 1:
         # MPI_Abort tears the job down at once; give the launcher a moment to forward the

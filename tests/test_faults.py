@@ -76,6 +76,9 @@ def test_a_failing_rank_ends_the_whole_job_promptly_and_cleanly(work, kind, phas
     if kind == "raise":
         assert f"rank {rank} (" in proc.stderr and "injected fault at" in proc.stderr, \
             proc.stderr
+    if kind in ("exit", "kill"):      # the rank's keeper names it; the launcher only a PID
+        said = "was killed by SIGKILL" if kind == "kill" else "exited with status 1"
+        assert f"rank {rank} of 4 (pid " in proc.stderr and said in proc.stderr, proc.stderr
     if kind == "hang":
         assert proc.returncode == 4, proc.stderr
         assert "waited 3 s" in proc.stderr and "a rank stopped, died or hangs" in proc.stderr
