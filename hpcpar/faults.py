@@ -7,8 +7,9 @@ world rank 2 fail at decode step 5.
             each decode step, before each training step
     step    decode step (1-based) or training step; absent: the first time the phase comes
     kind    raise (an exception: the normal error path), exit (the process ends with status
-            1 without a word, as a crash would; the rank's keeper names it), kill (SIGKILL to itself), hang (SIGSTOP to
-            itself: the other ranks' watchdog, --timeout, must end the job)
+            1 without a word, as a crash would), kill (SIGKILL to itself; for both, the
+            rank's keeper, ``supervisor``, names it), hang (SIGSTOP to itself: the other
+            ranks' watchdog, --timeout, must end the job)
 
 Unset, ``fault_point`` costs one dictionary lookup.
 """
