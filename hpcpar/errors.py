@@ -16,3 +16,11 @@ class CommError(HpcparError):
 
 class CommTimeout(CommError):
     """A receive or collective waited longer than the job's timeout (the watchdog)."""
+
+
+class HangElsewhere(CommTimeout):
+    """Another node's rank found the job hung (the watchdog's alarm): stop waiting, report."""
+
+    def __init__(self, rank: int):
+        super().__init__(f"rank {rank} on another node found the job hung")
+        self.rank = rank

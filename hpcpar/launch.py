@@ -29,7 +29,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
-from .errors import CommTimeout, HpcparError
+from .errors import CommTimeout, HangElsewhere, HpcparError
 from .supervisor import launcher_size, mark_known_exit
 
 T = TypeVar("T")
@@ -71,8 +71,11 @@ def set_timeout(seconds: float) -> None:
 
 
 def set_board(board) -> None:
-    """The job's ``watchdog.ActionBoard``, read for the hang report."""
+    """The job's ``watchdog.ActionBoard``, read for the hang report; every bounded wait
+    listens for its alarm from another node."""
+    from .comm.mpi import listen_for_alarm
     _state["board"] = board
+    listen_for_alarm(board.alarm if board is not None else None)
 
 
 def print_error(message: str) -> None:
@@ -132,14 +135,7 @@ def run_guarded(main: Callable[[], int | None]) -> int:
     except SystemExit as e:           # --help (0), or a library's own exit
         return e.code if isinstance(e.code, int) else EXIT_FAILED
     except CommTimeout as e:
-        board = _state["board"]
-        if board is not None and not board.claim_report():
-            time.sleep(2.0)              # another rank reports and ends the job; else we do
-            world().Abort(EXIT_HUNG)
-        where = "".join(f"\n  {line}" for line in board.report()) if board else ""
-        _abort(f"{_who()} gave up while {_state['phase']}: {e}; a rank stopped, died or hangs. "
-               f"Where the ranks of this node are:{where}" if where else f"{_who()}: {e}",
-               EXIT_HUNG, with_traceback=False)
+        _report_hang(e)
     except HpcparError as e:
         # Failed on this rank alone, after validation: the others may be blocked in a
         # collective, so end them all.
@@ -148,6 +144,24 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         _abort(f"{_who()} failed while {_state['phase']}: {type(e).__name__}: {e}",
                EXIT_FAILED, with_traceback=not isinstance(e, KeyboardInterrupt))
     return EXIT_FAILED
+
+
+def _report_hang(e: CommTimeout) -> None:
+    """One rank per node prints where its node's ranks are; on several nodes the first one
+    alarms the others and every reporter lingers so that all the nodes' parts get out."""
+    board = _state["board"]
+    if board is None:
+        _abort(f"{_who()}: {e}", EXIT_HUNG, with_traceback=False)
+    linger = 1.0 if board.nodes > 1 else 0.0
+    if not board.claim_report():
+        time.sleep(2.0 + linger)         # another rank reports and ends the job; else we do
+        world().Abort(EXIT_HUNG)
+    if not isinstance(e, HangElsewhere):
+        board.sound_alarm(world().Get_rank())
+    what = "stopped waiting" if isinstance(e, HangElsewhere) else "gave up"
+    where = "".join(f"\n  {line}" for line in board.report())
+    _abort(f"{_who()} {what} while {_state['phase']}: {e}; a rank stopped, died or hangs. "
+           f"{board.heading()}:{where}", EXIT_HUNG, with_traceback=False, linger=linger)
 
 
 def _who() -> str:
@@ -160,7 +174,7 @@ def _who() -> str:
         return "rank ?"
 
 
-def _abort(message: str, code: int, with_traceback: bool) -> None:
+def _abort(message: str, code: int, with_traceback: bool, linger: float = 0.0) -> None:
     if with_traceback:
         traceback.print_exc(file=sys.stderr)
     print(f"hpcpar: error: {message}", file=sys.stderr, flush=True)
@@ -170,7 +184,7 @@ def _abort(message: str, code: int, with_traceback: bool) -> None:
     if comm.Get_size() > 1:
         # MPI_Abort tears the job down at once; give the launcher a moment to forward the
         # lines just written, or the message naming the rank can be lost
-        time.sleep(0.2)
+        time.sleep(0.2 + linger)
         comm.Abort(code)
     raise SystemExit(code)
 

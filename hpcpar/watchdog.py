@@ -5,11 +5,22 @@ memory shared by the ranks of its node (``MPI.Win.Allocate_shared``). Reading it
 nothing from the other ranks, so a rank whose receive or collective timed out (``--timeout``,
 ``CommTimeout``) can say where each rank of its node is even when one of them is stopped
 (``kill -STOP``) or gone. Writing is a handful of integer stores per action.
+
+A node's memory is all one rank can read, so on several nodes each node prints its own part:
+the rank that claims its node's report first sounds an *alarm* (a one-integer message to every
+rank of the other nodes, each of which keeps a receive posted for it), and a rank that finds
+the alarm while waiting gives up at once (``CommTimeout``), so every node whose ranks still
+run reports within moments of the first, before the job is aborted.
+
+``HPCPAR_FAKE_NODES=K`` (tests) splits the world into K blocks of consecutive ranks that play
+the part of nodes.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import socket
 import time
 
 import numpy as np
@@ -27,7 +38,7 @@ class ActionBoard:
         """Collective over ``world``."""
         from mpi4py import MPI
         self.layout = layout
-        self.node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        self.node = _node_comm(world)
         self.rank, self.size = self.node.Get_rank(), self.node.Get_size()
         itemsize = np.dtype(np.int64).itemsize
         # node rank 0 allocates the whole table (one row per rank, then a control row whose
@@ -43,7 +54,46 @@ class ActionBoard:
         self.mine[:] = -1
         self.mine[0] = world.Get_rank()
         self.mine[8] = os.getpid()
+        self._post_alarm(world)
         self.node.Barrier()
+
+    # ---- the alarm between nodes ------------------------------------------------------------
+
+    def _post_alarm(self, world) -> None:
+        """Learn which world ranks share this node; post the receive for another's alarm."""
+        from mpi4py import MPI
+        nodes = np.empty(world.Get_size(), dtype=np.int64)
+        leader = np.array([world.Get_rank() if self.rank == 0 else -1], dtype=np.int64)
+        self.node.Bcast(leader, root=0)
+        world.Allgather(leader, nodes)
+        self.node_of = nodes                          # world rank -> its node's first rank
+        self.nodes = len(set(nodes.tolist()))
+        self.alarms = world.Dup()
+        self._heard = np.full(1, -1, dtype=np.int64)
+        self._listen = self.alarms.Irecv(self._heard, source=MPI.ANY_SOURCE, tag=_ALARM_TAG)
+        atexit.register(self._stop_listening)
+
+    def alarm(self) -> int | None:
+        """The world rank whose node declared the job hung, if an alarm came (cheap: one
+        MPI test)."""
+        if self._listen is not None and self._listen.Test():
+            self._listen = None
+        return None if self._heard[0] < 0 else int(self._heard[0])
+
+    def sound_alarm(self, world_rank: int) -> None:
+        """Tell every rank of the other nodes (without waiting: some may be stopped)."""
+        here = self.node_of[world_rank]
+        mine = np.array([world_rank], dtype=np.int64)
+        self._sent = [self.alarms.Isend(mine, dest=r, tag=_ALARM_TAG)
+                      for r in range(len(self.node_of)) if self.node_of[r] != here]
+
+    def _stop_listening(self) -> None:
+        if self._listen is not None:
+            self._listen.Cancel()
+            self._listen.Wait()
+            self._listen = None
+
+    # ---- actions ----------------------------------------------------------------------------
 
     def publish(self, a: Action) -> None:
         m = self.mine
@@ -60,6 +110,9 @@ class ActionBoard:
         self.control[0] = self.rank
         time.sleep(settle)
         return int(self.control[0]) == self.rank
+
+    def heading(self) -> str:
+        return f"Where the ranks of node {socket.gethostname()} are"
 
     def report(self) -> list[str]:
         """One line per rank of this node: the action it is in, and for how long."""
@@ -79,8 +132,25 @@ class ActionBoard:
         return lines
 
     def free(self) -> None:
+        self._stop_listening()
+        for req in getattr(self, "_sent", ()):
+            req.Wait()
+        self.alarms.Free()
         self.win.Free()
         self.node.Free()
+
+
+_ALARM_TAG = 7
+
+
+def _node_comm(world):
+    """The ranks that share this rank's memory (``HPCPAR_FAKE_NODES``: blocks of the world)."""
+    from mpi4py import MPI
+    fake = os.environ.get("HPCPAR_FAKE_NODES", "")
+    if fake.isdigit() and int(fake) > 0:
+        per_node = -(-world.Get_size() // int(fake))
+        return world.Split(world.Get_rank() // per_node, world.Get_rank())
+    return world.Split_type(MPI.COMM_TYPE_SHARED)
 
 
 def _process_state(pid: int) -> str:

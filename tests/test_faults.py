@@ -122,3 +122,19 @@ def test_ctrl_c_to_the_launcher_ends_every_rank_with_a_failure_status(work):
     assert time.monotonic() - start < 10
     assert "KeyboardInterrupt" in err
     assert not _survivors(marker) and not (work / marker).exists()
+
+
+def test_a_hang_on_several_nodes_is_reported_by_every_node(work):
+    """Two (fake) nodes: each prints where its own ranks are, so the report covers the whole
+    pipeline and tp group although no rank can read another node's memory."""
+    os.environ.update(HPCPAR_FAULT="rank=2,phase=decode,step=2,kind=hang", HPCPAR_FAKE_NODES="2")
+    try:
+        proc, seconds = mpirun(4, [*GENERATE, "--out", "two-nodes.h5"], work, timeout=120)
+    finally:
+        del os.environ["HPCPAR_FAULT"], os.environ["HPCPAR_FAKE_NODES"]
+    assert proc.returncode == 4 and seconds < 60, proc.stderr
+    parts = proc.stderr.split("Where the ranks of node")[1:]
+    assert len(parts) == 2, proc.stderr
+    assert {r for part in parts for r in range(4) if f"rank {r} (dp" in part} == {0, 1, 2, 3}
+    assert "rank 2 (dp 0, pp 1, tp 0) [stopped]" in proc.stderr
+    assert not _survivors("two-nodes.h5") and not (work / "two-nodes.h5").exists()

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import bfloat16
-from ..errors import CommError, CommTimeout
+from ..errors import CommError, CommTimeout, HangElsewhere
 from .base import Communicator, Request
 
 
@@ -244,19 +244,37 @@ class MpiCommunicator(Communicator):
         self._complete(self.mpi_comm.Ibarrier(), "barrier")
 
 
+_alarm = None          # () -> the world rank whose node declared the job hung, or None
+
+
+def listen_for_alarm(alarm) -> None:
+    """Make every bounded wait also give up when ``alarm()`` names a rank (the watchdog's
+    alarm from another node); None: stop listening."""
+    global _alarm
+    _alarm = alarm
+
+
 def wait_bounded(req, timeout: float, what: str) -> None:
     """Wait for an MPI request; with a timeout, poll it and give up with ``CommTimeout``
     (the watchdog: a rank that stopped or died must not leave this one waiting forever)."""
     if timeout <= 0:
         req.Wait()
         return
+    poll_until(req.Test, timeout, what)
+
+
+def poll_until(done, timeout: float, what: str) -> None:
+    """Call ``done()`` until it is true; after ``timeout`` seconds, or when another node
+    raised the alarm, give up with ``CommTimeout``."""
     deadline = monotonic() + timeout
     polls = 0
-    while not req.Test():
+    while not done():
         polls += 1
         if polls % 256 == 0:
             if monotonic() > deadline:
                 raise CommTimeout(f"{what} waited {timeout:g} s")
+            if _alarm is not None and (rank := _alarm()) is not None:
+                raise HangElsewhere(rank)
             os.sched_yield()                        # oversubscribed ranks share the cores
 
 
