@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from .errors import HpcparError
+from .waits import wait_event
 
 BACKENDS = ("auto", "numpy", "cupy")
 
@@ -30,9 +31,12 @@ class ArrayBackend:
         return self.name == "cupy"
 
     def synchronize(self) -> None:
-        """Wait for queued device work; call before handing a device buffer to MPI."""
+        """Wait for queued device work (within the job's --timeout: the stream may hold
+        NCCL operations waiting on other ranks); call before handing a device buffer to MPI."""
         if self.is_gpu:
-            self.xp.cuda.get_current_stream().synchronize()
+            event = self.xp.cuda.Event(disable_timing=True)
+            event.record()
+            wait_event(event, "waiting for this rank's GPU")
 
     def is_device_array(self, a: Any) -> bool:
         return self.is_gpu and isinstance(a, self.xp.ndarray)

@@ -29,6 +29,7 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
+from . import waits
 from .errors import CommTimeout, HangElsewhere, HpcparError
 from .supervisor import launcher_size, mark_known_exit
 
@@ -39,7 +40,7 @@ EXIT_FAILED = 1    # anything else
 EXIT_PREEMPTED = 3  # stopped on SIGTERM/SIGUSR1 after saving its state: run again to resume
 EXIT_HUNG = 4       # a receive or collective outlasted --timeout: a rank stopped or hung
 
-_state = {"phase": "start-up", "where": None, "board": None, "timeout": 600.0}
+_state = {"phase": "start-up", "where": None, "board": None}
 
 
 class JobFailed(SystemExit):
@@ -66,16 +67,15 @@ def set_location(description: str) -> None:
 
 
 def set_timeout(seconds: float) -> None:
-    """How long ``everyone`` may wait for the other ranks (the job's --timeout)."""
-    _state["timeout"] = seconds
+    """How long any wait on the other ranks or the GPU may take (the job's --timeout)."""
+    waits.set_limit(seconds)
 
 
 def set_board(board) -> None:
     """The job's ``watchdog.ActionBoard``, read for the hang report; every bounded wait
     listens for its alarm from another node."""
-    from .comm.mpi import listen_for_alarm
     _state["board"] = board
-    listen_for_alarm(board.alarm if board is not None else None)
+    waits.listen_for_alarm(board.alarm if board is not None else None)
 
 
 def print_error(message: str) -> None:
@@ -100,7 +100,7 @@ def everyone(comm, fn: Callable[..., T], *args, **kwargs) -> T:
         from mpi4py import MPI
         from .comm.mpi import wait_bounded
         wait_bounded(comm.Iallreduce(MPI.IN_PLACE, first_failed, op=MPI.MIN),
-                     _state["timeout"], f"agreeing while {_state['phase']}")
+                     waits.limit(), f"agreeing while {_state['phase']}")
     if first_failed[0] < size:
         if rank == first_failed[0]:
             print_error(str(error))

@@ -14,7 +14,8 @@ from hpcpar.errors import HangElsewhere
 @pytest.mark.mpi(min_size=2)
 def test_an_alarm_from_another_node_ends_a_wait_at_once(monkeypatch):
     from mpi4py import MPI
-    from hpcpar.comm.mpi import listen_for_alarm, wait_bounded
+    from hpcpar.comm.mpi import wait_bounded
+    from hpcpar.waits import listen_for_alarm
     from hpcpar.watchdog import ActionBoard
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -42,7 +43,8 @@ def test_an_alarm_from_another_node_ends_a_wait_at_once(monkeypatch):
 @pytest.mark.mpi(min_size=2)
 def test_without_an_alarm_a_wait_ends_at_its_timeout(monkeypatch):
     from mpi4py import MPI
-    from hpcpar.comm.mpi import listen_for_alarm, wait_bounded
+    from hpcpar.comm.mpi import wait_bounded
+    from hpcpar.waits import listen_for_alarm
     from hpcpar.errors import CommTimeout
     from hpcpar.watchdog import ActionBoard
     world = MPI.COMM_WORLD

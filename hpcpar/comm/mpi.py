@@ -11,15 +11,14 @@ words and sums use a user-defined operation that adds in float32 and rounds back
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
-from time import monotonic
 
 import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import bfloat16
-from ..errors import CommError, CommTimeout, HangElsewhere
+from ..errors import CommError
+from ..waits import poll_until
 from .base import Communicator, Request
 
 
@@ -244,16 +243,6 @@ class MpiCommunicator(Communicator):
         self._complete(self.mpi_comm.Ibarrier(), "barrier")
 
 
-_alarm = None          # () -> the world rank whose node declared the job hung, or None
-
-
-def listen_for_alarm(alarm) -> None:
-    """Make every bounded wait also give up when ``alarm()`` names a rank (the watchdog's
-    alarm from another node); None: stop listening."""
-    global _alarm
-    _alarm = alarm
-
-
 def wait_bounded(req, timeout: float, what: str) -> None:
     """Wait for an MPI request; with a timeout, poll it and give up with ``CommTimeout``
     (the watchdog: a rank that stopped or died must not leave this one waiting forever)."""
@@ -261,21 +250,6 @@ def wait_bounded(req, timeout: float, what: str) -> None:
         req.Wait()
         return
     poll_until(req.Test, timeout, what)
-
-
-def poll_until(done, timeout: float, what: str) -> None:
-    """Call ``done()`` until it is true; after ``timeout`` seconds, or when another node
-    raised the alarm, give up with ``CommTimeout``."""
-    deadline = monotonic() + timeout
-    polls = 0
-    while not done():
-        polls += 1
-        if polls % 256 == 0:
-            if monotonic() > deadline:
-                raise CommTimeout(f"{what} waited {timeout:g} s")
-            if _alarm is not None and (rank := _alarm()) is not None:
-                raise HangElsewhere(rank)
-            os.sched_yield()                        # oversubscribed ranks share the cores
 
 
 def _reduce_op(dtype, op: str) -> MPI.Op:

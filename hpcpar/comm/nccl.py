@@ -14,6 +14,7 @@ import numpy as np
 
 from ..dtypes import bfloat16
 from ..errors import HpcparError
+from ..waits import wait_event
 from .base import Communicator, Request
 
 _ID_BYTES = 128
@@ -141,9 +142,10 @@ class NcclCommunicator(Communicator):
         self._comm.bcast(buf.data.ptr, buf.size, self._t(buf), root, self._stream())
 
     def _event_request(self, *keepalive) -> Request:
-        event = self.xp.cuda.Event()
+        event = self.xp.cuda.Event(disable_timing=True)
         event.record()
-        return Request(event.synchronize, keepalive=keepalive)
+        what = f"an NCCL operation on the {self.name} group (group rank {self.rank})"
+        return Request(lambda: wait_event(event, what), keepalive=keepalive)
 
     def _isend(self, buf, dest, tag) -> Request:
         self._comm.send(buf.data.ptr, buf.size, self._t(buf), dest, self._stream())
@@ -161,8 +163,9 @@ class NcclCommunicator(Communicator):
         self._lib.groupEnd()
 
     def _barrier(self) -> None:
+        from .mpi import wait_bounded
         self.backend.synchronize()
-        self.mpi_comm.Barrier()
+        wait_bounded(self.mpi_comm.Ibarrier(), self.timeout, f"barrier on the {self.name} group")
 
 
 def _pieces(buf, sizes):

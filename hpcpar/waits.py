@@ -1,0 +1,57 @@
+"""Bounded waiting: the one way a rank waits on other ranks or on its GPU.
+
+Every wait that another rank can hold up (an MPI request; the GPU stream, when NCCL
+collectives are queued on it) polls with a deadline instead of blocking, so a peer that
+stopped or died ends the job through the watchdog (``CommTimeout``) rather than hanging it.
+A wait also gives up at once when the watchdog's alarm says another node found the job hung.
+"""
+
+from __future__ import annotations
+
+import os
+from time import monotonic
+from typing import Callable
+
+from .errors import CommTimeout, HangElsewhere
+
+_state: dict = {"limit": 600.0, "alarm": None}     # the CLI's default --timeout
+
+
+def set_limit(seconds: float) -> None:
+    """The job's ``--timeout``: how long a wait on the device may take (0: forever)."""
+    _state["limit"] = seconds
+
+
+def limit() -> float:
+    return _state["limit"]
+
+
+def listen_for_alarm(alarm: Callable[[], int | None] | None) -> None:
+    """Make every bounded wait also give up when ``alarm()`` names a rank (the watchdog's
+    alarm from another node); None: stop listening."""
+    _state["alarm"] = alarm
+
+
+def poll_until(done: Callable[[], bool], timeout: float, what: str) -> None:
+    """Call ``done()`` until it is true; after ``timeout`` seconds, or when another node
+    raised the alarm, give up with ``CommTimeout``."""
+    deadline = monotonic() + timeout
+    polls = 0
+    while not done():
+        polls += 1
+        if polls % 256 == 0:
+            if monotonic() > deadline:
+                raise CommTimeout(f"{what} waited {timeout:g} s")
+            alarm = _state["alarm"]
+            if alarm is not None and (rank := alarm()) is not None:
+                raise HangElsewhere(rank)
+            os.sched_yield()                        # oversubscribed ranks share the cores
+
+
+def wait_event(event, what: str) -> None:
+    """Wait for a recorded CUDA event (``cupy.cuda.Event``) within the job's limit: work
+    queued behind an NCCL operation waits on the other ranks."""
+    if _state["limit"] <= 0:
+        event.synchronize()
+        return
+    poll_until(lambda: event.done, _state["limit"], what)

@@ -1,0 +1,67 @@
+"""Bounded waits on the device path, checked with stand-ins for CuPy's events (no GPU
+needed): a stream held up behind an NCCL operation whose peer is gone ends in CommTimeout
+after the job's --timeout instead of blocking forever."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from hpcpar import waits
+from hpcpar.backend import ArrayBackend
+from hpcpar.errors import CommTimeout
+
+
+class FakeEvent:
+    """Records like ``cupy.cuda.Event``; ``done`` once ``ready`` is set."""
+    ready = False
+
+    def __init__(self, disable_timing=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+    @property
+    def done(self):
+        return self.ready
+
+    def synchronize(self):
+        assert self.ready, "would block forever"
+
+
+@pytest.fixture
+def limit():
+    before = waits.limit()
+    waits.set_limit(0.3)
+    yield
+    waits.set_limit(before)
+
+
+def _fake_cupy(ready: bool):
+    event = type("Event", (FakeEvent,), {"ready": ready})
+    return SimpleNamespace(cuda=SimpleNamespace(Event=event), ndarray=object)
+
+
+def test_a_stream_that_never_drains_times_out(limit):
+    stuck = ArrayBackend("cupy", _fake_cupy(ready=False), 0)
+    with pytest.raises(CommTimeout, match="GPU waited 0.3 s"):
+        stuck.synchronize()
+    ArrayBackend("cupy", _fake_cupy(ready=True), 0).synchronize()   # returns at once
+
+
+def test_an_nccl_request_is_bounded(limit):
+    from hpcpar.comm.nccl import NcclCommunicator
+    comm = NcclCommunicator.__new__(NcclCommunicator)      # no GPU: only the request logic
+    comm.xp, comm.name, comm.rank = _fake_cupy(ready=False), "tp", 1
+    with pytest.raises(CommTimeout, match="NCCL operation on the tp group"):
+        comm._event_request().wait()
+    comm.xp = _fake_cupy(ready=True)
+    comm._event_request().wait()
+
+
+def test_without_a_limit_the_event_is_waited_on_directly():
+    waits.set_limit(0)
+    try:
+        waits.wait_event(_fake_cupy(ready=True).cuda.Event(), "x")
+    finally:
+        waits.set_limit(600.0)
