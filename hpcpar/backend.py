@@ -14,21 +14,28 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import dtype_name
 from .errors import HpcparError
 from .waits import wait_event
 
-BACKENDS = ("auto", "numpy", "cupy")
+BACKENDS = ("auto", "numpy", "cupy", "strict")
 
 
 @dataclass(frozen=True)
 class ArrayBackend:
-    name: str            # "numpy" or "cupy"
-    xp: ModuleType       # numpy or cupy
+    name: str            # "numpy", "cupy", or "strict" (tests: a pretend device, see strict.py)
+    xp: ModuleType       # numpy, cupy, or strict.xp
     device_id: int | None = None
 
     @property
     def is_gpu(self) -> bool:
+        """Arrays live on a CUDA device (CuPy)."""
         return self.name == "cupy"
+
+    @property
+    def on_device(self) -> bool:
+        """Arrays are not host memory: they move to and from the host explicitly."""
+        return self.name in ("cupy", "strict")
 
     def synchronize(self) -> None:
         """Wait for queued device work (within the job's --timeout: the stream may hold
@@ -39,18 +46,29 @@ class ArrayBackend:
             wait_event(event, "waiting for this rank's GPU")
 
     def is_device_array(self, a: Any) -> bool:
-        return self.is_gpu and isinstance(a, self.xp.ndarray)
+        return self.on_device and isinstance(a, self.xp.ndarray)
 
     def asarray(self, host: np.ndarray):
         """Move a host array to this backend's device (no copy on NumPy)."""
-        return self.xp.asarray(host) if self.is_gpu else host
+        return self.xp.asarray(host) if self.on_device else host
 
     def to_host(self, a) -> np.ndarray:
         return a.get() if self.is_device_array(a) else np.asarray(a)
 
+    def bus_id(self) -> str:
+        """The PCI bus id of this rank's GPU ("" without one): unlike the CUDA ordinal it names
+        the same physical device in every process, whatever CUDA_VISIBLE_DEVICES says."""
+        return self.xp.cuda.Device(self.device_id).pci_bus_id if self.is_gpu else ""
+
     def device_memory_bytes(self) -> int:
         """Bytes CuPy's memory pool holds on this rank's GPU (0 on the CPU)."""
         return self.xp.get_default_memory_pool().total_bytes() if self.is_gpu else 0
+
+    def release_host_staging(self) -> None:
+        """Give back the page-locked blocks CuPy kept from copying weights in (after loading:
+        pinned memory is scarce and the pool would hold it for the whole run)."""
+        if self.is_gpu:
+            self.xp.get_default_pinned_memory_pool().free_all_blocks()
 
     def empty_host(self, shape, dtype) -> np.ndarray:
         """A host buffer for staging device data; page-locked on GPU so copies run at full speed."""
@@ -63,22 +81,27 @@ class ArrayBackend:
 NUMPY = ArrayBackend("numpy", np)
 
 
-def select_backend(name: str = "auto", local_rank: int = 0) -> ArrayBackend:
+def select_backend(name: str = "auto", local_rank: int = 0, dtype=None) -> ArrayBackend:
     """Choose the array backend; on GPU, rank ``local_rank`` of a node takes device
-    ``local_rank % device_count`` (``HPCPAR_BACKEND`` overrides ``auto``)."""
+    ``local_rank % device_count`` (``HPCPAR_BACKEND`` overrides ``auto``). With ``dtype``,
+    refuse one the device's arrays cannot compute in."""
     if name == "auto":
         name = os.environ.get("HPCPAR_BACKEND", "auto")
     if name not in BACKENDS:
         raise HpcparError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
     if name == "numpy":
         return NUMPY
+    if name == "strict":
+        from .strict import xp as strict_xp
+        return ArrayBackend("strict", strict_xp)
     try:
         import cupy
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # ImportError, or CUDA present but unusable
         if name == "cupy":
             raise HpcparError(f"backend 'cupy' requested but no usable GPU ({e}); install "
-                              "hpcpar[gpu] on a machine with CUDA, or use backend 'numpy'")
+                              "hpcpar[gpu-cuda12] or [gpu-cuda13] on a machine with CUDA, or use "
+                              "backend 'numpy'")
         return NUMPY
     if count == 0:
         if name == "cupy":
@@ -86,4 +109,20 @@ def select_backend(name: str = "auto", local_rank: int = 0) -> ArrayBackend:
         return NUMPY
     device_id = local_rank % count
     cupy.cuda.Device(device_id).use()
-    return ArrayBackend("cupy", cupy, device_id)
+    backend = ArrayBackend("cupy", cupy, device_id)
+    if dtype is not None:
+        require_dtype(backend.xp, dtype)
+    return backend
+
+
+def require_dtype(xp, dtype) -> None:
+    """Refuse, in one line, a float format the array module cannot compute in: CuPy < 14 has
+    no bfloat16 (``Unsupported dtype``), found here before any weight is loaded."""
+    try:
+        a = xp.ones((2, 2), dtype=dtype)
+        (a @ a).astype(xp.float32)
+    except Exception as e:  # TypeError / ValueError, whatever the CuPy version raises
+        version = getattr(xp, "__version__", "?")
+        raise HpcparError(f"dtype {dtype_name(dtype)} is not supported by {xp.__name__} "
+                          f"{version} ({type(e).__name__}: {e}); use float16 (or float32), or "
+                          "a CuPy with bfloat16 (CuPy 14)") from None

@@ -145,6 +145,7 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
             if host.dtype != dtype:
                 host = host.astype(dtype)
             out.tensors[spec.name] = backend.asarray(host)
+    backend.release_host_staging()
     out.seconds = perf_counter() - start
     return out
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import socket
-import zlib
 
 import numpy as np
 
 from ..backend import NUMPY, ArrayBackend
 from ..errors import HpcparError
+from . import choice
 from .base import CommStats, Communicator, Request, split_sizes
 from .mpi import MpiCommunicator, cuda_aware
 
@@ -21,32 +21,44 @@ __all__ = ["COMM_KINDS", "CommStats", "Communicator", "MpiCommunicator", "Reques
 def create_communicator(mpi_comm, kind: str = "auto", backend: ArrayBackend = NUMPY,
                         stats: CommStats | None = None, name: str = "world",
                         timeout: float = 0.0) -> Communicator:
-    """A communicator over the ranks of ``mpi_comm`` (collective over that group).
-
-    ``auto`` takes NCCL when arrays live on GPUs, CuPy has NCCL, and no two ranks of the group
-    share a device (NCCL refuses that); MPI otherwise.
-    """
+    """A communicator over the ranks of ``mpi_comm`` (collective over that group when ``kind``
+    is auto or nccl: the ranks compare their GPUs, see ``choice``)."""
     if kind not in COMM_KINDS:
         raise HpcparError(f"communicator {kind!r} is not one of {', '.join(COMM_KINDS)}")
-    if kind == "auto":
-        kind = "nccl" if _nccl_usable(mpi_comm, backend) else "mpi"
+    if kind != "mpi":
+        kind = choice.choose(kind, backend.is_gpu, _devices(mpi_comm, backend))
     if kind == "nccl":
         from .nccl import NcclCommunicator
         return NcclCommunicator(mpi_comm, backend, stats, name, timeout)
     return MpiCommunicator(mpi_comm, backend, stats, name, timeout)
 
 
-def _nccl_usable(mpi_comm, backend: ArrayBackend) -> bool:
+_FIELD = 64     # bytes per host name / bus id in the exchange
+
+
+def _devices(mpi_comm, backend: ArrayBackend) -> list[choice.RankDevice]:
+    """Every group rank's host, GPU bus id and NCCL library (one Allgather of bytes)."""
     if not backend.is_gpu:
-        return False
+        return []
+    mine = np.zeros(2 * _FIELD + 1, dtype=np.uint8)
+    for i, text in enumerate((socket.gethostname(), backend.bus_id())):
+        raw = text.encode()[:_FIELD]
+        mine[i * _FIELD: i * _FIELD + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    mine[-1] = nccl_library_present()
+    rows = np.empty((mpi_comm.Get_size(), mine.size), dtype=np.uint8)
+    mpi_comm.Allgather(mine, rows)
+    return [choice.RankDevice(_text(r[:_FIELD]), _text(r[_FIELD:2 * _FIELD]), bool(r[-1]))
+            for r in rows]
+
+
+def _text(raw: np.ndarray) -> str:
+    return raw.tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def nccl_library_present() -> bool:
+    """Whether CuPy's NCCL binding found its library (the import succeeds without it)."""
     try:
-        from cupy.cuda import nccl  # noqa: F401
-        have_nccl = 1
+        from cupy.cuda import nccl
     except ImportError:
-        have_nccl = 0
-    host = zlib.crc32(socket.gethostname().encode())
-    mine = np.array([host, backend.device_id, have_nccl], dtype=np.int64)
-    everyone = np.empty((mpi_comm.Get_size(), 3), dtype=np.int64)
-    mpi_comm.Allgather(mine, everyone)
-    devices = {(int(h), int(d)) for h, d, _ in everyone}
-    return bool(everyone[:, 2].all()) and len(devices) == mpi_comm.Get_size()
+        return False
+    return bool(getattr(nccl, "available", True))

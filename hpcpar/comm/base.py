@@ -107,6 +107,18 @@ class Communicator(ABC):
         self.stats = stats if stats is not None else CommStats()
         self.name = name
         self.timeout = timeout        # seconds any wait may take (0: forever)
+        self._host_twin: Communicator | None = None
+
+    def on_host(self) -> "Communicator":
+        """This group over MPI with host (NumPy) arrays, for small metadata (schedules,
+        lengths) that has no reason to visit the device. Made once, on first use."""
+        if not self.backend.on_device and self.kind == "mpi":
+            return self
+        if self._host_twin is None:
+            from .mpi import MpiCommunicator
+            self._host_twin = MpiCommunicator(self.mpi_comm, NUMPY, self.stats, self.name,
+                                              self.timeout)
+        return self._host_twin
 
     # ---- public API -----------------------------------------------------------------------
 

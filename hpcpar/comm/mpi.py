@@ -1,8 +1,9 @@
 """Communicator over mpi4py, using buffer (uppercase) methods only: arrays are never pickled.
 
 Device (CuPy) arrays: the stream is synchronised before every MPI call; the device buffer goes
-to MPI directly when the library is CUDA-aware (``MPI.Query_cuda_support()``), otherwise it is
-staged through reusable page-locked host buffers.
+to MPI directly when the library is CUDA-aware (``cuda_aware``: the library's
+MPIX_Query_cuda_support, or ``HPCPAR_CUDA_AWARE``), otherwise it is staged through reusable
+page-locked host buffers.
 
 16-bit floats: MPI has no standard half types. Where the library offers one
 (``MPIX_C_FLOAT16``, ``MPI_BFLOAT16_T``) it is used; otherwise the data travels as raw 16-bit
@@ -11,6 +12,7 @@ words and sums use a user-defined operation that adds in float32 and rounds back
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import numpy as np
@@ -19,16 +21,49 @@ from mpi4py import MPI
 from ..dtypes import bfloat16
 from ..errors import CommError
 from ..waits import poll_until
+from . import choice
 from .base import Communicator, Request
 
 
-def cuda_aware() -> bool:
-    """Whether the MPI library accepts device pointers (MPIX_Query_cuda_support)."""
-    query = getattr(MPI, "Query_cuda_support", None)
+def cuda_aware() -> tuple[bool, str]:
+    """Whether this MPI takes device pointers, and why (``HPCPAR_CUDA_AWARE`` overrides)."""
+    import mpi4py
+    return choice.cuda_aware(os.environ.get("HPCPAR_CUDA_AWARE", "auto").lower(),
+                             library_cuda_support(), mpi4py.__version__)
+
+
+def library_cuda_support() -> bool | None:
+    """The loaded MPI library's own answer (MPIX_Query_cuda_support, Open MPI and MPICH >= 4;
+    MPIX_GPU_query_support, MPICH >= 4.1); None where it has neither. mpi4py does not wrap
+    them, so they are called through ctypes on the library the process has mapped."""
+    import ctypes
+    for path in _mapped_mpi_libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        query = getattr(lib, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype = ctypes.c_int
+            return bool(query())
+        query = getattr(lib, "MPIX_GPU_query_support", None)
+        if query is not None:
+            supported = ctypes.c_int(0)
+            if query(ctypes.c_int(_MPIX_GPU_SUPPORT_CUDA), ctypes.byref(supported)) == 0:
+                return bool(supported.value)
+    return None
+
+
+_MPIX_GPU_SUPPORT_CUDA = 0        # mpi.h: a type id, not a flag
+
+
+def _mapped_mpi_libraries() -> list[str]:
     try:
-        return bool(query()) if query is not None else False
-    except MPI.Exception:
-        return False
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libmpi" in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if p.startswith("/"))
 
 
 def _sum_as_float32(np_dtype: np.dtype) -> MPI.Op:
@@ -100,7 +135,7 @@ class MpiCommunicator(Communicator):
     def __init__(self, mpi_comm, backend=None, stats=None, name="world", timeout=0.0):
         from ..backend import NUMPY
         super().__init__(mpi_comm, backend or NUMPY, stats, name, timeout)
-        self.cuda_aware = self.backend.is_gpu and cuda_aware()
+        self.cuda_aware = self.backend.is_gpu and cuda_aware()[0]
         self._staging = _HostStaging(self.backend)
 
     # ---- buffers ----------------------------------------------------------------------------
@@ -125,11 +160,15 @@ class MpiCommunicator(Communicator):
         return host
 
     def _stage_out(self, a):
-        """Where MPI should write before the result lands in ``a``."""
+        """Where MPI should write before the result lands in ``a``. A host staging buffer
+        needs no wait for the device (the copy back is queued on the stream after the work
+        before it); MPI writing into device memory directly must wait for queued kernels."""
         if not self.backend.is_device_array(a):
             return a
+        if not self.cuda_aware:
+            return self._staging.acquire(a)
         self.backend.synchronize()
-        return a if self.cuda_aware else self._staging.acquire(a)
+        return a
 
     def _finish(self, staged, a, copy_back: bool) -> None:
         if staged is a:

@@ -24,8 +24,12 @@ def _nccl():
     try:
         from cupy.cuda import nccl
     except ImportError as e:
-        raise HpcparError(f"NCCL is not available through CuPy ({e}); install hpcpar[gpu] "
-                          "with a CuPy build that includes NCCL, or use the MPI communicator")
+        nccl, why = None, str(e)
+    else:
+        why = "CuPy found no NCCL library"
+    if nccl is None or not getattr(nccl, "available", True):
+        raise HpcparError(f"NCCL is not available through CuPy ({why}); install "
+                          "hpcpar[gpu-cuda12] or [gpu-cuda13], or use --comm mpi")
     return nccl
 
 
@@ -41,21 +45,37 @@ def _nccl_dtype(nccl, dtype: np.dtype) -> int:
                           f"(float32, float16, float64, int64)") from None
 
 
-def _share_unique_id(nccl, mpi_comm):
-    """Group rank 0 makes the id; everyone receives it over MPI as raw bytes.
+_BYTES, _SIGNED, _UNSIGNED = 0, 1, 2       # the form CuPy gave the id in
 
-    CuPy returns it as a tuple of 128 signed chars (older) or as bytes (newer); byte 0 of the
-    broadcast says which, so every rank rebuilds the form its CuPy expects."""
+
+def pack_unique_id(uid) -> np.ndarray:
+    """NCCL's unique id as 1 + 128 raw bytes, the first saying the form CuPy returned it in:
+    ``bytes`` (newer CuPy) or a tuple of C ``char`` values, signed on x86-64 and unsigned on
+    aarch64 (GH200), where values above 127 would overflow an int8 array."""
     msg = np.zeros(_ID_BYTES + 1, dtype=np.uint8)
-    if mpi_comm.Get_rank() == 0:
-        uid = nccl.get_unique_id()
-        if isinstance(uid, bytes):
-            msg[0], msg[1:] = 1, np.frombuffer(uid, dtype=np.uint8)
-        else:
-            msg[1:] = np.array(uid, dtype=np.int8).view(np.uint8)
+    if isinstance(uid, (bytes, bytearray)):
+        msg[0], msg[1:] = _BYTES, np.frombuffer(bytes(uid), dtype=np.uint8)
+    else:
+        values = np.array(uid, dtype=np.int64)
+        msg[0] = _SIGNED if (values < 0).any() else _UNSIGNED
+        msg[1:] = (values & 0xFF).astype(np.uint8)
+    return msg
+
+
+def unpack_unique_id(msg: np.ndarray):
+    """The id in the form the sender's CuPy gave it (every rank runs the same CuPy)."""
+    raw = np.asarray(msg[1:], dtype=np.uint8)
+    if msg[0] == _BYTES:
+        return raw.tobytes()
+    return tuple(int(v) for v in (raw.view(np.int8) if msg[0] == _SIGNED else raw))
+
+
+def _share_unique_id(nccl, mpi_comm):
+    """Group rank 0 makes the id; everyone receives it over MPI as raw bytes."""
+    msg = pack_unique_id(nccl.get_unique_id()) if mpi_comm.Get_rank() == 0 else \
+        np.zeros(_ID_BYTES + 1, dtype=np.uint8)
     mpi_comm.Bcast(msg, root=0)
-    raw = msg[1:]
-    return raw.tobytes() if msg[0] else tuple(int(b) for b in raw.view(np.int8))
+    return unpack_unique_id(msg)
 
 
 class NcclCommunicator(Communicator):

@@ -148,7 +148,8 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
     with claimed(comm, job.output.path):   # one writer; the lock goes with the job
         mesh = Mesh(comm, layout)
         set_location(mesh.describe())
-        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
+        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm),
+                           plan.dtype)
         stats = CommStats()
         timeout = job.parallel.timeout
         tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
@@ -203,7 +204,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             micro = 0
             for i, wave in enumerate(todo):
                 figures, collected, micro_w = _run_wave(
-                    comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,
+                    comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
                     backend, pp, stats, bar, out, logits, board)
                 micro = max(micro, micro_w)
                 totals = figures if totals is None else totals.combine(figures)
@@ -262,7 +263,7 @@ def _wave_rows(wave: range, dp: int, dp_rank: int) -> range:
     return range(wave.start + replica.start, wave.start + replica.stop)
 
 
-def _run_wave(comm, world, mesh, layout, stage, shard, plan, settings, wave, eos, pad_id,
+def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
               backend, pp, stats, bar, out, logits, board):
     """Generate for the prompts of ``wave``; returns this rank's figures, the wave's
     (tokens, lengths) on rank 0 and the micro-batches a replica ran. Prompt logits go
@@ -285,7 +286,7 @@ def _run_wave(comm, world, mesh, layout, stage, shard, plan, settings, wave, eos
         backend.synchronize()
     finished = perf_counter()
     with phase("collecting the outputs on rank 0"):
-        figures = _figures(executor, program, stats, shard, backend, start, finished)
+        figures = _figures(executor, program, stats, stage, backend, start, finished)
         collected = _collect(world, mesh, layout, plan.prompts, wave, program, settings,
                              out, logits)
     return figures, collected, len(mbs)
@@ -321,7 +322,7 @@ def _progress_bar(enabled: bool, total: int):
     return tqdm(total=total, unit="tok", desc="generating", leave=False)
 
 
-def _figures(executor, program, stats, shard, backend, start, finished) -> RankFigures:
+def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:
     t = executor.times
 
     def nbytes(key: str) -> int:
@@ -339,7 +340,7 @@ def _figures(executor, program, stats, shard, backend, start, finished) -> RankF
         peak_host_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device_bytes=backend.device_memory_bytes(),
         kv_cache_bytes=sum(c.nbytes for c in program.caches),
-        weight_bytes=sum(a.nbytes for a in shard.tensors.values()))
+        weight_bytes=stage.weight_bytes)
 
 
 def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: range,

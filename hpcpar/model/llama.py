@@ -70,7 +70,7 @@ class LlamaStage:
     first stage and the final norm and head on the last.
 
     ``weights`` maps Hugging Face tensor names to this rank's slices, as ``load_shard``
-    returns them; ``specs`` are the matching ``TensorSpec``s.
+    returns them (the stage takes them out of it); ``specs`` are the matching ``TensorSpec``s.
     """
 
     def __init__(self, cfg: LlamaConfig, specs: list[TensorSpec], weights: dict,
@@ -78,9 +78,13 @@ class LlamaStage:
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.xp, self.dtype, self.tp = xp, dtype, tp
         by_layer: dict[int | None, dict] = {}
+        # taken out of ``weights``: the layers keep one (transposed) copy of each tensor and
+        # the original is freed, so the device holds each weight once (plus one layer's
+        # while building)
         for spec in specs:
-            by_layer.setdefault(spec.layer, {})[spec.role] = weights[spec.name].astype(
+            by_layer.setdefault(spec.layer, {})[spec.role] = weights.pop(spec.name).astype(
                 dtype, copy=False)
+        self.weight_bytes = sum(a.nbytes for group in by_layer.values() for a in group.values())
         top = by_layer.get(None, {})
         self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp)
                           if first else None)
@@ -88,7 +92,8 @@ class LlamaStage:
         if last:
             self.final_norm = top["final_norm"]
             head = top["embed"] if cfg.tie_word_embeddings else top["head"]
-            self.head = ParallelLMHead(xp, head, cfg.vocab_size, tp)
+            self.head = ParallelLMHead(xp, head, cfg.vocab_size, tp,
+                                       shared=first and cfg.tie_word_embeddings)
         self.rope = RotaryEmbedding(cfg, xp, dtype)
         self.hidden_size = cfg.hidden_size
 

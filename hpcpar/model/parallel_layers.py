@@ -7,7 +7,10 @@ identity backward. Inference runs the forward halves; the backward halves are st
 training step that builds on these layers.
 
 Weights are stored transposed, [in, out] and contiguous, so every product is one GEMM over
-the flattened (B*T) rows.
+the flattened (B*T) rows (on the CPU a transposed operand costs ~20% at decode sizes). The
+caller drops the [out, in] original (``LlamaStage`` takes it out of the loaded shard), so each
+weight is held once; a tied LM head that shares its rank's embedding table reads it through a
+transposed view instead of a second copy.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ class ColumnParallelLinear:
     def __init__(self, xp, weights: list, biases: list | None = None):
         sizes = [w.shape[0] for w in weights]
         self.bounds = [sum(sizes[:k]) for k in range(1, len(sizes))]   # where to split y
-        self.weight_t = xp.ascontiguousarray(xp.concatenate(weights, axis=0).T)  # (in, out_i)
+        merged = weights[0] if len(weights) == 1 else xp.concatenate(weights, axis=0)
+        self.weight_t = xp.ascontiguousarray(merged.T)             # (in, out_i)
         self.bias = None if not biases else xp.concatenate(biases)
         self.xp = xp
 
@@ -101,8 +105,9 @@ class ParallelLMHead:
     Padding rows (beyond ``vocab_size``) never win: their logits are -inf.
     """
 
-    def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
-        self.weight_t = xp.ascontiguousarray(weight.T)            # (hidden, vocab_per_partition)
+    def __init__(self, xp, weight, vocab_size: int, tp: Communicator, shared: bool = False):
+        # shared: ``weight`` is also this rank's embedding table (tied): view it, don't copy
+        self.weight_t = weight.T if shared else xp.ascontiguousarray(weight.T)  # (hidden, vocab_i)
         self.vocab_size = vocab_size
         self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
         self.tp = tp

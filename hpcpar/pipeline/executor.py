@@ -96,8 +96,9 @@ class PipelineExecutor:
         send meets its receive (same micro-batch, step and size) and nothing deadlocks.
         Raises ``HpcparError`` on every rank of the group alike."""
         mine = np.array(encode(self.sized(actions)), dtype=np.int64).reshape(-1, ENCODED_FIELDS)
-        counts = self.pp.all_gather(np.array([len(mine)], dtype=np.int64))
-        rows = self.pp.all_gather(mine, axis=0, sizes=[int(c) for c in counts])
+        host = self.pp.on_host()               # host metadata: no trip through the device
+        counts = host.all_gather(np.array([len(mine)], dtype=np.int64))
+        rows = host.all_gather(mine, axis=0, sizes=[int(c) for c in counts])
         schedule, start = [], 0
         for c in counts:
             schedule.append(decode(rows[start:start + int(c)]))

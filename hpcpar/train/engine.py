@@ -66,7 +66,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
             tc.remove_partial(plan.out_dir)
         mesh = Mesh(comm, layout)
         set_location(mesh.describe())
-        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm))
+        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm),
+                           plan.dtype)
         xp = backend.xp
         stats = CommStats()
         timeout = job.parallel.timeout
