@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from time import perf_counter
 from types import ModuleType
 from typing import Any
 
@@ -79,6 +80,39 @@ class ArrayBackend:
 
 
 NUMPY = ArrayBackend("numpy", np)
+
+
+class DeviceClock:
+    """Seconds of device work summed over many intervals.
+
+    On the CPU an interval is host time. On a GPU, work is queued and the host runs ahead, so
+    host time measures only the queueing: intervals are bracketed by CUDA events and read once,
+    at ``settle()`` (reading each at once would synchronise the stream every time)."""
+
+    def __init__(self, backend: ArrayBackend):
+        self._xp = backend.xp if backend.is_gpu else None
+        self._open: list[tuple[list, int, Any, Any]] = []
+
+    def now(self):
+        if self._xp is None:
+            return perf_counter()
+        event = self._xp.cuda.Event()
+        event.record()
+        return event
+
+    def add(self, totals: list, index: int, start) -> None:
+        """totals[index] += the time since ``start`` (from ``now()``); on a GPU, once settled."""
+        if self._xp is None:
+            totals[index] += perf_counter() - start
+            return
+        self._open.append((totals, index, start, self.now()))
+
+    def settle(self) -> None:
+        """Add every open interval (on a GPU: waits for the last one's work to finish)."""
+        for totals, index, start, end in self._open:
+            wait_event(end, "timing this rank's GPU work")
+            totals[index] += self._xp.cuda.get_elapsed_time(start, end) / 1000.0
+        self._open.clear()
 
 
 def select_backend(name: str = "auto", local_rank: int = 0, dtype=None) -> ArrayBackend:

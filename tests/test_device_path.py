@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import GQA, TIED, make_checkpoint
-from hpcpar.backend import ArrayBackend, require_dtype, select_backend
+from hpcpar.backend import require_dtype, select_backend
 from hpcpar.comm import choice
 from hpcpar.comm.nccl import pack_unique_id, unpack_unique_id
 from hpcpar.dtypes import bfloat16

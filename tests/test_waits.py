@@ -65,3 +65,41 @@ def test_without_a_limit_the_event_is_waited_on_directly():
         waits.wait_event(_fake_cupy(ready=True).cuda.Event(), "x")
     finally:
         waits.set_limit(600.0)
+
+
+class TimedEvent(FakeEvent):
+    """An event stamped, when recorded, with the fake device's clock (milliseconds)."""
+    device_ms = 0.0
+    ready = True
+
+    def record(self, stream=None):
+        self.at = TimedEvent.device_ms
+
+
+def _timed_cupy():
+    return SimpleNamespace(cuda=SimpleNamespace(
+        Event=TimedEvent, get_elapsed_time=lambda a, b: b.at - a.at), ndarray=object)
+
+
+def test_device_time_is_read_from_events_once_settled_not_from_the_host():
+    from hpcpar.backend import DeviceClock
+    clock = DeviceClock(ArrayBackend("cupy", _timed_cupy(), 0))
+    totals = [0.0, 0.0]
+    start = clock.now()
+    TimedEvent.device_ms += 250.0            # the kernels queued meanwhile take 250 ms
+    clock.add(totals, 1, start)
+    assert totals == [0.0, 0.0]              # nothing read yet: no synchronisation
+    clock.settle()
+    assert totals == [0.0, 0.25]
+
+
+def test_queued_communication_is_timed_on_the_device():
+    from hpcpar.backend import DeviceClock
+    from hpcpar.comm.stats import CommStats
+    clock = DeviceClock(ArrayBackend("cupy", _timed_cupy(), 0))
+    stats = CommStats()
+    start = clock.now()
+    TimedEvent.device_ms += 40.0
+    stats.record_on(clock, "tp.all_reduce", 1024, start)
+    op = stats.ops["tp.all_reduce"]          # reading settles the clock
+    assert (op.calls, op.bytes) == (1, 1024) and abs(op.seconds - 0.04) < 1e-12

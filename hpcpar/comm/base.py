@@ -12,13 +12,12 @@ only move contiguous buffers: ``_all_reduce``, ``_iall_reduce``, ``_all_gather``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
-from dataclasses import dataclass
 from time import perf_counter
 from typing import Callable, Iterable, Sequence
 
 from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
+from .stats import CommStats
 
 REDUCE_OPS = ("sum", "max")
 
@@ -27,39 +26,6 @@ def split_sizes(n: int, parts: int) -> list[int]:
     """Lengths of ``parts`` consecutive blocks of ``n`` items, remainder to the first blocks."""
     base, extra = divmod(n, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-@dataclass
-class OpStats:
-    calls: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-
-
-class CommStats:
-    """Calls, bytes and seconds per operation kind, for run reports.
-
-    Bytes are the payload of the local buffer, as nccl-tests counts "size": the array reduced
-    by all_reduce, the gathered output of all_gather, the input of reduce_scatter, the message
-    of a send or receive. One ``CommStats`` may be shared by several communicators; each
-    records under ``"<group>.<op>"``.
-    """
-
-    def __init__(self):
-        self.ops: dict[str, OpStats] = defaultdict(OpStats)
-
-    def record(self, key: str, nbytes: int, seconds: float) -> None:
-        s = self.ops[key]
-        s.calls += 1
-        s.bytes += nbytes
-        s.seconds += seconds
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.ops.values())
-
-    def reset(self) -> None:
-        self.ops.clear()
 
 
 class Request:
@@ -310,7 +276,8 @@ class Communicator(ABC):
 
     def _run(self, op: str, nbytes: int, primitive, *args):
         """Call ``primitive``, recording bytes and time, naming op and group if it fails."""
-        start = perf_counter()
+        clock = self._device_clock()
+        start = perf_counter() if clock is None else clock.now()
         try:
             result = primitive(*args)
         except HpcparError:
@@ -318,8 +285,16 @@ class Communicator(ABC):
         except Exception as e:
             raise CommError(f"{op} on the {self.name} group ({self.size} ranks, this is group "
                             f"rank {self.rank}) failed: {type(e).__name__}: {e}") from e
-        self.stats.record(f"{self.name}.{op}", nbytes, perf_counter() - start)
+        if clock is None:
+            self.stats.record(f"{self.name}.{op}", nbytes, perf_counter() - start)
+        else:
+            self.stats.record_on(clock, f"{self.name}.{op}", nbytes, start)
         return result
+
+    def _device_clock(self):
+        """A ``DeviceClock`` where operations are queued on the device rather than done when
+        the call returns (NCCL); None where host time is the operation's time."""
+        return None
 
     # ---- what an implementation provides (contiguous buffers only) ------------------------
 

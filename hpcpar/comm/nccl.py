@@ -85,9 +85,16 @@ class NcclCommunicator(Communicator):
         if not backend.is_gpu:
             raise HpcparError("the NCCL communicator needs the cupy backend (a GPU per rank)")
         super().__init__(mpi_comm, backend, stats, name, timeout)
+        self._clock = None           # times the queued operations (CUDA events)
         self._lib = _nccl()
         uid = _share_unique_id(self._lib, mpi_comm)
         self._comm = self._lib.NcclCommunicator(self.size, uid, self.rank)
+
+    def _device_clock(self):
+        if self._clock is None:
+            from ..backend import DeviceClock
+            self._clock = DeviceClock(self.backend)
+        return self._clock
 
     def _stream(self) -> int:
         return self.xp.cuda.get_current_stream().ptr

@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from ..backend import DeviceClock
 from ..comm import Communicator
 from ..errors import CommError, HpcparError
 from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode,
@@ -78,6 +79,7 @@ class PipelineExecutor:
         self.backend, self.xp = backend, backend.xp
         self.in_flight = max(1, in_flight)
         self.times = StageTimes()
+        self.clock = DeviceClock(backend)   # compute: device time (CUDA events on a GPU)
 
     # ---- pre-flight ------------------------------------------------------------------------
 
@@ -111,11 +113,24 @@ class PipelineExecutor:
     # ---- running ---------------------------------------------------------------------------
 
     def run(self, actions: list[Action]) -> None:
+        """Run the actions in order. Compute is device time (``DeviceClock``). Waiting is host
+        time spent in receives and sends on the CPU; on a GPU, where the host blocks on queued
+        compute too, it is the run's wall time, by phase, less its device compute time."""
+        before = list(self.times.compute), list(self.times.wait)
+        wall = [0.0, 0.0]
+        self._run(actions, wall)
+        if self.backend.is_gpu:
+            for p in (0, 1):
+                computed = self.times.compute[p] - before[0][p]
+                self.times.wait[p] = before[1][p] + max(0.0, wall[p] - computed)
+
+    def _run(self, actions: list[Action], wall: list[float]) -> None:
         xp, program = self.xp, self.program
         posted: dict[int, tuple[Frame, object]] = {}
         sends: dict[tuple, deque] = {}
         stop_step: dict[int, int] = {}            # micro-batch -> step its STOP applies from
         next_recv = _next_receive_indices(actions)
+        mark, last_phase = perf_counter(), 0
 
         def live(a: Action) -> bool:
             return a.mb not in stop_step or a.step == stop_step[a.mb] and a.op is Op.SEND
@@ -132,6 +147,8 @@ class PipelineExecutor:
                 self.board.publish(a)
             phase = 0 if a.step == 0 else 1
             t0 = perf_counter()
+            wall[last_phase] += t0 - mark
+            mark, last_phase = t0, phase
             if a.op in RECVS:
                 if i not in posted:
                     post(i)
@@ -155,8 +172,9 @@ class PipelineExecutor:
                     j = next_recv[j]
                 if j is not None and j not in posted:
                     post(j)
+                started = self.clock.now()
                 program.compute(a)
-                self.times.compute[phase] += perf_counter() - t0
+                self.clock.add(self.times.compute, phase, started)
             else:  # a send
                 frame = Frame(xp, *program.payload(a))
                 stop = a.mb in stop_step
@@ -174,7 +192,10 @@ class PipelineExecutor:
         for queue in sends.values():
             while queue:
                 queue.popleft().wait()
-        self.times.wait[1] += perf_counter() - t0
+        self.clock.settle()
+        end = perf_counter()
+        self.times.wait[1] += end - t0
+        wall[last_phase] += end - mark
 
 
 _SENDER_OF = {Op.RECV: Op.SEND, Op.RECV_TOKENS: Op.SEND_TOKENS, Op.RECV_GRAD: Op.SEND_GRAD}
