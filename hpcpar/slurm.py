@@ -96,6 +96,7 @@ export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}
 export OPENBLAS_NUM_THREADS=$OMP_NUM_THREADS MKL_NUM_THREADS=$OMP_NUM_THREADS
 export HPCPAR_BACKEND=${{HPCPAR_BACKEND:-auto}}        # auto: CuPy when a GPU is there
 HPCPAR_COMM=${{HPCPAR_COMM:-auto}}                      # tp/dp: auto (NCCL when usable) | mpi | nccl
+export HPCPAR_CUDA_AWARE=${{HPCPAR_CUDA_AWARE:-auto}}  # MPI gets device buffers: auto (the library says) | 1 | 0
 # MPI: srun with the PMI your MPI was built for (pmi2 for the mpich wheel, pmix for most site
 # Open MPIs); where srun cannot start your MPI, set HPCPAR_LAUNCH=mpirun (the site's).
 HPCPAR_LAUNCH=${{HPCPAR_LAUNCH:-{launcher}}}
