@@ -27,6 +27,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from baselines import transformers_llama
 
 REPO = Path(__file__).resolve().parents[1]
 LAYOUTS = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(1, 4), (4, 1), (2, 2)],
@@ -52,20 +53,11 @@ def run_hpcpar(mpiexec, n, pp, tp, micro_batches_per_stage, work: Path) -> dict:
 
 def run_transformers(checkpoint: Path, prompts: np.ndarray, new_tokens: int, repeats: int,
                      threads: int):
-    try:
-        import torch
-        import transformers
-    except ImportError:
+    model = transformers_llama(checkpoint, threads)
+    if model is None:
         return None
-    from hpcpar.checkpoint import open_checkpoint, read_tensor
-    torch.set_num_threads(threads)
-    ckpt = open_checkpoint(checkpoint)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ckpt.hf_config)).eval()
-    state = {name: torch.from_numpy(read_tensor(ckpt, name).astype(np.float32))
-             for name in ckpt.tensors}
-    model.load_state_dict(state, strict=False)
-    if ckpt.config.tie_word_embeddings:
-        model.tie_weights()
+    import torch
+    model.eval()
     ids = torch.from_numpy(prompts)
     batch, length = prompts.shape
     best_prefill = best_generate = float("inf")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from baselines import transformers_llama
 
 REPO = Path(__file__).resolve().parents[1]
 # name -> (ranks, flags)
@@ -71,21 +72,11 @@ def run_hpcpar(mpiexec, n, flags, args, work: Path) -> dict:
 
 
 def run_torch(args, samples: np.ndarray):
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        return None
-    from hpcpar.checkpoint import open_checkpoint, read_tensor
     from hpcpar.generate.engine import cache_dir
-    torch.set_num_threads(1)
-    ckpt = open_checkpoint(cache_dir() / f"{args.preset}-seed0.h5")
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ckpt.hf_config)).float()
-    state = {name: torch.from_numpy(read_tensor(ckpt, name).astype(np.float32))
-             for name in ckpt.tensors}
-    model.load_state_dict(state, strict=False)
-    if ckpt.config.tie_word_embeddings:
-        model.tie_weights()
+    model = transformers_llama(cache_dir() / f"{args.preset}-seed0.h5", threads=1)
+    if model is None:
+        return None
+    import torch
     model.train()
     try:    # torch's fastest AdamW on the CPU (one fused kernel per step)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)

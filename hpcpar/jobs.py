@@ -27,6 +27,7 @@ from typing import Any, get_type_hints
 
 from .config import ParallelConfig
 from .errors import HpcparError
+from .train.optim import OptimizerSettings
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -91,20 +92,12 @@ class GenerateSection:
 
 
 @dataclass(frozen=True)
-class TrainSection:
+class TrainSection(OptimizerSettings):
+    """The optimizer's settings (optimizer, lr, schedule, betas, ...; see ``OptimizerSettings``)
+    and the run's."""
     steps: int = 10
     global_batch: int = 8
     seq_len: int | None = None          # needed by .bin and .jsonl data
-    optimizer: str = "adamw"
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    betas: tuple[float, ...] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 0.0
     recompute: str = "none"
     zero: int = 0                       # 1: optimizer state split over the dp replicas
     loss_scale: float = 65536.0         # float16 compute: the initial dynamic loss scale

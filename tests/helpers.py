@@ -153,3 +153,17 @@ def mpirun(n: int, args: list[str], cwd: Path, timeout: float = 60):
     proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
     return proc, time.monotonic() - start
+
+
+def losses(folder: Path) -> list[float]:
+    """The per-step losses a training run wrote to ``folder/metrics.jsonl``."""
+    return [json.loads(line)["loss"] for line in open(Path(folder) / "metrics.jsonl")]
+
+
+def wait_for_steps(folder: Path, steps: int, timeout: float = 120) -> None:
+    """Until a training run writing to ``folder`` has logged ``steps`` steps (or timeout)."""
+    metrics = Path(folder) / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (not metrics.exists()
+                                           or len(metrics.read_text().splitlines()) < steps):
+        time.sleep(0.02)

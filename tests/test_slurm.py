@@ -8,7 +8,6 @@ Needs root and the distribution's packages (installed when absent); without them
 fixture fails with the reason. It never skips.
 """
 
-import json
 import os
 import shutil
 import subprocess
@@ -21,7 +20,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import REPO
+from helpers import REPO, losses, wait_for_steps
 from hpcpar.slurm import SlurmRequest, render, static_scripts
 from test_generate_cli import _assert_one_error
 
@@ -139,11 +138,7 @@ def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupt
     assert _wait(slurm, straight) == "COMPLETED"
     job = _job_id(_submit(str(REPO / "jobs" / "train_tiny.toml"), *common,
                           "--set", "output.path='stopped'", cwd=tmp_path, env=slurm))
-    metrics = tmp_path / "stopped" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not metrics.exists()
-                                           or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.1)
+    wait_for_steps(tmp_path / "stopped", 3)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:               # requeued: pending again, restarted
@@ -159,11 +154,9 @@ def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupt
     assert "requeueing job" in log and "restart 1" in log, log
     stopped_at = int(log.split("stopped at step ")[1].split()[0])
     assert 3 <= stopped_at < 120
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    expected = [json.loads(line)["loss"]
-                for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 120
-    np.testing.assert_allclose(losses, expected, rtol=1e-6)
+    got = losses(tmp_path / "stopped")
+    assert len(got) == 120
+    np.testing.assert_allclose(got, losses(tmp_path / "straight"), rtol=1e-6)
     with h5py.File(tmp_path / "stopped" / "step-120.h5") as a, \
             h5py.File(tmp_path / "straight" / "step-120.h5") as b:
         for name, dset in b.items():

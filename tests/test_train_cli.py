@@ -6,13 +6,12 @@ weights as a run that was never stopped."""
 import json
 import os
 import signal
-import time
 
 import h5py
 import numpy as np
 import pytest
 
-from helpers import GQA, REPO, make_checkpoint, mpirun, MPIEXEC
+from helpers import GQA, MPIEXEC, REPO, losses, make_checkpoint, mpirun, wait_for_steps
 from test_generate_cli import _assert_one_error
 
 
@@ -120,11 +119,7 @@ def test_a_signal_stops_at_a_step_boundary_and_the_run_resumes_under_another_lay
             "200", *common]
     proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    metrics = workdir / "stopped" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (not metrics.exists()
-                                           or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.01)
+    wait_for_steps(workdir / "stopped", 3, timeout=60)
     ranks = [p for p in _descendants(proc.pid)
              if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()]
     assert ranks, "no rank process found"
@@ -139,11 +134,9 @@ def test_a_signal_stops_at_a_step_boundary_and_the_run_resumes_under_another_lay
                          "data.npy", "--out", "stopped", "--tp", "2", "--steps", "200",
                          "--resume", "auto", *common], workdir, timeout=120)[0]
     assert resumed.returncode == 0, resumed.stderr
-    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    expected = [json.loads(line)["loss"]
-                for line in open(workdir / "straight" / "metrics.jsonl")]
-    assert len(losses) == 200
-    np.testing.assert_allclose(losses, expected, rtol=1e-4)
+    got = losses(workdir / "stopped")
+    assert len(got) == 200
+    np.testing.assert_allclose(got, losses(workdir / "straight"), rtol=1e-4)
     with h5py.File(workdir / "stopped" / "step-200.h5") as a, \
             h5py.File(workdir / "straight" / "step-200.h5") as b:
         for name, dset in b.items():

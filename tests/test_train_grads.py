@@ -42,6 +42,17 @@ def directional(f, x, d, eps=EPS):
     return (up - down) / (2 * eps)
 
 
+def assert_gradients(loss, x, dx, params: dict, rng, rel):
+    """dx and every param's .grad agree with central differences of ``loss`` along random
+    directions."""
+    d = rng.standard_normal(x.shape)
+    assert directional(loss, x, d) == pytest.approx(float((dx * d).sum()), rel=rel)
+    for name, w in params.items():
+        dw = rng.standard_normal(w.data.shape)
+        assert directional(loss, w.data, dw) == pytest.approx(float((w.grad * dw).sum()),
+                                                              rel=rel), name
+
+
 def _param(rng, shape, role="q"):
     spec = TensorSpec("w", shape, role, 0)
     from hpcpar.train.params import Param
@@ -61,10 +72,7 @@ def test_rms_norm_backward_matches_finite_differences():
 
     y, ctx = rms_norm(x, w, 1e-5, np)
     dx = rms_norm_backward(r, ctx, w, GradSink(np))
-    d = rng.standard_normal(x.shape)
-    assert directional(loss, x, d) == pytest.approx(float((dx * d).sum()), rel=1e-7)
-    dw = rng.standard_normal(8)
-    assert directional(loss, w.data, dw) == pytest.approx(float((w.grad * dw).sum()), rel=1e-7)
+    assert_gradients(loss, x, dx, {"norm": w}, rng, rel=1e-7)
 
 
 def test_rope_backward_is_the_transpose_of_rope():
@@ -101,12 +109,7 @@ def test_attention_backward_with_causal_and_padding_masks(heads, kv_heads):
 
     y, ctx = attention.forward(x, cos, sin, mask)
     dx = attention.backward(r, ctx, GradSink(np))
-    d = rng.standard_normal(x.shape)
-    assert directional(loss, x, d) == pytest.approx(float((dx * d).sum()), rel=1e-6)
-    for name, w in p.items():
-        dw = rng.standard_normal(w.data.shape)
-        assert directional(loss, w.data, dw) == pytest.approx(float((w.grad * dw).sum()),
-                                                              rel=1e-6), name
+    assert_gradients(loss, x, dx, p, rng, rel=1e-6)
 
 
 def test_swiglu_mlp_backward_matches_finite_differences():
@@ -121,12 +124,7 @@ def test_swiglu_mlp_backward_matches_finite_differences():
 
     y, ctx = mlp.forward(x)
     dx = mlp.backward(r, ctx, GradSink(np))
-    d = rng.standard_normal(x.shape)
-    assert directional(loss, x, d) == pytest.approx(float((dx * d).sum()), rel=1e-7)
-    for name, w in p.items():
-        dw = rng.standard_normal(w.data.shape)
-        assert directional(loss, w.data, dw) == pytest.approx(float((w.grad * dw).sum()),
-                                                              rel=1e-7), name
+    assert_gradients(loss, x, dx, p, rng, rel=1e-7)
 
 
 def test_embedding_backward_sums_repeated_ids():

@@ -3,14 +3,13 @@
 the end. Also: a run resumed under another layout ends where the straight run ends, and the
 tp 2 stage passes a finite-difference check of its own."""
 
-import json
 
 import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import GQA, TIED, make_checkpoint, realistic_tensors
+from helpers import GQA, TIED, losses, make_checkpoint, realistic_tensors
 from hpcpar.jobs import load_job
 from hpcpar.train.engine import run_training
 
@@ -72,10 +71,6 @@ def _job(folder, out, layout, *extra, optimizer="adamw"):
     return load_job(None, sets)
 
 
-def _losses(folder):
-    return [json.loads(line)["loss"] for line in open(f"{folder}/metrics.jsonl")]
-
-
 def assert_same_checkpoint(path, ref_path, before_path):
     """Weights and optimizer state: AdamW results compared by the update, normwise per tensor
     (DESIGN §5), and the moments normwise too (float32 sums in another order)."""
@@ -93,7 +88,7 @@ def assert_same_checkpoint(path, ref_path, before_path):
 
 def assert_matches_single(folder, out, what=""):
     """The run in folder/out logged the single-rank run's losses and wrote its checkpoint."""
-    np.testing.assert_allclose(_losses(f"{folder}/{out}"), _losses(f"{folder}/single"),
+    np.testing.assert_allclose(losses(f"{folder}/{out}"), losses(f"{folder}/single"),
                                rtol=1e-5, err_msg=what)
     assert_same_checkpoint(f"{folder}/{out}/step-{STEPS}.h5", f"{folder}/single/step-{STEPS}.h5",
                            f"{folder}/model.h5")

@@ -36,7 +36,7 @@ class OptimizerSettings:
 
     @classmethod
     def of(cls, section) -> "OptimizerSettings":
-        """The settings of a job's ``[train]`` section (same field names)."""
+        """Just the optimizer's settings of a job's ``[train]`` section (a subclass)."""
         values = {f.name: getattr(section, f.name) for f in fields(cls)}
         return cls(**values | {"betas": tuple(values["betas"])})
 
