@@ -109,8 +109,10 @@ class DeviceClock:
 
     def settle(self) -> None:
         """Add every open interval (on a GPU: waits for the last one's work to finish)."""
+        if not self._open:
+            return
+        wait_event(self._open[-1][3], "timing this rank's GPU work")   # one stream: in order
         for totals, index, start, end in self._open:
-            wait_event(end, "timing this rank's GPU work")
             totals[index] += self._xp.cuda.get_elapsed_time(start, end) / 1000.0
         self._open.clear()
 

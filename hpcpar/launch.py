@@ -98,8 +98,7 @@ def everyone(comm, fn: Callable[..., T], *args, **kwargs) -> T:
     first_failed = np.array([rank if error is not None else size], dtype=np.int64)
     if size > 1:
         from mpi4py import MPI
-        from .comm.mpi import wait_bounded
-        wait_bounded(comm.Iallreduce(MPI.IN_PLACE, first_failed, op=MPI.MIN),
+        waits.wait_bounded(comm.Iallreduce(MPI.IN_PLACE, first_failed, op=MPI.MIN),
                      waits.limit(), f"agreeing while {_state['phase']}")
     if first_failed[0] < size:
         if rank == first_failed[0]:
@@ -157,7 +156,7 @@ def _report_hang(e: CommTimeout) -> None:
         time.sleep(2.0 + linger)         # another rank reports and ends the job; else we do
         world().Abort(EXIT_HUNG)
     if not isinstance(e, HangElsewhere):
-        board.sound_alarm(world().Get_rank())
+        board.sound_alarm()
     what = "stopped waiting" if isinstance(e, HangElsewhere) else "gave up"
     where = "".join(f"\n  {line}" for line in board.report())
     _abort(f"{_who()} {what} while {_state['phase']}: {e}; a rank stopped, died or hangs. "

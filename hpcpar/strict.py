@@ -160,19 +160,7 @@ class StrictArray:
         if name.startswith("__"):      # __array_interface__ and the like: no host view
             raise AttributeError(name)
         attr = getattr(self._a, name)
-        if not callable(attr):
-            return _wrap(attr)
-
-        def method(*args, **kwargs):
-            return _wrap(attr(*_unwrap(args), **_unwrap_kwargs(kwargs)))
-
-        return method
-
-    def __copy__(self):
-        return StrictArray(self._a.copy())
-
-    def __deepcopy__(self, memo):
-        return StrictArray(self._a.copy())
+        return _Function(attr) if callable(attr) else _wrap(attr)
 
 
 def _binary(ufunc, reflected=False):

@@ -78,7 +78,11 @@ def supervise(command: list[str]) -> int:
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, frame: _forward(child, signum))
     status = child.wait()
-    explained = os.read(read_end, 1) == b"x"
+    os.set_blocking(read_end, False)        # a grandchild may still hold the write end
+    try:
+        explained = os.read(read_end, 1) == b"x"
+    except BlockingIOError:
+        explained = False
     os.close(read_end)
     if status < 0:
         name = signal.Signals(-status).name

@@ -32,6 +32,15 @@ def listen_for_alarm(alarm: Callable[[], int | None] | None) -> None:
     _state["alarm"] = alarm
 
 
+def wait_bounded(req, timeout: float, what: str) -> None:
+    """Wait for an MPI request (``Test``/``Wait``); with a timeout, poll it and give up with
+    ``CommTimeout``: a rank that stopped or died must not leave this one waiting forever."""
+    if timeout <= 0:
+        req.Wait()
+        return
+    poll_until(req.Test, timeout, what)
+
+
 def poll_until(done: Callable[[], bool], timeout: float, what: str) -> None:
     """Call ``done()`` until it is true; after ``timeout`` seconds, or when another node
     raised the alarm, give up with ``CommTimeout``."""

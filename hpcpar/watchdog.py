@@ -31,6 +31,7 @@ from .pipeline.schedule import Action, Op
 FIELDS = 9      # world rank, op code (-1: none), mb, step, peer (-1), chunk, since (ms), valid,
                 # process id (the report says which rank is stopped or gone)
 _OPS = list(Op)
+_OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 
 
 class ActionBoard:
@@ -80,10 +81,11 @@ class ActionBoard:
             self._listen = None
         return None if self._heard[0] < 0 else int(self._heard[0])
 
-    def sound_alarm(self, world_rank: int) -> None:
-        """Tell every rank of the other nodes (without waiting: some may be stopped)."""
-        here = self.node_of[world_rank]
-        mine = np.array([world_rank], dtype=np.int64)
+    def sound_alarm(self) -> None:
+        """Tell every rank of the other nodes that this one found the job hung (without
+        waiting: some may be stopped)."""
+        here = self.node_of[self.mine[0]]
+        mine = self.mine[:1].copy()                   # this rank's world rank
         self._sent = [self.alarms.Isend(mine, dest=r, tag=_ALARM_TAG)
                       for r in range(len(self.node_of)) if self.node_of[r] != here]
 
@@ -97,7 +99,7 @@ class ActionBoard:
 
     def publish(self, a: Action) -> None:
         m = self.mine
-        m[1], m[2], m[3] = _OPS.index(a.op), a.mb, a.step
+        m[1], m[2], m[3] = _OP_INDEX[a.op], a.mb, a.step
         m[4] = -1 if a.peer is None else a.peer
         m[5], m[6], m[7] = a.chunk, int(time.monotonic() * 1000), 1
 

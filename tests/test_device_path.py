@@ -49,7 +49,7 @@ def test_no_nccl_library_or_no_gpu_means_mpi():
 
 def test_the_nccl_library_check_reads_cupys_available_flag(monkeypatch):
     import sys
-    from hpcpar.comm import nccl_library_present
+    from hpcpar.comm.nccl import nccl_library_present
     fake = SimpleNamespace(available=False)
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(nccl=fake)))
     monkeypatch.setitem(sys.modules, "cupy.cuda", sys.modules["cupy"].cuda)

@@ -34,7 +34,7 @@ def board_on(nodes: int, monkeypatch):
 def wait_for_nothing(timeout: float, tag: int):
     """A bounded wait on a receive nobody sends; the receive is cancelled whatever happens."""
     from mpi4py import MPI
-    from hpcpar.comm.mpi import wait_bounded
+    from hpcpar.waits import wait_bounded
     never = MPI.COMM_WORLD.Irecv(np.empty(1), source=MPI.ANY_SOURCE, tag=tag)
     try:
         wait_bounded(never, timeout, "a receive that never completes")
@@ -49,7 +49,7 @@ def test_an_alarm_from_another_node_ends_a_wait_at_once(monkeypatch):
     size = MPI.COMM_WORLD.Get_size()
     with board_on(size, monkeypatch) as board:          # every rank its own node
         if MPI.COMM_WORLD.Get_rank() == 0:
-            board.sound_alarm(0)
+            board.sound_alarm()
         else:
             start = time.monotonic()
             with pytest.raises(HangElsewhere, match="rank 0 on another node"):

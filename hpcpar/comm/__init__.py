@@ -11,6 +11,7 @@ from ..errors import HpcparError
 from . import choice
 from .base import CommStats, Communicator, Request, split_sizes
 from .mpi import MpiCommunicator, cuda_aware
+from .nccl import nccl_library_present
 
 COMM_KINDS = ("auto", "mpi", "nccl")
 
@@ -53,12 +54,3 @@ def _devices(mpi_comm, backend: ArrayBackend) -> list[choice.RankDevice]:
 
 def _text(raw: np.ndarray) -> str:
     return raw.tobytes().rstrip(b"\0").decode(errors="replace")
-
-
-def nccl_library_present() -> bool:
-    """Whether CuPy's NCCL binding found its library (the import succeeds without it)."""
-    try:
-        from cupy.cuda import nccl
-    except ImportError:
-        return False
-    return bool(getattr(nccl, "available", True))

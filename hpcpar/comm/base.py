@@ -11,9 +11,12 @@ only move contiguous buffers: ``_all_reduce``, ``_iall_reduce``, ``_all_gather``
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from time import perf_counter
 from typing import Callable, Iterable, Sequence
+
+import numpy as np
 
 from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
@@ -57,8 +60,9 @@ class Request:
 class Communicator(ABC):
     """Collectives and point-to-point messages over one group of ranks.
 
-    Reductions are sums (``all_reduce`` also takes the max). Arrays may be NumPy or (on a GPU backend) CuPy; dtypes float32,
-    float16, bfloat16, float64 and int64 are supported by every implementation.
+    Reductions are sums (``all_reduce`` also takes the max). Arrays may be NumPy or (on a GPU
+    backend) CuPy; dtypes float32, float16, bfloat16, float64 and int64 are supported by every
+    implementation.
     """
 
     kind = "abstract"
@@ -94,11 +98,7 @@ class Communicator(ABC):
             raise HpcparError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if self.size == 1:
             return x
-        buf = self.xp.ascontiguousarray(x)
-        self._run("all_reduce", buf.nbytes, self._all_reduce, buf, op)
-        if buf is not x:
-            x[...] = buf
-        return x
+        return self._in_place("all_reduce", x, self._all_reduce, op)
 
     def iall_reduce(self, x) -> Request:
         """Start summing ``x`` (contiguous) over the group in place; the sum is in ``x`` once
@@ -185,9 +185,9 @@ class Communicator(ABC):
         if self.rank == root:
             front = self.xp.ascontiguousarray(_to_front(x, axis))
         # every rank learns every block's length and root's, so all agree on a mismatch
-        mine = [block_shape[0], _count(block_shape[1:]), -1, -1]
+        mine = [block_shape[0], math.prod(block_shape[1:]), -1, -1]
         if front is not None:
-            mine[2:] = [front.shape[0], _count(front.shape[1:])]
+            mine[2:] = [front.shape[0], math.prod(front.shape[1:])]
         table = self._all_rows(mine)
         sizes = [int(r[0]) for r in table]
         total, rest = (int(v) for v in table[root][2:])
@@ -211,9 +211,14 @@ class Communicator(ABC):
             raise HpcparError(f"reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if self.size == 1:
             return x
+        return self._in_place("reduce", x, self._reduce, root, op, result=self.rank == root)
+
+    def _in_place(self, op: str, x, primitive, *args, result: bool = True):
+        """``primitive(buf, *args)`` on ``x`` made contiguous (at most one copy), the outcome
+        written back into ``x`` where this rank gets one (``result``); returns x."""
         buf = self.xp.ascontiguousarray(x)
-        self._run("reduce", buf.nbytes, self._reduce, buf, root, op)
-        if buf is not x and self.rank == root:
+        self._run(op, buf.nbytes, primitive, buf, *args)
+        if buf is not x and result:
             x[...] = buf
         return x
 
@@ -227,23 +232,16 @@ class Communicator(ABC):
         return list(sizes)
 
     def _all_rows(self, row: list[int]):
-        """Every rank's small integer ``row``, as a host table (size, len(row))."""
-        mine = self.xp.asarray(row, dtype=self.xp.int64)
-        if self.size == 1:
-            return self.backend.to_host(mine)[None]
-        table = self.xp.empty((self.size, len(row)), dtype=self.xp.int64)
-        self._all_gather(mine, table, [1] * self.size)
-        return self.backend.to_host(table)
+        """Every rank's small integer ``row``, as a host table (size, len(row)): metadata,
+        so it goes over the host twin and never visits the device."""
+        mine = np.asarray([row], dtype=np.int64)
+        return mine if self.size == 1 else self.on_host().all_gather(mine)
 
     def broadcast(self, x, root: int = 0):
         """x <- root's x, in place; returns x."""
         if self.size == 1:
             return x
-        buf = self.xp.ascontiguousarray(x)
-        self._run("broadcast", buf.nbytes, self._broadcast, buf, root)
-        if buf is not x:
-            x[...] = buf
-        return x
+        return self._in_place("broadcast", x, self._broadcast, root)
 
     def isend(self, x, dest: int, tag: int = 0) -> Request:
         """Start sending ``x`` to group rank ``dest``; do not modify ``x`` before ``wait()``."""
@@ -360,13 +358,6 @@ def _from_front(x, axis: int):
     if axis == 0:
         return x
     return x.transpose(tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, x.ndim)))
-
-
-def _count(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _require_contiguous(a, op: str) -> None:

@@ -12,6 +12,7 @@ words and sums use a user-defined operation that adds in float32 and rounds back
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import defaultdict
 
@@ -20,7 +21,7 @@ from mpi4py import MPI
 
 from ..dtypes import bfloat16
 from ..errors import CommError
-from ..waits import poll_until
+from ..waits import wait_bounded
 from . import choice
 from .base import Communicator, Request
 
@@ -32,6 +33,7 @@ def cuda_aware() -> tuple[bool, str]:
                              library_cuda_support(), mpi4py.__version__)
 
 
+@functools.cache                  # the library is mapped once: ask it once
 def library_cuda_support() -> bool | None:
     """The loaded MPI library's own answer (MPIX_Query_cuda_support, Open MPI and MPICH >= 4;
     MPIX_GPU_query_support, MPICH >= 4.1); None where it has neither. mpi4py does not wrap
@@ -137,6 +139,7 @@ class MpiCommunicator(Communicator):
         super().__init__(mpi_comm, backend or NUMPY, stats, name, timeout)
         self.cuda_aware = self.backend.is_gpu and cuda_aware()[0]
         self._staging = _HostStaging(self.backend)
+        self._where = f" on the {self.name} group (group rank {self.rank} of {self.size})"
 
     # ---- buffers ----------------------------------------------------------------------------
 
@@ -274,21 +277,11 @@ class MpiCommunicator(Communicator):
         self._finish(hrecv, recv, copy_back=True)
 
     def _complete(self, req, what: str) -> None:
-        wait_bounded(req, self.timeout,
-                     f"{what} on the {self.name} group (group rank {self.rank} of {self.size})")
+        wait_bounded(req, self.timeout, what + self._where)
 
     def _barrier(self) -> None:
         self.backend.synchronize()
         self._complete(self.mpi_comm.Ibarrier(), "barrier")
-
-
-def wait_bounded(req, timeout: float, what: str) -> None:
-    """Wait for an MPI request; with a timeout, poll it and give up with ``CommTimeout``
-    (the watchdog: a rank that stopped or died must not leave this one waiting forever)."""
-    if timeout <= 0:
-        req.Wait()
-        return
-    poll_until(req.Test, timeout, what)
 
 
 def _reduce_op(dtype, op: str) -> MPI.Op:

@@ -14,22 +14,27 @@ import numpy as np
 
 from ..dtypes import bfloat16
 from ..errors import HpcparError
-from ..waits import wait_event
+from ..waits import wait_bounded, wait_event
 from .base import Communicator, Request
 
 _ID_BYTES = 128
 
 
-def _nccl():
+def nccl_library_present() -> bool:
+    """Whether CuPy's NCCL binding found its library (the import succeeds without it)."""
     try:
         from cupy.cuda import nccl
-    except ImportError as e:
-        nccl, why = None, str(e)
-    else:
-        why = "CuPy found no NCCL library"
-    if nccl is None or not getattr(nccl, "available", True):
-        raise HpcparError(f"NCCL is not available through CuPy ({why}); install "
-                          "hpcpar[gpu-cuda12] or [gpu-cuda13], or use --comm mpi")
+    except ImportError:
+        return False
+    return bool(getattr(nccl, "available", True))
+
+
+def _nccl():
+    if not nccl_library_present():
+        raise HpcparError("NCCL is not available through CuPy (no cupy.cuda.nccl, or it found "
+                          "no NCCL library); install hpcpar[gpu-cuda12] or [gpu-cuda13], or "
+                          "use --comm mpi")
+    from cupy.cuda import nccl
     return nccl
 
 
@@ -102,10 +107,12 @@ class NcclCommunicator(Communicator):
     def _t(self, a) -> int:
         return _nccl_dtype(self._lib, a.dtype)
 
+    def _op(self, op: str) -> int:
+        return self._lib.NCCL_MAX if op == "max" else self._lib.NCCL_SUM
+
     def _all_reduce(self, buf, op) -> None:
         ptr = buf.data.ptr
-        nccl_op = self._lib.NCCL_MAX if op == "max" else self._lib.NCCL_SUM
-        self._comm.allReduce(ptr, ptr, buf.size, self._t(buf), nccl_op, self._stream())
+        self._comm.allReduce(ptr, ptr, buf.size, self._t(buf), self._op(op), self._stream())
 
     def _iall_reduce(self, buf) -> Request:
         self._all_reduce(buf, "sum")          # enqueued on the stream: already asynchronous
@@ -162,8 +169,7 @@ class NcclCommunicator(Communicator):
 
     def _reduce(self, buf, root, op) -> None:
         ptr = buf.data.ptr
-        nccl_op = self._lib.NCCL_MAX if op == "max" else self._lib.NCCL_SUM
-        self._comm.reduce(ptr, ptr, buf.size, self._t(buf), nccl_op, root, self._stream())
+        self._comm.reduce(ptr, ptr, buf.size, self._t(buf), self._op(op), root, self._stream())
 
     def _broadcast(self, buf, root) -> None:
         self._comm.bcast(buf.data.ptr, buf.size, self._t(buf), root, self._stream())
@@ -190,7 +196,6 @@ class NcclCommunicator(Communicator):
         self._lib.groupEnd()
 
     def _barrier(self) -> None:
-        from .mpi import wait_bounded
         self.backend.synchronize()
         wait_bounded(self.mpi_comm.Ibarrier(), self.timeout, f"barrier on the {self.name} group")
 

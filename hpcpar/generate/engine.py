@@ -230,13 +230,14 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             table = world.gather(totals.to_array()[None], root=0)       # (ranks, figures)
         result = None
         if rank == 0:
-            if out is not None:                    # earlier runs' prompts come from the file
-                tokens, lengths = out.tokens_and_lengths()
+            if out is not None:      # earlier runs' prompts, and every text, from the file
+                tokens, lengths, texts = out.results()
+            else:
+                texts = _decode(plan.tokenizer, tokens, lengths)
             ran = sum(len(w) for w in todo)
             ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
             new_tokens = int(sum(lengths[r] for w in todo for r in w))
             report = RunReport.build(table, layout, micro, ran, ran_tokens, new_tokens)
-            texts = _decode(plan.tokenizer, tokens, lengths)
             result = GenerationResult(tokens, lengths,
                                       np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
                                       texts, report)

@@ -86,8 +86,12 @@ class PartialOutput:
         f["done"][rows.start:rows.stop] = True
         f.flush()                                   # what a stop keeps is on disk
 
-    def tokens_and_lengths(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.file["tokens"][()], self.file["lengths"][()]
+    def results(self) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
+        """Every prompt's tokens, lengths and text (None without a tokenizer), this run's
+        and the earlier runs' alike."""
+        f = self.file
+        texts = list(f["text"].asstr()[()]) if "text" in f else None
+        return f["tokens"][()], f["lengths"][()], texts
 
     def complete(self, attrs: dict) -> None:
         f = self.file

@@ -1,7 +1,7 @@
 """Runs one stage's action list: framed non-blocking messages, receives posted ahead.
 
-Every message between stages is one contiguous byte buffer: a fixed 40-byte header
-(op, micro-batch, step, chunk, flags as int64) followed by the payload. Both ends know the payload's
+Every message between stages is one contiguous byte buffer: a fixed 40-byte header (op,
+micro-batch, step, chunk, flags as int64) followed by the payload. Both ends know the payload's
 shape from the job (every rank of a pipeline holds the same prompts), so micro-batches of
 different shapes need no shape handshake; the header lets the receiver check that it got the
 message it expected, and carries the STOP flag that retires a micro-batch whose rows have
@@ -199,6 +199,7 @@ class PipelineExecutor:
 
 
 _SENDER_OF = {Op.RECV: Op.SEND, Op.RECV_TOKENS: Op.SEND_TOKENS, Op.RECV_GRAD: Op.SEND_GRAD}
+_RECEIVER_OF = {send: recv for recv, send in _SENDER_OF.items()}
 
 
 def _sender_of(op: Op) -> Op:
@@ -206,7 +207,7 @@ def _sender_of(op: Op) -> Op:
 
 
 def _receiver_of(op: Op) -> Op:
-    return {send: recv for recv, send in _SENDER_OF.items()}[op]
+    return _RECEIVER_OF[op]
 
 
 def _next_receive_indices(actions: list[Action]) -> list[int | None]:

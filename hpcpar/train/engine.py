@@ -193,7 +193,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
                     with phase(f"saving the checkpoint of step {step}"):
                         _save(comm, world, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
-                              first_sample + B, job)
+                              first_sample + B, job, backend)
                     saved_at = step
                 if stopping and step < tr.steps:
                     if bar:
@@ -273,7 +273,7 @@ def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int)
 
 def _save(comm, world, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
           zero: ZeroShards | None, scaler: LossScaler | None, step: int, samples: int,
-          job: Job) -> None:
+          job: Job, backend) -> None:
     """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``);
     with ZeRO each replica writes the optimizer state of its own segments."""
     path = plan.out_dir / tc.checkpoint_name(step)
@@ -294,7 +294,7 @@ def _save(comm, world, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, op
 
     everyone(comm, create)
     states = {p.name: optimizer.state_of(p) for p in optimizer.params}
-    to_host = optimizer.xp.asnumpy if hasattr(optimizer.xp, "asnumpy") else np.asarray
+    to_host = backend.to_host
     tp_rank, tp_size = mesh.tp_rank, mesh.layout.tp
     for r in range(comm.Get_size()):
         if r == comm.Get_rank():
