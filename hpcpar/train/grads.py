@@ -31,7 +31,7 @@ class GradientReducer:
     def __init__(self, dp: Communicator, groups: list[list[Param]], xp,
                  bucket_bytes: int = BUCKET_BYTES):
         self.dp, self.xp = dp, xp
-        self.buckets: list[tuple[object, set[int]]] = []    # (flat buffer, ids of its params)
+        self.buckets: list = []                             # each bucket's flat buffer
         self.bucket_params: list[list[Param]] = []          # each bucket's params, in order
         self.bucket_of: dict[int, int] = {}
         current: list[Param] = []
@@ -64,11 +64,12 @@ class GradientReducer:
             p.grad = view
             offset += p.grad.size
             self.bucket_of[id(p)] = len(self.buckets)
-        self.buckets.append((flat, {id(p) for p in params}))
+        self.buckets.append(flat)
         self.bucket_params.append(list(params))
 
     def start_step(self) -> None:
-        self.pending = {b: set(ids) for b, (_, ids) in enumerate(self.buckets)}
+        self.pending = {b: {id(p) for p in params}
+                        for b, params in enumerate(self.bucket_params)}
         self.requests = []
 
     def grads_done(self, params: list[Param]) -> None:
@@ -85,8 +86,7 @@ class GradientReducer:
                 self.started_early += 1
 
     def _launch(self, b: int) -> None:
-        flat = self.buckets[b][0]
-        self.requests.append(self.dp.iall_reduce(flat))
+        self.requests.append(self.dp.iall_reduce(self.buckets[b]))
         self.started += 1
 
     def finish(self) -> None:
@@ -118,8 +118,9 @@ def sum_replicated(params: list[Param], kv_group: Communicator | None,
 
 def local_sq_norm(params: list[Param], xp) -> float:
     """Sum of squares of the gradient elements this rank counts (``Param.counted``)."""
-    total = 0.0
+    # summed where the gradients are, read once (one device sync, not one per tensor)
+    total = xp.zeros((), dtype=xp.float64)            # float64, as the float sum was
     for p in params:
         if p.counted:
-            total += float(xp.vdot(p.grad.reshape(-1), p.grad.reshape(-1)))
-    return total
+            total += xp.vdot(p.grad.reshape(-1), p.grad.reshape(-1))
+    return float(total)

@@ -40,7 +40,7 @@ class ZeroShards:
         self.pieces: list[_Piece] = []
         self.segments: list[Param] = []
         self.offset: dict[str, int] = {}       # param -> where its segment starts in it
-        for (flat, _), params in zip(reducer.buckets, reducer.bucket_params):
+        for flat, params in zip(reducer.buckets, reducer.bucket_params):
             sizes = split_sizes(flat.size, dp.size)
             bounds = [sum(sizes[:r]) for r in range(dp.size + 1)]
             lo, hi = bounds[dp.rank], bounds[dp.rank + 1]
