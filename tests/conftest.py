@@ -57,3 +57,19 @@ _per_rank_temp_root()
 @pytest.fixture
 def comm():
     return _world()
+
+
+def _gpu_present() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, or no usable CUDA
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if any(item.get_closest_marker("gpu") for item in items) and not _gpu_present():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)

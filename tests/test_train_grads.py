@@ -11,19 +11,22 @@ import pytest
 from mpi4py import MPI
 
 from helpers import GQA, TIED, realistic_tensors
+from hpcpar.backend import NUMPY
 from hpcpar.comm import create_communicator
 from hpcpar.config import LlamaConfig
 from hpcpar.model.rope import RotaryEmbedding
+from hpcpar.ops import AttentionRows, ops_for
 from hpcpar.sharding import split
 from hpcpar.tensors import TensorSpec, stage_tensors
 from hpcpar.train.chunk import Batch, ModelChunk
+from hpcpar.train.data import label_count, make_batches
 from hpcpar.train.layers import (Attention, Mlp, VocabParallelCrossEntropy,
-                                 VocabParallelEmbedding, rms_norm, rms_norm_backward,
-                                 rope_backward, training_mask)
+                                 VocabParallelEmbedding, norm_backward)
 from hpcpar.train.params import GradSink, make_params
 from reference import llama_logits
 
 EPS = 1e-6
+OPS = ops_for(NUMPY)
 CONFIGS = {"gqa": dict(GQA, num_hidden_layers=2), "tied": dict(TIED, num_hidden_layers=2)}
 
 
@@ -68,10 +71,10 @@ def test_rms_norm_backward_matches_finite_differences():
     w = _param(rng, (8,), "input_norm")
 
     def loss():
-        return float((rms_norm(x, w, 1e-5, np)[0] * r).sum())
+        return float((OPS.rms_norm.forward_train(x, w.data, 1e-5)[0] * r).sum())
 
-    y, ctx = rms_norm(x, w, 1e-5, np)
-    dx = rms_norm_backward(r, ctx, w, GradSink(np))
+    y, ctx = OPS.rms_norm.forward_train(x, w.data, 1e-5)
+    dx = norm_backward(OPS, r, ctx, w, GradSink(np))
     assert_gradients(loss, x, dx, {"norm": w}, rng, rel=1e-7)
 
 
@@ -79,10 +82,10 @@ def test_rope_backward_is_the_transpose_of_rope():
     rng = np.random.default_rng(1)
     cfg = LlamaConfig.from_hf(CONFIGS["gqa"])
     cos, sin = RotaryEmbedding(cfg, np, np.float64).tables(rng.integers(0, 50, (2, 5)))
-    x, r = rng.standard_normal((2, 3, 5, 8)), rng.standard_normal((2, 3, 5, 8))
-    dx = rope_backward(r, cos, sin, np)
+    x, r = rng.standard_normal((2, 5, 3, 8)), rng.standard_normal((2, 5, 3, 8))
+    dx = OPS.rotary.backward_one(r, cos, sin)
     d = rng.standard_normal(x.shape)
-    fd = directional(lambda: float((RotaryEmbedding.apply(x, cos, sin, np) * r).sum()), x, d)
+    fd = directional(lambda: float((OPS.rotary.apply(x, cos, sin) * r).sum()), x, d)
     assert fd == pytest.approx(float((dx * d).sum()), rel=1e-7)
 
 
@@ -96,18 +99,18 @@ def test_attention_backward_with_causal_and_padding_masks(heads, kv_heads):
          "q_bias": _param(rng, (heads * hd,)), "o_bias": _param(rng, (hidden,))}
     for w in p.values():
         w.data *= 0.3
-    attention = Attention(np, p, heads, kv_heads, hd, _tp1())
-    pad = np.array([0, 2, 5])                     # the last row: one real token
-    positions = np.maximum(np.arange(T)[None] - pad[:, None], 0)
+    attention = Attention(OPS, p, heads, kv_heads, hd, _tp1())
+    lengths = np.array([6, 4, 1])                 # the last row: one real token
+    positions = np.broadcast_to(np.arange(T)[None], (B, T))
     cos, sin = RotaryEmbedding(cfg, np, np.float64).tables(positions)
-    mask = training_mask(np, pad, T)
+    rows = AttentionRows(lengths, lengths, T, from_start=True)
     x, r = rng.standard_normal((B, T, hidden)), rng.standard_normal((B, T, hidden))
-    r[np.arange(T)[None] < pad[:, None]] = 0      # padding outputs are never used
+    r[np.arange(T)[None] >= lengths[:, None]] = 0  # padding outputs are never used
 
     def loss():
-        return float((attention.forward(x, cos, sin, mask)[0] * r).sum())
+        return float((attention.forward(x, cos, sin, rows)[0] * r).sum())
 
-    y, ctx = attention.forward(x, cos, sin, mask)
+    y, ctx = attention.forward(x, cos, sin, rows)
     dx = attention.backward(r, ctx, GradSink(np))
     assert_gradients(loss, x, dx, p, rng, rel=1e-6)
 
@@ -116,7 +119,7 @@ def test_swiglu_mlp_backward_matches_finite_differences():
     rng = np.random.default_rng(3)
     p = {"gate": _param(rng, (12, 8)), "up": _param(rng, (12, 8)), "down": _param(rng, (8, 12)),
          "gate_bias": _param(rng, (12,)), "down_bias": _param(rng, (8,))}
-    mlp = Mlp(np, p, _tp1())
+    mlp = Mlp(OPS, p, _tp1())
     x, r = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 3, 8))
 
     def loss():
@@ -167,17 +170,16 @@ def build_chunk(cfg_dict, tensors, tp, recompute=False):
     specs = stage_tensors(cfg, layers, True, True)
     shards = {s.name: split(tensors[s.name], s, cfg, tp.size)[tp.rank] for s in specs}
     params = make_params(cfg, specs, shards, np, tp.rank, tp.size)
-    return ModelChunk(cfg, params, layers, True, True, tp, np, recompute), params
+    return ModelChunk(cfg, params, layers, True, True, tp, OPS, recompute), params
 
 
 def batch_of(rows, pad=None):
     """A Batch from (B, L + 1) rows, each label weighted 1 / (labels in the batch)."""
-    B, L1 = rows.shape
-    pad = np.zeros(B, dtype=np.int64) if pad is None else np.asarray(pad)
-    ignored = np.arange(L1 - 1)[None] < pad[:, None]
-    labels = np.where(ignored, -1, rows[:, 1:]).reshape(-1)
-    weights = np.where(labels >= 0, 1.0 / (labels >= 0).sum(), 0.0)
-    return Batch(rows[:, :-1], pad, labels, weights)
+    rows = np.array(rows)
+    for j, p in enumerate([] if pad is None else pad):
+        rows[j, :p] = -1                                   # left padding, as data files hold it
+    b = make_batches(rows, 1, label_count(rows), np.float64)[0]
+    return Batch(b.ids, b.lengths, b.labels, b.weights)
 
 
 def reference_loss(tensors, cfg, rows):

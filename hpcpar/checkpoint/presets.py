@@ -36,6 +36,15 @@ PRESETS: dict[str, dict] = {
     "100m": _llama(vocab_size=32000, hidden_size=768, intermediate_size=2048,
                    num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
                    max_position_embeddings=2048, tie_word_embeddings=True),
+    # The shape of Llama 3.2 1B (tied embeddings; 2.5 GB in bfloat16).
+    "llama3-1b": _llama(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, max_position_embeddings=131072, rope_theta=500000.0,
+                        rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+                        tie_word_embeddings=True,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
     # The shape of Llama 3.1 8B, for planning (random weights, 16 GB in bfloat16).
     "llama3-8b": _llama(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

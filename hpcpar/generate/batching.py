@@ -1,5 +1,6 @@
 """How a batch of prompts is split: over data-parallel replicas, then into micro-batches,
-each left-padded to its own longest prompt. Pure functions of the prompt lengths."""
+each padded at the end to its own longest prompt (valid tokens first, the layout fused
+attention kernels take). Pure functions of the prompt lengths."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from ..comm import split_sizes
 class MicroBatch:
     index: int
     rows: np.ndarray        # global prompt indices, in input order
-    ids: np.ndarray         # (b, L) int64, left-padded with 0
-    pad: np.ndarray         # (b,) leading padding of each row
+    ids: np.ndarray         # (b, L) int64, each prompt first, then 0s
+    lengths: np.ndarray     # (b,) each prompt's length
 
     @property
     def size(self) -> int:
@@ -41,10 +42,9 @@ def micro_batches(prompts: list[np.ndarray], rows: range, count: int) -> list[Mi
         chunk = [prompts[r] for r in range(start, start + size)]
         length = max(len(p) for p in chunk)
         ids = np.zeros((size, length), dtype=np.int64)
-        pad = np.empty(size, dtype=np.int64)
+        lengths = np.array([len(p) for p in chunk], dtype=np.int64)
         for j, p in enumerate(chunk):
-            pad[j] = length - len(p)
-            ids[j, pad[j]:] = p
-        out.append(MicroBatch(i, np.arange(start, start + size), ids, pad))
+            ids[j, :len(p)] = p
+        out.append(MicroBatch(i, np.arange(start, start + size), ids, lengths))
         start += size
     return out

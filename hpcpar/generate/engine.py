@@ -32,6 +32,7 @@ from ..watchdog import ActionBoard
 from ..mesh import Mesh, MeshCoords, rank_of
 from ..outputs import check_output, claimed
 from ..model import LlamaStage
+from ..ops import ops_for
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.partition import stage_layers
 from ..pipeline.schedule import generation
@@ -166,7 +167,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
                              dtype=plan.dtype, backend=backend)
         stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
-                           mesh.is_last_stage, tp, backend.xp, plan.dtype)
+                           mesh.is_last_stage, tp, ops_for(backend), plan.dtype)
 
         world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
         # from here a SIGTERM / SIGUSR1 only asks to stop after the current wave

@@ -24,10 +24,10 @@ from ..outputs import remove_stale_temporaries
 
 
 def unpad_into(logits, mb, full: np.ndarray) -> None:
-    """A left-padded micro-batch's logits (b, L, vocab) into ``logits`` (an array or an HDF5
-    dataset of [batch, seq, vocab]), position t of each prompt at t."""
+    """A micro-batch's logits (b, L, vocab) into ``logits`` (an array or an HDF5 dataset of
+    [batch, seq, vocab]), position t of each prompt at t, its padding left out."""
     for j, row in enumerate(mb.rows):
-        logits[row, :mb.length - mb.pad[j]] = full[j, mb.pad[j]:]
+        logits[row, :mb.lengths[j]] = full[j, :mb.lengths[j]]
 
 
 class PartialOutput:

@@ -1,9 +1,10 @@
 """What one pipeline stage computes during generation (the executor's ``StageProgram``).
 
-Step 0 of a micro-batch is its prefill: the whole left-padded prompt goes through the stage
-and fills the KV cache. Step t > 0 feeds the token sampled at step t - 1, one position, at
-cache slot L + t - 1. The last stage samples; with several stages it sends the tokens back to
-the first, which embeds them for the next step.
+Step 0 of a micro-batch is its prefill: the prompts (each row's tokens first, then padding)
+go through the stage and fill the KV cache. Step t > 0 feeds the token sampled at step t - 1,
+one position per row, at cache slot L_b + t - 1 of row b (L_b its prompt length). The last
+stage samples from each row's last real position; with several stages it sends the tokens
+back to the first, which embeds them for the next step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from ..faults import fault_point
 from ..model import LlamaStage
+from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op
 from .batching import MicroBatch
 from .sampling import SamplingParams, next_tokens
@@ -37,7 +39,7 @@ class GenerationProgram:
         self.xp = backend.xp
         n = settings.max_new_tokens
         self.caches = [stage.new_cache(mb.size, mb.length + n) for mb in mbs]
-        self.pads = [self.xp.asarray(mb.pad) for mb in mbs]
+        self.last_index = [self.xp.asarray(mb.lengths - 1) for mb in mbs]  # prefill's last
         self.first_row = mbs[0].rows[0] if mbs else 0
         rows = sum(mb.size for mb in mbs)
         self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens, replica rows
@@ -92,8 +94,7 @@ class GenerationProgram:
                 self.on_step(mb, step)
         else:
             x = self.inputs.pop(mb)
-        slot = 0 if step == 0 else batch.length + step - 1
-        y = stage.forward(x, self.pads[mb], slot, self.caches[mb])
+        y = stage.forward(x, self.rows(batch, step), self.caches[mb])
         if not stage.last:
             self.outputs[mb] = y
         else:
@@ -101,17 +102,29 @@ class GenerationProgram:
         if step == 0 and mb == len(self.mbs) - 1:
             self.prefill_done_at = perf_counter()
 
+    def rows(self, batch: MicroBatch, step: int) -> AttentionRows:
+        """Step ``step``'s rows: the prompts from position 0 (prefill), or one token per row
+        over a cache that holds the prompt and the tokens of the steps before."""
+        if step == 0:
+            return AttentionRows.build(self.xp, batch.lengths, batch.lengths, from_start=True)
+        return AttentionRows.build(self.xp, np.ones(batch.size, np.int64),
+                                   batch.lengths + step, from_start=False)
+
     # ---- the last stage ---------------------------------------------------------------------
 
     def _sample(self, batch: MicroBatch, step: int, y) -> None:
         stage = self.stage
-        if step == 0 and self.settings.save_logits:
-            local = stage.logits(y)                                   # (b, L, vocab_i)
-            full = self.backend.to_host(stage.head.full_logits(local))
-            self.prompt_logits[batch.index] = full
-            last = local[:, -1]
+        if step == 0:
+            at = self.last_index[batch.index]                         # each row's last token
+            if self.settings.save_logits:
+                local = stage.logits(y)                               # (b, L, vocab_i)
+                full = self.backend.to_host(stage.head.full_logits(local))
+                self.prompt_logits[batch.index] = full
+                last = local[self.xp.arange(batch.size), at]
+            else:
+                last = stage.logits(y[self.xp.arange(batch.size), at][:, None])[:, 0]
         else:
-            last = stage.logits(y[:, -1:])[:, 0]                      # (b, vocab_i)
+            last = stage.logits(y)[:, 0]                              # (b, vocab_i)
         tokens = next_tokens(stage.head, last, self.settings.sampling, batch.rows, step,
                              self.backend.to_host)
         self._record(batch, step, tokens)

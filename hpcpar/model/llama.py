@@ -15,54 +15,58 @@ from __future__ import annotations
 
 from ..comm import Communicator
 from ..config import LlamaConfig
+from ..ops import AttentionRows, Ops
 from ..tensors import TensorSpec
-from .attention import Attention, attention_mask
+from .attention import Attention
 from .kv_cache import KVCache
 from .parallel_layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                               VocabParallelEmbedding)
 from .rope import RotaryEmbedding
 
 
-def rms_norm(x, weight, eps: float, xp):
-    """weight * x / sqrt(mean(x^2) + eps), the statistics in float32 as transformers does."""
-    h = x.astype(xp.float32)
-    h = h / xp.sqrt((h * h).mean(axis=-1, keepdims=True) + eps)
-    return weight * h.astype(x.dtype, copy=False)
-
-
 class Mlp:
     """down(silu(gate(x)) * up(x)); gate/up column-parallel as one GEMM, down row-parallel.
     Communication: one AllReduce forward (in down), one backward (after gate/up)."""
 
-    def __init__(self, xp, gate_up: ColumnParallelLinear, down: RowParallelLinear):
-        self.xp, self.gate_up, self.down = xp, gate_up, down
+    def __init__(self, ops: Ops, gate_up: ColumnParallelLinear, down: RowParallelLinear):
+        self.ops, self.gate_up, self.down = ops, gate_up, down
 
     def __call__(self, x):
         gate, up = self.gate_up(x)
-        return self.down(gate / (1 + self.xp.exp(-gate)) * up)
+        return self.down(self.ops.swiglu.forward(gate, up))
 
 
 class DecoderLayer:
-    def __init__(self, cfg: LlamaConfig, w: dict, tp: Communicator, xp):
+    """h = x + attention(norm1(x));  y = h + mlp(norm2(h)), the residual adds fused into the
+    next norm: the layer takes and returns (x, pending), pending being the branch output not
+    yet added to the residual stream x (None before the first layer)."""
+
+    def __init__(self, cfg: LlamaConfig, w: dict, tp: Communicator, ops: Ops):
         heads = cfg.num_attention_heads // tp.size
         kv_heads = w["k"].shape[0] // cfg.head_dim
         bias = cfg.attention_bias
+        xp = ops.xp
         qkv = ColumnParallelLinear(xp, [w["q"], w["k"], w["v"]],
                                    [w["q_bias"], w["k_bias"], w["v_bias"]] if bias else None)
         o = RowParallelLinear(xp, w["o"], w.get("o_bias"), tp)
-        self.attention = Attention(xp, heads, kv_heads, cfg.head_dim, qkv, o)
+        self.attention = Attention(ops, heads, kv_heads, cfg.head_dim, qkv, o)
         mlp_bias = [w["gate_bias"], w["up_bias"]] if cfg.mlp_bias else None
-        self.mlp = Mlp(xp, ColumnParallelLinear(xp, [w["gate"], w["up"]], mlp_bias),
+        self.mlp = Mlp(ops, ColumnParallelLinear(xp, [w["gate"], w["up"]], mlp_bias),
                        RowParallelLinear(xp, w["down"], w.get("down_bias"), tp))
         self.input_norm, self.post_norm = w["input_norm"], w["post_attention_norm"]
         self.eps = cfg.rms_norm_eps
-        self.xp = xp
+        self.norm = ops.rms_norm
 
-    def __call__(self, x, cos, sin, mask, cache: KVCache, layer: int, slot: int):
-        xp = self.xp
-        x = x + self.attention(rms_norm(x, self.input_norm, self.eps, xp), cos, sin, mask,
-                               cache, layer, slot)
-        return x + self.mlp(rms_norm(x, self.post_norm, self.eps, xp))
+    def __call__(self, x, pending, cos, sin, rows: AttentionRows, cache: KVCache, layer: int):
+        h, x = self._norm(x, pending, self.input_norm)
+        a = self.attention(h, cos, sin, rows, cache, layer)
+        h, x = self.norm.add_forward(a, x, self.post_norm, self.eps)
+        return x, self.mlp(h)
+
+    def _norm(self, x, pending, w):
+        if pending is None:
+            return self.norm.forward(x, w, self.eps), x
+        return self.norm.add_forward(pending, x, w, self.eps)
 
 
 class LlamaStage:
@@ -74,9 +78,10 @@ class LlamaStage:
     """
 
     def __init__(self, cfg: LlamaConfig, specs: list[TensorSpec], weights: dict,
-                 layers: range, first: bool, last: bool, tp: Communicator, xp, dtype):
+                 layers: range, first: bool, last: bool, tp: Communicator, ops: Ops, dtype):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
-        self.xp, self.dtype, self.tp = xp, dtype, tp
+        xp = ops.xp
+        self.ops, self.xp, self.dtype, self.tp = ops, xp, dtype, tp
         by_layer: dict[int | None, dict] = {}
         # taken out of ``weights``: the layers keep one (transposed) copy of each tensor and
         # the original is freed, so the device holds each weight once (plus one layer's
@@ -88,7 +93,7 @@ class LlamaStage:
         top = by_layer.get(None, {})
         self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp)
                           if first else None)
-        self.decoder = [DecoderLayer(cfg, by_layer[i], tp, xp) for i in layers]
+        self.decoder = [DecoderLayer(cfg, by_layer[i], tp, ops) for i in layers]
         if last:
             self.final_norm = top["final_norm"]
             head = top["embed"] if cfg.tie_word_embeddings else top["head"]
@@ -107,19 +112,19 @@ class LlamaStage:
         """(B, T) token ids -> (B, T, hidden) (first stage)."""
         return self.embedding(ids)
 
-    def forward(self, x, pad, slot: int, cache: KVCache):
-        """Run this stage's layers on x (B, T, hidden), whose tokens sit in cache slots
-        [slot, slot + T); ``pad`` (B,) is each row's left padding."""
+    def forward(self, x, rows: AttentionRows, cache: KVCache):
+        """Run this stage's layers on x (B, T, hidden): row b's T tokens sit at positions
+        [starts[b], starts[b] + T) of its sequence (``rows``), and go to those cache slots."""
         xp = self.xp
-        B, T, _ = x.shape
-        positions = xp.maximum(slot + xp.arange(T)[None, :] - pad[:, None], 0)   # (B, T)
+        T = x.shape[1]
+        positions = rows.starts().astype(xp.int64)[:, None] + xp.arange(T)[None, :]  # (B, T)
         cos, sin = self.rope.tables(positions)
-        mask = attention_mask(xp, pad, slot, T)
+        pending = None
         for i, layer in enumerate(self.decoder):
-            x = layer(x, cos, sin, mask, cache, i, slot)
-        return x
+            x, pending = layer(x, pending, cos, sin, rows, cache, i)
+        return x + pending if pending is not None else x
 
     def logits(self, x):
         """(B, T, hidden) -> this rank's (B, T, vocab_per_partition) float32 logits (last)."""
-        h = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps, self.xp)
+        h = self.ops.rms_norm.forward(x, self.final_norm, self.cfg.rms_norm_eps)
         return self.head.local_logits(h)

@@ -16,13 +16,8 @@ transposed view instead of a second copy.
 from __future__ import annotations
 
 from ..comm import Communicator
+from ..ops import embedding_lookup, linear
 from ..sharding import vocab_range
-
-
-def _matmul(x, weight_t):
-    """x (..., in) @ weight_t (in, out) as a single 2-D GEMM."""
-    lead = x.shape[:-1]
-    return (x.reshape(-1, x.shape[-1]) @ weight_t).reshape(lead + (weight_t.shape[1],))
 
 
 class ColumnParallelLinear:
@@ -43,7 +38,7 @@ class ColumnParallelLinear:
         self.xp = xp
 
     def __call__(self, x):
-        y = _matmul(x, self.weight_t)
+        y = linear(x, self.weight_t)
         if self.bias is not None:
             y += self.bias
         return self.xp.split(y, self.bounds, axis=-1) if self.bounds else y
@@ -63,7 +58,7 @@ class RowParallelLinear:
         self.tp = tp
 
     def __call__(self, x):
-        y = _matmul(x, self.weight_t)
+        y = linear(x, self.weight_t)
         self.tp.all_reduce(y)
         if self.bias is not None:
             y += self.bias
@@ -85,12 +80,9 @@ class VocabParallelEmbedding:
         self.xp = xp
 
     def __call__(self, ids):
-        xp = self.xp
-        local = ids - self.start
-        outside = (ids < self.start) | (ids >= self.stop)
-        out = self.weight[xp.where(outside, 0, local)]          # (B, T, hidden)
+        out, _, _ = embedding_lookup(self.xp, self.weight, ids, self.start, self.stop,
+                                     zero_others=self.tp.size > 1)   # (B, T, hidden)
         if self.tp.size > 1:
-            out[outside] = 0
             self.tp.all_reduce(out)
         return out
 
@@ -115,7 +107,7 @@ class ParallelLMHead:
 
     def local_logits(self, h):
         """(..., vocab_per_partition) float32 logits of this rank's block, padding at -inf."""
-        logits = _matmul(h, self.weight_t).astype(self.xp.float32, copy=False)
+        logits = linear(h, self.weight_t).astype(self.xp.float32, copy=False)
         real = self.stop - self.start
         if real < logits.shape[-1]:
             logits[..., real:] = -self.xp.inf

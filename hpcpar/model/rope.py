@@ -6,7 +6,8 @@
     rotate_half([x1, x2]) = [-x2, x1]
 
 Angles are computed in float64 and rounded once to the compute dtype, so long positions lose
-no precision. Positions are per row, which is what makes left-padded prompts exact.
+no precision. Positions are per row, so rows of one batch may sit at different positions.
+Applying the rotation to q and k is the ``rotary`` op (``hpcpar.ops.rotary``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _llama3(inv_freq, factor, low_freq_factor, high_freq_factor, old_context):
 
 
 class RotaryEmbedding:
-    """cos / sin tables for given positions, and their application to q and k."""
+    """cos / sin tables for given positions."""
 
     def __init__(self, cfg: LlamaConfig, xp, dtype):
         self.xp = xp
@@ -53,15 +54,9 @@ class RotaryEmbedding:
         self.inv_freq = xp.asarray(inverse_frequencies(cfg))        # (d/2,) float64
 
     def tables(self, positions):
-        """cos, sin of shape (B, 1, T, d) for int positions (B, T); the 1 broadcasts over heads."""
+        """cos, sin of shape (B, T, 1, d) for int positions (B, T); the 1 broadcasts over the
+        heads of q and k stored (B, T, heads, d)."""
         xp = self.xp
         angles = positions.astype(xp.float64)[:, :, None] * self.inv_freq   # (B, T, d/2)
-        angles = xp.concatenate([angles, angles], axis=-1)[:, None]          # (B, 1, T, d)
+        angles = xp.concatenate([angles, angles], axis=-1)[:, :, None]       # (B, T, 1, d)
         return xp.cos(angles).astype(self.dtype), xp.sin(angles).astype(self.dtype)
-
-    @staticmethod
-    def apply(x, cos, sin, xp):
-        """rope(x) for x of shape (B, heads, T, d)."""
-        half = x.shape[-1] // 2
-        rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-        return x * cos + rotated * sin

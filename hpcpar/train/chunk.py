@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from ..comm import Communicator
 from ..config import LlamaConfig
 from ..model.rope import RotaryEmbedding
+from ..ops import AttentionRows, Ops
 from .layers import (DecoderLayer, VocabParallelCrossEntropy, VocabParallelEmbedding, linear,
-                     linear_backward, rms_norm, rms_norm_backward, training_mask)
+                     linear_backward, norm_backward)
 from .memory import activation_bytes
 from .params import GradSink, Param
 
@@ -27,12 +28,13 @@ from .params import GradSink, Param
 class Batch:
     """One micro-batch on the device: T = L - 1 input positions per row.
 
-    ``ids`` (B, T) with padding ids replaced by 0, ``pad`` (B,) left padding per row,
-    ``labels`` (B*T,) the next token (-1: ignored), ``weights`` (B*T,) each label's share of
-    the global loss (1 / labels in the global batch, 0 when ignored)."""
+    ``ids`` (B, T), each row's real tokens first and 0 after them, ``lengths`` (B,) int32
+    the real tokens of each row, ``labels`` (B*T,) the next token (-1: ignored), ``weights``
+    (B*T,) each label's share of the global loss (1 / labels in the global batch, 0 when
+    ignored)."""
 
     ids: object
-    pad: object
+    lengths: object
     labels: object
     weights: object
 
@@ -43,9 +45,10 @@ class Batch:
 
 class ModelChunk:
     def __init__(self, cfg: LlamaConfig, params: dict[str, Param], layers: range,
-                 first: bool, last: bool, tp: Communicator, xp, recompute: bool = False):
+                 first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
-        self.xp, self.tp, self.recompute = xp, tp, recompute
+        xp = ops.xp
+        self.ops, self.xp, self.tp, self.recompute = ops, xp, tp, recompute
         by_layer: dict[int | None, dict[str, Param]] = {}
         for p in params.values():
             by_layer.setdefault(p.spec.layer, {})[p.spec.role] = p
@@ -54,7 +57,7 @@ class ModelChunk:
         self.decoder = []
         for i in layers:
             kv_heads = by_layer[i]["k"].data.shape[0] // cfg.head_dim
-            self.decoder.append(DecoderLayer(xp, by_layer[i], heads, kv_heads, cfg.head_dim,
+            self.decoder.append(DecoderLayer(ops, by_layer[i], heads, kv_heads, cfg.head_dim,
                                              cfg.rms_norm_eps, tp))
         self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp)
                           if first else None)
@@ -99,22 +102,23 @@ class ModelChunk:
         ctx: dict = {}
         if self.first:
             x, ctx["embed"] = self.embedding.forward(batch.ids)
-        positions = xp.maximum(xp.arange(T)[None, :] - batch.pad[:, None], 0)    # (B, T)
+        positions = xp.broadcast_to(xp.arange(T)[None, :], (B, T))              # (B, T)
         cos, sin = self.rope.tables(positions)
-        mask = training_mask(xp, batch.pad, T)
-        ctx["rope"] = (cos, sin, mask)
+        rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True)
+        ctx["rope"] = (cos, sin, rows)
         saved = []
         for layer in self.decoder:
             if self.recompute:
                 saved.append(x)
-                x, _ = layer.forward(x, cos, sin, mask)
+                x, _ = layer.forward(x, cos, sin, rows)
             else:
-                x, lctx = layer.forward(x, cos, sin, mask)
+                x, lctx = layer.forward(x, cos, sin, rows)
                 saved.append(lctx)
         ctx["layers"] = saved
         if not self.last:
             return x, ctx
-        h, ctx["final_norm"] = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps, xp)
+        h, ctx["final_norm"] = self.ops.rms_norm.forward_train(x, self.final_norm.data,
+                                                               self.cfg.rms_norm_eps)
         logits = linear(h, self.head, None).reshape(B * T, -1)                 # (N, V/p)
         logits = logits.astype(xp.float32) if logits.dtype.itemsize < 4 else logits
         loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
@@ -138,14 +142,14 @@ class ModelChunk:
             dz = dz.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
             dh = linear_backward(dz, h, self.head, None, sink)
             self.tp.all_reduce(dh)                                             # f backward
-            dy = rms_norm_backward(dh, ctx.pop("final_norm"), self.final_norm, sink)
+            dy = norm_backward(self.ops, dh, ctx.pop("final_norm"), self.final_norm, sink)
             finished_group()
-        cos, sin, mask = ctx["rope"]
+        cos, sin, rows = ctx["rope"]
         saved = ctx.pop("layers")
         for layer in reversed(self.decoder):
             lctx = saved.pop()
             if self.recompute:
-                _, lctx = layer.forward(lctx, cos, sin, mask)
+                _, lctx = layer.forward(lctx, cos, sin, rows)
             dy = layer.backward(dy, lctx, sink)
             finished_group()
         if self.first:

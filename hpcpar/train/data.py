@@ -181,7 +181,7 @@ class HostBatch:
     """One micro-batch on the host (see ``chunk.Batch`` for the meaning of the fields)."""
 
     ids: np.ndarray
-    pad: np.ndarray
+    lengths: np.ndarray
     labels: np.ndarray
     weights: np.ndarray
 
@@ -194,14 +194,22 @@ def label_count(samples: np.ndarray) -> int:
 
 def make_batches(samples: np.ndarray, num_micro_batches: int, total_labels: int,
                  dtype) -> list[HostBatch]:
-    """Split a replica's samples into micro-batches of inputs, labels and loss weights."""
+    """Split a replica's samples into micro-batches of inputs, labels and loss weights.
+
+    A sample's left padding (negative ids) moves to its end: each row's real tokens come
+    first, the layout attention takes (per-row lengths). Positions restart at 0 on the first
+    real token either way, so the loss and every gradient are the same."""
     out = []
     for part in np.array_split(samples, num_micro_batches):
         pad = pad_lengths(part)
-        inputs, targets = part[:, :-1], part[:, 1:]
-        T = inputs.shape[1]
-        ignored = np.arange(T)[None, :] < pad[:, None]              # input is padding
-        labels = np.where(ignored, -1, targets).reshape(-1)
-        weights = np.where(ignored, 0.0, 1.0 / total_labels).astype(dtype).reshape(-1)
-        out.append(HostBatch(np.maximum(inputs, 0), pad, labels, weights))
+        B, T = part.shape[0], part.shape[1] - 1
+        lengths = T - pad                                           # real inputs per row
+        inputs = np.zeros((B, T), dtype=np.int64)
+        labels = np.full((B, T), -1, dtype=np.int64)
+        for j in range(B):
+            inputs[j, :lengths[j]] = part[j, pad[j]:-1]
+            labels[j, :lengths[j]] = part[j, pad[j] + 1:]
+        labels = labels.reshape(-1)
+        weights = np.where(labels < 0, 0.0, 1.0 / total_labels).astype(dtype)
+        out.append(HostBatch(inputs, lengths, labels, weights))
     return out

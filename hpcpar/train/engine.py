@@ -27,6 +27,7 @@ from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, ever
                       local_rank, phase, print_error, set_board, set_location,
                       set_timeout)
 from ..mesh import Mesh
+from ..ops import ops_for
 from ..outputs import claimed
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.training_schedules import training_schedule
@@ -217,6 +218,7 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
     being resumed) and, when resuming, the optimizer state of those parameters."""
     cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
     source = plan.resume[0] if plan.resume else ckpt
+    ops = ops_for(backend)
     chunks, params, all_specs = [], [], []
     for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.pp_rank, V)):
         v = c * layout.pp + mesh.pp_rank
@@ -227,7 +229,7 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
                          backend)
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.tp_rank, layout.tp,
                                    last_stage_tied_copy=last and not first, dtype=plan.dtype)
-        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, xp, recompute))
+        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, ops, recompute))
         params += chunk_params.values()
         all_specs += specs
     states = None
@@ -246,8 +248,8 @@ def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr,
     rows = np.asarray(plan.dataset.samples[sample_indices(first_sample, B, len(plan.dataset),
                                                           tr.shuffle, tr.seed)], np.int64)
     mine = rows[mesh.dp_rank * B // dp:(mesh.dp_rank + 1) * B // dp]
-    return [Batch(xp.asarray(b.ids), xp.asarray(b.pad), xp.asarray(b.labels),
-                  xp.asarray(b.weights * np.float32(loss_scale)))
+    return [Batch(xp.asarray(b.ids), xp.asarray(b.lengths.astype(np.int32)),
+                  xp.asarray(b.labels), xp.asarray(b.weights * np.float32(loss_scale)))
             for b in make_batches(mine, plan.layout.micro_batches, label_count(rows),
                                   np.float32)]
 

@@ -1,5 +1,7 @@
 """The tensor-parallel Llama layers for training: each forward keeps what its backward needs
-(a ``ctx``), and each backward, written by hand on ``xp`` arrays, sits next to it.
+(a ``ctx``), and each backward sits next to it. The math of norms, rotary, SwiGLU and
+attention, forward and backward, is the ops layer's (``hpcpar.ops``), shared with generation;
+what stays here is the parallel structure: the projections, the gradient sink, f and g.
 
 Notation as in ``hpcpar.model.parallel_layers``: Y = X W^T + b with Hugging Face's W of shape
 [out, in]; p is the tp size. Megatron's conjugate operators name the communication:
@@ -18,11 +20,8 @@ softmax and the cross-entropy run in float32 at least, as transformers does.
 
 from __future__ import annotations
 
-import math
-
 from ..comm import Communicator
-from ..model.attention import attention_mask
-from ..model.rope import RotaryEmbedding
+from ..ops import AttentionRows, Ops, embedding_lookup, linear as _linear, linear_input_grad
 from ..sharding import vocab_range
 from .params import GradSink, Param
 
@@ -32,15 +31,9 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
-def _wide(a):
-    """``a`` in float32 at least (statistics and softmax), no copy when it already is."""
-    return a if a.dtype.itemsize >= 4 else a.astype("float32")
-
-
 def linear(x, w: Param, b: Param | None):
     """Y = X W^T + b, one GEMM over the flattened rows, in the weights' compute dtype."""
-    y = (_rows(x) @ w.data.T).astype(w.data.dtype, copy=False)
-    y = y.reshape(x.shape[:-1] + (w.data.shape[0],))
+    y = _linear(x, w.data.T).astype(w.data.dtype, copy=False)
     if b is not None:
         y += b.data
     return y
@@ -53,104 +46,62 @@ def linear_backward(dy, x, w: Param, b: Param | None, sink: GradSink):
     sink.outer(w, dy2, _rows(x))
     if b is not None:
         sink.add(b, lambda: dy2.sum(axis=0))
-    return (dy2 @ w.data).astype(x.dtype, copy=False).reshape(x.shape)
+    return linear_input_grad(dy, w.data.T).astype(x.dtype, copy=False)
 
 
-# ---- RMSNorm -----------------------------------------------------------------------------
-
-def rms_norm(x, w: Param, eps: float, xp):
-    """y = w * x̂, x̂ = x r, r = 1 / sqrt(mean(x²) + eps) over the hidden dimension (x̂ and r
-    in float32 at least). Replicated over tp: no communication either way."""
-    xf = _wide(x)
-    r = 1.0 / xp.sqrt((xf * xf).mean(axis=-1, keepdims=True) + eps)
-    xhat = xf * r
-    return w.data * xhat.astype(x.dtype, copy=False), (xhat, r)
-
-
-def rms_norm_backward(dy, ctx, w: Param, sink: GradSink):
-    """dw = sum over rows of dy x̂;  dx = r (g - x̂ mean(g x̂)), g = dy w."""
-    xhat, r = ctx
-    dyf = _wide(dy)
-    sink.add(w, lambda: _rows(dyf * xhat).sum(axis=0))
-    g = dyf * _wide(w.data)
-    dx = r * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
-    return dx.astype(dy.dtype, copy=False)
-
-
-# ---- rotary embedding ----------------------------------------------------------------------
-
-def rope_backward(dy, cos, sin, xp):
-    """rope(x) = x cos + R(x) sin with R([x1, x2]) = [-x2, x1]; R is orthogonal with
-    R^T = -R, so dx = dy cos - R(dy sin)."""
-    ds = dy * sin
-    half = dy.shape[-1] // 2
-    return dy * cos - xp.concatenate([-ds[..., half:], ds[..., :half]], axis=-1)
+def norm_backward(ops: Ops, dy, ctx, w: Param, sink: GradSink):
+    """The RMSNorm op's backward: returns dx, adds dw. Replicated over tp: no communication."""
+    dx, dw = ops.rms_norm.backward(dy, ctx, w.data)
+    sink.add(w, lambda: dw)
+    return dx
 
 
 # ---- attention -------------------------------------------------------------------------------
 
 class Attention:
-    """softmax(Q K^T / sqrt(d) + mask) V over this rank's heads, then o_proj.
+    """o_proj(attention(rope(q), rope(k), v)) over this rank's heads (the ``attention`` and
+    ``rotary`` ops hold the math and its backward).
 
     q/k/v are column-parallel (f before them: dX AllReduced over tp in backward), o is
-    row-parallel (g after it: its partial products AllReduced over tp in forward). The g
-    query heads of one KV head are stacked as rows of one product, as in inference; the KV
-    head's gradient sums their contributions. A KV head replicated on several tp ranks
-    gets a partial gradient on each, summed over those ranks by the caller (``Param
-    .kv_replicated``).
+    row-parallel (g after it: its partial products AllReduced over tp in forward). A KV head
+    replicated on several tp ranks gets a partial gradient on each, summed over those ranks
+    by the caller (``Param.kv_replicated``).
     """
 
-    def __init__(self, xp, params: dict[str, Param], heads: int, kv_heads: int,
+    def __init__(self, ops: Ops, params: dict[str, Param], heads: int, kv_heads: int,
                  head_dim: int, tp: Communicator):
-        self.xp, self.p, self.tp = xp, params, tp
+        self.ops, self.p, self.tp = ops, params, tp
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim   # per partition
-        self.scale = 1.0 / math.sqrt(head_dim)
 
-    def forward(self, h, cos, sin, mask):
-        xp, p = self.xp, self.p
+    def forward(self, h, cos, sin, rows: AttentionRows):
+        p = self.p
         B, T, _ = h.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        group = nh // nkv
-        q = linear(h, p["q"], p.get("q_bias")).reshape(B, T, nh, hd).transpose(0, 2, 1, 3)
-        k = linear(h, p["k"], p.get("k_bias")).reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
-        v = linear(h, p["v"], p.get("v_bias")).reshape(B, T, nkv, hd).transpose(0, 2, 1, 3)
-        q = RotaryEmbedding.apply(q, cos, sin, xp)                  # (B, nh, T, hd)
-        k = RotaryEmbedding.apply(k, cos, sin, xp)                  # (B, nkv, T, hd)
-        qs = (q * self.scale).reshape(B, nkv, group * T, hd)        # (B, nkv, g*T, hd)
-        scores = _wide(qs @ k.transpose(0, 1, 3, 2)).reshape(B, nkv, group, T, T)
-        scores = xp.where(mask, scores, -xp.inf)                    # (B, nkv, g, T, T)
-        scores -= scores.max(axis=-1, keepdims=True)
-        probs = xp.exp(scores)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        probs = probs.astype(h.dtype, copy=False).reshape(B, nkv, group * T, T)
-        out = (probs @ v).reshape(B, nkv, group, T, hd)             # (B, nkv, g, T, hd)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh * hd)   # (B, T, nh*hd)
+        q = linear(h, p["q"], p.get("q_bias")).reshape(B, T, nh, hd)
+        k = linear(h, p["k"], p.get("k_bias")).reshape(B, T, nkv, hd)
+        v = linear(h, p["v"], p.get("v_bias")).reshape(B, T, nkv, hd)
+        q, k = self.ops.rotary.forward(q, k, cos, sin)
+        out, actx = self.ops.attention.forward_train(              # (B, T, nh, hd)
+            q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), rows)
+        out = out.reshape(B, T, nh * hd)
         y = linear(out, p["o"], None)
         self.tp.all_reduce(y)                                       # g
         if "o_bias" in p:
             y += p["o_bias"].data
-        return y, (h, cos, sin, qs, k, v, probs, out)
+        return y, (h, cos, sin, actx, out)
 
     def backward(self, dy, ctx, sink: GradSink):
-        xp, p = self.xp, self.p
-        h, cos, sin, qs, k, v, probs, out = ctx
+        p = self.p
+        h, cos, sin, actx, out = ctx
         B, T, _ = h.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        group = nh // nkv
         if "o_bias" in p:
             sink.add(p["o_bias"], lambda: _rows(dy).sum(axis=0))
         dout = linear_backward(dy, out, p["o"], None, sink)         # g backward: identity
-        dout = dout.reshape(B, T, nkv, group, hd).transpose(0, 2, 3, 1, 4)
-        dout = dout.reshape(B, nkv, group * T, hd)                  # (B, nkv, g*T, hd)
-        dv = (probs.transpose(0, 1, 3, 2) @ dout).astype(h.dtype, copy=False)   # (B,nkv,T,hd)
-        dprobs = _wide(dout @ v.transpose(0, 1, 3, 2))              # (B, nkv, g*T, T)
-        pf = _wide(probs)
-        dscores = (pf * (dprobs - (dprobs * pf).sum(axis=-1, keepdims=True))).astype(
-            h.dtype, copy=False)
-        dq = (dscores @ k).astype(h.dtype, copy=False).reshape(B, nh, T, hd) * self.scale
-        dk = (dscores.transpose(0, 1, 3, 2) @ qs).astype(h.dtype, copy=False)  # (B,nkv,T,hd)
-        dq = rope_backward(dq, cos, sin, xp).transpose(0, 2, 1, 3).reshape(B, T, nh * hd)
-        dk = rope_backward(dk, cos, sin, xp).transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)
+        dq, dk, dv = self.ops.attention.backward(dout.reshape(B, T, nh, hd), actx)
+        dq, dk = self.ops.rotary.backward(dq, dk.transpose(0, 2, 1, 3), cos, sin)
+        dq = dq.reshape(B, T, nh * hd)
+        dk = dk.reshape(B, T, nkv * hd)
         dv = dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)
         dh = linear_backward(dq, h, p["q"], p.get("q_bias"), sink)
         dh += linear_backward(dk, h, p["k"], p.get("k_bias"), sink)
@@ -161,32 +112,30 @@ class Attention:
 # ---- SwiGLU MLP ------------------------------------------------------------------------------
 
 class Mlp:
-    """down(silu(gate(h)) * up(h)): gate/up column-parallel (f before them), down
-    row-parallel (g after it). silu(z) = z s, s = sigmoid(z); silu'(z) = s (1 + z (1 - s))."""
+    """down(swiglu(gate(h), up(h))): gate/up column-parallel (f before them), down
+    row-parallel (g after it)."""
 
-    def __init__(self, xp, params: dict[str, Param], tp: Communicator):
-        self.xp, self.p, self.tp = xp, params, tp
+    def __init__(self, ops: Ops, params: dict[str, Param], tp: Communicator):
+        self.ops, self.p, self.tp = ops, params, tp
 
     def forward(self, h):
         p = self.p
         gate = linear(h, p["gate"], p.get("gate_bias"))
         up = linear(h, p["up"], p.get("up_bias"))
-        sig = 1.0 / (1.0 + self.xp.exp(-gate))
-        act = gate * sig * up
+        act = self.ops.swiglu.forward(gate, up)
         y = linear(act, p["down"], None)
         self.tp.all_reduce(y)                                       # g
         if "down_bias" in p:
             y += p["down_bias"].data
-        return y, (h, gate, up, sig, act)
+        return y, (h, gate, up, act)
 
     def backward(self, dy, ctx, sink: GradSink):
         p = self.p
-        h, gate, up, sig, act = ctx
+        h, gate, up, act = ctx
         if "down_bias" in p:
             sink.add(p["down_bias"], lambda: _rows(dy).sum(axis=0))
         dact = linear_backward(dy, act, p["down"], None, sink)      # g backward: identity
-        dup = dact * gate * sig
-        dgate = dact * up * sig * (1.0 + gate * (1.0 - sig))
+        dgate, dup = self.ops.swiglu.backward(dact, gate, up)
         dh = linear_backward(dgate, h, p["gate"], p.get("gate_bias"), sink)
         dh += linear_backward(dup, h, p["up"], p.get("up_bias"), sink)
         return self.tp.all_reduce(dh)                               # f backward
@@ -195,26 +144,28 @@ class Mlp:
 class DecoderLayer:
     """x1 = x + attention(norm1(x));  y = x1 + mlp(norm2(x1))."""
 
-    def __init__(self, xp, params: dict[str, Param], heads: int, kv_heads: int, head_dim: int,
-                 eps: float, tp: Communicator):
-        self.xp, self.p, self.eps = xp, params, eps
-        self.attention = Attention(xp, params, heads, kv_heads, head_dim, tp)
-        self.mlp = Mlp(xp, params, tp)
+    def __init__(self, ops: Ops, params: dict[str, Param], heads: int, kv_heads: int,
+                 head_dim: int, eps: float, tp: Communicator):
+        self.ops, self.p, self.eps = ops, params, eps
+        self.attention = Attention(ops, params, heads, kv_heads, head_dim, tp)
+        self.mlp = Mlp(ops, params, tp)
 
-    def forward(self, x, cos, sin, mask):
-        h1, n1 = rms_norm(x, self.p["input_norm"], self.eps, self.xp)
-        a, actx = self.attention.forward(h1, cos, sin, mask)
+    def forward(self, x, cos, sin, rows: AttentionRows):
+        norm = self.ops.rms_norm
+        h1, n1 = norm.forward_train(x, self.p["input_norm"].data, self.eps)
+        a, actx = self.attention.forward(h1, cos, sin, rows)
         x1 = x + a
-        h2, n2 = rms_norm(x1, self.p["post_attention_norm"], self.eps, self.xp)
+        h2, n2 = norm.forward_train(x1, self.p["post_attention_norm"].data, self.eps)
         m, mctx = self.mlp.forward(h2)
         return x1 + m, (n1, actx, n2, mctx)
 
     def backward(self, dy, ctx, sink: GradSink):
         n1, actx, n2, mctx = ctx
-        dx1 = dy + rms_norm_backward(self.mlp.backward(dy, mctx, sink), n2,
-                                     self.p["post_attention_norm"], sink)
-        return dx1 + rms_norm_backward(self.attention.backward(dx1, actx, sink), n1,
-                                       self.p["input_norm"], sink)
+        ops = self.ops
+        dx1 = dy + norm_backward(ops, self.mlp.backward(dy, mctx, sink), n2,
+                                 self.p["post_attention_norm"], sink)
+        return dx1 + norm_backward(ops, self.attention.backward(dx1, actx, sink), n1,
+                                   self.p["input_norm"], sink)
 
 
 # ---- vocabulary-parallel embedding, head and cross-entropy ---------------------------------
@@ -230,12 +181,9 @@ class VocabParallelEmbedding:
         self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
 
     def forward(self, ids):
-        xp = self.xp
-        owned = (ids >= self.start) & (ids < self.stop)
-        local = xp.where(owned, ids - self.start, 0)
-        out = self.w.data[local]                                    # (B, T, hidden)
+        out, local, owned = embedding_lookup(self.xp, self.w.data, ids, self.start, self.stop,
+                                             zero_others=self.tp.size > 1)  # (B, T, hidden)
         if self.tp.size > 1:
-            out[~owned] = 0
             self.tp.all_reduce(out)
         return out, (local, owned)
 
@@ -292,8 +240,3 @@ class VocabParallelCrossEntropy:
         rows = xp.nonzero(owned)[0]
         dz[rows, local[rows]] -= weights[rows]
         return dz
-
-
-def training_mask(xp, pad, length: int):
-    """Causal and left-padding mask for a whole sequence, (B, 1, 1, T, T)."""
-    return attention_mask(xp, pad, 0, length)

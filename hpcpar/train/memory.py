@@ -1,12 +1,13 @@
 """Training memory per rank, from the config alone (for ``hpcpar plan``): the activations a
 forward pass keeps for its backward, and the weights, gradients and optimizer state.
 
-The activation count mirrors what ``train.layers`` keeps (float32, per tp rank), for one
-micro-batch of B rows of T tokens:
+The activation count mirrors what ``train.layers`` keeps with the ops' NumPy references
+(float32, per tp rank), for one micro-batch of B rows of T tokens:
 
-    per layer   B T (4 h + 2 + 2 q + 2 kv + 4 I) + B nh T^2        (nh, q, kv, I per rank)
+    per layer   B T (4 h + 2 + 2 q + 2 kv + 3 I) + B nh T^2        (nh, q, kv, I per rank)
                 - with recompute, only the layer's input: B T h
-    per chunk   rotary tables 2 B T d, the mask B T^2 (bytes)
+                (fused attention keeps softmax statistics B nh T instead of B nh T^2)
+    per chunk   rotary tables 2 B T d
     first       ids and their owner mask: 9 B T bytes
     last        final norm B T (h + 1), head input B T h, loss B T V/p (+ 21 B T bytes of
                 sums, targets and weights)
@@ -37,9 +38,9 @@ def activation_bytes(cfg: LlamaConfig, tp: int, num_layers: int, rows: int, seq_
     if recompute:
         per_layer = B * T * h * itemsize
     else:
-        per_layer = (B * T * (4 * h + 2 + 2 * q + 2 * kv + 4 * inter)
+        per_layer = (B * T * (4 * h + 2 + 2 * q + 2 * kv + 3 * inter)
                      + B * heads * T * T) * itemsize
-    total = num_layers * per_layer + 2 * B * T * cfg.head_dim * itemsize + B * T * T
+    total = num_layers * per_layer + 2 * B * T * cfg.head_dim * itemsize
     if first:
         total += 9 * B * T
     if last:

@@ -1,0 +1,212 @@
+"""hpcpar on one GPU against transformers on the same GPU and against the hardware's floors.
+
+    python benchmarks/gpu.py                         # 1B shape, bf16, B 16, prompts 512, +128
+    python benchmarks/gpu.py --models 1b,8b --new-tokens 64
+
+Workloads (random weights of the Llama-3.2-1B / Llama-3.1-8B shapes, bfloat16):
+- generation: prefill and decode tokens/s of hpcpar (one rank, CuPy), of transformers eager
+  (sdpa; prefill as ``model(ids, logits_to_keep=1)``, decode as ``generate()`` minus that
+  prefill) and of transformers with its static cache and torch.compile (as its users run it
+  at its best; the first, compiling call is not timed);
+- floors from probes run here: prefill at the measured bf16 GEMM rate over 2 N FLOPs per
+  token (N = matrix parameters), decode at the measured copy bandwidth reading every weight
+  once per step of B tokens.
+
+hpcpar runs twice per workload (a short warm-up fills CuPy's kernel cache and builds cuDNN's
+graphs); its figures are the second run's report. Results go to
+benchmarks/results/<gpu>-<date>.json and are printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = {"1b": "llama3-1b", "8b": "llama3-8b"}
+
+
+def probes(cp) -> dict:
+    """bf16 GEMM TFLOP/s (8192^3) and device copy bandwidth (2 GiB, read + write)."""
+    from hpcpar.dtypes import float_dtype
+    n = 8192
+    a = cp.ones((n, n), dtype=float_dtype("bfloat16"))
+    for _ in range(2):
+        a @ a
+    cp.cuda.Device().synchronize()
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        a @ a
+    cp.cuda.Device().synchronize()
+    tflops = 2 * n ** 3 * reps / (time.perf_counter() - start) / 1e12
+    src = cp.empty(2 ** 30 // 2, dtype=cp.float32)       # 2 GiB moved per copy (1 + 1)
+    dst = cp.empty_like(src)
+    dst[...] = src
+    cp.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst[...] = src
+    cp.cuda.Device().synchronize()
+    bandwidth = 2 * src.nbytes * reps / (time.perf_counter() - start)
+    del a, src, dst
+    cp.get_default_memory_pool().free_all_blocks()
+    return {"gemm_tflops": tflops, "copy_bytes_per_s": bandwidth}
+
+
+def matrix_params(cfg) -> tuple[int, int]:
+    """(parameters in the layers' and head's matrices, all weight bytes in bf16)."""
+    h, i, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i
+    embed = V * h
+    total = L * per_layer + embed * (1 if cfg.tie_word_embeddings else 2)
+    return L * per_layer + embed, 2 * total
+
+
+def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int) -> dict:
+    from mpi4py import MPI
+    from hpcpar.generate import Prompts, run_generation
+    from hpcpar.jobs import load_job
+
+    def once(tokens):
+        sets = [f"model.checkpoint='{checkpoint}'", "parallel.dp=1", "parallel.backend='cupy'",
+                "model.dtype='bfloat16'", f"generate.max_new_tokens={tokens}",
+                "generate.stop_at_eos=false"]
+        return run_generation(MPI.COMM_SELF, load_job(None, sets),
+                              prompts=Prompts(list(prompts)), progress=False)
+
+    once(2)                                               # warm-up: kernels, cuDNN graphs
+    result = once(new_tokens)
+    attrs = result.report.attrs()
+    return {"prefill": float(attrs["report_prefill_tokens_per_s"]),
+            "decode": float(attrs["report_decode_tokens_per_s"]),
+            "tokens": result.tokens}
+
+
+def transformers_model(checkpoint: Path):
+    import torch
+    from baselines import transformers_llama
+    model = transformers_llama(checkpoint, threads=8)
+    return model.to(device="cuda", dtype=torch.bfloat16).eval()
+
+
+def run_transformers(model, prompts: np.ndarray, new_tokens: int, compiled: bool) -> dict:
+    import torch
+    ids = torch.from_numpy(prompts).cuda()
+    B, P = ids.shape
+    extra = {"cache_implementation": "static"} if compiled else {}
+
+    def generate():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0, **extra)
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    with torch.inference_mode():
+        if compiled:
+            generate()                                    # compiles (not timed)
+            prefill_s, _ = timed(lambda: model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=1,
+                pad_token_id=0, **extra))
+        else:
+            model(ids, logits_to_keep=1)
+            prefill_s, _ = timed(lambda: model(ids, logits_to_keep=1))
+        total_s, out = timed(generate)
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return {"prefill": B * P / prefill_s, "decode": B * (new_tokens - 1) / decode_s,
+            "tokens": out[:, P:].cpu().numpy()}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="1b")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-length", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--no-compiled", action="store_true", help="skip transformers + compile")
+    ap.add_argument("--work", default=None, help="folder for the checkpoints (default: temp)")
+    args = ap.parse_args(argv)
+    import cupy as cp
+    from hpcpar.checkpoint import init_checkpoint, open_checkpoint
+    from hpcpar.dtypes import float_dtype
+
+    gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    probe = probes(cp)
+    print(f"{gpu}: bf16 GEMM {probe['gemm_tflops']:.0f} TFLOP/s, copy "
+          f"{probe['copy_bytes_per_s'] / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    work = Path(args.work or tempfile.mkdtemp(prefix="hpcpar-gpu-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for name in args.models.split(","):
+        path = work / f"{PRESETS[name]}.h5"
+        if not path.exists():
+            start = time.perf_counter()
+            init_checkpoint(path, PRESETS[name], seed=0, dtype=float_dtype("bfloat16"))
+            print(f"{name}: random checkpoint in {time.perf_counter() - start:.0f} s",
+                  flush=True)
+        cfg = open_checkpoint(path).config
+        prompts = np.random.default_rng(0).integers(
+            0, cfg.vocab_size, (args.batch, args.prompt_length))
+        mine = run_hpcpar(path, prompts, args.new_tokens)
+        print(f"{name}: hpcpar prefill {mine['prefill']:,.0f} decode {mine['decode']:,.0f}",
+              flush=True)
+        cp.get_default_memory_pool().free_all_blocks()
+        model = transformers_model(path)
+        eager = run_transformers(model, prompts, args.new_tokens, compiled=False)
+        print(f"{name}: transformers eager prefill {eager['prefill']:,.0f} decode "
+              f"{eager['decode']:,.0f}", flush=True)
+        compiled = (None if args.no_compiled else
+                    run_transformers(model, prompts, args.new_tokens, compiled=True))
+        if compiled:
+            print(f"{name}: transformers compiled prefill {compiled['prefill']:,.0f} decode "
+                  f"{compiled['decode']:,.0f}", flush=True)
+        same = float((mine["tokens"][:, :8] == eager["tokens"][:, :8]).mean())
+        print(f"{name}: first 8 greedy tokens equal to transformers' in {same:.0%} of places "
+              "(bf16 on both sides: near-ties flip)", flush=True)
+        del model
+        import torch
+        torch.cuda.empty_cache()
+        n_matrix, weight_bytes = matrix_params(cfg)
+        floors = {"prefill": probe["gemm_tflops"] * 1e12 / (2 * n_matrix),
+                  "decode": args.batch * probe["copy_bytes_per_s"] / weight_bytes}
+        for phase in ("prefill", "decode"):
+            rows.append({"workload": f"generate-{name}-bf16", "phase": phase,
+                         "hpcpar": mine[phase], "transformers": eager[phase],
+                         "transformers_compiled": compiled[phase] if compiled else None,
+                         "floor": floors[phase]})
+    _report(gpu, probe, rows, args)
+
+
+def _report(gpu: str, probe: dict, rows: list, args) -> None:
+    print(f"\n{'workload':<20} {'phase':<8} {'hpcpar':>10} {'transformers':>13} "
+          f"{'compiled':>10} {'floor':>10} {'vs eager':>9} {'vs compiled':>12}")
+    for r in rows:
+        comp = r["transformers_compiled"]
+        print(f"{r['workload']:<20} {r['phase']:<8} {r['hpcpar']:>10,.0f} "
+              f"{r['transformers']:>13,.0f} {comp or 0:>10,.0f} {r['floor']:>10,.0f} "
+              f"{r['hpcpar'] / r['transformers']:>9.2f} "
+              f"{(r['hpcpar'] / comp) if comp else float('nan'):>12.2f}")
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    out = REPO / "benchmarks" / "results" / f"{slug}-{datetime.date.today()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": gpu, "probes": probe, "settings": vars(args),
+                               "rows": rows}, indent=1))
+    print(f"\nwritten {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The Llama math, one operation per module, each written once.
+
+Every op is a class whose methods are the NumPy reference (they run on any array module:
+NumPy, the strict test backend, CuPy); a device subclass in ``ops/cuda/`` overrides the
+methods it has a kernel for. ``ops_for(backend)`` picks the classes once, when the backend is
+chosen, as vLLM's ``CustomOp`` picks ``forward_native`` or ``forward_cuda``: the model code
+calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
+
+    linear       Y = X W^T, one 2-D GEMM over the flattened rows (weights stored [in, out])
+    rms_norm     y = w * x / rms(x), with the residual add fused in front, and its backward
+    rotary       rope on q and k together, and its backward
+    swiglu       silu(gate) * up, and its backward
+    attention    causal GQA softmax attention over per-row lengths (prefill, decode over a
+                 KV cache, training with backward)
+    embedding    the vocab-parallel lookup and its scatter backward
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .attention import Attention, AttentionRows
+from .embedding import embedding_lookup
+from .linear import linear, linear_input_grad
+from .rms_norm import RMSNorm
+from .rotary import Rotary
+from .swiglu import SwiGLU
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The ops one backend runs, chosen once (see ``ops_for``)."""
+
+    xp: object
+    rms_norm: RMSNorm
+    rotary: Rotary
+    swiglu: SwiGLU
+    attention: Attention
+    device: bool = False        # the device kernels are in use
+
+
+def ops_for(backend) -> Ops:
+    """NumPy references everywhere, except on a CUDA backend, where each op that has a kernel
+    in ``ops/cuda`` runs it (``HPCPAR_OPS=native`` keeps the references there, for checks)."""
+    import os
+    xp = backend.xp
+    if backend.is_gpu and os.environ.get("HPCPAR_OPS", "auto") != "native":
+        from .cuda import cuda_ops
+        return cuda_ops(xp)
+    return Ops(xp, RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp))
+
+
+__all__ = ["Attention", "AttentionRows", "Ops", "RMSNorm", "Rotary", "SwiGLU",
+           "embedding_lookup", "linear", "linear_input_grad", "ops_for"]

@@ -1,0 +1,118 @@
+"""Causal grouped-query softmax attention over rows described by their lengths.
+
+    out[b, t, h] = sum_s p[b, h, t, s] v[b, h / g, s],   p = softmax_s(q k^T / sqrt(d) + mask)
+
+Each row's valid tokens come first (no left padding): row b has ``q_lengths[b]`` queries and
+``kv_lengths[b]`` keys, and query t sits at position kv_lengths[b] - q_lengths[b] + t, seeing
+the keys at positions [0, that position] (causal, bottom-right aligned). Prefill is
+q_lengths = kv_lengths; a decode step is q_lengths = 1 over a cache of kv_lengths keys. This is
+the interface fused kernels take (cuDNN's padding mask: per-row sequence lengths), and it lets
+rows of one batch sit at different points of their sequences.
+
+Layouts: q (B, T, heads, d) as the qkv GEMM leaves it (views fine); keys and values
+(B, kv_heads, S, d), the KV cache's layout (training passes views of its (B, T, kv, d) k and
+v); out (B, T, heads, d). g = heads / kv_heads query heads share a KV head.
+Queries past a row's length (padding) get a finite output that is never used.
+
+Backward (training): with P the probabilities and dO the output gradient,
+    dV = P^T dO,  dP = dO V^T,  dS = P (dP - rowsum(dP P)),  dQ = dS K / sqrt(d),
+    dK = dS^T Q / sqrt(d)     (summed over the g query heads of each KV head)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """The rows of one micro-batch step: per-row query and key counts on the device, and the
+    host facts kernels need to choose a shape."""
+
+    q_lengths: object          # (B,) int32: valid queries of each row (first)
+    kv_lengths: object         # (B,) int32: valid keys of each row (first), this step's included
+    max_kv: int                # keys to read: max(kv_lengths), host int
+    from_start: bool           # every row's queries start at position 0 (q_lengths = kv_lengths)
+
+    @staticmethod
+    def build(xp, q_lengths, kv_lengths, from_start: bool) -> "AttentionRows":
+        """From host integer arrays (B,)."""
+        import numpy as np
+        kv = np.asarray(kv_lengths)
+        return AttentionRows(xp.asarray(np.asarray(q_lengths, dtype=np.int32)),
+                             xp.asarray(kv.astype(np.int32)),
+                             int(kv.max()) if kv.size else 0, from_start)
+
+    def starts(self):
+        """(B,) the position of each row's first query: kv_lengths - q_lengths."""
+        return self.kv_lengths - self.q_lengths
+
+
+def _wide(xp, a):
+    """``a`` in float32 at least (scores and softmax), no copy when it already is."""
+    return a if a.dtype.itemsize >= 4 else a.astype(xp.float32)
+
+
+def attention_mask(xp, rows: AttentionRows, T: int, S: int):
+    """Which keys each query sees, (B, 1, 1, T, S) boolean: key s <= the query's position and
+    s < kv_length. A padding query (t >= q_length) sees key 0 alone, so its softmax stays
+    finite."""
+    t = xp.arange(T)[None, :, None]                               # (1, T, 1)
+    s = xp.arange(S)[None, None, :]                               # (1, 1, S)
+    position = rows.starts().astype(xp.int64)[:, None, None] + t  # (B, T, 1)
+    allowed = (s <= position) & (s < rows.kv_lengths[:, None, None])
+    padding = t >= rows.q_lengths[:, None, None]                  # (B, T, 1)
+    allowed = xp.where(padding, s == 0, allowed)                  # (B, T, S)
+    return allowed[:, None, None]                                 # (B, 1, 1, T, S)
+
+
+class Attention:
+    def __init__(self, xp):
+        self.xp = xp
+
+    def forward(self, q, keys, values, rows: AttentionRows):
+        """(B, T, heads, d) attention output (inference: nothing kept)."""
+        return self.forward_train(q, keys, values, rows)[0]
+
+    def forward_train(self, q, keys, values, rows: AttentionRows):
+        """(out, ctx) where ctx is what ``backward`` needs."""
+        xp = self.xp
+        B, T, nh, hd = q.shape
+        nkv, S = keys.shape[1], keys.shape[2]
+        g = nh // nkv
+        scale = 1.0 / math.sqrt(hd)
+        # The g query heads that share a KV head are stacked as rows of one product, so each
+        # (row, KV head) is a single GEMM against its keys, with no broadcast copies.
+        qs = (q * scale).transpose(0, 2, 1, 3).reshape(B, nkv, g * T, hd)   # (B, nkv, g*T, d)
+        scores = qs @ keys.transpose(0, 1, 3, 2)                            # (B, nkv, g*T, S)
+        scores = _wide(xp, scores).reshape(B, nkv, g, T, S)
+        scores = xp.where(attention_mask(xp, rows, T, S), scores, -xp.inf)
+        scores -= scores.max(axis=-1, keepdims=True)
+        probs = xp.exp(scores)
+        probs /= probs.sum(axis=-1, keepdims=True)
+        probs = probs.astype(q.dtype, copy=False).reshape(B, nkv, g * T, S)
+        out = (probs @ values).reshape(B, nkv, g, T, hd)                    # (B, nkv, g, T, d)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)            # (B, T, heads, d)
+        return out, (qs, keys, values, probs)
+
+    def backward(self, dout, ctx):
+        """(dq (B, T, heads, d), dk, dv (B, kv_heads, S, d)) from dout (B, T, heads, d)."""
+        xp = self.xp
+        qs, keys, values, probs = ctx
+        B, T, nh, hd = dout.shape
+        nkv = keys.shape[1]
+        g = nh // nkv
+        dtype = keys.dtype
+        dout = dout.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)
+        dout = dout.reshape(B, nkv, g * T, hd)                              # (B, nkv, g*T, d)
+        dv = (probs.transpose(0, 1, 3, 2) @ dout).astype(dtype, copy=False)
+        dprobs = _wide(xp, dout @ values.transpose(0, 1, 3, 2))             # (B, nkv, g*T, S)
+        pf = _wide(xp, probs)
+        dscores = (pf * (dprobs - (dprobs * pf).sum(axis=-1, keepdims=True))).astype(
+            dtype, copy=False)
+        scale = 1.0 / math.sqrt(hd)
+        dq = (dscores @ keys).astype(dtype, copy=False) * scale             # (B, nkv, g*T, d)
+        dq = dq.reshape(B, nh, T, hd).transpose(0, 2, 1, 3)                 # (B, T, heads, d)
+        dk = (dscores.transpose(0, 1, 3, 2) @ qs).astype(dtype, copy=False)  # (B, nkv, S, d)
+        return dq, dk, dv

@@ -1,0 +1,14 @@
+"""Device implementations of the ops, one kernel per file, each checked against the NumPy
+reference in ``tests/test_ops_gpu.py``. Imported only on a CUDA backend."""
+
+from __future__ import annotations
+
+
+def cuda_ops(xp):
+    from .. import Ops
+    from .attention import CudnnAttention
+    from .rms_norm import RMSNormCuda
+    from .rotary import RotaryCuda
+    from .swiglu import SwiGLUCuda
+    return Ops(xp, RMSNormCuda(xp), RotaryCuda(xp), SwiGLUCuda(xp), CudnnAttention(xp),
+               device=True)

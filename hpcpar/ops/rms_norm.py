@@ -1,0 +1,50 @@
+"""RMSNorm, as Llama (and transformers) computes it:
+
+    r = 1 / sqrt(mean(x^2) + eps)        over the hidden dimension, in float32 at least
+    y = w * round(x r)                   x r rounded to the compute dtype, then times w
+
+With the residual add fused in front (vLLM's ``fused_add_rms_norm``): s = x + residual in the
+compute dtype, y = rms_norm(s); the sum is the next residual.
+
+Backward, with x̂ = x r (float32) and g = dy w:
+    dx = r (g - x̂ mean(g x̂))            dw = sum over rows of dy x̂
+"""
+
+from __future__ import annotations
+
+
+def _wide(xp, a):
+    """``a`` in float32 at least (statistics), no copy when it already is."""
+    return a if a.dtype.itemsize >= 4 else a.astype(xp.float32)
+
+
+class RMSNorm:
+    def __init__(self, xp):
+        self.xp = xp
+
+    def forward(self, x, w, eps: float):
+        """y = rms_norm(x) * w, in x's dtype."""
+        return self.forward_train(x, w, eps)[0]
+
+    def add_forward(self, x, residual, w, eps: float):
+        """(rms_norm(x + residual) * w, x + residual)."""
+        s = x + residual
+        return self.forward(s, w, eps), s
+
+    def forward_train(self, x, w, eps: float):
+        """(y, ctx) where ctx = (x, r) is what ``backward`` needs."""
+        xp = self.xp
+        xf = _wide(xp, x)
+        r = 1.0 / xp.sqrt((xf * xf).mean(axis=-1, keepdims=True) + eps)   # (..., 1) float32
+        return w * (xf * r).astype(x.dtype, copy=False), (x, r)
+
+    def backward(self, dy, ctx, w):
+        """(dx, dw) for y = forward(x, w); dw in float32 at least."""
+        xp = self.xp
+        x, r = ctx
+        xhat = _wide(xp, x) * r
+        dyf = _wide(xp, dy)
+        dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+        g = dyf * _wide(xp, w)
+        dx = r * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+        return dx.astype(dy.dtype, copy=False), dw
