@@ -13,13 +13,13 @@ from __future__ import annotations
 class KVCache:
     """k and v of shape (layers, batch, kv_heads_per_partition, capacity, head_dim)."""
 
-    def __init__(self, xp, num_layers: int, batch: int, kv_heads: int, capacity: int,
+    def __init__(self, ops, num_layers: int, batch: int, kv_heads: int, capacity: int,
                  head_dim: int, dtype):
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
-        self.k = xp.zeros(shape, dtype=dtype)
-        self.v = xp.zeros(shape, dtype=dtype)
+        self.k = ops.xp.zeros(shape, dtype=dtype)
+        self.v = ops.xp.zeros(shape, dtype=dtype)
         self.capacity = capacity
-        self.xp = xp
+        self.kv_write = ops.kv_write
 
     @property
     def nbytes(self) -> int:
@@ -27,21 +27,13 @@ class KVCache:
 
     def write(self, layer: int, k, v, starts, from_start: bool, max_kv: int):
         """Store k, v (B, T, kv, hd) at slots [starts[b], starts[b] + T) of each row b and
-        return the first ``max_kv`` slots of the layer's keys and values, views of shape
-        (B, kv, max_kv, hd)."""
+        return the layer's keys and values, views of shape (B, kv, capacity, hd): the whole
+        cache, so that a fused kernel sees one shape for every decode step (the lengths say
+        which slots count; the reference reads only the first ``max_kv``)."""
         if max_kv > self.capacity:
             raise IndexError(f"KV cache holds {self.capacity} slots, step needs {max_kv}")
-        B, T = k.shape[:2]
-        if from_start:                     # prefill: one slice for every row
-            self.k[layer, :, :, :T] = k.transpose(0, 2, 1, 3)
-            self.v[layer, :, :, :T] = v.transpose(0, 2, 1, 3)
-        else:                              # each row at its own slots
-            xp = self.xp
-            rows = xp.arange(B)[:, None]                              # (B, 1)
-            slots = starts[:, None] + xp.arange(T)[None, :]           # (B, T)
-            self.k[layer][rows, :, slots] = k                          # (B, T, kv, hd)
-            self.v[layer][rows, :, slots] = v
-        return self.k[layer, :, :, :max_kv], self.v[layer, :, :, :max_kv]
+        self.kv_write.forward(self.k[layer], self.v[layer], k, v, starts, from_start)
+        return self.k[layer], self.v[layer]
 
 
 def kv_cache_bytes(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,

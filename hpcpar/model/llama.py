@@ -105,7 +105,7 @@ class LlamaStage:
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """This stage's KV cache for a micro-batch of ``batch`` rows and ``capacity`` slots."""
         kv_heads = self.decoder[0].attention.kv_heads
-        return KVCache(self.xp, len(self.decoder), batch, kv_heads, capacity,
+        return KVCache(self.ops, len(self.decoder), batch, kv_heads, capacity,
                        self.cfg.head_dim, self.dtype)
 
     def embed(self, ids):

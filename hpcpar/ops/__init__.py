@@ -13,6 +13,7 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
     attention    causal GQA softmax attention over per-row lengths (prefill, decode over a
                  KV cache, training with backward)
     embedding    the vocab-parallel lookup and its scatter backward
+    kv_write     a step's keys and values into the KV cache, each row at its own slots
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from .attention import Attention, AttentionRows
 from .embedding import embedding_lookup
+from .kv_write import KVWrite
 from .linear import linear, linear_input_grad
 from .rms_norm import RMSNorm
 from .rotary import Rotary
@@ -36,6 +38,7 @@ class Ops:
     rotary: Rotary
     swiglu: SwiGLU
     attention: Attention
+    kv_write: KVWrite
     device: bool = False        # the device kernels are in use
 
 
@@ -47,8 +50,8 @@ def ops_for(backend) -> Ops:
     if backend.is_gpu and os.environ.get("HPCPAR_OPS", "auto") != "native":
         from .cuda import cuda_ops
         return cuda_ops(xp)
-    return Ops(xp, RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp))
+    return Ops(xp, RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp), KVWrite(xp))
 
 
-__all__ = ["Attention", "AttentionRows", "Ops", "RMSNorm", "Rotary", "SwiGLU",
+__all__ = ["Attention", "AttentionRows", "KVWrite", "Ops", "RMSNorm", "Rotary", "SwiGLU",
            "embedding_lookup", "linear", "linear_input_grad", "ops_for"]

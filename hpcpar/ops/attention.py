@@ -11,7 +11,7 @@ rows of one batch sit at different points of their sequences.
 
 Layouts: q (B, T, heads, d) as the qkv GEMM leaves it (views fine); keys and values
 (B, kv_heads, S, d), the KV cache's layout (training passes views of its (B, T, kv, d) k and
-v); out (B, T, heads, d). g = heads / kv_heads query heads share a KV head.
+v), of which the first ``max_kv`` slots are read; out (B, T, heads, d). g = heads / kv_heads query heads share a KV head.
 Queries past a row's length (padding) get a finite output that is never used.
 
 Backward (training): with P the probabilities and dO the output gradient,
@@ -79,6 +79,7 @@ class Attention:
         """(out, ctx) where ctx is what ``backward`` needs."""
         xp = self.xp
         B, T, nh, hd = q.shape
+        keys, values = keys[:, :, :rows.max_kv], values[:, :, :rows.max_kv]
         nkv, S = keys.shape[1], keys.shape[2]
         g = nh // nkv
         scale = 1.0 / math.sqrt(hd)

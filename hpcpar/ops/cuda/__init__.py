@@ -7,8 +7,9 @@ from __future__ import annotations
 def cuda_ops(xp):
     from .. import Ops
     from .attention import CudnnAttention
+    from .kv_write import KVWriteCuda
     from .rms_norm import RMSNormCuda
     from .rotary import RotaryCuda
     from .swiglu import SwiGLUCuda
     return Ops(xp, RMSNormCuda(xp), RotaryCuda(xp), SwiGLUCuda(xp), CudnnAttention(xp),
-               device=True)
+               KVWriteCuda(xp), device=True)

@@ -50,31 +50,39 @@ class FusedContext(NamedTuple):
 
 
 class _Graph:
-    """One built cuDNN graph, its tensors by name, and a workspace."""
+    """One built cuDNN graph, its tensors' uids by name, and a workspace."""
 
     def __init__(self, graph, tensors: dict, workspace):
-        self.graph, self.tensors, self.workspace = graph, tensors, workspace
+        self.graph, self.workspace = graph, workspace
+        self.names = tuple(tensors)
+        self.uids = tuple(tensors[name].get_uid() for name in self.names)
 
     def run(self, handle, arrays: dict) -> None:
-        cudnn = _cudnn()
-        cudnn.set_stream(handle, cupy.cuda.get_current_stream().ptr)
-        pack = {self.tensors[k]: v.data.ptr for k, v in arrays.items()}
-        self.graph.execute(pack, self.workspace, handle=handle)
+        # the ordered form (pointers in uid order) costs half the host time of a dict:
+        # 0.069 against 0.127 ms per call, measured on an H100 (decode is launch-bound)
+        _cudnn().set_stream(handle, cupy.cuda.get_current_stream().ptr)
+        pointers = tuple(arrays[name].data.ptr for name in self.names)
+        self.graph.execute(pointers, self.workspace, handle=handle, tensor_uids=self.uids)
+
+
+# Built graphs outlive one job's ops (a process runs several jobs in tests and benchmarks;
+# a graph takes ~35 ms to build); one cuDNN handle per process, which owns one GPU.
+_GRAPHS: dict = {}
+_HANDLE: list = []
 
 
 class CudnnAttention(Attention):
     def __init__(self, xp):
         super().__init__(xp)
-        self._graphs: dict = {}
-        self._handle = None
+        self._graphs = _GRAPHS
 
     def _fused(self, q) -> bool:
         return q.dtype.name in _CUDNN_DTYPES
 
     def _handle_now(self):
-        if self._handle is None:
-            self._handle = _cudnn().create_handle()
-        return self._handle
+        if not _HANDLE:
+            _HANDLE.append(_cudnn().create_handle())
+        return _HANDLE[0]
 
     # ---- graphs ---------------------------------------------------------------------------
 
@@ -155,6 +163,8 @@ class CudnnAttention(Attention):
         if not self._fused(q):
             return super().forward(q, keys, values, rows)
         causal = self._causal(q, rows)
+        if rows.from_start:           # prefill reads its own T keys: one graph per (B, T)
+            keys, values = keys[:, :, :q.shape[1]], values[:, :, :q.shape[1]]
         graph = self._graph("forward", q, keys, values, causal)
         # zeros: cuDNN leaves the rows past a row's length alone, and they must stay finite
         out = cupy.zeros(q.shape, dtype=q.dtype)
