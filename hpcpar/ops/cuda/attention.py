@@ -76,9 +76,6 @@ class CudnnAttention(Attention):
         super().__init__(xp)
         self._graphs = _GRAPHS
 
-    def _fused(self, q) -> bool:
-        return q.dtype.name in _CUDNN_DTYPES
-
     def _handle_now(self):
         if not _HANDLE:
             _HANDLE.append(_cudnn().create_handle())
@@ -149,20 +146,17 @@ class CudnnAttention(Attention):
     def _lengths(self, rows: AttentionRows):
         return rows.q_lengths.reshape(-1, 1, 1, 1), rows.kv_lengths.reshape(-1, 1, 1, 1)
 
-    def _causal(self, q, rows: AttentionRows) -> bool:
-        """cuDNN's causal mask is top-left aligned: right for prefill from position 0; a
-        single query per row sees every key of its row, so decode needs none."""
-        if q.shape[1] == 1:
+    def _fused(self, q, rows: AttentionRows | None = None) -> bool:
+        """cuDNN serves half precision, and (its causal mask being top-left aligned) either
+        one query per row or queries from position 0; anything else runs the reference."""
+        if q.dtype.name not in _CUDNN_DTYPES:
             return False
-        if not rows.from_start:
-            raise NotImplementedError("cuDNN attention of several queries per row that do not "
-                                      "start at position 0 (chunked prefill) is not built yet")
-        return True
+        return rows is None or q.shape[1] == 1 or rows.from_start
 
     def forward(self, q, keys, values, rows: AttentionRows):
-        if not self._fused(q):
+        if not self._fused(q, rows):
             return super().forward(q, keys, values, rows)
-        causal = self._causal(q, rows)
+        causal = q.shape[1] > 1
         if rows.from_start:           # prefill reads its own T keys: one graph per (B, T)
             keys, values = keys[:, :, :q.shape[1]], values[:, :, :q.shape[1]]
         graph = self._graph("forward", q, keys, values, causal)
@@ -174,9 +168,9 @@ class CudnnAttention(Attention):
         return out
 
     def forward_train(self, q, keys, values, rows: AttentionRows):
-        if not self._fused(q):
+        if not self._fused(q, rows):
             return super().forward_train(q, keys, values, rows)
-        causal = self._causal(q, rows)
+        causal = q.shape[1] > 1
         graph = self._graph("forward_train", q, keys, values, causal)
         B, T, nh, _ = q.shape
         out = cupy.zeros(q.shape, dtype=q.dtype)
