@@ -8,9 +8,13 @@ Workloads (random weights of the Llama-3.2-1B / Llama-3.1-8B shapes, bfloat16):
   (sdpa; prefill as ``model(ids, logits_to_keep=1)``, decode as ``generate()`` minus that
   prefill) and of transformers with its static cache and torch.compile (as its users run it
   at its best; the first, compiling call is not timed);
+- training (``--train``, 1B only by default): tokens/s of full steps (forward, backward,
+  AdamW over float32 masters, bf16 compute, 8 x 1024 tokens per step in 2 micro-batches) of
+  hpcpar against torch as its users run it: LlamaForCausalLM in float32 under bf16 autocast,
+  sdpa attention, ``AdamW(fused=True)``; the first steps (compiling, allocating) are not timed;
 - floors from probes run here: prefill at the measured bf16 GEMM rate over 2 N FLOPs per
-  token (N = matrix parameters), decode at the measured copy bandwidth reading every weight
-  once per step of B tokens.
+  token (N = matrix parameters), training over 6 N, decode at the measured copy bandwidth
+  reading every weight once per step of B tokens.
 
 hpcpar runs twice per workload (the first fills CuPy's kernel cache and builds cuDNN's
 graphs, as any long job does once); its figures are the second run's report. Results go to
@@ -91,6 +95,54 @@ def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int) -> dict:
             "tokens": result.tokens}
 
 
+def run_hpcpar_train(checkpoint: Path, args, out: Path) -> float:
+    """Tokens/s of the steps after the first two (metrics.jsonl of one run)."""
+    from mpi4py import MPI
+    from hpcpar.jobs import load_job
+    from hpcpar.train.engine import run_training
+    sets = [f"model.checkpoint='{checkpoint}'", "parallel.backend='cupy'",
+            "model.dtype='bfloat16'", "data.dataset='synthetic'",
+            f"train.seq_len={args.train_seq_len}", f"train.global_batch={args.train_batch}",
+            f"train.steps={args.train_steps}", "parallel.micro_batches=2", "train.lr=1e-5",
+            f"output.path='{out}'"]
+    run_training(MPI.COMM_SELF, load_job(None, sets), progress=False)
+    timed = [json.loads(line) for line in open(out / "metrics.jsonl")][2:]
+    return sum(m["tokens"] for m in timed) / sum(m["seconds"] for m in timed)
+
+
+def run_torch_train(checkpoint: Path, args) -> float:
+    """torch's best single-GPU recipe on the same weights: bf16 autocast, fused AdamW."""
+    import torch
+    from baselines import transformers_llama
+    from hpcpar.checkpoint import open_checkpoint
+    model = transformers_llama(checkpoint, threads=8).to(device="cuda", dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    vocab = open_checkpoint(checkpoint).config.vocab_size
+    ids = torch.randint(0, vocab, (args.train_batch, args.train_seq_len), device="cuda")
+    half = args.train_batch // 2                          # 2 micro-batches, as hpcpar runs
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        for part in (ids[:half], ids[half:]):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(part, labels=part).loss / 2
+            loss.backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    start, steps = time.perf_counter(), max(args.train_steps - 2, 1)
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    tokens_per_s = steps * ids.numel() / (time.perf_counter() - start)
+    del model, opt
+    torch.cuda.empty_cache()
+    return tokens_per_s
+
+
 def transformers_model(checkpoint: Path):
     import torch
     from baselines import transformers_llama
@@ -138,6 +190,10 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-length", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-compiled", action="store_true", help="skip transformers + compile")
+    ap.add_argument("--train", default="1b", help="models to train ('' for none)")
+    ap.add_argument("--train-batch", type=int, default=8)
+    ap.add_argument("--train-seq-len", type=int, default=1024)
+    ap.add_argument("--train-steps", type=int, default=6, help="the first two are not timed")
     ap.add_argument("--work", default=None, help="folder for the checkpoints (default: temp)")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -188,17 +244,28 @@ def main(argv=None) -> None:
                          "hpcpar": mine[phase], "transformers": eager[phase],
                          "transformers_compiled": compiled[phase] if compiled else None,
                          "floor": floors[phase]})
+        if name in args.train.split(","):
+            cp.get_default_memory_pool().free_all_blocks()
+            trained = run_hpcpar_train(path, args, work / f"train-{name}")
+            cp.get_default_memory_pool().free_all_blocks()
+            torch_tps = run_torch_train(path, args)
+            print(f"{name}: training hpcpar {trained:,.0f} tok/s, torch {torch_tps:,.0f}",
+                  flush=True)
+            rows.append({"workload": f"train-{name}-bf16", "phase": "train", "hpcpar": trained,
+                         "torch": torch_tps,
+                         "floor": probe["gemm_tflops"] * 1e12 / (6 * n_matrix)})
     _report(gpu, probe, rows, args)
 
 
 def _report(gpu: str, probe: dict, rows: list, args) -> None:
-    print(f"\n{'workload':<20} {'phase':<8} {'hpcpar':>10} {'transformers':>13} "
+    print(f"\n{'workload':<20} {'phase':<8} {'hpcpar':>10} {'baseline':>13} "
           f"{'compiled':>10} {'floor':>10} {'vs eager':>9} {'vs compiled':>12}")
     for r in rows:
-        comp = r["transformers_compiled"]
+        base = r.get("transformers") or r["torch"]       # training rows: torch
+        comp = r.get("transformers_compiled")
         print(f"{r['workload']:<20} {r['phase']:<8} {r['hpcpar']:>10,.0f} "
-              f"{r['transformers']:>13,.0f} {comp or 0:>10,.0f} {r['floor']:>10,.0f} "
-              f"{r['hpcpar'] / r['transformers']:>9.2f} "
+              f"{base:>13,.0f} {comp or 0:>10,.0f} {r['floor']:>10,.0f} "
+              f"{r['hpcpar'] / base:>9.2f} "
               f"{(r['hpcpar'] / comp) if comp else float('nan'):>12.2f}")
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     out = REPO / "benchmarks" / "results" / f"{slug}-{datetime.date.today()}.json"

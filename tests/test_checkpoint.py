@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import h5py
@@ -9,7 +10,7 @@ from hpcpar.checkpoint import (CheckpointError, convert, init_checkpoint, load_s
                                open_checkpoint, read_tensor)
 from hpcpar.checkpoint.format import CHUNK_TP_SIZES
 from hpcpar.config import LlamaConfig, ParallelConfig
-from hpcpar.dtypes import bfloat16
+from hpcpar.dtypes import FLOAT_DTYPES, bfloat16, nonfinite
 from hpcpar.errors import HpcparError
 from hpcpar.sharding import shard_of
 from hpcpar.tensors import model_tensors
@@ -172,6 +173,31 @@ def test_wrong_shape_or_dtype(good, tmp_path, replacement, words):
         f["model.norm.weight"] = replacement
     with pytest.raises(CheckpointError, match=words):
         open_checkpoint(bad)
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT_DTYPES))
+def test_nonfinite_reads_the_exponent_bits_as_isfinite_does(name):
+    dtype = FLOAT_DTYPES[name]
+    big = float(np.finfo(np.float16).max) if name == "float16" else 3.0e38
+    values = np.array([0.0, -0.0, 1.0, -2.5, big, -big, 1e-40, np.inf, -np.inf, np.nan, -np.nan],
+                      dtype=np.float32).astype(dtype)
+    np.testing.assert_array_equal(nonfinite(np, values), ~np.isfinite(values.astype(np.float64)))
+
+
+@pytest.mark.parametrize("loaded, words", [
+    (None, "damaged or came from a diverged training;"),
+    (np.float16, "or its values overflow float16 (load it in float32)"),
+])
+def test_nan_or_overflowing_weights_are_refused_at_load(good, tmp_path, loaded, words):
+    bad = _copy(good, tmp_path)
+    with h5py.File(bad, "a") as f:
+        f["model.layers.1.mlp.up_proj.weight"][2, 5] = np.nan if loaded is None else 1e6
+    ckpt = open_checkpoint(bad)
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj.weight holds NaN or "
+                                              r"inf values \(first at local index \(2, 5\)\)"):
+        load_shard(ckpt, list(ckpt.tensors.values()), dtype=loaded)
+    with pytest.raises(CheckpointError, match=re.escape(words)):
+        load_shard(ckpt, list(ckpt.tensors.values()), dtype=loaded)
 
 
 def test_newer_format_version(good, tmp_path):

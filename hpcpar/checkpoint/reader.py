@@ -19,7 +19,7 @@ import numpy as np
 
 from ..backend import NUMPY, ArrayBackend
 from ..config import ConfigError, LlamaConfig
-from ..dtypes import FLOAT_DTYPES, dtype_name
+from ..dtypes import FLOAT_DTYPES, dtype_name, nonfinite
 from ..errors import HpcparError
 from ..sharding import shard_of
 from ..tensors import TensorSpec, model_tensors
@@ -129,6 +129,7 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
     stored = storage_dtype(ckpt.dtype)
     out = LoadedShard()
     start = perf_counter()
+    flags = []              # per tensor, on the device: holds a NaN or inf (read once, below)
     with ckpt.open() as f:
         for spec in specs:
             shard = shard_of(spec, ckpt.config, tp_rank, tp_size)
@@ -141,23 +142,34 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
                                       f"file is truncated or corrupt ({_first_line(e)})") from None
             out.bytes_read += shard.source_numel * stored.itemsize
             host = raw.view(ckpt.dtype) if stored != ckpt.dtype else raw
-            _check_finite(ckpt.path, dataset.format(spec.name), host)
             if host.dtype != dtype:
-                host = host.astype(dtype)
-            out.tensors[spec.name] = backend.asarray(host)
+                with np.errstate(over="ignore"):        # an overflow is refused just below
+                    host = host.astype(dtype)
+            out.tensors[spec.name] = arr = backend.asarray(host)
+            flags.append(nonfinite(backend.xp, arr).any())
+    _check_finite(ckpt, dataset, specs, out.tensors, flags, backend)
     backend.release_host_staging()
     out.seconds = perf_counter() - start
     return out
 
 
-def _check_finite(path: Path, name: str, values: np.ndarray) -> None:
-    """NaN or inf in weights turns every output into garbage: refuse them at load time."""
-    finite = np.isfinite(values)
-    if not finite.all():
-        where = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise CheckpointError(f"{path}: {name} holds NaN or inf values (first at local index "
-                              f"{where}); the file is damaged or came from a diverged training; "
-                              "convert it again or use an earlier checkpoint")
+def _check_finite(ckpt: Checkpoint, dataset: str, specs: list[TensorSpec], tensors: dict,
+                  flags: list, backend: ArrayBackend) -> None:
+    """NaN or inf in weights turns every output into garbage: refuse them at load time. The
+    test runs where the tensors are (a GPU checks its own copy) and is read back once."""
+    if not flags or not backend.to_host(backend.xp.stack(flags)).any():
+        return
+    for spec, flag in zip(specs, flags):
+        if bool(backend.to_host(flag)):
+            values = backend.to_host(tensors[spec.name])
+            where = tuple(int(i) for i in np.argwhere(nonfinite(np, values))[0])
+            loaded = dtype_name(values.dtype)
+            overflow = (f", or its values overflow {loaded} (load it in {dtype_name(ckpt.dtype)})"
+                        if values.dtype != ckpt.dtype else "")
+            raise CheckpointError(
+                f"{ckpt.path}: {dataset.format(spec.name)} holds NaN or inf values (first at "
+                f"local index {where}); the file is damaged or came from a diverged "
+                f"training{overflow}; convert it again or use an earlier checkpoint")
 
 
 def read_tensor(ckpt: Checkpoint, name: str) -> np.ndarray:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import resource
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from time import perf_counter
 
@@ -227,7 +227,8 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             bar.close()
 
         with phase("collecting the outputs on rank 0"):
-            totals = totals or RankFigures()
+            totals = replace(totals or RankFigures(), load_seconds=shard.seconds,
+                             load_bytes=shard.bytes_read)
             table = world.gather(totals.to_array()[None], root=0)       # (ranks, figures)
         result = None
         if rank == 0:

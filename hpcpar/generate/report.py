@@ -32,13 +32,16 @@ class RankFigures:
     device_bytes: float = 0.0
     kv_cache_bytes: float = 0.0
     weight_bytes: float = 0.0
+    load_seconds: float = 0.0     # reading this rank's slices to its device
+    load_bytes: float = 0.0
 
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
 
     def combine(self, later: "RankFigures") -> "RankFigures":
         """Two waves of one run: times and bytes add up, memory is the larger."""
-        peaks = ("peak_host_bytes", "device_bytes", "kv_cache_bytes", "weight_bytes")
+        peaks = ("peak_host_bytes", "device_bytes", "kv_cache_bytes", "weight_bytes",
+                 "load_seconds", "load_bytes")
         return RankFigures(**{f.name: (max if f.name in peaks else sum)(
             (getattr(self, f.name), getattr(later, f.name))) for f in fields(self)})
 
@@ -74,6 +77,8 @@ class RunReport:
     device_mb: list[float]
     kv_cache_mb: list[float]
     weight_mb: list[float]
+    load_seconds: float
+    load_gb_per_s: float          # all ranks' bytes over the slowest rank's seconds
 
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
@@ -106,7 +111,10 @@ class RunReport:
             peak_host_mb=[f.peak_host_bytes / 1e6 for f in ranks],
             device_mb=[f.device_bytes / 1e6 for f in ranks],
             kv_cache_mb=[f.kv_cache_bytes / 1e6 for f in ranks],
-            weight_mb=[f.weight_bytes / 1e6 for f in ranks])
+            weight_mb=[f.weight_bytes / 1e6 for f in ranks],
+            load_seconds=max(f.load_seconds for f in ranks),
+            load_gb_per_s=(sum(f.load_bytes for f in ranks) / 1e9
+                           / max(max(f.load_seconds for f in ranks), 1e-9)))
 
     def attrs(self) -> dict:
         """Flat HDF5-friendly attributes, prefixed ``report_``."""
@@ -136,6 +144,8 @@ class RunReport:
         if max(self.device_mb) > 0:
             memory += f"; GPU pool {max(self.device_mb):.0f} MB"
         lines.append(memory)
+        lines.append(f"loading: {self.load_seconds:.2f} s, {self.load_gb_per_s:.2f} GB/s "
+                     "(all ranks' bytes over the slowest rank's time)")
         return "\n".join(lines)
 
 
