@@ -90,9 +90,11 @@ def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int) -> dict:
     once(new_tokens)                                      # warm-up: kernels, cuDNN graphs
     result = once(new_tokens)
     attrs = result.report.attrs()
+    figures = {k: float(np.max(attrs[f"report_{k}"])) for k in
+               ("load_seconds", "load_gb_per_s", "weight_mb", "kv_cache_mb", "device_mb")}
     return {"prefill": float(attrs["report_prefill_tokens_per_s"]),
             "decode": float(attrs["report_decode_tokens_per_s"]),
-            "tokens": result.tokens}
+            "tokens": result.tokens, **figures}
 
 
 def run_hpcpar_train(checkpoint: Path, args, out: Path) -> float:
@@ -218,8 +220,21 @@ def main(argv=None) -> None:
         prompts = np.random.default_rng(0).integers(
             0, cfg.vocab_size, (args.batch, args.prompt_length))
         mine = run_hpcpar(path, prompts, args.new_tokens)
-        print(f"{name}: hpcpar prefill {mine['prefill']:,.0f} decode {mine['decode']:,.0f}",
-              flush=True)
+        print(f"{name}: hpcpar prefill {mine['prefill']:,.0f} decode {mine['decode']:,.0f}; "
+              f"load {mine['load_seconds']:.2f} s ({mine['load_gb_per_s']:.2f} GB/s); GPU pool "
+              f"{mine['device_mb']:,.0f} MB for weights {mine['weight_mb']:,.0f} MB + KV cache "
+              f"{mine['kv_cache_mb']:,.0f} MB", flush=True)
+        n_matrix, weight_bytes = matrix_params(cfg)
+        if name in args.train.split(","):
+            cp.get_default_memory_pool().free_all_blocks()
+            trained = run_hpcpar_train(path, args, work / f"train-{name}")
+            cp.get_default_memory_pool().free_all_blocks()
+            torch_tps = run_torch_train(path, args)
+            print(f"{name}: training hpcpar {trained:,.0f} tok/s, torch {torch_tps:,.0f}",
+                  flush=True)
+            rows.append({"workload": f"train-{name}-bf16", "phase": "train", "hpcpar": trained,
+                         "torch": torch_tps,
+                         "floor": probe["gemm_tflops"] * 1e12 / (6 * n_matrix)})
         cp.get_default_memory_pool().free_all_blocks()
         model = transformers_model(path)
         eager = run_transformers(model, prompts, args.new_tokens, compiled=False)
@@ -236,7 +251,6 @@ def main(argv=None) -> None:
         del model
         import torch
         torch.cuda.empty_cache()
-        n_matrix, weight_bytes = matrix_params(cfg)
         floors = {"prefill": probe["gemm_tflops"] * 1e12 / (2 * n_matrix),
                   "decode": args.batch * probe["copy_bytes_per_s"] / weight_bytes}
         for phase in ("prefill", "decode"):
@@ -244,16 +258,9 @@ def main(argv=None) -> None:
                          "hpcpar": mine[phase], "transformers": eager[phase],
                          "transformers_compiled": compiled[phase] if compiled else None,
                          "floor": floors[phase]})
-        if name in args.train.split(","):
-            cp.get_default_memory_pool().free_all_blocks()
-            trained = run_hpcpar_train(path, args, work / f"train-{name}")
-            cp.get_default_memory_pool().free_all_blocks()
-            torch_tps = run_torch_train(path, args)
-            print(f"{name}: training hpcpar {trained:,.0f} tok/s, torch {torch_tps:,.0f}",
-                  flush=True)
-            rows.append({"workload": f"train-{name}-bf16", "phase": "train", "hpcpar": trained,
-                         "torch": torch_tps,
-                         "floor": probe["gemm_tflops"] * 1e12 / (6 * n_matrix)})
+        rows.append({"workload": f"generate-{name}-bf16", "phase": "memory", **{
+            k: mine[k] for k in ("load_seconds", "load_gb_per_s", "weight_mb", "kv_cache_mb",
+                                 "device_mb")}})
     _report(gpu, probe, rows, args)
 
 
@@ -261,6 +268,8 @@ def _report(gpu: str, probe: dict, rows: list, args) -> None:
     print(f"\n{'workload':<20} {'phase':<8} {'hpcpar':>10} {'baseline':>13} "
           f"{'compiled':>10} {'floor':>10} {'vs eager':>9} {'vs compiled':>12}")
     for r in rows:
+        if r["phase"] == "memory":
+            continue
         base = r.get("transformers") or r["torch"]       # training rows: torch
         comp = r.get("transformers_compiled")
         print(f"{r['workload']:<20} {r['phase']:<8} {r['hpcpar']:>10,.0f} "

@@ -225,3 +225,14 @@ def test_generation_on_the_gpu_matches_the_cpu(tmp_path, dtype):
             close(got, ref, dtype, MODEL_NORMWISE)
     if dtype == "float32":
         assert gpu.tokens.tolist() == cpu.tokens.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_load_time_finite_check_runs_on_the_device(cp, dtype):
+    from hpcpar.dtypes import float_dtype, nonfinite
+    values = np.array([0.0, -1.5, 3.0e4, 1e-30, np.inf, -np.inf, np.nan] * 100, np.float32)
+    np.random.default_rng(0).shuffle(values)
+    on_device = cp.asarray(values.astype(float_dtype(dtype)))
+    got = nonfinite(cp, on_device)
+    assert isinstance(got, cp.ndarray)
+    np.testing.assert_array_equal(cp.asnumpy(got), ~np.isfinite(values))
