@@ -71,6 +71,13 @@ class ArrayBackend:
         if self.is_gpu:
             self.xp.get_default_pinned_memory_pool().free_all_blocks()
 
+    def release_unused_device_memory(self) -> None:
+        """Give the driver back the blocks CuPy's pool keeps free (after building the model:
+        the loaded tensors it merged or transposed are free, and the pool would hold them for
+        the whole run beside their copies)."""
+        if self.is_gpu:
+            self.xp.get_default_memory_pool().free_all_blocks()
+
     def empty_host(self, shape, dtype) -> np.ndarray:
         """A host buffer for staging device data; page-locked on GPU so copies run at full speed."""
         if self.is_gpu:

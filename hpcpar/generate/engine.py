@@ -168,6 +168,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                              dtype=plan.dtype, backend=backend)
         stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
                            mesh.is_last_stage, tp, ops_for(backend), plan.dtype)
+        backend.release_unused_device_memory()
 
         world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
         # from here a SIGTERM / SIGUSR1 only asks to stop after the current wave

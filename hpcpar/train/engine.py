@@ -237,6 +237,7 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
         states = everyone(comm, tc.load_optimizer_state, plan.resume[0], all_specs,
                           STATE_NAMES[plan.optimizer.optimizer], mesh.tp_rank, layout.tp,
                           backend)
+    backend.release_unused_device_memory()
     return chunks, params, states
 
 
