@@ -97,7 +97,7 @@ class LlamaStage:
         if last:
             self.final_norm = top["final_norm"]
             head = top["embed"] if cfg.tie_word_embeddings else top["head"]
-            self.head = ParallelLMHead(xp, head, cfg.vocab_size, tp,
+            self.head = ParallelLMHead(ops, head, cfg.vocab_size, tp,
                                        shared=first and cfg.tie_word_embeddings)
         self.rope = RotaryEmbedding(cfg, xp, dtype)
         self.hidden_size = cfg.hidden_size

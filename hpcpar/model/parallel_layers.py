@@ -16,7 +16,7 @@ transposed view instead of a second copy.
 from __future__ import annotations
 
 from ..comm import Communicator
-from ..ops import embedding_lookup, linear
+from ..ops import Ops, embedding_lookup, linear
 from ..sharding import vocab_range
 
 
@@ -97,13 +97,16 @@ class ParallelLMHead:
     Padding rows (beyond ``vocab_size``) never win: their logits are -inf.
     """
 
-    def __init__(self, xp, weight, vocab_size: int, tp: Communicator, shared: bool = False):
+    def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator,
+                 shared: bool = False):
+        xp = ops.xp
         # shared: ``weight`` is also this rank's embedding table (tied): view it, don't copy
         self.weight_t = weight.T if shared else xp.ascontiguousarray(weight.T)  # (hidden, vocab_i)
         self.vocab_size = vocab_size
         self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
         self.tp = tp
         self.xp = xp
+        self.top_k_op = ops.top_k
 
     def local_logits(self, h):
         """(..., vocab_per_partition) float32 logits of this rank's block, padding at -inf."""
@@ -122,22 +125,11 @@ class ParallelLMHead:
         exchanging only k candidates per rank. Returns (values, ids), each (rows, k * tp),
         sorted by logit descending, ties by lower id (the order a single rank would give)."""
         xp = self.xp
-        rows = local.reshape(-1, local.shape[-1])
-        k_local = min(k, rows.shape[-1])
-        if k_local == 1:
-            idx = xp.argmax(rows, axis=-1)[:, None]          # first occurrence on ties
-        else:
-            idx = xp.argpartition(-rows, k_local - 1, axis=-1)[:, :k_local]
-        vals = xp.take_along_axis(rows, idx, axis=-1)
+        vals, idx = self.top_k_op.local(local.reshape(-1, local.shape[-1]), k)
         ids = (idx + self.start).astype(xp.float32)   # exact: vocab sizes are < 2**24
         both = xp.ascontiguousarray(xp.stack([vals, ids]))                  # (2, rows, k)
         gathered = self.tp.all_gather(both, axis=-1)                        # (2, rows, k*p)
-        vals, ids = gathered[0], gathered[1].astype(xp.int64)
-        # Sort by id, then stably by logit: descending logits, ties to the lower id.
-        by_id = xp.argsort(ids, axis=-1)
-        vals, ids = xp.take_along_axis(vals, by_id, -1), xp.take_along_axis(ids, by_id, -1)
-        order = xp.argsort(-vals, axis=-1, kind="stable")
-        return xp.take_along_axis(vals, order, axis=-1), xp.take_along_axis(ids, order, axis=-1)
+        return self.top_k_op.merge(gathered[0], gathered[1].astype(xp.int64))
 
     def argmax(self, local):
         """The id of the largest logit of each row over the whole vocabulary (ties: lowest id),

@@ -14,6 +14,8 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
                  KV cache, training with backward)
     embedding    the vocab-parallel lookup and its scatter backward
     kv_write     a step's keys and values into the KV cache, each row at its own slots
+    cross_entropy  the vocab-parallel cross-entropy's local pieces, and its backward
+    top_k        the vocab-parallel sampling reductions: local candidates, and their merge
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .attention import Attention, AttentionRows
+from .cross_entropy import CrossEntropy
 from .embedding import embedding_lookup
 from .kv_write import KVWrite
 from .linear import linear, linear_input_grad
 from .rms_norm import RMSNorm
 from .rotary import Rotary
 from .swiglu import SwiGLU
+from .top_k import TopK
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class Ops:
     swiglu: SwiGLU
     attention: Attention
     kv_write: KVWrite
+    cross_entropy: CrossEntropy
+    top_k: TopK
     device: bool = False        # the device kernels are in use
 
 
@@ -50,8 +56,15 @@ def ops_for(backend) -> Ops:
     if backend.is_gpu and os.environ.get("HPCPAR_OPS", "auto") != "native":
         from .cuda import cuda_ops
         return cuda_ops(xp)
-    return Ops(xp, RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp), KVWrite(xp))
+    return native_ops(xp)
 
 
-__all__ = ["Attention", "AttentionRows", "KVWrite", "Ops", "RMSNorm", "Rotary", "SwiGLU",
-           "embedding_lookup", "linear", "linear_input_grad", "ops_for"]
+def native_ops(xp) -> Ops:
+    """The NumPy references, on any array module."""
+    return Ops(xp, RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp), KVWrite(xp),
+               CrossEntropy(xp), TopK(xp))
+
+
+__all__ = ["Attention", "AttentionRows", "CrossEntropy", "KVWrite", "Ops", "RMSNorm", "Rotary",
+           "SwiGLU", "TopK", "embedding_lookup", "linear", "linear_input_grad", "native_ops",
+           "ops_for"]

@@ -64,7 +64,7 @@ class ModelChunk:
         if last:
             self.final_norm = top["final_norm"]
             self.head = top["embed"] if cfg.tie_word_embeddings else top["head"]
-            self.loss = VocabParallelCrossEntropy(xp, cfg.vocab_size, tp)
+            self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values())
         self.groups = self._backward_groups(top)
         self.rope = RotaryEmbedding(cfg, xp, self.params[0].data.dtype)

@@ -194,49 +194,23 @@ class VocabParallelEmbedding:
 
 class VocabParallelCrossEntropy:
     """Mean token cross-entropy of the column-parallel head's logits, never gathering the
-    vocabulary (Megatron's vocab-parallel cross-entropy).
+    vocabulary (Megatron's vocab-parallel cross-entropy; the math is ``ops.cross_entropy``):
+    one AllReduce(max) and one AllReduce(sum) of two numbers per row over tp, forward only."""
 
-    With z_i the (N, V/p) logits of rank i and t the target id of each row:
-        m = max_j z_j           AllReduce(max) over tp
-        s = sum_j exp(z_j - m)  } one AllReduce(sum) over tp of both
-        z_t                     } (only the rank owning t contributes z_t)
-        loss_row = log s + m - z_t
-    The loss is sum(weight_row * loss_row), weight = 1 / (labels in the global batch) for a
-    real label and 0 for an ignored one. Backward is local: dz = weight (softmax(z) - onehot(t))
-    on the rank's own vocabulary block.
-    """
-
-    def __init__(self, xp, vocab_size: int, tp: Communicator):
-        self.xp, self.tp = xp, tp
+    def __init__(self, ops: Ops, vocab_size: int, tp: Communicator):
+        self.ce, self.tp = ops.cross_entropy, tp
         self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
 
     def forward(self, logits, labels, weights):
-        """logits (N, V/p) float, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
+        """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
         ``logits`` is overwritten (it becomes exp(z - m)), and ``backward`` reuses it."""
-        xp = self.xp
-        N, width = logits.shape
-        real = self.stop - self.start
-        if real < width:                                             # vocabulary padding
-            logits[:, real:] = -xp.inf
-        m = logits.max(axis=-1)
+        m = self.ce.local_max(logits, self.stop - self.start)
         self.tp.all_reduce(m, op="max")
-        owned = (labels >= self.start) & (labels < self.stop)
-        local = xp.where(owned, labels - self.start, 0)
-        target = xp.where(owned, logits[xp.arange(N), local], 0.0)
-        e = logits                                   # exp(z - m) in place: (N, V/p) is large
-        e -= m[:, None]
-        xp.exp(e, out=e)
-        sums = xp.stack([e.sum(axis=-1), target])                          # (2, N)
+        sums, ctx = self.ce.local_sums(logits, m, labels, self.start, self.stop)
         self.tp.all_reduce(sums)
-        per_row = xp.log(sums[0]) + m - sums[1]   # log s + m - z_t
-        loss = (per_row * weights).sum()
-        return loss, (e, sums[0], local, owned, weights)
+        loss, _ = self.ce.loss(sums, m, weights)
+        return loss, (ctx, sums[0], weights)
 
     def backward(self, ctx):
-        xp = self.xp
-        e, s, local, owned, weights = ctx
-        dz = e                                       # softmax * weight, in place of e
-        dz *= (weights / s)[:, None]
-        rows = xp.nonzero(owned)[0]
-        dz[rows, local[rows]] -= weights[rows]
-        return dz
+        local_ctx, s, weights = ctx
+        return self.ce.backward(local_ctx, s, weights)
