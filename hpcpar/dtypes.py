@@ -34,6 +34,12 @@ def dtype_name(dtype) -> str:
     return "bfloat16" if dtype == bfloat16 else dtype.name
 
 
+def at_least_float32(xp, a):
+    """``a`` in float32 when it is a 16-bit float (statistics, softmax, losses), else itself:
+    no copy."""
+    return a if a.dtype.itemsize >= 4 else a.astype(xp.float32)
+
+
 # a float is NaN or inf exactly when its exponent bits are all ones
 _EXPONENT_MASKS = {"float64": (np.uint64, 0x7FF0000000000000), "float32": (np.uint32, 0x7F800000),
                    "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}

@@ -60,10 +60,13 @@ def comm():
 
 
 def _gpu_present() -> bool:
+    """The test of ``hpcpar run --backend cupy``: CuPy imports and CUDA reports a device."""
+    from hpcpar.backend import select_backend
+    from hpcpar.errors import HpcparError
     try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, or no usable CUDA
+        select_backend("cupy")
+        return True
+    except HpcparError:
         return False
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..dtypes import at_least_float32
+
 
 @dataclass(frozen=True)
 class AttentionRows:
@@ -48,10 +50,6 @@ class AttentionRows:
         """(B,) the position of each row's first query: kv_lengths - q_lengths."""
         return self.kv_lengths - self.q_lengths
 
-
-def _wide(xp, a):
-    """``a`` in float32 at least (scores and softmax), no copy when it already is."""
-    return a if a.dtype.itemsize >= 4 else a.astype(xp.float32)
 
 
 def attention_mask(xp, rows: AttentionRows, T: int, S: int):
@@ -87,7 +85,7 @@ class Attention:
         # (row, KV head) is a single GEMM against its keys, with no broadcast copies.
         qs = (q * scale).transpose(0, 2, 1, 3).reshape(B, nkv, g * T, hd)   # (B, nkv, g*T, d)
         scores = qs @ keys.transpose(0, 1, 3, 2)                            # (B, nkv, g*T, S)
-        scores = _wide(xp, scores).reshape(B, nkv, g, T, S)
+        scores = at_least_float32(xp, scores).reshape(B, nkv, g, T, S)
         scores = xp.where(attention_mask(xp, rows, T, S), scores, -xp.inf)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
@@ -108,8 +106,8 @@ class Attention:
         dout = dout.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)
         dout = dout.reshape(B, nkv, g * T, hd)                              # (B, nkv, g*T, d)
         dv = (probs.transpose(0, 1, 3, 2) @ dout).astype(dtype, copy=False)
-        dprobs = _wide(xp, dout @ values.transpose(0, 1, 3, 2))             # (B, nkv, g*T, S)
-        pf = _wide(xp, probs)
+        dprobs = at_least_float32(xp, dout @ values.transpose(0, 1, 3, 2))             # (B, nkv, g*T, S)
+        pf = at_least_float32(xp, probs)
         dscores = (pf * (dprobs - (dprobs * pf).sum(axis=-1, keepdims=True))).astype(
             dtype, copy=False)
         scale = 1.0 / math.sqrt(hd)

@@ -12,10 +12,7 @@ Backward, with x̂ = x r (float32) and g = dy w:
 
 from __future__ import annotations
 
-
-def _wide(xp, a):
-    """``a`` in float32 at least (statistics), no copy when it already is."""
-    return a if a.dtype.itemsize >= 4 else a.astype(xp.float32)
+from ..dtypes import at_least_float32
 
 
 class RMSNorm:
@@ -34,7 +31,7 @@ class RMSNorm:
     def forward_train(self, x, w, eps: float):
         """(y, ctx) where ctx = (x, r) is what ``backward`` needs."""
         xp = self.xp
-        xf = _wide(xp, x)
+        xf = at_least_float32(xp, x)
         r = 1.0 / xp.sqrt((xf * xf).mean(axis=-1, keepdims=True) + eps)   # (..., 1) float32
         return w * (xf * r).astype(x.dtype, copy=False), (x, r)
 
@@ -42,9 +39,9 @@ class RMSNorm:
         """(dx, dw) for y = forward(x, w); dw in float32 at least."""
         xp = self.xp
         x, r = ctx
-        xhat = _wide(xp, x) * r
-        dyf = _wide(xp, dy)
+        xhat = at_least_float32(xp, x) * r
+        dyf = at_least_float32(xp, dy)
         dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
-        g = dyf * _wide(xp, w)
+        g = dyf * at_least_float32(xp, w)
         dx = r * (g - xhat * (g * xhat).mean(axis=-1, keepdims=True))
         return dx.astype(dy.dtype, copy=False), dw

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..comm import Communicator
 from ..config import LlamaConfig
+from ..dtypes import at_least_float32
 from ..model.rope import RotaryEmbedding
 from ..ops import AttentionRows, Ops
 from .layers import (DecoderLayer, VocabParallelCrossEntropy, VocabParallelEmbedding, linear,
@@ -120,7 +121,7 @@ class ModelChunk:
         h, ctx["final_norm"] = self.ops.rms_norm.forward_train(x, self.final_norm.data,
                                                                self.cfg.rms_norm_eps)
         logits = linear(h, self.head, None).reshape(B * T, -1)                 # (N, V/p)
-        logits = logits.astype(xp.float32) if logits.dtype.itemsize < 4 else logits
+        logits = at_least_float32(xp, logits)
         loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
         ctx["h"] = h
         return loss, ctx
