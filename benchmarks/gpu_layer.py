@@ -41,8 +41,8 @@ def main(argv=None) -> None:
     rng = cp.random.default_rng(0)
     weights = {s.name: (rng.standard_normal(s.shape, dtype=cp.float32) * 0.02).astype(dtype)
                for s in specs}
-    stage = LlamaStage(cfg, specs, weights, range(1), False, False,
-                       MpiCommunicator(MPI.COMM_SELF), ops, dtype)
+    stage = LlamaStage.from_tensors(cfg, specs, weights, range(1), False, False,
+                                    MpiCommunicator(MPI.COMM_SELF), ops, dtype)
     B, P = args.batch, args.prompt_length
     cache = stage.new_cache(B, P + 128)
     layer = stage.decoder[0]
@@ -66,7 +66,8 @@ def main(argv=None) -> None:
         show("rope tables", lambda: stage.rope.tables(positions))
         cos, sin = stage.rope.tables(positions)
         att = layer.attention
-        show("rms_norm + residual add", lambda: ops.rms_norm.add_forward(x, x, layer.post_norm,
+        show("rms_norm + residual add", lambda: ops.rms_norm.add_forward(x, x,
+                                                                         layer.post_norm.data,
                                                                          1e-5))
         q, k, v = att.qkv(x)
         show("qkv GEMM", lambda: att.qkv(x))

@@ -126,8 +126,8 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     tp = MpiCommunicator(MPI.COMM_SELF)
     from hpcpar.backend import NUMPY
     from hpcpar.ops import ops_for
-    stage = LlamaStage(ckpt.config, specs, shard.tensors, layers, True, True, tp,
-                       ops_for(NUMPY), np.dtype(np.float32))
+    stage = LlamaStage.from_tensors(ckpt.config, specs, shard.tensors, layers, True, True, tp,
+                                    ops_for(NUMPY), np.dtype(np.float32))
     assert not shard.tensors                          # the stage took them all
     rope = _held_bytes(stage.rope)                   # position tables, not weights
     assert _held_bytes(stage) - rope == loaded == stage.weight_bytes

@@ -7,7 +7,7 @@ from mpi4py import MPI
 from hpcpar.comm import create_communicator
 from hpcpar.generate.sampling import SamplingParams, sample_from_candidates
 from hpcpar.jobs import JobError, load_job, parse_set
-from hpcpar.model.parallel_layers import ParallelLMHead
+from hpcpar.model.parallel_layers import Frozen, ParallelLMHead
 from hpcpar.ops import native_ops
 
 
@@ -65,7 +65,7 @@ def test_lm_head_argmax_and_top_k_on_one_rank_match_numpy():
     rng = np.random.default_rng(1)
     weight = rng.standard_normal((40, 8)).astype(np.float32)
     weight[37:] = 100.0                                # 3 padding rows must never win
-    head = ParallelLMHead(native_ops(np), weight, 37, tp)
+    head = ParallelLMHead(native_ops(np), Frozen(weight), 37, tp)
     h = rng.standard_normal((5, 8)).astype(np.float32)
     local = head.local_logits(h)
     expected = h @ weight[:37].T

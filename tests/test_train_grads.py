@@ -20,8 +20,9 @@ from hpcpar.sharding import split
 from hpcpar.tensors import TensorSpec, stage_tensors
 from hpcpar.train.chunk import Batch, ModelChunk
 from hpcpar.train.data import label_count, make_batches
-from hpcpar.train.layers import (Attention, Mlp, VocabParallelCrossEntropy,
-                                 VocabParallelEmbedding, norm_backward)
+from hpcpar.model.attention import Attention
+from hpcpar.model.llama import Mlp, norm_backward
+from hpcpar.model.parallel_layers import VocabParallelCrossEntropy, VocabParallelEmbedding
 from hpcpar.train.params import GradSink, make_params
 from reference import llama_logits
 
@@ -99,7 +100,7 @@ def test_attention_backward_with_causal_and_padding_masks(heads, kv_heads):
          "q_bias": _param(rng, (heads * hd,)), "o_bias": _param(rng, (hidden,))}
     for w in p.values():
         w.data *= 0.3
-    attention = Attention(OPS, p, heads, kv_heads, hd, _tp1())
+    attention = Attention.of(OPS, p, hd, _tp1())
     lengths = np.array([6, 4, 1])                 # the last row: one real token
     positions = np.broadcast_to(np.arange(T)[None], (B, T))
     cos, sin = RotaryEmbedding(cfg, np, np.float64).tables(positions)
@@ -108,9 +109,9 @@ def test_attention_backward_with_causal_and_padding_masks(heads, kv_heads):
     r[np.arange(T)[None] >= lengths[:, None]] = 0  # padding outputs are never used
 
     def loss():
-        return float((attention.forward(x, cos, sin, rows)[0] * r).sum())
+        return float((attention.forward(x, cos, sin, rows, train=True)[0] * r).sum())
 
-    y, ctx = attention.forward(x, cos, sin, rows)
+    y, ctx = attention.forward(x, cos, sin, rows, train=True)
     dx = attention.backward(r, ctx, GradSink(np))
     assert_gradients(loss, x, dx, p, rng, rel=1e-6)
 
@@ -119,13 +120,13 @@ def test_swiglu_mlp_backward_matches_finite_differences():
     rng = np.random.default_rng(3)
     p = {"gate": _param(rng, (12, 8)), "up": _param(rng, (12, 8)), "down": _param(rng, (8, 12)),
          "gate_bias": _param(rng, (12,)), "down_bias": _param(rng, (8,))}
-    mlp = Mlp(OPS, p, _tp1())
+    mlp = Mlp.of(OPS, p, _tp1())
     x, r = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 3, 8))
 
     def loss():
-        return float((mlp.forward(x)[0] * r).sum())
+        return float((mlp.forward(x, train=True)[0] * r).sum())
 
-    y, ctx = mlp.forward(x)
+    y, ctx = mlp.forward(x, train=True)
     dx = mlp.backward(r, ctx, GradSink(np))
     assert_gradients(loss, x, dx, p, rng, rel=1e-7)
 

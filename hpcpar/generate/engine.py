@@ -166,8 +166,9 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             fault_point("load")
             shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
                              dtype=plan.dtype, backend=backend)
-        stage = LlamaStage(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
-                           mesh.is_last_stage, tp, ops_for(backend), plan.dtype)
+        stage = LlamaStage.from_tensors(cfg, specs, shard.tensors, layers,
+                                        mesh.is_first_stage, mesh.is_last_stage, tp,
+                                        ops_for(backend), plan.dtype)
         backend.release_unused_device_memory()
 
         world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)

@@ -1,24 +1,23 @@
-"""Grouped-query self-attention over a tensor-parallel group, with a KV cache.
+"""Grouped-query self-attention over a tensor-parallel group, with a KV cache in generation.
 
 Each tp rank holds nh/p query heads and their KV heads (kv/p of them, or one KV head shared
 by p/kv ranks when kv < p), so attention itself needs no communication; only the output
-projection's AllReduce does (see ``RowParallelLinear``). The math is the ops layer's:
-rotary on q and k, then the ``attention`` op over the cache with per-row lengths.
+projection's AllReduce does (see ``RowParallelLinear``), and in backward the AllReduce of dX
+after the column-parallel q/k/v. The math is the ops layer's: rotary on q and k, then the
+``attention`` op over per-row lengths. A KV head replicated on several tp ranks gets a
+partial gradient on each, summed over those ranks by the trainer (``Param.kv_replicated``).
 """
 
 from __future__ import annotations
 
 from ..ops import AttentionRows, Ops
 from .kv_cache import KVCache
-from .parallel_layers import ColumnParallelLinear, RowParallelLinear
+from ..comm import Communicator
+from .parallel_layers import ColumnParallelLinear, RowParallelLinear, column_parallel, row_parallel
 
 
 class Attention:
-    """o_proj(softmax(rope(Q) rope(K)^T / sqrt(d) + mask) V) over this rank's heads.
-
-    Communication: forward, one AllReduce of (B, T, hidden) inside o_proj; backward, one
-    AllReduce of dX after the column-parallel q/k/v.
-    """
+    """o_proj(softmax(rope(Q) rope(K)^T / sqrt(d) + mask) V) over this rank's heads."""
 
     def __init__(self, ops: Ops, heads: int, kv_heads: int, head_dim: int,
                  qkv: ColumnParallelLinear, o: RowParallelLinear):
@@ -26,7 +25,20 @@ class Attention:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim  # per partition
         self.qkv, self.o = qkv, o
 
-    def __call__(self, x, cos, sin, rows: AttentionRows, cache: KVCache, layer: int):
+    @classmethod
+    def of(cls, ops: Ops, w: dict, head_dim: int, tp: Communicator,
+           merge: bool = False) -> "Attention":
+        """From a layer's weights by role (q, k, v, o and their biases)."""
+        heads, kv_heads = (w[r].data.shape[0] // head_dim for r in ("q", "k"))
+        return cls(ops, heads, kv_heads, head_dim,
+                   column_parallel(ops, w, ("q", "k", "v"), tp, merge),
+                   row_parallel(ops, w, "o", tp, merge))
+
+    def forward(self, x, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
+                layer: int = 0, train: bool = False):
+        """(B, T, hidden) output, and what ``backward`` needs when ``train``. With a ``cache``
+        (generation) this step's keys and values go to its layer ``layer`` and attention
+        reads every cached one; without (training) the keys are this step's own."""
         B, T, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         q, k, v = self.qkv(x)
@@ -34,6 +46,24 @@ class Attention:
         k = k.reshape(B, T, nkv, hd)                                  # (B, T, nkv, hd)
         v = v.reshape(B, T, nkv, hd)
         q, k = self.ops.rotary.forward(q, k, cos, sin)
-        keys, values = cache.write(layer, k, v, rows.starts(), rows.from_start, rows.max_kv)
-        out = self.ops.attention.forward(q, keys, values, rows)       # (B, T, nh, hd)
-        return self.o(out.reshape(B, T, nh * hd))
+        if cache is None:
+            keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        else:
+            keys, values = cache.write(layer, k, v, rows.starts(), rows.from_start,
+                                       rows.max_kv)
+        if train:
+            out, actx = self.ops.attention.forward_train(q, keys, values, rows)
+        else:
+            out, actx = self.ops.attention.forward(q, keys, values, rows), None
+        out = out.reshape(B, T, nh * hd)
+        return self.o(out), ((x, cos, sin, actx, out) if train else None)
+
+    def backward(self, dy, ctx, sink):
+        x, cos, sin, actx, out = ctx
+        B, T, _ = x.shape
+        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        dout = self.o.backward(dy, out, sink)                         # g backward: identity
+        dq, dk, dv = self.ops.attention.backward(dout.reshape(B, T, nh, hd), actx)
+        dq, dk = self.ops.rotary.backward(dq, dk.transpose(0, 2, 1, 3), cos, sin)
+        return self.qkv.backward([dq.reshape(B, T, nh * hd), dk.reshape(B, T, nkv * hd),
+                                  dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)], x, sink)

@@ -1,23 +1,63 @@
-"""Megatron's tensor-parallel layers, on plain arrays (NumPy or CuPy, through ``xp``).
+"""Megatron's tensor-parallel layers, for generation and training alike.
 
 Notation: a linear layer computes Y = X A^T + b with Hugging Face's A of shape [out, in].
 p is the tp size, i this rank. Megatron's two conjugate operators name the communication:
 f is the identity forward and an AllReduce backward; g is an AllReduce forward and the
-identity backward. Inference runs the forward halves; the backward halves are stated for the
-training step that builds on these layers.
+identity backward. Every layer has both halves: ``forward`` (generation runs it alone) and
+``backward``, which returns the input gradient and hands weight gradients to a ``GradSink``
+(added at once, or deferred to a zero-bubble schedule's W pass). X of shape (B, T, ...) is
+flattened to N = B*T rows for every product.
 
-Weights are stored transposed, [in, out] and contiguous, so every product is one GEMM over
-the flattened (B*T) rows (on the CPU a transposed operand costs ~20% at decode sizes). The
-caller drops the [out, in] original (``LlamaStage`` takes it out of the loaded shard), so each
-weight is held once; a tied LM head that shares its rank's embedding table reads it through a
-transposed view instead of a second copy.
+Weights are objects with a ``data`` array in Hugging Face's orientation, read at every call
+(an optimizer may move it): a training ``Param``, or a ``Frozen`` weight in generation, whose
+matrices are stored transposed, [in, out] and contiguous, so that the product's operand
+``data.T`` is (on the CPU a transposed operand costs ~20% at decode sizes). Generation also
+merges the projections that read the same input (q/k/v, gate/up) into one GEMM, as vLLM's
+QKVParallelLinear does; training keeps one ``Param`` per Hugging Face tensor, as checkpoints,
+ZeRO and the gradient buckets hold them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..comm import Communicator
-from ..ops import Ops, embedding_lookup, linear
+from ..dtypes import at_least_float32
+from ..ops import Ops, embedding_lookup
 from ..sharding import vocab_range
+
+
+@dataclass(eq=False)
+class Frozen:
+    """A weight without a gradient (generation): ``data`` in Hugging Face's orientation."""
+
+    data: object
+
+
+def frozen_matrix(xp, blocks: list) -> Frozen:
+    """[out_k, in] blocks stacked along out, stored transposed ([in, sum out_k], contiguous):
+    ``data`` is its [out, in] view. The blocks are copied; the caller drops them."""
+    merged = blocks[0] if len(blocks) == 1 else xp.concatenate(blocks, axis=0)
+    return Frozen(xp.ascontiguousarray(merged.T).T)
+
+
+def _rows(a):
+    """(..., k) -> (N, k), a view."""
+    return a.reshape(-1, a.shape[-1])
+
+
+def _product(ops: Ops, x, w):
+    """X W^T in the weight's dtype."""
+    return ops.linear.forward(x, w.data.T).astype(w.data.dtype, copy=False)
+
+
+def _weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
+    """dW = dY^T X, db = sum of dY over rows; returns dX = dY W."""
+    dy2 = _rows(dy)
+    sink.outer(w, dy2, _rows(x))
+    if b is not None:
+        sink.add(b, lambda: dy2.sum(axis=0))
+    return ops.linear.input_grad(dy, w.data.T).astype(x.dtype, copy=False)
 
 
 class ColumnParallelLinear:
@@ -25,23 +65,67 @@ class ColumnParallelLinear:
 
     Forward: no communication (f: identity); every rank keeps its own column block Y_i.
     Backward: dX = sum_i dY_i A_i, an AllReduce over tp (f's backward).
-    Several projections that read the same X (q/k/v, gate/up) are merged into one GEMM and
-    split again on the way out (``sizes``), as vLLM's QKVParallelLinear does.
+    Several projections read the same X (q/k/v, gate/up) and come out as a list: one weight
+    each (training), or one merged weight whose output is split at ``sizes`` (generation;
+    see ``merged``).
     """
 
-    def __init__(self, xp, weights: list, biases: list | None = None):
-        sizes = [w.shape[0] for w in weights]
-        self.bounds = [sum(sizes[:k]) for k in range(1, len(sizes))]   # where to split y
-        merged = weights[0] if len(weights) == 1 else xp.concatenate(weights, axis=0)
-        self.weight_t = xp.ascontiguousarray(merged.T)             # (in, out_i)
-        self.bias = None if not biases else xp.concatenate(biases)
-        self.xp = xp
+    def __init__(self, ops: Ops, weights: list, biases: list | None, tp: Communicator,
+                 sizes: list[int] | None = None):
+        self.ops, self.weights, self.biases, self.tp = ops, weights, biases, tp
+        self.bounds = [sum(sizes[:k]) for k in range(1, len(sizes))] if sizes else None
 
-    def __call__(self, x):
-        y = linear(x, self.weight_t)
-        if self.bias is not None:
-            y += self.bias
-        return self.xp.split(y, self.bounds, axis=-1) if self.bounds else y
+    @classmethod
+    def merged(cls, ops: Ops, weights: list, biases: list | None,
+               tp: Communicator) -> "ColumnParallelLinear":
+        """One GEMM for ``weights`` (frozen): their arrays are concatenated and dropped."""
+        xp = ops.xp
+        sizes = [w.data.shape[0] for w in weights]
+        weight = frozen_matrix(xp, [w.data for w in weights])
+        bias = None
+        if biases:
+            bias = [Frozen(xp.concatenate([
+                b.data if b is not None else xp.zeros(n, dtype=w.data.dtype)
+                for b, w, n in zip(biases, weights, sizes)]))]
+        return cls(ops, [weight], bias, tp, sizes)
+
+    def __call__(self, x) -> list:
+        ys = []
+        for k, w in enumerate(self.weights):
+            y = _product(self.ops, x, w)
+            if self.biases and self.biases[k] is not None:
+                y += self.biases[k].data
+            ys.append(y)
+        return self.ops.xp.split(ys[0], self.bounds, axis=-1) if self.bounds else ys
+
+    def backward(self, dys: list, x, sink):
+        """dX, AllReduced over tp, from the outputs' gradients (one weight per output)."""
+        biases = self.biases or [None] * len(self.weights)
+        dx = None
+        for dy, w, b in zip(dys, self.weights, biases):
+            d = _weight_grads(self.ops, dy, x, w, b, sink)
+            if dx is None:
+                dx = d
+            else:
+                dx += d
+        return self.tp.all_reduce(dx)                                   # f backward
+
+
+def column_parallel(ops: Ops, w: dict, roles: tuple, tp: Communicator,
+                    merge: bool) -> ColumnParallelLinear:
+    """The column-parallel projections ``roles`` of a layer's weights ``w`` (by role; biases
+    under role + "_bias", where the model has them), merged when ``merge``."""
+    biases = [w.get(r + "_bias") for r in roles]
+    biases = biases if any(b is not None for b in biases) else None
+    make = ColumnParallelLinear.merged if merge else ColumnParallelLinear
+    return make(ops, [w[r] for r in roles], biases, tp)
+
+
+def row_parallel(ops: Ops, w: dict, role: str, tp: Communicator,
+                 merge: bool) -> "RowParallelLinear":
+    """The row-parallel projection ``role``, stored transposed when ``merge`` (frozen)."""
+    weight = frozen_matrix(ops.xp, [w[role].data]) if merge else w[role]
+    return RowParallelLinear(ops, weight, w.get(role + "_bias"), tp)
 
 
 class RowParallelLinear:
@@ -52,17 +136,18 @@ class RowParallelLinear:
     is added once. Backward: dX_i = dY A_i, no communication (g's backward is the identity).
     """
 
-    def __init__(self, xp, weight, bias, tp: Communicator):
-        self.weight_t = xp.ascontiguousarray(weight.T)   # (in_i, out)
-        self.bias = bias
-        self.tp = tp
+    def __init__(self, ops: Ops, weight, bias, tp: Communicator):
+        self.ops, self.weight, self.bias, self.tp = ops, weight, bias, tp
 
     def __call__(self, x):
-        y = linear(x, self.weight_t)
-        self.tp.all_reduce(y)
+        y = _product(self.ops, x, self.weight)
+        self.tp.all_reduce(y)                                           # g
         if self.bias is not None:
-            y += self.bias
+            y += self.bias.data
         return y
+
+    def backward(self, dy, x, sink):
+        return _weight_grads(self.ops, dy, x, self.weight, self.bias, sink)
 
 
 class VocabParallelEmbedding:
@@ -70,21 +155,24 @@ class VocabParallelEmbedding:
 
     Forward: each rank looks up the ids it owns and writes zeros for the rest; an AllReduce
     over tp sums the one non-zero contribution per token (g). Backward: each rank scatters
-    dY into its own rows only, no communication.
+    dY into its own rows only (repeated ids summed), no communication.
     """
 
     def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
-        self.weight = weight                 # (vocab_per_partition, hidden), padding rows zero
+        self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
         self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
-        self.tp = tp
-        self.xp = xp
 
-    def __call__(self, ids):
-        out, _, _ = embedding_lookup(self.xp, self.weight, ids, self.start, self.stop,
-                                     zero_others=self.tp.size > 1)   # (B, T, hidden)
+    def forward(self, ids):
+        """(B, T, hidden) and the ctx ``backward`` needs."""
+        out, local, owned = embedding_lookup(self.xp, self.weight.data, ids, self.start,
+                                             self.stop, zero_others=self.tp.size > 1)
         if self.tp.size > 1:
             self.tp.all_reduce(out)
-        return out
+        return out, (local, owned)
+
+    def backward(self, dy, ctx, sink) -> None:
+        local, owned = ctx
+        sink.scatter_rows(self.weight, local[owned], dy[owned])
 
 
 class ParallelLMHead:
@@ -92,29 +180,30 @@ class ParallelLMHead:
 
     Forward: each rank computes the logits of its own vocabulary block; nothing is gathered.
     ``argmax`` and ``top_k`` reduce over tp by exchanging a few candidates per row, and only
-    ``full_logits`` AllGathers the whole vocabulary. Backward (with the vocab-parallel
+    ``full_logits`` AllGathers the whole vocabulary. Backward (from the vocab-parallel
     cross-entropy): dH = sum_i dLogits_i W_i, an AllReduce over tp.
-    Padding rows (beyond ``vocab_size``) never win: their logits are -inf.
+    Padding rows (beyond ``vocab_size``) never win: their logits are -inf. A tied head is
+    the embedding's weight (generation: the first stage's own table, read transposed).
     """
 
-    def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator,
-                 shared: bool = False):
-        xp = ops.xp
-        # shared: ``weight`` is also this rank's embedding table (tied): view it, don't copy
-        self.weight_t = weight.T if shared else xp.ascontiguousarray(weight.T)  # (hidden, vocab_i)
+    def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator):
+        self.ops, self.xp, self.weight, self.tp = ops, ops.xp, weight, tp
         self.vocab_size = vocab_size
         self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
-        self.tp = tp
-        self.xp = xp
-        self.top_k_op = ops.top_k
 
     def local_logits(self, h):
-        """(..., vocab_per_partition) float32 logits of this rank's block, padding at -inf."""
-        logits = linear(h, self.weight_t).astype(self.xp.float32, copy=False)
+        """(..., vocab_per_partition) logits of this rank's block, float32 at least,
+        padding at -inf."""
+        logits = at_least_float32(self.xp, _product(self.ops, h, self.weight))
         real = self.stop - self.start
         if real < logits.shape[-1]:
             logits[..., real:] = -self.xp.inf
         return logits
+
+    def backward(self, dlogits, h, sink):
+        """dH, AllReduced over tp, from this block's logit gradients (in h's dtype)."""
+        dlogits = dlogits.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
+        return self.tp.all_reduce(_weight_grads(self.ops, dlogits, h, self.weight, None, sink))
 
     def full_logits(self, local):
         """(..., vocab_size): every rank's block gathered along the vocabulary (AllGather)."""
@@ -125,14 +214,38 @@ class ParallelLMHead:
         exchanging only k candidates per rank. Returns (values, ids), each (rows, k * tp),
         sorted by logit descending, ties by lower id (the order a single rank would give)."""
         xp = self.xp
-        vals, idx = self.top_k_op.local(local.reshape(-1, local.shape[-1]), k)
+        vals, idx = self.ops.top_k.local(local.reshape(-1, local.shape[-1]), k)
         ids = (idx + self.start).astype(xp.float32)   # exact: vocab sizes are < 2**24
         both = xp.ascontiguousarray(xp.stack([vals, ids]))                  # (2, rows, k)
         gathered = self.tp.all_gather(both, axis=-1)                        # (2, rows, k*p)
-        return self.top_k_op.merge(gathered[0], gathered[1].astype(xp.int64))
+        return self.ops.top_k.merge(gathered[0], gathered[1].astype(xp.int64))
 
     def argmax(self, local):
         """The id of the largest logit of each row over the whole vocabulary (ties: lowest id),
         as a distributed argmax: one (value, id) pair per rank and row is exchanged."""
         vals, ids = self.top_k(local, 1)
         return ids[:, 0]
+
+
+class VocabParallelCrossEntropy:
+    """Mean token cross-entropy of the column-parallel head's logits, never gathering the
+    vocabulary (Megatron's vocab-parallel cross-entropy; the math is ``ops.cross_entropy``):
+    one AllReduce(max) and one AllReduce(sum) of two numbers per row over tp, forward only."""
+
+    def __init__(self, ops: Ops, vocab_size: int, tp: Communicator):
+        self.ce, self.tp = ops.cross_entropy, tp
+        self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
+
+    def forward(self, logits, labels, weights):
+        """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
+        ``logits`` is overwritten (it becomes exp(z - m)), and ``backward`` reuses it."""
+        m = self.ce.local_max(logits, self.stop - self.start)
+        self.tp.all_reduce(m, op="max")
+        sums, ctx = self.ce.local_sums(logits, m, labels, self.start, self.stop)
+        self.tp.all_reduce(sums)
+        loss, _ = self.ce.loss(sums, m, weights)
+        return loss, (ctx, sums[0], weights)
+
+    def backward(self, ctx):
+        local_ctx, s, weights = ctx
+        return self.ce.backward(local_ctx, s, weights)

@@ -26,7 +26,7 @@ from .attention import Attention, AttentionRows
 from .cross_entropy import CrossEntropy
 from .embedding import embedding_lookup
 from .kv_write import KVWrite
-from .linear import linear, linear_input_grad
+from .linear import Linear, linear, linear_input_grad
 from .rms_norm import RMSNorm
 from .rotary import Rotary
 from .swiglu import SwiGLU
@@ -38,6 +38,7 @@ class Ops:
     """The ops one backend runs, chosen once (see ``ops_for``)."""
 
     xp: object
+    linear: Linear
     rms_norm: RMSNorm
     rotary: Rotary
     swiglu: SwiGLU
@@ -61,10 +62,10 @@ def ops_for(backend) -> Ops:
 
 def native_ops(xp) -> Ops:
     """The NumPy references, on any array module."""
-    return Ops(xp, RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp), KVWrite(xp),
+    return Ops(xp, Linear(xp), RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp), KVWrite(xp),
                CrossEntropy(xp), TopK(xp))
 
 
-__all__ = ["Attention", "AttentionRows", "CrossEntropy", "KVWrite", "Ops", "RMSNorm", "Rotary",
+__all__ = ["Attention", "AttentionRows", "CrossEntropy", "KVWrite", "Linear", "Ops", "RMSNorm", "Rotary",
            "SwiGLU", "TopK", "embedding_lookup", "linear", "linear_input_grad", "native_ops",
            "ops_for"]

@@ -21,3 +21,17 @@ def linear_input_grad(dy, weight_t):
     """dX = dY W for Y = X W^T: dy (..., out) -> (..., in)."""
     lead = dy.shape[:-1]
     return (dy.reshape(-1, dy.shape[-1]) @ weight_t.T).reshape(lead + (weight_t.shape[0],))
+
+
+class Linear:
+    """The op form of ``linear``, so that a device can plan its GEMMs (``ops/cuda/linear``:
+    planned cuBLASLt matmuls, which a CUDA graph can capture; CuPy's cuBLAS calls cannot)."""
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def forward(self, x, weight_t):
+        return linear(x, weight_t)
+
+    def input_grad(self, dy, weight_t):
+        return linear_input_grad(dy, weight_t)

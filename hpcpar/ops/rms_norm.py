@@ -28,6 +28,12 @@ class RMSNorm:
         s = x + residual
         return self.forward(s, w, eps), s
 
+    def add_forward_train(self, x, residual, w, eps: float):
+        """(rms_norm(x + residual) * w, x + residual, ctx) for ``backward``."""
+        s = x + residual
+        y, ctx = self.forward_train(s, w, eps)
+        return y, s, ctx
+
     def forward_train(self, x, w, eps: float):
         """(y, ctx) where ctx = (x, r) is what ``backward`` needs."""
         xp = self.xp

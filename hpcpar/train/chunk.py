@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 from ..comm import Communicator
 from ..config import LlamaConfig
-from ..dtypes import at_least_float32
-from ..model.rope import RotaryEmbedding
+from ..model import LlamaStage
+from ..model.llama import norm_backward
+from ..model.parallel_layers import VocabParallelCrossEntropy
 from ..ops import AttentionRows, Ops
-from .layers import (DecoderLayer, VocabParallelCrossEntropy, VocabParallelEmbedding, linear,
-                     linear_backward, norm_backward)
 from .memory import activation_bytes
 from .params import GradSink, Param
 
@@ -45,83 +44,73 @@ class Batch:
 
 
 class ModelChunk:
+    """Training's driver of a ``LlamaStage`` (the layers generation runs), built over this
+    chunk's ``Param``s: the forward keeps each layer's ctx (or only its input, with
+    recompute), the last chunk adds the loss, and the backward runs the layers in reverse."""
+
     def __init__(self, cfg: LlamaConfig, params: dict[str, Param], layers: range,
                  first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
-        xp = ops.xp
-        self.ops, self.xp, self.tp, self.recompute = ops, xp, tp, recompute
-        by_layer: dict[int | None, dict[str, Param]] = {}
-        for p in params.values():
-            by_layer.setdefault(p.spec.layer, {})[p.spec.role] = p
-        top = by_layer.get(None, {})
-        heads = cfg.num_attention_heads // tp.size
-        self.decoder = []
-        for i in layers:
-            kv_heads = by_layer[i]["k"].data.shape[0] // cfg.head_dim
-            self.decoder.append(DecoderLayer(ops, by_layer[i], heads, kv_heads, cfg.head_dim,
-                                             cfg.rms_norm_eps, tp))
-        self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp)
-                          if first else None)
+        self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
+        self.stage = LlamaStage.from_params(cfg, params, layers, first, last, tp, ops)
         if last:
-            self.final_norm = top["final_norm"]
-            self.head = top["embed"] if cfg.tie_word_embeddings else top["head"]
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values())
-        self.groups = self._backward_groups(top)
-        self.rope = RotaryEmbedding(cfg, xp, self.params[0].data.dtype)
+        self.groups = self._backward_groups(params)
 
     def recompute_saving(self, batch: Batch) -> int:
         """Activation bytes recompute saves on one micro-batch (0 without recompute)."""
         if not self.recompute:
             return 0
         B, T = batch.shape
-        args = (self.cfg, self.tp.size, len(self.decoder), B, T, self.first, self.last)
+        args = (self.cfg, self.tp.size, len(self.layers), B, T, self.first, self.last)
         itemsize = self.params[0].data.dtype.itemsize
         return (activation_bytes(*args, recompute=False, itemsize=itemsize)
                 - activation_bytes(*args, recompute=True, itemsize=itemsize))
 
-    def _backward_groups(self, top: dict[str, Param]) -> list[list[Param]]:
+    def _backward_groups(self, params: dict[str, Param]) -> list[list[Param]]:
         """The chunk's parameters grouped by when their gradient is complete in a backward
         pass: the head and final norm, then each layer from the last, then the embedding
         (a tied head is the embedding: complete only at the end)."""
+        stage = self.stage
+        by_layer: dict[int | None, list[Param]] = {}
+        for p in params.values():
+            by_layer.setdefault(p.spec.layer, []).append(p)
         groups = []
         if self.last:
-            tied_here = self.first and self.head is top.get("embed")
-            head = [self.final_norm] + ([] if tied_here else [self.head])
-            groups.append(head)
-        groups += [list(layer.p.values()) for layer in reversed(self.decoder)]
+            tied_here = self.first and stage.head.weight is stage.embedding.weight
+            groups.append([stage.final_norm] + ([] if tied_here else [stage.head.weight]))
+        groups += [by_layer[i] for i in reversed(self.layers)]
         if self.first:
-            groups.append([self.embedding.w])
+            groups.append([stage.embedding.weight])
         return groups
 
     def forward(self, x, batch: Batch):
         """``x``: activations (B, T, hidden), or ignored on the first chunk (it embeds the
         batch's ids). Returns (activations, ctx), or (loss, ctx) on the last chunk: the
         loss is this micro-batch's share of the global mean, a 0-d array."""
-        xp = self.xp
+        xp, stage = self.xp, self.stage
         B, T = batch.shape
         ctx: dict = {}
         if self.first:
-            x, ctx["embed"] = self.embedding.forward(batch.ids)
+            x, ctx["embed"] = stage.embedding.forward(batch.ids)
         positions = xp.broadcast_to(xp.arange(T)[None, :], (B, T))              # (B, T)
-        cos, sin = self.rope.tables(positions)
+        cos, sin = stage.rope.tables(positions)
         rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True)
         ctx["rope"] = (cos, sin, rows)
         saved = []
-        for layer in self.decoder:
-            if self.recompute:
-                saved.append(x)
-                x, _ = layer.forward(x, cos, sin, rows)
-            else:
-                x, lctx = layer.forward(x, cos, sin, rows)
-                saved.append(lctx)
+        for layer in stage.decoder:
+            saved.append(x if self.recompute else None)
+            x, m, lctx = layer.forward(x, None, cos, sin, rows, train=True)
+            x = x + m
+            if not self.recompute:
+                saved[-1] = lctx
         ctx["layers"] = saved
         if not self.last:
             return x, ctx
-        h, ctx["final_norm"] = self.ops.rms_norm.forward_train(x, self.final_norm.data,
+        h, ctx["final_norm"] = self.ops.rms_norm.forward_train(x, stage.final_norm.data,
                                                                self.cfg.rms_norm_eps)
-        logits = linear(h, self.head, None).reshape(B * T, -1)                 # (N, V/p)
-        logits = at_least_float32(xp, logits)
+        logits = stage.head.local_logits(h).reshape(B * T, -1)                # (N, V/p)
         loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
         ctx["h"] = h
         return loss, ctx
@@ -130,6 +119,7 @@ class ModelChunk:
         """dy: the gradient of the loss w.r.t. this chunk's output (ignored on the last chunk,
         whose output is the loss). Returns dx for the previous chunk, None on the first.
         ``group_done(k)`` is called as soon as ``self.groups[k]`` has its gradient added."""
+        stage = self.stage
         done = iter(range(len(self.groups)))
 
         def finished_group():
@@ -139,22 +129,19 @@ class ModelChunk:
 
         if self.last:
             dz = self.loss.backward(ctx.pop("loss"))                           # (N, V/p)
-            h = ctx.pop("h")
-            dz = dz.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
-            dh = linear_backward(dz, h, self.head, None, sink)
-            self.tp.all_reduce(dh)                                             # f backward
-            dy = norm_backward(self.ops, dh, ctx.pop("final_norm"), self.final_norm, sink)
+            dh = stage.head.backward(dz, ctx.pop("h"), sink)
+            dy = norm_backward(self.ops, dh, ctx.pop("final_norm"), stage.final_norm, sink)
             finished_group()
         cos, sin, rows = ctx["rope"]
         saved = ctx.pop("layers")
-        for layer in reversed(self.decoder):
+        for layer in reversed(stage.decoder):
             lctx = saved.pop()
             if self.recompute:
-                _, lctx = layer.forward(lctx, cos, sin, rows)
+                _, _, lctx = layer.forward(lctx, None, cos, sin, rows, train=True)
             dy = layer.backward(dy, lctx, sink)
             finished_group()
         if self.first:
-            self.embedding.backward(dy, ctx.pop("embed"), sink)
+            stage.embedding.backward(dy, ctx.pop("embed"), sink)
             finished_group()
             return None
         return dy

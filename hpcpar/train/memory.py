@@ -1,7 +1,7 @@
 """Training memory per rank, from the config alone (for ``hpcpar plan``): the activations a
 forward pass keeps for its backward, and the weights, gradients and optimizer state.
 
-The activation count mirrors what ``train.layers`` keeps with the ops' NumPy references
+The activation count mirrors what the model's layers keep in training with the ops' NumPy references
 (float32, per tp rank), for one micro-batch of B rows of T tokens:
 
     per layer   B T (4 h + 2 + 2 q + 2 kv + 3 I) + B nh T^2        (nh, q, kv, I per rank)
