@@ -5,6 +5,8 @@
     mpiexec -n 8 python -m hpcpar generate --checkpoint C.h5 --prompts P --max-new-tokens N
                  --out OUT.h5 [--tp T --pp P --dp D --micro-batches M]
                  [--temperature X --top-k K --top-p P --seed S] [--save-logits]
+    mpiexec -n 8 python -m hpcpar score --checkpoint C.h5 --data D --out OUT.h5
+                 [--tp T --pp P --dp D --micro-batches M]
     python -m hpcpar plan [JOB.toml] [--checkpoint C.h5 | --preset NAME] [--world N] [...]
     python -m hpcpar convert HF_DIR OUT.h5 [--dtype float32|float16|bfloat16]
     python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
@@ -179,6 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--resume", choices=["auto"],
                      help="keep the prompts a stopped run with the same settings finished")
 
+    score = sub.add_parser("score", help="log-probabilities of given token sequences")
+    score.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    score.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
+    score.add_argument("--data", required=True,
+                       help=".npy of ids [rows, seq] (left padding: negative ids), or .jsonl "
+                            "of {ids} or {text}")
+    score.add_argument("--out", required=True, help="output HDF5 file")
+    _layout_flags(score)
+    _timeout_flag(score)
+    score.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
+                       help="compute dtype (default float32)")
+    score.add_argument("--backend", choices=BACKENDS)
+    score.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
+
     from .backend import BACKENDS as _backends
     train = sub.add_parser("train", help="train from a checkpoint on token data")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -265,6 +281,14 @@ def _main(argv) -> int:
                            backend=getattr(args, "backend", "auto"),
                            comm=getattr(args, "comm", "auto"))
         return run_demo(comm, opts)
+    if command == "score" or (command == "run" and everyone(comm, _is_scoring, args)):
+        from .jobs import load_job
+        flags = {JOB_FLAGS[k]: v for k, v in vars(args).items()
+                 if k in JOB_FLAGS and k != "prompts"}
+        if command == "score":
+            flags[("score", "data")] = args.data
+        job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags)
+        return _score(comm, job)
     if command in ("run", "generate", "train"):
         from .jobs import load_job
         job_file = getattr(args, "job", None)
@@ -328,6 +352,22 @@ def _is_training(job_file, args) -> bool:
     raw = read_job_file(job_file) if job_file is not None else {}
     return ("train" in raw or any(a.startswith("train.") for a in args.set)
             or any(getattr(args, k, None) is not None for k in TRAIN_FLAGS if k != "resume"))
+
+
+def _is_scoring(args) -> bool:
+    """A job file scores when it has a [score] section, or --set says so."""
+    from .jobs import read_job_file
+    raw = read_job_file(args.job)
+    return "score" in raw or any(a.startswith("score.") for a in args.set)
+
+
+def _score(comm, job) -> int:
+    from .score import run_scoring
+    result = run_scoring(comm, job)
+    if result is not None:
+        print(result.format())
+        print(f"wrote {job.output.path}")
+    return 0
 
 
 def _train(comm, job) -> int:

@@ -10,6 +10,8 @@
                                              "synthetic", generated)
     [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, save_logits
     [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
+    [score]     data = "texts.jsonl"        sequences to score (.npy ids left-padded with
+                                             negative ids, or .jsonl of {ids} / {text})
     [output]    path = "out.h5" (generation) or a folder (training)
 
 Later sources win: the file, then ``--set section.key=value``, then explicit flags. Input
@@ -109,6 +111,11 @@ class TrainSection(OptimizerSettings):
 
 
 @dataclass(frozen=True)
+class ScoreSection:
+    data: str | None = None             # the sequences whose log-probabilities are scored
+
+
+@dataclass(frozen=True)
 class OutputSection:
     path: str | None = None
 
@@ -120,12 +127,14 @@ class Job:
     data: DataSection = field(default_factory=DataSection)
     generate: GenerateSection = field(default_factory=GenerateSection)
     train: TrainSection = field(default_factory=TrainSection)
+    score: ScoreSection = field(default_factory=ScoreSection)
     output: OutputSection = field(default_factory=OutputSection)
 
 
 SECTIONS = [f.name for f in fields(Job)]
 _SECTION_TYPES = get_type_hints(Job)
-_INPUT_KEYS = {("model", "checkpoint"), ("data", "prompts"), ("data", "dataset")}
+_INPUT_KEYS = {("model", "checkpoint"), ("data", "prompts"), ("data", "dataset"),
+               ("score", "data")}
 
 
 def read_job_file(path: str | Path) -> dict:

@@ -167,3 +167,41 @@ def wait_for_steps(folder: Path, steps: int, timeout: float = 120) -> None:
     while time.monotonic() < deadline and (not metrics.exists()
                                            or len(metrics.read_text().splitlines()) < steps):
         time.sleep(0.02)
+
+
+# ---- tiny transformers models (the tests that use them need torch and transformers) ----
+
+HF_CONFIGS = {
+    "gqa-llama3": dict(vocab_size=250, hidden_size=64, intermediate_size=176,
+                       num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                       max_position_embeddings=128, rope_theta=10000.0,
+                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 16}),
+    "mqa-tied-bias": dict(vocab_size=251, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                          max_position_embeddings=128, tie_word_embeddings=True,
+                          attention_bias=True, mlp_bias=True),
+}
+
+
+def build_hf_model(name: str, folder):
+    """A random transformers LlamaForCausalLM of ``HF_CONFIGS[name]`` (norms away from 1 and
+    non-zero biases, so each one is tested), saved under folder/hf and converted to
+    folder/model.h5."""
+    import torch
+    import transformers
+    from hpcpar.checkpoint import convert
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**HF_CONFIGS[name], eos_token_id=None, bos_token_id=None,
+                                   pad_token_id=None)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.02 * torch.randn_like(p))
+    model.save_pretrained(folder / "hf", safe_serialization=True)
+    convert(folder / "hf", folder / "model.h5")
+    return model, folder / "model.h5"

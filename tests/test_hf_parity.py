@@ -11,45 +11,11 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS  # noqa: E402
-from hpcpar.checkpoint import convert  # noqa: E402
+from helpers import HF_CONFIGS, PROMPTS, build_hf_model  # noqa: E402
 from hpcpar.generate import Prompts, run_generation  # noqa: E402
 from hpcpar.jobs import load_job  # noqa: E402
 
-CONFIGS = {
-    "gqa-llama3": dict(vocab_size=250, hidden_size=64, intermediate_size=176,
-                       num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                       max_position_embeddings=128, rope_theta=10000.0,
-                       rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                     "original_max_position_embeddings": 16}),
-    "mqa-tied-bias": dict(vocab_size=251, hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                          max_position_embeddings=128, tie_word_embeddings=True,
-                          attention_bias=True, mlp_bias=True),
-}
-
-
-def build_hf_model(name: str, folder):
-    """A random transformers LlamaForCausalLM of ``CONFIGS[name]`` (norms away from 1 and
-    non-zero biases, so each one is tested), saved under folder/hf and converted to
-    folder/model.h5."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**CONFIGS[name], eos_token_id=None, bos_token_id=None,
-                                   pad_token_id=None)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.02 * torch.randn_like(p))
-    model.save_pretrained(folder / "hf", safe_serialization=True)
-    convert(folder / "hf", folder / "model.h5")
-    return model, folder / "model.h5"
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def hf_model(request, tmp_path_factory):
     return build_hf_model(request.param, tmp_path_factory.mktemp(request.param))
 

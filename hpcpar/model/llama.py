@@ -185,16 +185,20 @@ class LlamaStage:
         positions = rows.starts().astype(xp.int64)[:, None] + xp.arange(T)[None, :]  # (B, T)
         return self.rope.tables(positions)
 
-    def forward(self, x, rows: AttentionRows, cache: KVCache):
+    def forward(self, x, rows: AttentionRows, cache: KVCache | None):
         """Run this stage's layers on x (B, T, hidden): row b's T tokens sit at positions
-        [starts[b], starts[b] + T) of its sequence (``rows``), and go to those cache slots."""
+        [starts[b], starts[b] + T) of its sequence (``rows``), and go to those cache slots
+        (no cache: the T tokens are whole sequences, their keys their own)."""
         cos, sin = self.positions(rows, x.shape[1])
         pending = None
         for i, layer in enumerate(self.decoder):
             x, pending, _ = layer.forward(x, pending, cos, sin, rows, cache, i)
         return x + pending if pending is not None else x
 
+    def final_hidden(self, x):
+        """The final norm of x (B, T, hidden): what the head reads (last stage)."""
+        return self.ops.rms_norm.forward(x, self.final_norm.data, self.cfg.rms_norm_eps)
+
     def logits(self, x):
         """(B, T, hidden) -> this rank's (B, T, vocab_per_partition) float32 logits (last)."""
-        h = self.ops.rms_norm.forward(x, self.final_norm.data, self.cfg.rms_norm_eps)
-        return self.head.local_logits(h)
+        return self.head.local_logits(self.final_hidden(x))

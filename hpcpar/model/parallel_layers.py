@@ -239,12 +239,23 @@ class VocabParallelCrossEntropy:
     def forward(self, logits, labels, weights):
         """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
         ``logits`` is overwritten (it becomes exp(z - m)), and ``backward`` reuses it."""
+        m, sums, ctx = self._reduced(logits, labels)
+        loss, _ = self.ce.loss(sums, m, weights)
+        return loss, (ctx, sums[0], weights)
+
+    def token_losses(self, logits, labels):
+        """-log p(label) of each row (N,) (scoring: log p = minus this); an ignored label's
+        value is meaningless. ``logits`` is overwritten."""
+        m, sums, _ = self._reduced(logits, labels)
+        return self.ce.row_losses(sums, m)
+
+    def _reduced(self, logits, labels):
+        """The row max and the sums [sum exp(z - m), z_t] over the whole vocabulary."""
         m = self.ce.local_max(logits, self.stop - self.start)
         self.tp.all_reduce(m, op="max")
         sums, ctx = self.ce.local_sums(logits, m, labels, self.start, self.stop)
         self.tp.all_reduce(sums)
-        loss, _ = self.ce.loss(sums, m, weights)
-        return loss, (ctx, sums[0], weights)
+        return m, sums, ctx
 
     def backward(self, ctx):
         local_ctx, s, weights = ctx

@@ -38,9 +38,13 @@ class CrossEntropy:
         xp.exp(e, out=e)
         return xp.stack([e.sum(axis=-1), target]), (e, local, owned)
 
+    def row_losses(self, sums, m):
+        """-log p(t) of each row (N,), log s + m - z_t, from the reduced sums and max."""
+        return self.xp.log(sums[0]) + m - sums[1]
+
     def loss(self, sums, m, weights):
         """(loss 0-d, per-row losses) from the reduced sums and max."""
-        per_row = self.xp.log(sums[0]) + m - sums[1]
+        per_row = self.row_losses(sums, m)
         return (per_row * weights).sum(), per_row
 
     def backward(self, ctx, s, weights):

@@ -1,0 +1,208 @@
+"""A scoring job from start to end, on every rank of ``comm``.
+
+    validate (agreed by every rank) -> mesh and communicators -> load this rank's slices
+    -> split the rows over replicas and micro-batches -> pre-flight check of the schedule
+    -> one forward pass per micro-batch through the pipeline -> collect the log-probabilities
+    on rank 0 -> write the output file (atomically) -> report
+
+The output holds ``token_logprobs`` float32 [rows, seq] (column t: log p(ids[t] | ids[:t]),
+NaN where nothing is predicted: a row's first token and its padding), ``nll`` [rows] (the
+sum of -log p over the row's scored tokens), ``tokens_scored`` [rows], and the attributes
+``perplexity`` (exp of the total nll over the total scored tokens) and the run's figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from time import perf_counter
+
+import h5py
+import numpy as np
+
+from .. import __version__
+from ..backend import NUMPY, select_backend
+from ..checkpoint import Checkpoint, load_shard, open_checkpoint
+from ..checkpoint.writer import AtomicPath
+from ..comm import CommStats, create_communicator
+from ..config import ParallelConfig
+from ..dtypes import dtype_name, float_dtype
+from ..errors import HpcparError
+from ..faults import fault_point
+from ..generate.batching import micro_batches, replica_rows
+from ..generate.engine import load_tokenizer, resolve_checkpoint
+from ..jobs import Job
+from ..launch import everyone, local_rank, phase, set_board, set_location, set_timeout
+from ..mesh import Mesh, MeshCoords, rank_of
+from ..model import LlamaStage
+from ..ops import ops_for
+from ..outputs import check_output, claimed
+from ..pipeline.executor import PipelineExecutor
+from ..pipeline.partition import stage_layers
+from ..pipeline.schedule import generation
+from ..tensors import stage_tensors
+from ..watchdog import ActionBoard
+from .data import ScoreData, check_score_data, load_score_data
+from .program import ScoringProgram
+
+
+@dataclass
+class ScoreResult:
+    """What rank 0 holds at the end (other ranks get None)."""
+
+    token_logprobs: np.ndarray     # (rows, seq) float32, NaN where nothing is predicted
+    nll: np.ndarray                # (rows,) float64
+    tokens_scored: np.ndarray      # (rows,) int64
+    perplexity: float
+    seconds: float                 # the forward passes, loading excluded
+    load_seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return float(self.tokens_scored.sum()) / self.seconds if self.seconds > 0 else 0.0
+
+    def format(self) -> str:
+        return (f"scored {int(self.tokens_scored.sum())} tokens of {len(self.nll)} rows in "
+                f"{self.seconds:.2f} s ({self.tokens_per_s:,.0f} tokens/s; loading "
+                f"{self.load_seconds:.2f} s): perplexity {self.perplexity:.4f}")
+
+
+@dataclass
+class _Plan:
+    layout: ParallelConfig
+    dtype: np.dtype
+    data: ScoreData
+
+
+def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> _Plan:
+    layout = job.parallel.layout(world_size)
+    layout.check(ckpt.config, world_size)
+    if layout.schedule != "gpipe":
+        raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; scoring runs "
+                          "the 'gpipe' forward schedule")
+    source = job.score.data
+    if not source:
+        raise HpcparError("scoring needs its sequences: --data FILE (.npy ids, left-padded "
+                          "with negative ids, or .jsonl of {\"ids\"} / {\"text\"})")
+    data = load_score_data(source, load_tokenizer(ckpt))
+    check_score_data(data, ckpt.config, source)
+    if not job.output.path:
+        raise HpcparError("scoring needs an output file: --out OUT.h5")
+    check_output(job.output.path, {"checkpoint": ckpt.path, "data": source})
+    return _Plan(layout, float_dtype(job.model.dtype), data)
+
+
+def run_scoring(comm, job: Job) -> ScoreResult | None:
+    """Run the scoring ``job`` on every rank of ``comm``; the result on rank 0, else None."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ckpt = everyone(comm, open_checkpoint, resolve_checkpoint(comm, job.model.checkpoint))
+    cfg = ckpt.config
+    plan = everyone(comm, _validate, job, ckpt, size)
+    layout = plan.layout
+    set_timeout(job.parallel.timeout)
+    with claimed(comm, job.output.path):
+        mesh = Mesh(comm, layout)
+        set_location(mesh.describe())
+        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm),
+                           plan.dtype)
+        timeout = job.parallel.timeout
+        stats = CommStats()
+        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
+        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
+        world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
+        board = ActionBoard(comm, layout)
+        set_board(board)
+
+        layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
+        specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
+        with phase("loading the checkpoint"):
+            fault_point("load")
+            shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
+                             dtype=plan.dtype, backend=backend)
+        stage = LlamaStage.from_tensors(cfg, specs, shard.tensors, layers,
+                                        mesh.is_first_stage, mesh.is_last_stage, tp,
+                                        ops_for(backend), plan.dtype)
+        backend.release_unused_device_memory()
+
+        rows = replica_rows(len(plan.data), layout.dp, mesh.dp_rank)
+        mbs = micro_batches(plan.data.ids, rows, layout.micro_batches)
+        program = ScoringProgram(stage, mbs, backend)
+        actions = generation(layout.pp, len(mbs), 1)[mesh.pp_rank] if mbs else []
+        executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
+                                    board=board)
+        with phase("checking the pipeline schedule"):
+            everyone(comm, executor.preflight, actions)
+        world.barrier()
+        start = perf_counter()
+        with phase("scoring"):
+            executor.run(actions)
+            backend.synchronize()
+        seconds = world.all_reduce(np.array([perf_counter() - start]), op="max")[0]
+
+        with phase("collecting the log-probabilities on rank 0"):
+            logprobs = _collect(world, mesh, layout, len(plan.data), program)
+        result = None
+        if rank == 0:
+            result = _result(plan.data, logprobs, float(seconds), shard.seconds)
+
+        def write():
+            if rank == 0:
+                _write(job.output.path, result, _run_attrs(job, ckpt, layout, plan, backend.name,
+                                                           tp.kind))
+
+        with phase("writing the output file"):
+            everyone(comm, write)
+        return result
+
+
+def _collect(world, mesh: Mesh, layout: ParallelConfig, count: int,
+             program: ScoringProgram) -> np.ndarray | None:
+    """Every row's log-probabilities (valid-first, width the longest row's) on world rank 0,
+    in input order: each replica's last stage, tp rank 0, holds its block."""
+    owners = [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
+    sizes = [0] * world.size
+    for d, owner in enumerate(owners):
+        sizes[owner] = len(replica_rows(count, layout.dp, d))
+    width = world.all_reduce(np.array([program.logprobs.shape[1]]), op="max")[0]
+    mine = np.full((sizes[world.rank], int(width)), np.nan, dtype=np.float32)
+    if world.rank == owners[mesh.dp_rank]:
+        mine[:, :program.logprobs.shape[1]] = program.logprobs
+    return world.gather(mine, root=0, sizes=sizes)
+
+
+def _result(data: ScoreData, valid_first: np.ndarray, seconds: float,
+            load_seconds: float) -> ScoreResult:
+    """The output in the input's columns, and the per-row and total figures."""
+    out = np.full((len(data), data.width), np.nan, dtype=np.float32)
+    for r, (row, offset) in enumerate(zip(data.ids, data.offsets)):
+        out[r, offset:offset + len(row)] = valid_first[r, :len(row)]
+    scored = np.array([len(row) - 1 for row in data.ids], dtype=np.int64)
+    nll = -np.nansum(out.astype(np.float64), axis=1)
+    total = int(scored.sum())
+    perplexity = math.exp(nll.sum() / total) if total else float("nan")
+    return ScoreResult(out, nll, scored, perplexity, seconds, load_seconds)
+
+
+def _write(path: str, result: ScoreResult, attrs: dict) -> None:
+    target = AtomicPath(path)
+    try:
+        with h5py.File(target.tmp, "w") as f:
+            f.create_dataset("token_logprobs", data=result.token_logprobs)
+            f.create_dataset("nll", data=result.nll)
+            f.create_dataset("tokens_scored", data=result.tokens_scored)
+            f.attrs.update(attrs | {
+                "perplexity": result.perplexity, "seconds": result.seconds,
+                "tokens_per_s": result.tokens_per_s, "load_seconds": result.load_seconds})
+        target.commit()
+    except BaseException:
+        target.discard()
+        raise
+
+
+def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, backend: str,
+               comm_kind: str) -> dict:
+    return {"hpcpar_version": __version__, "checkpoint": str(Path(ckpt.path)),
+            "data": job.score.data, "dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
+            "micro_batches": layout.micro_batches, "compute_dtype": dtype_name(plan.dtype),
+            "backend": backend, "tp_comm": comm_kind}

@@ -1,0 +1,131 @@
+"""The scoring job against transformers: token log-probabilities equal to
+``log_softmax(LlamaForCausalLM(ids).logits)`` at each next token (float32, <= 1e-4), under one
+rank and under every dp x pp x tp layout of the world's size (mpiexec -n 2, 4, 8); the
+output's NaNs, sums and perplexity; logits formed a block of positions at a time; bad input
+as one clear error before any work."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from helpers import HF_CONFIGS, PROMPTS, build_hf_model, make_checkpoint, mpirun, TINY  # noqa
+from hpcpar.jobs import load_job  # noqa: E402
+from hpcpar.score import run_scoring  # noqa: E402
+from hpcpar.score import program as score_program  # noqa: E402
+
+LAYOUTS = {   # (dp, pp, tp, micro_batches), keyed by world size
+    2: [(1, 1, 2, 1), (1, 2, 1, 2), (2, 1, 1, 1)],
+    4: [(1, 2, 2, 3), (2, 1, 2, 2), (2, 2, 1, 2)],
+    8: [(2, 2, 2, 2), (1, 2, 4, 1), (4, 2, 1, 1)],
+}
+
+
+def _padded(prompts) -> np.ndarray:
+    """The rows left-padded with -1 to the longest."""
+    width = max(len(p) for p in prompts)
+    out = np.full((len(prompts), width), -1, dtype=np.int64)
+    for r, p in enumerate(prompts):
+        out[r, width - len(p):] = p
+    return out
+
+
+def _score(comm, checkpoint, data, out, layout=(1, 1, 1, 1)):
+    dp, pp, tp, mbs = layout
+    sets = [f"model.checkpoint='{checkpoint}'", f"score.data='{data}'",
+            f"output.path='{out}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
+            f"parallel.tp={tp}", f"parallel.micro_batches={mbs}"]
+    return run_scoring(comm, load_job(None, sets))
+
+
+def _transformers_logprobs(model, prompt) -> np.ndarray:
+    """log p(prompt[t] | prompt[:t]) for t >= 1, from transformers' logits."""
+    with torch.no_grad():
+        logits = model(torch.tensor(prompt[None])).logits[0].double()
+    logp = torch.log_softmax(logits, dim=-1)[:-1]
+    return logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+
+
+def _check_against(result, model, prompts, offsets):
+    for r, p in enumerate(prompts):
+        row = result.token_logprobs[r]
+        o = offsets[r]
+        np.testing.assert_allclose(row[o + 1:o + len(p)], _transformers_logprobs(model, p),
+                                   atol=1e-4, rtol=0, err_msg=f"row {r}")
+        assert np.isnan(row[:o + 1]).all() and np.isnan(row[o + len(p):]).all()
+
+
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
+def hf_model(request, tmp_path_factory):
+    return build_hf_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_left_padded_rows_score_as_transformers_and_the_file_holds_the_sums(hf_model, tmp_path):
+    model, checkpoint = hf_model
+    data = tmp_path / "rows.npy"
+    padded = _padded(PROMPTS)
+    np.save(data, padded)
+    result = _score(MPI.COMM_SELF, checkpoint, data, tmp_path / "scores.h5")
+    offsets = [padded.shape[1] - len(p) for p in PROMPTS]
+    _check_against(result, model, PROMPTS, offsets)
+    with h5py.File(tmp_path / "scores.h5") as f:
+        np.testing.assert_array_equal(f["token_logprobs"][:], result.token_logprobs)
+        nll, scored = f["nll"][:], f["tokens_scored"][:]
+        assert scored.tolist() == [len(p) - 1 for p in PROMPTS]
+        np.testing.assert_allclose(nll, -np.nansum(f["token_logprobs"][:].astype(np.float64),
+                                                   axis=1))
+        assert f.attrs["perplexity"] == pytest.approx(np.exp(nll.sum() / scored.sum()))
+        assert f.attrs["tp"] == 1 and "tokens_per_s" in f.attrs
+
+
+def test_jsonl_rows_start_at_column_zero_and_blocks_of_positions_change_nothing(
+        hf_model, tmp_path, monkeypatch):
+    model, checkpoint = hf_model
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"ids": p.tolist()}) + "\n" for p in PROMPTS))
+    whole = _score(MPI.COMM_SELF, checkpoint, data, tmp_path / "a.h5")
+    _check_against(whole, model, PROMPTS, [0] * len(PROMPTS))
+    monkeypatch.setattr(score_program, "LOGITS_BLOCK_BYTES", 1)   # one position per block
+    blocks = _score(MPI.COMM_SELF, checkpoint, data, tmp_path / "b.h5")
+    np.testing.assert_allclose(blocks.token_logprobs, whole.token_logprobs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_every_layout_scores_as_transformers(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    model, folder = None, None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp("score")
+        model, _ = build_hf_model("gqa-llama3", folder)
+        np.save(folder / "rows.npy", _padded(PROMPTS))
+    folder = comm.bcast(str(folder) if folder else None, root=0)
+    offsets = [max(len(p) for p in PROMPTS) - len(p) for p in PROMPTS]
+    for layout in LAYOUTS.get(comm.Get_size(), []):
+        result = _score(comm, f"{folder}/model.h5", f"{folder}/rows.npy",
+                        f"{folder}/scores-{'-'.join(map(str, layout))}.h5", layout)
+        if comm.Get_rank() == 0:
+            _check_against(result, model, PROMPTS, offsets)
+        else:
+            assert result is None
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([[5, 6, -1]], "pad on the left only"),
+    ([[-1, -1, -1], [4, 5, 6]], "row 0 is all padding"),
+    ([[-1, 4, 999]], "row 0 holds token id 999, outside the model's vocabulary"),
+])
+def test_bad_rows_are_one_error_from_one_rank_and_no_output(tmp_path, rows, message):
+    make_checkpoint(tmp_path, TINY)
+    np.save(tmp_path / "rows.npy", np.array(rows))
+    proc, _ = mpirun(2, ["-m", "hpcpar", "score", "--checkpoint", "model.h5", "--data",
+                         "rows.npy", "--out", "scores.h5"], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "scores.h5").exists()
+    assert not list(tmp_path.glob(".scores.h5*"))
