@@ -69,6 +69,26 @@ def test_npy_and_jsonl_ids_agree_across_rank_counts(workdir):
         assert a["tokens"][()].tolist() == b["tokens"][()].tolist()
 
 
+def test_each_prompt_stops_at_its_own_max_new_tokens(workdir):
+    """Per-prompt limits cut each row's greedy tokens where the row asks, on one rank and
+    under pp x tp: the same tokens as the job's limit, then the pad id."""
+    rows, limits = [[5, 6, 7, 8], [9, 10, 11, 12], [100, 3, 4, 8]], [2, None, 1]
+    (workdir / "limits.jsonl").write_text("".join(
+        json.dumps({"ids": r} | ({} if k is None else {"max_new_tokens": k})) + "\n"
+        for r, k in zip(rows, limits)))
+    proc = _generate(workdir, 1, "ids.jsonl", "all.h5", "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    for n, flags in ((1, []), (4, ["--pp", "2", "--tp", "2"])):
+        proc = _generate(workdir, n, "limits.jsonl", f"limits{n}.h5", "--ignore-eos", *flags)
+        assert proc.returncode == 0, proc.stderr
+        with h5py.File(workdir / "all.h5") as a, h5py.File(workdir / f"limits{n}.h5") as b:
+            full, tokens = a["tokens"][()], b["tokens"][()]
+            assert b["lengths"][()].tolist() == [2, 5, 1]
+            for r, k in enumerate([2, 5, 1]):
+                assert tokens[r, :k].tolist() == full[r, :k].tolist()
+                assert (tokens[r, k:] == tokens[2, 4]).all()          # the pad id after
+
+
 @pytest.mark.parametrize("prompts, words", [
     ('{"ids": [' + ",".join(["5"] * 95) + "]}", "has 95 tokens, which plus 5 new tokens exceeds"),
     ('{"ids": [' + ",".join(["5"] * 97) + "]}", "has 97 tokens, which is longer than"),
@@ -76,6 +96,14 @@ def test_npy_and_jsonl_ids_agree_across_rank_counts(workdir):
     ("", "the prompt file is empty"),
     ('{"ids": []}', "the prompt is empty"),
     ('{"nope": 1}', 'each line needs exactly one of "ids" or "text"'),
+    ('{"ids": [5, 6], "max_new_tokens": -1}', '"max_new_tokens" must be a positive integer, '
+                                              'got -1'),
+    ('{"ids": [5, 6], "max_new_tokens": 2.5}', '"max_new_tokens" must be a positive integer, '
+                                               'got 2.5'),
+    ('{"ids": [5, 6], "max_new_tokens": true}', '"max_new_tokens" must be a positive integer'),
+    ('{"ids": [5, 6]}\n{"ids": [5], "max_new_tokens": 9}',
+     "prompt 1 asks for max_new_tokens 9, more than the job's 5"),
+    ('{"ids": [5, 6], "temperature": 1.0}', "bad.jsonl:1: unknown key 'temperature'"),
 ])
 def test_bad_prompts_are_one_error_and_no_output(workdir, prompts, words):
     (workdir / "bad.jsonl").write_text(prompts)

@@ -276,7 +276,8 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
     on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
-    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step)
+    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step,
+                                limits=plan.prompts.limits(settings.max_new_tokens))
     actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
     executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                 board=board)
@@ -302,6 +303,7 @@ def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:
     digest = hashlib.sha256()
     for ids in plan.prompts.ids:
         digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
+    digest.update(plan.prompts.limits(plan.settings.max_new_tokens).tobytes())
     s = plan.settings
     return json.dumps({
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,

@@ -34,7 +34,10 @@ class GenerationSettings:
 class GenerationProgram:
     def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend,
-                 on_step: Callable[[int, int], None] | None = None):
+                 on_step: Callable[[int, int], None] | None = None,
+                 limits: np.ndarray | None = None):
+        """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
+        job's for every prompt)."""
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
@@ -44,6 +47,9 @@ class GenerationProgram:
         rows = sum(mb.size for mb in mbs)
         self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens, replica rows
         self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
+        self.limit = np.full(rows, n, dtype=np.int64)              # each row's own limit
+        if mbs and limits is not None:
+            self.limit = np.concatenate([limits[mb.rows] for mb in mbs])
         self.done = np.zeros(rows, dtype=bool)
         self.eos = np.asarray(eos_ids if settings.stop_at_eos else (), dtype=np.int64)
         self.pad_id = pad_id
@@ -130,11 +136,12 @@ class GenerationProgram:
         self._record(batch, step, tokens)
 
     def _record(self, batch: MicroBatch, step: int, tokens: np.ndarray) -> None:
-        """Store step ``step``'s tokens; rows already past EOS get the pad id."""
+        """Store step ``step``'s tokens; rows already done (EOS, or their own limit) get the
+        pad id."""
         rows = self._local(batch)
         done = self.done[rows]
         tokens = np.where(done, self.pad_id, tokens)
         self.tokens[rows, step] = tokens
-        hit = ~done & np.isin(tokens, self.eos)
+        hit = ~done & (np.isin(tokens, self.eos) | (step + 1 >= self.limit[rows]))
         self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
         self.done[rows] = done | hit

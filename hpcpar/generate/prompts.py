@@ -17,13 +17,23 @@ class PromptError(HpcparError):
     pass
 
 
+# the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
+PROMPT_KEYS = ("ids", "text", "max_new_tokens")
+
+
 @dataclass(frozen=True)
 class Prompts:
     ids: list[np.ndarray]               # one int64 array per prompt, lengths may differ
     texts: list[str] | None = None      # the source text, when prompts were given as text
+    max_new_tokens: list[int | None] | None = None   # a prompt's own limit (None: the job's)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def limits(self, job_max: int) -> np.ndarray:
+        """(prompts,) the new tokens each prompt may get: its own limit, else the job's."""
+        own = self.max_new_tokens or [None] * len(self)
+        return np.array([job_max if k is None else k for k in own], dtype=np.int64)
 
     @property
     def lengths(self) -> list[int]:
@@ -60,7 +70,7 @@ def _load_npy(path: Path) -> Prompts:
 
 
 def _load_jsonl(path: Path, tokenizer) -> Prompts:
-    ids, texts = [], []
+    ids, texts, limits = [], [], []
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -75,6 +85,16 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
             raise PromptError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(record, dict) or ("ids" in record) == ("text" in record):
             raise PromptError(f"{path}:{n}: each line needs exactly one of \"ids\" or \"text\"")
+        unknown = sorted(set(record) - set(PROMPT_KEYS))
+        if unknown:
+            raise PromptError(f"{path}:{n}: unknown key {unknown[0]!r}; a prompt line holds "
+                              f"{' / '.join(repr(k) for k in PROMPT_KEYS)}")
+        limit = record.get("max_new_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit < 1):
+            raise PromptError(f"{path}:{n}: \"max_new_tokens\" must be a positive integer, "
+                              f"got {json.dumps(limit)}")
+        limits.append(limit)
         if "ids" in record:
             row = record["ids"]
             if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -97,7 +117,8 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
             raise PromptError(f"{path}:{n}: the prompt is empty (no tokens)")
     if not ids:
         raise PromptError(f"{path}: the prompt file is empty; add one JSON object per line")
-    return Prompts(ids, texts if any(t is not None for t in texts) else None)
+    return Prompts(ids, texts if any(t is not None for t in texts) else None,
+                   limits if any(k is not None for k in limits) else None)
 
 
 def random_prompts(count: int, lengths: tuple[int, int], vocab_size: int,
@@ -121,16 +142,21 @@ def check_prompts(prompts: Prompts, cfg: LlamaConfig, max_new_tokens: int,
         raise PromptError(f"{source}: no prompts")
     if max_new_tokens < 1:
         raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    limits = prompts.limits(max_new_tokens)
     for n, row in enumerate(prompts.ids):
+        if limits[n] > max_new_tokens:
+            raise PromptError(f"{source}: prompt {n} asks for max_new_tokens {limits[n]}, more "
+                              f"than the job's {max_new_tokens}; raise --max-new-tokens or "
+                              "lower the prompt's")
         if len(row) == 0:
             raise PromptError(f"{source}: prompt {n} is empty")
         bad = row[(row < 0) | (row >= cfg.vocab_size)]
         if bad.size:
             raise PromptError(f"{source}: prompt {n} holds token id {int(bad[0])}, outside the "
                               f"model's vocabulary [0, {cfg.vocab_size})")
-        if len(row) + max_new_tokens > cfg.max_position_embeddings:
+        if len(row) + limits[n] > cfg.max_position_embeddings:
             what = ("is longer than" if len(row) > cfg.max_position_embeddings
-                    else f"plus {max_new_tokens} new tokens exceeds")
+                    else f"plus {limits[n]} new tokens exceeds")
             raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, which {what} the "
                               f"model's max_position_embeddings {cfg.max_position_embeddings}; "
                               "shorten it or lower max_new_tokens")
