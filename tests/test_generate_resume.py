@@ -1,12 +1,15 @@
-"""Preemption-safe generation: prompts run in waves whose results (tokens, text, logits) are
-saved as they finish; a signal stops the job after a wave with status 3 and no output file;
-``--resume auto`` keeps what was done, and the output equals an uninterrupted run's."""
+"""Preemption-safe generation: a signal stops the job within a step (no waves needed) with
+status 3 and no output file, keeping every prompt finished by then (and with waves, each
+wave's results as it ends); ``--resume auto`` runs only the rest, and the output equals an
+uninterrupted run's."""
 
 import os
 import signal
 import subprocess
 import sys
 import time
+
+import json
 
 import h5py
 import numpy as np
@@ -65,7 +68,7 @@ def test_a_stopped_generation_resumes_to_the_uninterrupted_file(work):
     os.kill(ranks[0], signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
-    assert "stopped after" in out and not (work / "stopped.h5").exists()
+    assert "stopped on request" in out and not (work / "stopped.h5").exists()
     with h5py.File(partial) as f:
         done = int(f["done"][()].sum())
     assert 0 < done < PROMPTS
@@ -87,3 +90,54 @@ def test_resuming_with_other_settings_is_refused(work):
                   work)[0]
     _assert_one_error(proc, "a stopped run with other settings")
     assert partial.exists() and not (work / "other.h5").exists()
+
+
+def _signal_all_ranks(proc, sig) -> None:
+    """As a scheduler does: every process of the job (the rank keepers pass it on too)."""
+    for pid in _descendants(proc.pid):
+        try:
+            if b"hpcpar" in open(f"/proc/{pid}/cmdline", "rb").read():
+                os.kill(pid, sig)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+
+
+def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work):
+    """One wave, a pipeline of 2 stages, rows with limits from 1 to 80 new tokens: SIGUSR1
+    soon after the start stops the run with some rows finished (the short ones) and others
+    not; the resumed run finishes those alone, to the uninterrupted run's tokens."""
+    rng = np.random.default_rng(5)
+    count = 400
+    lines = [json.dumps({"ids": rng.integers(3, 250, int(rng.integers(2, 9))).tolist(),
+                         "max_new_tokens": int(k)}) for k in rng.integers(1, 81, count)]
+    (work / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+    args = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "mixed.jsonl",
+            "--max-new-tokens", "80", "--ignore-eos", "--pp", "2", "--micro-batches", "4"]
+    straight, seconds = mpirun(2, [*args, "--out", "mixed_straight.h5"], work, timeout=300)
+    assert straight.returncode == 0, straight.stderr
+    print(f"uninterrupted: {seconds:.1f} s")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, *args, "--out",
+                             "mixed.h5"], cwd=work, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    partial = work / ".mixed.h5.partial"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not partial.exists():
+        time.sleep(0.01)
+    time.sleep(1.0)                      # into the decode steps
+    _signal_all_ranks(proc, signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "stopped on request" in out and not (work / "mixed.h5").exists()
+    with h5py.File(partial) as f:
+        done = f["done"][()]
+    assert 0 < done.sum() < count, done.sum()          # short rows kept, long ones not
+    resumed = mpirun(2, [*args, "--out", "mixed.h5", "--resume", "auto"], work,
+                     timeout=300)[0]
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{count - int(done.sum())} prompts" in resumed.stdout    # only the rest ran
+    with h5py.File(work / "mixed_straight.h5") as a, h5py.File(work / "mixed.h5") as b:
+        for key in ("tokens", "lengths"):
+            np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
+    assert not partial.exists()

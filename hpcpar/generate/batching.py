@@ -34,17 +34,19 @@ def replica_rows(num_prompts: int, dp_size: int, dp_rank: int) -> range:
     return range(start, start + sizes[dp_rank])
 
 
-def micro_batches(prompts: list[np.ndarray], rows: range, count: int) -> list[MicroBatch]:
-    """``rows`` split into at most ``count`` micro-batches (fewer when there are fewer rows)."""
+def micro_batches(prompts: list[np.ndarray], rows, count: int) -> list[MicroBatch]:
+    """``rows`` (global prompt indices, a range or an increasing array) split into at most
+    ``count`` micro-batches of consecutive entries (fewer when there are fewer rows)."""
+    rows = np.asarray(rows, dtype=np.int64)
     count = min(count, len(rows))
-    out, start = [], rows.start
+    out, start = [], 0
     for i, size in enumerate(split_sizes(len(rows), count) if count else []):
-        chunk = [prompts[r] for r in range(start, start + size)]
-        length = max(len(p) for p in chunk)
+        chunk = rows[start:start + size]
+        length = max(len(prompts[r]) for r in chunk)
         ids = np.zeros((size, length), dtype=np.int64)
-        lengths = np.array([len(p) for p in chunk], dtype=np.int64)
-        for j, p in enumerate(chunk):
-            ids[j, :len(p)] = p
-        out.append(MicroBatch(i, np.arange(start, start + size), ids, lengths))
+        lengths = np.array([len(prompts[r]) for r in chunk], dtype=np.int64)
+        for j, r in enumerate(chunk):
+            ids[j, :lengths[j]] = prompts[r]
+        out.append(MicroBatch(i, chunk, ids, lengths))
         start += size
     return out

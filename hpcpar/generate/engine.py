@@ -172,12 +172,12 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         backend.release_unused_device_memory()
 
         world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
-        # from here a SIGTERM / SIGUSR1 only asks to stop after the current wave
+        # from here a SIGTERM / SIGUSR1 asks to stop: the first stages retire every
+        # micro-batch at their next forward, the finished prompts are saved, exit 3
         with StopRequest() as stop:
             eos = cfg.eos_token_id
             pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
             n_prompts = len(plan.prompts)
-            waves = wave_ranges(n_prompts, job.generate.wave_size)
             out = None
 
             def open_output():
@@ -194,7 +194,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             if out is not None:
                 done[:] = out.done
             world.broadcast(done)
-            todo = [w for w in waves if not done[w.start:w.stop].all()]
+            todo = waves_of(np.flatnonzero(done == 0), job.generate.wave_size)
             bar = _progress_bar(rank == 0 and progress,
                                 sum(len(w) for w in todo) * settings.max_new_tokens)
             tokens = np.full((n_prompts, settings.max_new_tokens), pad_id, dtype=np.int64)
@@ -208,22 +208,30 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             for i, wave in enumerate(todo):
                 figures, collected, micro_w = _run_wave(
                     comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-                    backend, pp, stats, bar, out, logits, board)
+                    backend, pp, stats, bar, out, logits, board, stop)
                 micro = max(micro, micro_w)
                 totals = figures if totals is None else totals.combine(figures)
+                unfinished = 0
                 if rank == 0:
-                    tokens[wave], lengths[wave] = collected
-                    if out is not None:
-                        texts = _decode(plan.tokenizer, tokens[wave], lengths[wave])
-                        out.finish_wave(wave, tokens[wave], lengths[wave], texts)
-                flag = world.all_reduce(np.array([int(stop.requested)], dtype=np.int64))
-                if flag[0] and i < len(todo) - 1:
+                    wave_tokens, wave_lengths, finished = collected
+                    tokens[wave], lengths[wave] = wave_tokens, wave_lengths
+                    done[wave] = finished
+                    unfinished = int((~finished).sum())
+                    if out is not None and finished.any():
+                        texts = _decode(plan.tokenizer, wave_tokens[finished],
+                                        wave_lengths[finished])
+                        out.finish_rows(wave[finished], wave_tokens[finished],
+                                        wave_lengths[finished], texts)
+                flag = world.all_reduce(np.array([int(stop.requested), unfinished],
+                                                 dtype=np.int64), op="max")
+                if flag[0] and (flag[1] or i < len(todo) - 1):
                     if bar:
                         bar.close()
                     if rank == 0:
-                        print(f"stopped after {wave.stop} of {n_prompts} prompts on request "
-                              f"(SIGTERM/SIGUSR1); the finished ones are saved; run again "
-                              f"with --resume auto to continue", flush=True)
+                        kept = ("saved; run again with --resume auto to finish the rest"
+                                if out is not None else "not saved (no --out)")
+                        print(f"stopped on request (SIGTERM/SIGUSR1): {int(done.sum())} of "
+                              f"{n_prompts} prompts are finished and {kept}", flush=True)
                     raise JobFailed(EXIT_PREEMPTED)
         if bar:
             bar.close()
@@ -256,28 +264,30 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         return result
 
 
-def wave_ranges(count: int, wave_size: int) -> list[range]:
-    """The prompts [0, count) in waves of ``wave_size`` (0: one wave)."""
-    size = wave_size if wave_size > 0 else max(count, 1)
-    return [range(start, min(start + size, count)) for start in range(0, count, size)]
+def waves_of(prompts: np.ndarray, wave_size: int) -> list[np.ndarray]:
+    """The prompt indices ``prompts`` (increasing) in waves of ``wave_size`` (0: one wave)."""
+    size = wave_size if wave_size > 0 else max(len(prompts), 1)
+    return [prompts[start:start + size] for start in range(0, len(prompts), size)]
 
 
-def _wave_rows(wave: range, dp: int, dp_rank: int) -> range:
+def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
     """The global prompt ids replica ``dp_rank`` runs in ``wave``."""
     replica = replica_rows(len(wave), dp, dp_rank)
-    return range(wave.start + replica.start, wave.start + replica.stop)
+    return wave[replica.start:replica.stop]
 
 
 def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-              backend, pp, stats, bar, out, logits, board):
+              backend, pp, stats, bar, out, logits, board, stop):
     """Generate for the prompts of ``wave``; returns this rank's figures, the wave's
-    (tokens, lengths) on rank 0 and the micro-batches a replica ran. Prompt logits go
-    micro-batch by micro-batch to the output file, or into ``logits`` (rank 0)."""
+    (tokens, lengths, finished) on rank 0 and the micro-batches a replica ran (a stop request
+    ends it early: the rows not finished by then are not). Prompt logits go micro-batch by
+    micro-batch to the output file, or into ``logits`` (rank 0)."""
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
     on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
     program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step,
-                                limits=plan.prompts.limits(settings.max_new_tokens))
+                                limits=plan.prompts.limits(settings.max_new_tokens),
+                                stop_requested=lambda: stop.requested)
     actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
     executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                 board=board)
@@ -350,9 +360,10 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         weight_bytes=stage.weight_bytes)
 
 
-def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: range,
+def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: np.ndarray,
              program: GenerationProgram, settings: GenerationSettings, out, logits):
-    """The wave's tokens and lengths on world rank 0, in input order, and its prompt logits
+    """The wave's tokens, lengths and which rows finished on world rank 0, in input order
+    (a stopped run finishes only some), and its prompt logits
     written one micro-batch at a time (to ``out``, or into ``logits``). Each replica's last
     stage, tp rank 0, holds its block: tokens and lengths are gathered (owners are in replica
     order, the other ranks give nothing), logits sent micro-batch by micro-batch."""
@@ -364,9 +375,10 @@ def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: 
     mine = slice(None) if is_owner else slice(0, 0)
     tokens = world.gather(program.tokens[mine], root=0, sizes=sizes)
     lengths = world.gather(program.lengths[mine], root=0, sizes=sizes)
+    finished = world.gather(program.done[mine].astype(np.int64), root=0, sizes=sizes)
     if is_owner and world.rank != 0 and settings.save_logits:
         for mb in program.mbs:
-            world.send(program.prompt_logits[mb.index], 0, TAG_LOGITS)
+            world.send(_prompt_logits(program, mb), 0, TAG_LOGITS)
     if world.rank != 0:
         return None
     if settings.save_logits:
@@ -375,12 +387,20 @@ def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: 
             for mb in micro_batches(prompts.ids, _wave_rows(wave, layout.dp, d),
                                     layout.micro_batches):
                 if owner == 0:
-                    full = program.prompt_logits[mb.index]
+                    full = _prompt_logits(program, mb)
                 else:
                     full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32),
                                       owner, TAG_LOGITS)
                 unpad_into(out.logits if out is not None else logits, mb, full)
-    return tokens, lengths
+    return tokens, lengths, finished.astype(bool)
+
+
+def _prompt_logits(program: GenerationProgram, mb) -> np.ndarray:
+    """A micro-batch's prompt logits, NaN when a stop came before its prefill."""
+    full = program.prompt_logits.get(mb.index)
+    if full is None:
+        full = np.full((mb.size, mb.length, program.stage.cfg.vocab_size), np.nan, np.float32)
+    return full
 
 
 def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, backend: str,

@@ -77,13 +77,14 @@ class PartialOutput:
         """The prompt_logits dataset, written one micro-batch at a time (``unpad_into``)."""
         return self.file["prompt_logits"]
 
-    def finish_wave(self, rows: range, tokens, lengths, texts) -> None:
-        f = self.file
-        f["tokens"][rows.start:rows.stop] = tokens
-        f["lengths"][rows.start:rows.stop] = lengths
+    def finish_rows(self, rows: np.ndarray, tokens, lengths, texts) -> None:
+        """Finished prompts (increasing global indices) and their results."""
+        f, rows = self.file, list(np.asarray(rows, dtype=np.int64))
+        f["tokens"][rows] = tokens
+        f["lengths"][rows] = lengths
         if texts is not None and "text" in f:
-            f["text"][rows.start:rows.stop] = texts
-        f["done"][rows.start:rows.stop] = True
+            f["text"][rows] = texts
+        f["done"][rows] = True
         f.flush()                                   # what a stop keeps is on disk
 
     def results(self) -> tuple[np.ndarray, np.ndarray, list[str] | None]:

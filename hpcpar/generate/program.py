@@ -35,15 +35,18 @@ class GenerationProgram:
     def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend,
                  on_step: Callable[[int, int], None] | None = None,
-                 limits: np.ndarray | None = None):
+                 limits: np.ndarray | None = None,
+                 stop_requested: Callable[[], bool] | None = None):
         """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
-        job's for every prompt)."""
+        job's for every prompt). ``stop_requested``: polled by the first stage before each
+        forward; once its tp ranks agree on a stop, every micro-batch is retired there (the
+        STOP reaches the other stages with the activations) and only finished rows count."""
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
         self.caches = [stage.new_cache(mb.size, mb.length + n) for mb in mbs]
         self.last_index = [self.xp.asarray(mb.lengths - 1) for mb in mbs]  # prefill's last
-        self.first_row = mbs[0].rows[0] if mbs else 0
+        self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
         rows = sum(mb.size for mb in mbs)
         self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens, replica rows
         self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
@@ -57,10 +60,12 @@ class GenerationProgram:
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
         self.on_step = on_step
+        self.stop_requested = stop_requested
+        self.stopped = False
         self.prefill_done_at: float | None = None
 
     def _local(self, mb: MicroBatch) -> slice:
-        start = int(mb.rows[0] - self.first_row)
+        start = int(self.offsets[mb.index])
         return slice(start, start + mb.size)
 
     # ---- StageProgram ----------------------------------------------------------------------
@@ -73,7 +78,21 @@ class GenerationProgram:
         return (batch.size,), np.dtype(np.int64)
 
     def finished(self, mb: int) -> bool:
-        return self.stage.first and bool(self.done[self._local(self.mbs[mb])].all())
+        if not self.stage.first:
+            return False
+        return self._stopping() or bool(self.done[self._local(self.mbs[mb])].all())
+
+    def _stopping(self) -> bool:
+        """Whether to stop now: a request seen by any tp rank of this stage, agreed by all of
+        them (they retire the same micro-batches at the same step); final once true."""
+        if self.stopped or self.stop_requested is None:
+            return self.stopped
+        flag = np.array([int(self.stop_requested())], dtype=np.int64)
+        tp = self.stage.tp
+        if tp.size > 1:
+            tp.on_host().all_reduce(flag, op="max")
+        self.stopped = bool(flag[0])
+        return self.stopped
 
     def receive(self, a: Action, payload) -> None:
         if a.op is Op.RECV:

@@ -25,7 +25,7 @@ LOGITS_BLOCK_BYTES = 256 << 20
 class ScoringProgram:
     def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], backend):
         self.stage, self.mbs, self.backend, self.xp = stage, mbs, backend, backend.xp
-        self.first_row = int(mbs[0].rows[0]) if mbs else 0
+        self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
         width = max((mb.length for mb in mbs), default=0)
         # this replica's rows, each from its first token: column t holds log p(ids[t] | ...)
         self.logprobs = np.full((sum(mb.size for mb in mbs), width), np.nan, dtype=np.float32)
@@ -70,7 +70,7 @@ class ScoringProgram:
         labels[np.arange(L - 1)[None, :] >= (batch.lengths - 1)[:, None]] = -1
         vocab_local = int(head.weight.data.shape[0])          # this block, padding included
         width = max(1, LOGITS_BLOCK_BYTES // (4 * b * vocab_local))
-        first = batch.rows[0] - self.first_row
+        first = int(self.offsets[batch.index])
         rows = slice(first, first + b)
         for c0 in range(0, L - 1, width):
             c1 = min(L - 1, c0 + width)
