@@ -118,21 +118,24 @@ def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work
     print(f"uninterrupted: {seconds:.1f} s")
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env["HPCPAR_PROGRESS_SECONDS"] = "0.05"
     proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, *args, "--out",
                              "mixed.h5"], cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    partial = work / ".mixed.h5.partial"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not partial.exists():
-        time.sleep(0.01)
-    time.sleep(1.0)                      # into the decode steps
+    seen = []
+    for line in proc.stderr:             # the progress log: rows have finished
+        seen.append(line)
+        if line.startswith("progress:") and int(line.split()[1].split("/")[0]) > 0:
+            break
     _signal_all_ranks(proc, signal.SIGUSR1)
     out, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
+    partial = work / ".mixed.h5.partial"
     assert proc.returncode == 3, err
     assert "stopped on request" in out and not (work / "mixed.h5").exists()
     with h5py.File(partial) as f:
         done = f["done"][()]
-    assert 0 < done.sum() < count, done.sum()          # short rows kept, long ones not
+    assert 0 < done.sum() < count, err                 # short rows kept, long ones not
     resumed = mpirun(2, [*args, "--out", "mixed.h5", "--resume", "auto"], work,
                      timeout=300)[0]
     assert resumed.returncode == 0, resumed.stderr
@@ -141,3 +144,20 @@ def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work
         for key in ("tokens", "lengths"):
             np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
     assert not partial.exists()
+
+
+def test_progress_counts_prompts_and_logs_a_line_per_interval():
+    import io
+    from hpcpar.generate.progress import Progress
+    log = io.StringIO()
+    progress = Progress(total=10, share=0.5, interval=1e-9, terminal=False, out=log)
+    progress.rows(finished=2, tokens=8)                # replica 0: 2 of its 5 rows
+    assert progress.finished == 4                      # its half stands for the whole
+    progress.wave_done(10)
+    assert progress.finished == 10
+    lines = log.getvalue().splitlines()
+    assert lines[0].startswith("progress: 4/10 prompts") and "new tokens/s" in lines[0]
+    assert lines[-1].startswith("progress: 10/10 prompts")
+    quiet = io.StringIO()
+    Progress(total=10, share=1.0, interval=0, terminal=False, out=quiet).rows(3, 3)
+    assert quiet.getvalue() == ""

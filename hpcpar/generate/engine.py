@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import resource
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from time import perf_counter
@@ -40,6 +39,7 @@ from ..tensors import stage_tensors
 from .batching import micro_batches, replica_rows
 from .output import PartialOutput, unpad_into
 from .program import GenerationProgram, GenerationSettings
+from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
 from .sampling import SamplingParams
@@ -195,8 +195,10 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                 done[:] = out.done
             world.broadcast(done)
             todo = waves_of(np.flatnonzero(done == 0), job.generate.wave_size)
-            bar = _progress_bar(rank == 0 and progress,
-                                sum(len(w) for w in todo) * settings.max_new_tokens)
+            bar = None
+            if rank == 0 and progress and todo:
+                share = sum(len(_wave_rows(w, layout.dp, 0)) for w in todo) / sum(map(len, todo))
+                bar = Progress(sum(map(len, todo)), share)
             tokens = np.full((n_prompts, settings.max_new_tokens), pad_id, dtype=np.int64)
             lengths = np.zeros(n_prompts, dtype=np.int64)
             logits = None
@@ -222,6 +224,8 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                                         wave_lengths[finished])
                         out.finish_rows(wave[finished], wave_tokens[finished],
                                         wave_lengths[finished], texts)
+                if bar:
+                    bar.wave_done(len(wave) - unfinished)
                 flag = world.all_reduce(np.array([int(stop.requested), unfinished],
                                                  dtype=np.int64), op="max")
                 if flag[0] and (flag[1] or i < len(todo) - 1):
@@ -284,8 +288,8 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     micro-batch to the output file, or into ``logits`` (rank 0)."""
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
-    on_step = (lambda mb, step: bar.update(mbs[mb].size)) if bar else None
-    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend, on_step=on_step,
+    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
+                                on_rows=bar.rows if bar else None,
                                 limits=plan.prompts.limits(settings.max_new_tokens),
                                 stop_requested=lambda: stop.requested)
     actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
@@ -329,14 +333,6 @@ def _decode(tokenizer, tokens, lengths) -> list[str] | None:
         return None
     return [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
             for row, n in zip(tokens, lengths)]
-
-
-def _progress_bar(enabled: bool, total: int):
-    """A tqdm bar on rank 0, shown only on a terminal (batch logs stay clean)."""
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, unit="tok", desc="generating", leave=False)
 
 
 def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:

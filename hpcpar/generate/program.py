@@ -34,13 +34,14 @@ class GenerationSettings:
 class GenerationProgram:
     def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend,
-                 on_step: Callable[[int, int], None] | None = None,
+                 on_rows: Callable[[int, int], None] | None = None,
                  limits: np.ndarray | None = None,
                  stop_requested: Callable[[], bool] | None = None):
         """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
         job's for every prompt). ``stop_requested``: polled by the first stage before each
         forward; once its tp ranks agree on a stop, every micro-batch is retired there (the
-        STOP reaches the other stages with the activations) and only finished rows count."""
+        STOP reaches the other stages with the activations) and only finished rows count.
+        ``on_rows(finished, tokens)`` hears of each step's new tokens and finished rows."""
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
@@ -59,7 +60,7 @@ class GenerationProgram:
         self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
-        self.on_step = on_step
+        self.on_rows = on_rows
         self.stop_requested = stop_requested
         self.stopped = False
         self.prefill_done_at: float | None = None
@@ -115,8 +116,6 @@ class GenerationProgram:
         if stage.first:
             ids = batch.ids if step == 0 else self.tokens[self._local(batch), step - 1][:, None]
             x = stage.embed(xp.asarray(ids))
-            if self.on_step is not None:
-                self.on_step(mb, step)
         else:
             x = self.inputs.pop(mb)
         y = stage.forward(x, self.rows(batch, step), self.caches[mb])
@@ -164,3 +163,5 @@ class GenerationProgram:
         hit = ~done & (np.isin(tokens, self.eos) | (step + 1 >= self.limit[rows]))
         self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
         self.done[rows] = done | hit
+        if self.on_rows is not None:
+            self.on_rows(int(hit.sum()), int((~done).sum()))
