@@ -37,7 +37,8 @@ JOB_FLAGS = {
     "temperature": ("generate", "temperature"), "top_k": ("generate", "top_k"),
     "top_p": ("generate", "top_p"), "seed": ("generate", "seed"),
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
-    "wave_size": ("generate", "wave_size"),
+    "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
+    "batch_size": ("generate", "batch_size"),
     "out": ("output", "path"),
 }
 # training flags -> (job section, key); --seed goes to [train] when the job trains
@@ -104,6 +105,11 @@ def _job_flags(p, required: bool) -> None:
                    help="store the logits of every prompt position")
     p.add_argument("--ignore-eos", dest="stop_at_eos", action="store_const", const=False,
                    help="always generate max-new-tokens, past EOS")
+    p.add_argument("--batching", choices=["continuous", "static"],
+                   help="continuous (default): a finished row's slot takes the next prompt; "
+                        "static: each micro-batch runs until its longest row is done")
+    p.add_argument("--batch-size", type=int,
+                   help="rows in flight per micro-batch (default: what fits the KV cache)")
     p.add_argument("--wave-size", type=int,
                    help="prompts per wave: the output is saved, and the job can stop, after "
                         "each (default: all at once)")

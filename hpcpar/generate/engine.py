@@ -38,6 +38,7 @@ from ..pipeline.schedule import generation
 from ..tensors import stage_tensors
 from .batching import micro_batches, replica_rows
 from .output import PartialOutput, unpad_into
+from .continuous import ContinuousProgram, segment_steps
 from .program import GenerationProgram, GenerationSettings
 from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
@@ -111,8 +112,14 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     gen = job.generate
     sampling = SamplingParams(gen.temperature, gen.top_k, gen.top_p, gen.seed)
     sampling.check()
+    if gen.batching not in ("continuous", "static"):
+        raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
+                          f"{gen.batching!r}")
+    if gen.batch_size < 0:
+        raise HpcparError(f"generate.batch_size must be >= 1 (0: what fits), got "
+                          f"{gen.batch_size}")
     settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
-                                  gen.save_logits)
+                                  gen.save_logits, gen.batching, gen.batch_size)
     tokenizer = load_tokenizer(ckpt)
     source = job.data.prompts
     from_file = prompts is None and source != "random"
@@ -288,11 +295,21 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     micro-batch to the output file, or into ``logits`` (rank 0)."""
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
-    program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
-                                on_rows=bar.rows if bar else None,
-                                limits=plan.prompts.limits(settings.max_new_tokens),
-                                stop_requested=lambda: stop.requested)
-    actions = generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank] if mbs else []
+    limits = plan.prompts.limits(settings.max_new_tokens)
+    on_rows = bar.rows if bar else None
+    continuous = settings.batching == "continuous"
+    if continuous:
+        width = settings.batch_size or max((mb.size for mb in mbs), default=1)
+        program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
+                                    segment_steps(layout.pp), limits, on_rows)
+        pp_host = pp.on_host()
+        actions = program.start_segment(pp_host)
+    else:
+        program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
+                                    on_rows=on_rows, limits=limits,
+                                    stop_requested=lambda: stop.requested)
+        actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank]
+                   if mbs else [])
     executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                 board=board)
     with phase("checking the pipeline schedule"):
@@ -303,6 +320,13 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     fault_point("prefill")
     with phase("generating"):
         executor.run(actions)
+        if continuous:
+            while not _replica_agrees(stage.tp, pp_host, stop.requested):
+                actions = program.start_segment(pp_host)
+                if not actions:
+                    break
+                executor.run(actions)
+            program.finish()
         backend.synchronize()
     finished = perf_counter()
     with phase("collecting the outputs on rank 0"):
@@ -310,6 +334,16 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
         collected = _collect(world, mesh, layout, plan.prompts, wave, program, settings,
                              out, logits)
     return figures, collected, len(mbs)
+
+
+def _replica_agrees(tp, pp_host, flag: bool) -> bool:
+    """Whether any rank of this replica (its tp group, then its pipeline) raised ``flag``:
+    every rank of the replica gets the same answer at the same point."""
+    mine = np.array([int(flag)], dtype=np.int64)
+    if tp.size > 1:
+        tp.on_host().all_reduce(mine, op="max")
+    pp_host.all_reduce(mine, op="max")
+    return bool(mine[0])
 
 
 def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:

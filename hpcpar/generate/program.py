@@ -29,6 +29,8 @@ class GenerationSettings:
     sampling: SamplingParams = SamplingParams()
     stop_at_eos: bool = True
     save_logits: bool = False
+    batching: str = "continuous"    # or "static" (see ``generate.continuous``)
+    batch_size: int = 0             # continuous: rows in flight per micro-batch (0: all)
 
 
 class GenerationProgram:

@@ -50,9 +50,11 @@ class SamplingParams:
 
 
 def sample_from_candidates(values: np.ndarray, ids: np.ndarray, params: SamplingParams,
-                           rows: np.ndarray, step: int) -> np.ndarray:
+                           rows: np.ndarray, step) -> np.ndarray:
     """One token per row from candidate logits ``values`` and token ``ids`` (rows, n), sorted
-    by logit descending; ``rows`` are the prompts' global indices."""
+    by logit descending; ``rows`` are the prompts' global indices, ``step`` the index of the
+    token drawn (one for all rows, or each row's own)."""
+    steps = np.broadcast_to(np.asarray(step, dtype=np.int64), (len(rows),))
     logits = values.astype(np.float64) / params.temperature
     if params.top_k:
         logits, ids = logits[:, :params.top_k], ids[:, :params.top_k]
@@ -65,12 +67,12 @@ def sample_from_candidates(values: np.ndarray, ids: np.ndarray, params: Sampling
     cdf = np.cumsum(probs, axis=1)
     out = np.empty(len(rows), dtype=np.int64)
     for i, row in enumerate(rows):
-        u = np.random.default_rng([params.seed, int(row), step]).random() * cdf[i, -1]
+        u = np.random.default_rng([params.seed, int(row), int(steps[i])]).random() * cdf[i, -1]
         out[i] = ids[i, min(int(np.searchsorted(cdf[i], u, side="right")), ids.shape[1] - 1)]
     return out
 
 
-def next_tokens(head, local_logits, params: SamplingParams, rows: np.ndarray, step: int,
+def next_tokens(head, local_logits, params: SamplingParams, rows: np.ndarray, step,
                 to_host) -> np.ndarray:
     """The next token of each row, from this rank's vocab-parallel logits (rows, vocab_i).
 

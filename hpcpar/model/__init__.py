@@ -1,7 +1,7 @@
 """The Llama model as tensor-parallel pipeline stages (NumPy or CuPy through ``xp``)."""
 
-from .kv_cache import KVCache, kv_cache_bytes
+from .kv_cache import CacheRows, KVCache, kv_cache_bytes
 from .llama import LlamaStage
 from .rope import RotaryEmbedding, inverse_frequencies
 
-__all__ = ["KVCache", "LlamaStage", "RotaryEmbedding", "inverse_frequencies", "kv_cache_bytes"]
+__all__ = ["CacheRows", "KVCache", "LlamaStage", "RotaryEmbedding", "inverse_frequencies", "kv_cache_bytes"]

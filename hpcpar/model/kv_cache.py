@@ -36,6 +36,24 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
 
+class CacheRows:
+    """Some rows of a ``KVCache`` being filled from position 0 by a prefill of those rows
+    alone (continuous batching gives a finished row's slot to the next prompt): the step's
+    keys and values go to the rows ``slots``, and attention reads the step's own."""
+
+    def __init__(self, cache: KVCache, slots):
+        self.cache, self.slots = cache, slots
+
+    def write(self, layer: int, k, v, starts, from_start: bool, max_kv: int):
+        T = k.shape[1]
+        if T > self.cache.capacity:
+            raise IndexError(f"KV cache holds {self.cache.capacity} slots, step needs {T}")
+        keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)   # (b, kv, T, d)
+        self.cache.k[layer][self.slots, :, :T] = keys
+        self.cache.v[layer][self.slots, :, :T] = values
+        return keys, values
+
+
 def kv_cache_bytes(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                    itemsize: int) -> int:
     """What ``KVCache`` allocates, for planning without allocating."""

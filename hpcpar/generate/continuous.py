@@ -1,0 +1,257 @@
+"""Continuous batching: each micro-batch keeps up to ``batch_size`` rows in flight, and a row
+that finishes (EOS, or its own token limit) gives its slot to the next prompt of the
+micro-batch's queue, as vLLM's offline ``LLM.generate`` does.
+
+The run is a series of segments of ``S`` steps, each one static pipeline schedule
+(``schedule.generation``). Between segments every stage of a replica learns, from its last
+stage, which rows finished and each slot's last token (one small broadcast over the pipeline
+group), and every stage applies the same rule: free slots take the next prompts in order. A
+segment whose micro-batch got new prompts starts with a prefill of those rows alone into
+their slots of the KV cache (``CacheRows``: the decoding rows wait that one step); every other
+step decodes one token for every slot. With one stage a segment is one step, so a slot is
+refilled at once; with several, S steps keep the pipeline full between the refills, and a
+finished row waits at most S - 1 steps for its successor.
+
+Rows carry their own lengths and cache positions (``AttentionRows``), so a row's tokens are
+those of running it alone; draws are keyed by (seed, prompt index, token index), so a seed
+gives the same tokens whatever the batching. Outputs stay in input order: the prompts of a
+micro-batch are the ones static batching gives it, in the same rows of the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Callable
+
+import numpy as np
+
+from ..faults import fault_point
+from ..model import CacheRows, LlamaStage
+from ..ops import AttentionRows
+from ..pipeline.schedule import Action, Op, generation
+from .batching import MicroBatch
+from .program import GenerationSettings
+from .sampling import next_tokens
+
+SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
+
+
+def segment_steps(pp: int) -> int:
+    return 1 if pp == 1 else SEGMENT_STEPS
+
+
+@dataclass
+class _Slots:
+    """One micro-batch's rows in flight, the same on every stage of the replica."""
+
+    prompt: np.ndarray                  # (B,) replica-local prompt in each slot, -1: none
+    position: np.ndarray                # (B,) tokens of the row in the KV cache
+    queue: list[int]                    # prompts still waiting, in input order
+    new: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # refilled slots
+
+    def active(self, done: np.ndarray) -> np.ndarray:
+        """(B,) slots holding an unfinished prompt."""
+        held = self.prompt >= 0
+        return held & ~done[np.where(held, self.prompt, 0)]
+
+
+class ContinuousProgram:
+    """The ``StageProgram`` of one segment at a time (``start_segment``); its per-prompt
+    results (``tokens``, ``lengths``, ``done``) are in the replica's row order, as
+    ``GenerationProgram``'s are."""
+
+    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
+                 eos_ids: tuple[int, ...], pad_id: int, backend, batch_size: int,
+                 steps: int, limits: np.ndarray | None = None,
+                 on_rows: Callable[[int, int], None] | None = None):
+        self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
+        self.xp = backend.xp
+        n = settings.max_new_tokens
+        self.steps = steps
+        self.offsets = np.cumsum([0] + [mb.size for mb in mbs])
+        rows = int(self.offsets[-1])
+        self.global_rows = np.concatenate([mb.rows for mb in mbs]) if mbs else np.zeros(0, int)
+        self.prompt_ids = [mb.ids[j, :mb.lengths[j]] for mb in mbs for j in range(mb.size)]
+        self.limit = (limits[self.global_rows] if limits is not None
+                      else np.full(rows, n, dtype=np.int64))
+        self.width = [min(batch_size, mb.size) for mb in mbs]
+        capacity = max((len(p) + k for p, k in zip(self.prompt_ids, self.limit)), default=1)
+        # + steps: a row finishing mid-segment is fed (and cached) until the segment ends
+        self.caches = [stage.new_cache(w, capacity + steps) for w in self.width]
+        self.slots = [_Slots(np.full(w, -1, np.int64), np.zeros(w, np.int64),
+                             list(range(int(self.offsets[i]), int(self.offsets[i + 1]))))
+                      for i, w in enumerate(self.width)]
+        self.tokens = np.full((rows, n), pad_id, dtype=np.int64)
+        self.lengths = np.full(rows, n, dtype=np.int64)
+        self.generated = np.zeros(rows, dtype=np.int64)
+        self.done = np.zeros(rows, dtype=bool)
+        self.step_tokens = [np.full(w, pad_id, np.int64) for w in self.width]  # last sampled
+        self.eos = np.asarray(eos_ids if settings.stop_at_eos else (), dtype=np.int64)
+        self.pad_id = pad_id
+        self.logits_of: dict[int, np.ndarray] = {}                 # prompt -> (L, vocab)
+        self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
+        self.inputs: dict[int, object] = {}
+        self.outputs: dict[int, object] = {}
+        self.on_rows = on_rows
+        self.prefill_done_at: float | None = None
+        self.segments = 0
+        self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
+
+    # ---- between segments --------------------------------------------------------------------
+
+    def start_segment(self, pp_host) -> list[Action]:
+        """Agree with the pipeline (``pp_host``: the pipeline group on the host) on what
+        finished (the last stage knows) and refill the free slots; returns this stage's
+        actions for the segment (none when nothing is left)."""
+        stage = self.stage
+        last = pp_host.size - 1
+        state = np.concatenate([self.done.astype(np.int64), self.generated,
+                                *self.step_tokens]) if self.mbs else np.zeros(0, np.int64)
+        pp_host.broadcast(state, root=last)
+        rows = len(self.done)
+        if not stage.last:
+            self.done[:] = state[:rows].astype(bool)
+            self.generated[:] = state[rows:2 * rows]
+            at = 2 * rows
+            for i, w in enumerate(self.width):
+                self.step_tokens[i][:] = state[at:at + w]
+                at += w
+        work = False
+        for s in self.slots:
+            free = np.flatnonzero(~s.active(self.done))
+            take = min(len(free), len(s.queue))
+            s.new = free[:take]
+            s.prompt[free[take:]] = -1                    # finished, nothing to take its place
+            for slot in s.new:
+                s.prompt[slot] = s.queue.pop(0)
+            work = work or bool(s.active(self.done).any())
+        if not work:
+            return []
+        self.segments += 1
+        return generation(pp_host.size, len(self.mbs), self.steps)[pp_host.rank]
+
+    # ---- StageProgram ------------------------------------------------------------------------
+
+    def _refill(self, mb: int, step: int) -> bool:
+        return step == 0 and len(self.slots[mb].new) > 0
+
+    def payload(self, a: Action):
+        if a.op in (Op.SEND, Op.RECV):
+            if self._refill(a.mb, a.step):
+                shape = self._prefill_ids(a.mb).shape
+            else:
+                shape = (self.width[a.mb], 1)
+            return shape + (self.stage.hidden_size,), self.stage.dtype
+        return (self.width[a.mb],), np.dtype(np.int64)
+
+    def finished(self, mb: int) -> bool:
+        """The first stage retires a micro-batch for the rest of the segment once every row
+        it holds has finished (the next segment refills it)."""
+        return self.stage.first and not self.slots[mb].active(self.done).any()
+
+    def receive(self, a: Action, payload) -> None:
+        if a.op is Op.RECV:
+            self.inputs[a.mb] = payload
+        else:
+            tokens = self.backend.to_host(payload)
+            self._record(a.mb, a.step, tokens)
+
+    def outgoing(self, a: Action):
+        if a.op is Op.SEND:
+            return self.outputs.pop(a.mb)
+        return self.xp.asarray(self.step_tokens[a.mb])
+
+    def compute(self, a: Action) -> None:
+        if not self._refill(a.mb, a.step):
+            self.decoded[a.mb] += 1
+            fault_point("decode", self.decoded[a.mb])
+        stage, xp, s = self.stage, self.xp, self.slots[a.mb]
+        cache = self.caches[a.mb]
+        if self._refill(a.mb, a.step):
+            ids = self._prefill_ids(a.mb)
+            lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[s.new]], np.int64)
+            rows = AttentionRows.build(xp, lengths, lengths, from_start=True)
+            x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
+            y = stage.forward(x, rows, CacheRows(cache, xp.asarray(s.new)))
+            s.position[s.new] = lengths
+        else:
+            rows = AttentionRows.build(xp, np.ones(len(s.prompt), np.int64), s.position + 1,
+                                       from_start=False)
+            x = (stage.embed(xp.asarray(self.step_tokens[a.mb][:, None])) if stage.first
+                 else self.inputs.pop(a.mb))
+            y = stage.forward(x, rows, cache)
+            s.position += s.prompt >= 0         # every stage alike: slots change at refills
+        if stage.last:
+            self._sample(a.mb, a.step, y)
+        else:
+            self.outputs[a.mb] = y
+        if self.prefill_done_at is None and a.mb == len(self.mbs) - 1:
+            self.prefill_done_at = perf_counter()
+
+    def _prefill_ids(self, mb: int) -> np.ndarray:
+        """(new rows, longest) the refilled slots' prompts, each from column 0."""
+        s = self.slots[mb]
+        prompts = [self.prompt_ids[p] for p in s.prompt[s.new]]
+        ids = np.zeros((len(prompts), max(len(p) for p in prompts)), dtype=np.int64)
+        for j, p in enumerate(prompts):
+            ids[j, :len(p)] = p
+        return ids
+
+    # ---- the last stage ----------------------------------------------------------------------
+
+    def _sample(self, mb: int, step: int, y) -> None:
+        stage, s, xp = self.stage, self.slots[mb], self.xp
+        if self._refill(mb, step):
+            slots = s.new
+            lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[slots]], np.int64)
+            if self.settings.save_logits:
+                full = self.backend.to_host(stage.head.full_logits(stage.logits(y)))
+                for j, p in enumerate(s.prompt[slots]):
+                    self.logits_of[int(p)] = full[j, :lengths[j]]
+            last = stage.logits(y[xp.arange(len(slots)), xp.asarray(lengths - 1)][:, None])
+        else:
+            slots = np.arange(len(s.prompt))
+            last = stage.logits(y)
+        prompts = np.where(s.prompt[slots] >= 0, s.prompt[slots], 0)
+        tokens = next_tokens(stage.head, last[:, 0], self.settings.sampling,
+                             self.global_rows[prompts], self.generated[prompts],
+                             self.backend.to_host)
+        self.step_tokens[mb][slots] = tokens
+        self._record(mb, step, self.step_tokens[mb])
+
+    def _record(self, mb: int, step: int, tokens: np.ndarray) -> None:
+        """This step's tokens for the slots that produced one (every active slot; after a
+        refill, the new ones alone); a row is done at EOS or its own limit. The first stage
+        keeps the same books from the tokens the last stage sends back."""
+        s = self.slots[mb]
+        producing = s.new if self._refill(mb, step) else np.flatnonzero(s.active(self.done))
+        if not self.stage.last:
+            self.step_tokens[mb][:] = tokens
+        finished = 0
+        for slot in producing:
+            p = int(s.prompt[slot])
+            if self.done[p]:
+                continue
+            k = int(self.generated[p])
+            self.tokens[p, k] = tokens[slot]
+            self.generated[p] = k + 1
+            if tokens[slot] in self.eos or k + 1 >= self.limit[p]:
+                self.done[p] = True
+                self.lengths[p] = k + 1
+                finished += 1
+        if self.on_rows is not None:
+            self.on_rows(finished, len(producing))
+
+    def finish(self) -> None:
+        """Per micro-batch prompt logits, in the static layout ``_collect`` sends."""
+        if not self.settings.save_logits:
+            return
+        vocab = self.stage.cfg.vocab_size
+        for i, mb in enumerate(self.mbs):
+            full = np.full((mb.size, mb.length, vocab), np.nan, dtype=np.float32)
+            for j in range(mb.size):
+                logits = self.logits_of.get(int(self.offsets[i]) + j)
+                if logits is not None:
+                    full[j, :len(logits)] = logits
+            self.prompt_logits[mb.index] = full
