@@ -97,12 +97,51 @@ def test_seeded_sampling_is_reproducible_and_layout_independent(checkpoint):
     assert single.tokens.tolist() != other.tokens.tolist()
     full_vocab = {"temperature": 1.3, "top_p": 0.95, "seed": 2}   # gathers the vocabulary
     single_p = _generate(MPI.COMM_SELF, path, **full_vocab)
+    static = _generate(MPI.COMM_SELF, path, **sampling, batching="'static'")
+    assert static.tokens.tolist() == single.tokens.tolist()    # draws keyed by prompt, token
     for layout in _layouts(comm, cfg)[:2]:
         result = _generate(comm, path, layout, **sampling)
         result_p = _generate(comm, path, layout, **full_vocab)
+        refilled = _generate(comm, path, layout, **sampling, batch_size=1)
         if comm.Get_rank() == 0:
             assert result.tokens.tolist() == single.tokens.tolist(), layout
             assert result_p.tokens.tolist() == single_p.tokens.tolist(), layout
+            assert refilled.tokens.tolist() == single.tokens.tolist(), layout
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_rows_in_flight_under_every_layout_give_transformers_greedy_tokens(
+        tmp_path_factory):
+    """Continuous batching, 2 slots per micro-batch refilled at different steps (per-prompt
+    limits), under every layout of the world's size: transformers' tokens, row by row."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from helpers import build_hf_model
+    comm = MPI.COMM_WORLD
+    model, folder = None, None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp("continuous")
+        model, _ = build_hf_model("gqa-llama3", folder)
+    folder = comm.bcast(str(folder) if folder else None, root=0)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 250, n) for n in (6, 2, 13, 4, 9, 1, 11, 7, 3)]
+    limits = [8, 2, 10, 1, 6, 10, 4, 9, 3]
+    for dp, pp, tp, mbs in _layouts(comm, dict(GQA, num_hidden_layers=3)):
+        sets = [f"model.checkpoint='{folder}/model.h5'", f"parallel.dp={dp}",
+                f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.micro_batches={mbs}",
+                "generate.max_new_tokens=10", "generate.stop_at_eos=false",
+                "generate.batch_size=2"]
+        result = run_generation(comm, load_job(None, sets),
+                                prompts=Prompts(prompts, max_new_tokens=limits), progress=False)
+        if comm.Get_rank() != 0:
+            continue
+        for b, (prompt, k) in enumerate(zip(prompts, limits)):
+            with torch.no_grad():
+                out = model.generate(torch.tensor(prompt[None]), max_new_tokens=k,
+                                     do_sample=False,
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            assert result.tokens[b, :k].tolist() == out[0, len(prompt):].tolist(), (b, dp, pp,
+                                                                                    tp, mbs)
 
 
 class _FixedPayload:

@@ -20,10 +20,17 @@ def hf_model(request, tmp_path_factory):
     return build_hf_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _hpcpar(path, prompts, n):
+def _hpcpar(path, prompts, n, *sets):
     job = load_job(None, [f"model.checkpoint='{path}'", "generate.save_logits=true",
-                          f"generate.max_new_tokens={n}", "generate.stop_at_eos=false"])
+                          f"generate.max_new_tokens={n}", "generate.stop_at_eos=false", *sets])
     return run_generation(MPI.COMM_SELF, job, prompts=Prompts(prompts), progress=False)
+
+
+def _transformers_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompt[None]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
 
 
 def test_prompt_logits_match_transformers(hf_model):
@@ -41,10 +48,24 @@ def test_greedy_tokens_match_transformers_generate(hf_model):
     n = 10
     ours = _hpcpar(path, PROMPTS, n)
     for b, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            out = model.generate(torch.tensor(prompt[None]), max_new_tokens=n, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert ours.tokens[b].tolist() == out[0, len(prompt):].tolist()
+        assert ours.tokens[b].tolist() == _transformers_greedy(model, prompt, n)
+
+
+def test_two_rows_in_flight_refilled_many_times_give_transformers_greedy_tokens(hf_model):
+    """Continuous batching with 2 slots for 11 prompts of lengths 1 to 14, each with its own
+    limit: slots are refilled 9 times at different steps; every row's tokens are those of
+    transformers generating it alone."""
+    model, path = hf_model
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 250, n) for n in (5, 1, 14, 3, 9, 2, 12, 7, 4, 11, 6)]
+    limits = [9, 3, 12, 1, 7, 12, 5, 10, 2, 8, 12]
+    ours = run_generation(MPI.COMM_SELF, load_job(None, [
+        f"model.checkpoint='{path}'", "generate.max_new_tokens=12",
+        "generate.stop_at_eos=false", "generate.batch_size=2"]),
+        prompts=Prompts(prompts, max_new_tokens=limits), progress=False)
+    for b, (prompt, k) in enumerate(zip(prompts, limits)):
+        assert ours.lengths[b] == k
+        assert ours.tokens[b, :k].tolist() == _transformers_greedy(model, prompt, k), b
 
 
 def test_left_padded_batch_matches_transformers_with_an_attention_mask(hf_model):

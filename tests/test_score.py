@@ -14,7 +14,7 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from helpers import HF_CONFIGS, PROMPTS, build_hf_model, make_checkpoint, mpirun, TINY  # noqa
+from helpers import HF_CONFIGS, PROMPTS, TINY, build_hf_model, make_checkpoint, mpirun  # noqa
 from hpcpar.jobs import load_job  # noqa: E402
 from hpcpar.score import run_scoring  # noqa: E402
 from hpcpar.score import program as score_program  # noqa: E402

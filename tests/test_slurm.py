@@ -184,7 +184,7 @@ def test_a_generation_job_survives_the_time_limit_signal_with_the_same_output(sl
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
     assert _wait(slurm, job) == "COMPLETED"
     log = (tmp_path / f"demo-{job}.out").read_text()
-    assert "stopped after" in log and "requeueing job" in log and "restart 1" in log, log
+    assert "stopped on request" in log and "requeueing job" in log and "restart 1" in log, log
     with h5py.File(tmp_path / "stopped.h5") as a, h5py.File(tmp_path / "straight.h5") as b:
         for name in ("tokens", "lengths", "prompt_logits"):
             np.testing.assert_array_equal(a[name][()], b[name][()], err_msg=name)

@@ -18,12 +18,12 @@ transformers = pytest.importorskip("transformers")
 
 from hpcpar.jobs import load_job  # noqa: E402
 from hpcpar.train.engine import run_training  # noqa: E402
-from test_hf_parity import CONFIGS, build_hf_model  # noqa: E402
+from helpers import HF_CONFIGS, build_hf_model  # noqa: E402
 
 B, L = 4, 10
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
     hf, _ = build_hf_model(request.param, folder)
