@@ -89,7 +89,7 @@ def main(argv=None) -> None:
         comm.barrier()
         sets = [f"model.checkpoint='{checkpoint}'", f"score.data='{data}'",
                 f"output.path='{Path(tmp) / 'scores.h5'}'", f"parallel.pp={args.pp}",
-                f"parallel.tp={args.tp}", "parallel.dp=1", f"parallel.micro_batches={mbs}"]
+                f"parallel.tp={args.tp}", "parallel.dp=1"]
         start = perf_counter()
         scored = run_scoring(comm, load_job(None, sets))
         wall = perf_counter() - start
