@@ -65,6 +65,16 @@ class ArrayBackend:
         """Bytes CuPy's memory pool holds on this rank's GPU (0 on the CPU)."""
         return self.xp.get_default_memory_pool().total_bytes() if self.is_gpu else 0
 
+    def free_memory_bytes(self) -> int | None:
+        """Memory this rank's arrays can still take: the host's available memory for host
+        arrays; None on a GPU (not measured there yet: callers then assume all they need)."""
+        if self.is_gpu:
+            return None
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+
     def release_host_staging(self) -> None:
         """Give back the page-locked blocks CuPy kept from copying weights in (after loading:
         pinned memory is scarce and the pool would hold it for the whole run)."""

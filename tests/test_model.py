@@ -70,3 +70,29 @@ def test_rows_stop_at_eos_and_are_padded_after_it(model):
     assert result.tokens[0, :first + 1].tolist() == free[:first + 1].tolist()
     assert (result.tokens[0, first + 1:] == 0).all()
     assert result.lengths[0] == first + 1
+
+
+def test_continuous_batching_keeps_in_flight_what_fits_the_memory(tmp_path, monkeypatch):
+    """Without --batch-size the rows in flight are what half the free memory holds of KV
+    cache: with room for about two rows, slots are refilled and the tokens stay those of
+    static batching."""
+    from hpcpar.backend import ArrayBackend
+    from hpcpar.generate import continuous, engine
+    from hpcpar.model import kv_cache_bytes
+    path, _ = make_checkpoint(tmp_path, GQA)
+    widths = []
+
+    class Recording(continuous.ContinuousProgram):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            widths.append(self.width)
+
+    monkeypatch.setattr(engine, "ContinuousProgram", Recording)
+    capacity = max(len(p) for p in PROMPTS) + 6 + continuous.segment_steps(1)
+    row = kv_cache_bytes(GQA["num_hidden_layers"], 1, GQA["num_key_value_heads"], capacity,
+                         GQA["head_dim"], 4)
+    monkeypatch.setattr(ArrayBackend, "free_memory_bytes", lambda self: int(4.5 * row))
+    fitted = _run(path, PROMPTS, max_new_tokens=6)
+    assert widths == [[2]]
+    static = _run(path, PROMPTS, max_new_tokens=6, batching="'static'")
+    assert fitted.tokens.tolist() == static.tokens.tolist()

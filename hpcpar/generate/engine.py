@@ -30,7 +30,7 @@ from ..faults import fault_point
 from ..watchdog import ActionBoard
 from ..mesh import Mesh, MeshCoords, rank_of
 from ..outputs import check_output, claimed
-from ..model import LlamaStage
+from ..model import LlamaStage, kv_cache_bytes
 from ..ops import ops_for
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.partition import stage_layers
@@ -299,7 +299,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     on_rows = bar.rows if bar else None
     continuous = settings.batching == "continuous"
     if continuous:
-        width = settings.batch_size or max((mb.size for mb in mbs), default=1)
+        width = _rows_in_flight(settings, stage, mbs, limits, layout.pp, backend, world)
         program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
                                     segment_steps(layout.pp), limits, on_rows)
         pp_host = pp.on_host()
@@ -334,6 +334,31 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
         collected = _collect(world, mesh, layout, plan.prompts, wave, program, settings,
                              out, logits)
     return figures, collected, len(mbs)
+
+
+# the share of a rank's free memory continuous batching gives the KV cache by default
+KV_SHARE = 0.5
+
+
+def _rows_in_flight(settings: GenerationSettings, stage, mbs, limits, pp: int, backend,
+                    world) -> int:
+    """Rows in flight per micro-batch: --batch-size, or what fits: the rows whose KV cache
+    (for the longest prompt and limit, every micro-batch) takes at most ``KV_SHARE`` of the
+    free memory of the fullest rank (collective over the world)."""
+    if settings.batch_size:
+        return settings.batch_size
+    fit = 2 ** 62
+    free = backend.free_memory_bytes()
+    if free is not None and mbs:
+        capacity = max(int(n + limits[r]) for mb in mbs
+                       for r, n in zip(mb.rows, mb.lengths)) + segment_steps(pp)
+        attention = stage.decoder[0].attention
+        per_row = len(mbs) * kv_cache_bytes(len(stage.decoder), 1, attention.kv_heads,
+                                            capacity, attention.head_dim,
+                                            np.dtype(stage.dtype).itemsize)
+        fit = max(1, int(KV_SHARE * free // max(per_row, 1)))
+    fit = -int(world.all_reduce(np.array([-fit], dtype=np.int64), op="max")[0])
+    return min(fit, max((mb.size for mb in mbs), default=1))
 
 
 def _replica_agrees(tp, pp_host, flag: bool) -> bool:
