@@ -88,7 +88,7 @@ def test_continuous_batching_keeps_in_flight_what_fits_the_memory(tmp_path, monk
             widths.append(self.width)
 
     monkeypatch.setattr(engine, "ContinuousProgram", Recording)
-    capacity = max(len(p) for p in PROMPTS) + 6 + continuous.segment_steps(1)
+    capacity = max(len(p) for p in PROMPTS) + 6
     row = kv_cache_bytes(GQA["num_hidden_layers"], 1, GQA["num_key_value_heads"], capacity,
                          GQA["head_dim"], 4)
     monkeypatch.setattr(ArrayBackend, "free_memory_bytes", lambda self: int(4.5 * row))

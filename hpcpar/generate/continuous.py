@@ -10,7 +10,8 @@ segment whose micro-batch got new prompts starts with a prefill of those rows al
 their slots of the KV cache (``CacheRows``: the decoding rows wait that one step); every other
 step decodes one token for every slot. With one stage a segment is one step, so a slot is
 refilled at once; with several, S steps keep the pipeline full between the refills, and a
-finished row waits at most S - 1 steps for its successor.
+finished row waits at most S - 1 steps for its successor. Once no prompt is waiting, the last
+segment runs to the end of the longest row, as static batching does.
 
 Rows carry their own lengths and cache positions (``AttentionRows``), so a row's tokens are
 those of running it alone; draws are keyed by (seed, prompt index, token index), so a seed
@@ -64,7 +65,8 @@ class ContinuousProgram:
     def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend, batch_size: int,
                  steps: int, limits: np.ndarray | None = None,
-                 on_rows: Callable[[int, int], None] | None = None):
+                 on_rows: Callable[[int, int], None] | None = None,
+                 stop_requested: Callable[[], bool] | None = None):
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
@@ -76,9 +78,11 @@ class ContinuousProgram:
         self.limit = (limits[self.global_rows] if limits is not None
                       else np.full(rows, n, dtype=np.int64))
         self.width = [min(batch_size, mb.size) for mb in mbs]
-        capacity = max((len(p) + k for p, k in zip(self.prompt_ids, self.limit)), default=1)
-        # + steps: a row finishing mid-segment is fed (and cached) until the segment ends
-        self.caches = [stage.new_cache(w, capacity + steps) for w in self.width]
+        # a row finished mid-segment is fed until the segment ends, its position held at the
+        # last slot (its cache is no longer read)
+        self.capacity = max((len(p) + k for p, k in zip(self.prompt_ids, self.limit)),
+                            default=1)
+        self.caches = [stage.new_cache(w, self.capacity) for w in self.width]
         self.slots = [_Slots(np.full(w, -1, np.int64), np.zeros(w, np.int64),
                              list(range(int(self.offsets[i]), int(self.offsets[i + 1]))))
                       for i, w in enumerate(self.width)]
@@ -94,6 +98,8 @@ class ContinuousProgram:
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
         self.on_rows = on_rows
+        self.stop_requested = stop_requested
+        self.stopped = False
         self.prefill_done_at: float | None = None
         self.segments = 0
         self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
@@ -117,7 +123,7 @@ class ContinuousProgram:
             for i, w in enumerate(self.width):
                 self.step_tokens[i][:] = state[at:at + w]
                 at += w
-        work = False
+        work, steps = False, 1
         for s in self.slots:
             free = np.flatnonzero(~s.active(self.done))
             take = min(len(free), len(s.queue))
@@ -125,11 +131,16 @@ class ContinuousProgram:
             s.prompt[free[take:]] = -1                    # finished, nothing to take its place
             for slot in s.new:
                 s.prompt[slot] = s.queue.pop(0)
-            work = work or bool(s.active(self.done).any())
+            active = s.active(self.done)
+            work = work or bool(active.any())
+            held = s.prompt[active]
+            steps = max(steps, int((self.limit[held] - self.generated[held]).max(initial=0)))
         if not work:
             return []
+        if any(s.queue for s in self.slots):
+            steps = self.steps                    # refill again soon
         self.segments += 1
-        return generation(pp_host.size, len(self.mbs), self.steps)[pp_host.rank]
+        return generation(pp_host.size, len(self.mbs), steps)[pp_host.rank]
 
     # ---- StageProgram ------------------------------------------------------------------------
 
@@ -147,8 +158,22 @@ class ContinuousProgram:
 
     def finished(self, mb: int) -> bool:
         """The first stage retires a micro-batch for the rest of the segment once every row
-        it holds has finished (the next segment refills it)."""
-        return self.stage.first and not self.slots[mb].active(self.done).any()
+        it holds has finished (the next segment refills it), or on a stop request its tp
+        ranks agree on (the segment's end then ends the run: ``stopping``)."""
+        if not self.stage.first:
+            return False
+        return self.stopping() or not self.slots[mb].active(self.done).any()
+
+    def stopping(self) -> bool:
+        """A stop request seen by any tp rank of this stage, agreed by all of them; final."""
+        if self.stopped or self.stop_requested is None:
+            return self.stopped
+        flag = np.array([int(self.stop_requested())], dtype=np.int64)
+        tp = self.stage.tp
+        if tp.size > 1:
+            tp.on_host().all_reduce(flag, op="max")
+        self.stopped = bool(flag[0])
+        return self.stopped
 
     def receive(self, a: Action, payload) -> None:
         if a.op is Op.RECV:
@@ -181,7 +206,8 @@ class ContinuousProgram:
             x = (stage.embed(xp.asarray(self.step_tokens[a.mb][:, None])) if stage.first
                  else self.inputs.pop(a.mb))
             y = stage.forward(x, rows, cache)
-            s.position += s.prompt >= 0         # every stage alike: slots change at refills
+            # every stage alike (slots change at refills only); a finished row stays in bounds
+            s.position = np.minimum(s.position + (s.prompt >= 0), self.capacity - 1)
         if stage.last:
             self._sample(a.mb, a.step, y)
         else:

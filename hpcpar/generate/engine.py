@@ -299,9 +299,10 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     on_rows = bar.rows if bar else None
     continuous = settings.batching == "continuous"
     if continuous:
-        width = _rows_in_flight(settings, stage, mbs, limits, layout.pp, backend, world)
+        width = _rows_in_flight(settings, stage, mbs, limits, backend, world)
         program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
-                                    segment_steps(layout.pp), limits, on_rows)
+                                    segment_steps(layout.pp), limits, on_rows,
+                                    stop_requested=lambda: stop.requested)
         pp_host = pp.on_host()
         actions = program.start_segment(pp_host)
     else:
@@ -340,8 +341,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
 KV_SHARE = 0.5
 
 
-def _rows_in_flight(settings: GenerationSettings, stage, mbs, limits, pp: int, backend,
-                    world) -> int:
+def _rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world) -> int:
     """Rows in flight per micro-batch: --batch-size, or what fits: the rows whose KV cache
     (for the longest prompt and limit, every micro-batch) takes at most ``KV_SHARE`` of the
     free memory of the fullest rank (collective over the world)."""
@@ -350,8 +350,7 @@ def _rows_in_flight(settings: GenerationSettings, stage, mbs, limits, pp: int, b
     fit = 2 ** 62
     free = backend.free_memory_bytes()
     if free is not None and mbs:
-        capacity = max(int(n + limits[r]) for mb in mbs
-                       for r, n in zip(mb.rows, mb.lengths)) + segment_steps(pp)
+        capacity = max(int(n + limits[r]) for mb in mbs for r, n in zip(mb.rows, mb.lengths))
         attention = stage.decoder[0].attention
         per_row = len(mbs) * kv_cache_bytes(len(stage.decoder), 1, attention.kv_heads,
                                             capacity, attention.head_dim,
