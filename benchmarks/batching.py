@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     comm = MPI.COMM_WORLD
     rank0 = comm.Get_rank() == 0
     from hpcpar.checkpoint import open_checkpoint
-    from hpcpar.generate.engine import resolve_checkpoint
+    from hpcpar.generate.setup import resolve_checkpoint
     checkpoint = str(resolve_checkpoint(comm, args.checkpoint))
     vocab = open_checkpoint(checkpoint).config.vocab_size
     prompts = mix(args.prompts, vocab, args.max_new, args.seed)

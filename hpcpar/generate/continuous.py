@@ -28,14 +28,15 @@ from typing import Callable
 import numpy as np
 
 from ..faults import fault_point
-from ..model import CacheRows, LlamaStage
+from ..model import CacheRows, LlamaStage, kv_cache_bytes
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op, generation
 from .batching import MicroBatch
-from .program import GenerationSettings
+from .program import AgreedStop, GenerationSettings
 from .sampling import next_tokens
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
+KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
 
 
 def segment_steps(pp: int) -> int:
@@ -98,10 +99,8 @@ class ContinuousProgram:
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
         self.on_rows = on_rows
-        self.stop_requested = stop_requested
-        self.stopped = False
+        self.stopping = AgreedStop(stop_requested, stage.tp)
         self.prefill_done_at: float | None = None
-        self.segments = 0
         self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
 
     # ---- between segments --------------------------------------------------------------------
@@ -139,7 +138,6 @@ class ContinuousProgram:
             return []
         if any(s.queue for s in self.slots):
             steps = self.steps                    # refill again soon
-        self.segments += 1
         return generation(pp_host.size, len(self.mbs), steps)[pp_host.rank]
 
     # ---- StageProgram ------------------------------------------------------------------------
@@ -163,17 +161,6 @@ class ContinuousProgram:
         if not self.stage.first:
             return False
         return self.stopping() or not self.slots[mb].active(self.done).any()
-
-    def stopping(self) -> bool:
-        """A stop request seen by any tp rank of this stage, agreed by all of them; final."""
-        if self.stopped or self.stop_requested is None:
-            return self.stopped
-        flag = np.array([int(self.stop_requested())], dtype=np.int64)
-        tp = self.stage.tp
-        if tp.size > 1:
-            tp.on_host().all_reduce(flag, op="max")
-        self.stopped = bool(flag[0])
-        return self.stopped
 
     def receive(self, a: Action, payload) -> None:
         if a.op is Op.RECV:
@@ -281,3 +268,22 @@ class ContinuousProgram:
                 if logits is not None:
                     full[j, :len(logits)] = logits
             self.prompt_logits[mb.index] = full
+
+
+def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world) -> int:
+    """Rows in flight per micro-batch: --batch-size, or what fits: the rows whose KV cache
+    (for the longest prompt and limit, every micro-batch) takes at most ``KV_SHARE`` of the
+    free memory of the fullest rank (collective over the world)."""
+    if settings.batch_size:
+        return settings.batch_size
+    fit = 2 ** 62
+    free = backend.free_memory_bytes()
+    if free is not None and mbs:
+        capacity = max(int(n + limits[r]) for mb in mbs for r, n in zip(mb.rows, mb.lengths))
+        attention = stage.decoder[0].attention
+        per_row = len(mbs) * kv_cache_bytes(len(stage.decoder), 1, attention.kv_heads,
+                                            capacity, attention.head_dim,
+                                            np.dtype(stage.dtype).itemsize)
+        fit = max(1, int(KV_SHARE * free // max(per_row, 1)))
+    fit = -int(world.all_reduce(np.array([-fit], dtype=np.int64), op="max")[0])
+    return min(fit, max((mb.size for mb in mbs), default=1))

@@ -17,29 +17,22 @@ from time import perf_counter
 import numpy as np
 
 from .. import __version__
-from ..backend import NUMPY, select_backend
-from ..checkpoint import Checkpoint, init_checkpoint, load_shard, open_checkpoint
-from ..comm import CommStats, create_communicator
+from ..checkpoint import Checkpoint, open_checkpoint
 from ..config import ParallelConfig
 from ..dtypes import dtype_name, float_dtype
 from ..errors import HpcparError
-from ..jobs import PRESET_PREFIX, Job
-from ..launch import (EXIT_PREEMPTED, JobFailed, StopRequest, everyone, local_rank, phase,
-                      set_board, set_location, set_timeout)
+from ..jobs import Job
+from ..launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
 from ..faults import fault_point
-from ..watchdog import ActionBoard
 from ..mesh import Mesh, MeshCoords, rank_of
 from ..outputs import check_output, claimed
-from ..model import LlamaStage, kv_cache_bytes
-from ..ops import ops_for
 from ..pipeline.executor import PipelineExecutor
-from ..pipeline.partition import stage_layers
 from ..pipeline.schedule import generation
-from ..tensors import stage_tensors
 from .batching import micro_batches, replica_rows
 from .output import PartialOutput, unpad_into
-from .continuous import ContinuousProgram, segment_steps
-from .program import GenerationProgram, GenerationSettings
+from .continuous import ContinuousProgram, rows_in_flight, segment_steps
+from .program import GenerationProgram, GenerationSettings, any_rank
+from .setup import load_tokenizer, open_stage, resolve_checkpoint
 from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
@@ -58,39 +51,6 @@ class GenerationResult:
     prompt_logits: np.ndarray | None      # (batch, max prompt length, vocab), NaN past the end
     texts: list[str] | None
     report: RunReport
-
-
-def cache_dir() -> Path:
-    import os
-    root = os.environ.get("HPCPAR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcpar")
-    return Path(root)
-
-
-def resolve_checkpoint(comm, spec: str) -> Path:
-    """The checkpoint file for ``spec``: a path, or ``preset:NAME`` for a random model of that
-    preset kept in the cache folder (rank 0 creates it on first use). Collective."""
-    if not spec.startswith(PRESET_PREFIX):
-        return Path(spec)
-    name = spec[len(PRESET_PREFIX):]
-    path = cache_dir() / f"{name}-seed0.h5"
-
-    def create():
-        if comm.Get_rank() == 0 and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            init_checkpoint(path, name, seed=0)
-
-    with phase(f"creating the {name} checkpoint in {path.parent}"):
-        everyone(comm, create)
-    return path
-
-
-def load_tokenizer(ckpt: Checkpoint):
-    files = ckpt.tokenizer_files()
-    if "tokenizer.json" not in files:
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
 
 
 @dataclass
@@ -154,31 +114,10 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
     layout, settings = plan.layout, plan.settings
     set_timeout(job.parallel.timeout)
     with claimed(comm, job.output.path):   # one writer; the lock goes with the job
-        mesh = Mesh(comm, layout)
-        set_location(mesh.describe())
-        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm),
-                           plan.dtype)
-        stats = CommStats()
-        timeout = job.parallel.timeout
-        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
-        # Pipeline messages stay on MPI: NCCL point-to-point on one stream would queue compute
-        # behind receives posted ahead.
-        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
-        board = ActionBoard(comm, layout)
-        set_board(board)
-
-        layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
-        specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
-        with phase("loading the checkpoint"):
-            fault_point("load")
-            shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
-                             dtype=plan.dtype, backend=backend)
-        stage = LlamaStage.from_tensors(cfg, specs, shard.tensors, layers,
-                                        mesh.is_first_stage, mesh.is_last_stage, tp,
-                                        ops_for(backend), plan.dtype)
-        backend.release_unused_device_memory()
-
-        world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
+        ranks = open_stage(comm, job, layout, ckpt, plan.dtype)
+        mesh, backend, stats, tp, pp = (ranks.mesh, ranks.backend, ranks.stats, ranks.tp,
+                                        ranks.pp)
+        world, board, stage, shard = ranks.world, ranks.board, ranks.stage, ranks.shard
         # from here a SIGTERM / SIGUSR1 asks to stop: the first stages retire every
         # micro-batch at their next forward, the finished prompts are saved, exit 3
         with StopRequest() as stop:
@@ -299,7 +238,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     on_rows = bar.rows if bar else None
     continuous = settings.batching == "continuous"
     if continuous:
-        width = _rows_in_flight(settings, stage, mbs, limits, backend, world)
+        width = rows_in_flight(settings, stage, mbs, limits, backend, world)
         program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
                                     segment_steps(layout.pp), limits, on_rows,
                                     stop_requested=lambda: stop.requested)
@@ -322,7 +261,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     with phase("generating"):
         executor.run(actions)
         if continuous:
-            while not _replica_agrees(stage.tp, pp_host, stop.requested):
+            while not any_rank(stop.requested, stage.tp, pp_host):
                 actions = program.start_segment(pp_host)
                 if not actions:
                     break
@@ -335,39 +274,6 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
         collected = _collect(world, mesh, layout, plan.prompts, wave, program, settings,
                              out, logits)
     return figures, collected, len(mbs)
-
-
-# the share of a rank's free memory continuous batching gives the KV cache by default
-KV_SHARE = 0.5
-
-
-def _rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world) -> int:
-    """Rows in flight per micro-batch: --batch-size, or what fits: the rows whose KV cache
-    (for the longest prompt and limit, every micro-batch) takes at most ``KV_SHARE`` of the
-    free memory of the fullest rank (collective over the world)."""
-    if settings.batch_size:
-        return settings.batch_size
-    fit = 2 ** 62
-    free = backend.free_memory_bytes()
-    if free is not None and mbs:
-        capacity = max(int(n + limits[r]) for mb in mbs for r, n in zip(mb.rows, mb.lengths))
-        attention = stage.decoder[0].attention
-        per_row = len(mbs) * kv_cache_bytes(len(stage.decoder), 1, attention.kv_heads,
-                                            capacity, attention.head_dim,
-                                            np.dtype(stage.dtype).itemsize)
-        fit = max(1, int(KV_SHARE * free // max(per_row, 1)))
-    fit = -int(world.all_reduce(np.array([-fit], dtype=np.int64), op="max")[0])
-    return min(fit, max((mb.size for mb in mbs), default=1))
-
-
-def _replica_agrees(tp, pp_host, flag: bool) -> bool:
-    """Whether any rank of this replica (its tp group, then its pipeline) raised ``flag``:
-    every rank of the replica gets the same answer at the same point."""
-    mine = np.array([int(flag)], dtype=np.int64)
-    if tp.size > 1:
-        tp.on_host().all_reduce(mine, op="max")
-    pp_host.all_reduce(mine, op="max")
-    return bool(mine[0])
 
 
 def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:

@@ -33,6 +33,31 @@ class GenerationSettings:
     batch_size: int = 0             # continuous: rows in flight per micro-batch (0: all)
 
 
+def any_rank(flag: bool, *groups) -> bool:
+    """Whether ``flag`` is raised on any rank of ``groups`` (communicators, reduced one after
+    the other on the host): every member gets the same answer at the same point."""
+    mine = np.array([int(flag)], dtype=np.int64)
+    for group in groups:
+        if group.size > 1:
+            group.on_host().all_reduce(mine, op="max")
+    return bool(mine[0])
+
+
+class AgreedStop:
+    """A stop request (SIGTERM / SIGUSR1) polled by the first stage before each forward:
+    true once any of its tp ranks saw one, for all of them at the same forward (they retire
+    the same micro-batches at the same step); final once true."""
+
+    def __init__(self, requested: Callable[[], bool] | None, tp):
+        self.requested, self.tp = requested, tp
+        self.stopped = False
+
+    def __call__(self) -> bool:
+        if not self.stopped and self.requested is not None:
+            self.stopped = any_rank(self.requested(), self.tp)
+        return self.stopped
+
+
 class GenerationProgram:
     def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend,
@@ -63,8 +88,7 @@ class GenerationProgram:
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
         self.on_rows = on_rows
-        self.stop_requested = stop_requested
-        self.stopped = False
+        self.stopping = AgreedStop(stop_requested, stage.tp)
         self.prefill_done_at: float | None = None
 
     def _local(self, mb: MicroBatch) -> slice:
@@ -83,19 +107,7 @@ class GenerationProgram:
     def finished(self, mb: int) -> bool:
         if not self.stage.first:
             return False
-        return self._stopping() or bool(self.done[self._local(self.mbs[mb])].all())
-
-    def _stopping(self) -> bool:
-        """Whether to stop now: a request seen by any tp rank of this stage, agreed by all of
-        them (they retire the same micro-batches at the same step); final once true."""
-        if self.stopped or self.stop_requested is None:
-            return self.stopped
-        flag = np.array([int(self.stop_requested())], dtype=np.int64)
-        tp = self.stage.tp
-        if tp.size > 1:
-            tp.on_host().all_reduce(flag, op="max")
-        self.stopped = bool(flag[0])
-        return self.stopped
+        return self.stopping() or bool(self.done[self._local(self.mbs[mb])].all())
 
     def receive(self, a: Action, payload) -> None:
         if a.op is Op.RECV:

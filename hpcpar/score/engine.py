@@ -22,27 +22,19 @@ import h5py
 import numpy as np
 
 from .. import __version__
-from ..backend import NUMPY, select_backend
-from ..checkpoint import Checkpoint, load_shard, open_checkpoint
+from ..checkpoint import Checkpoint, open_checkpoint
 from ..checkpoint.writer import AtomicPath
-from ..comm import CommStats, create_communicator
 from ..config import ParallelConfig
 from ..dtypes import dtype_name, float_dtype
 from ..errors import HpcparError
-from ..faults import fault_point
 from ..generate.batching import micro_batches, replica_rows
-from ..generate.engine import load_tokenizer, resolve_checkpoint
+from ..generate.setup import load_tokenizer, open_stage, resolve_checkpoint
 from ..jobs import Job
-from ..launch import everyone, local_rank, phase, set_board, set_location, set_timeout
+from ..launch import everyone, phase, set_timeout
 from ..mesh import Mesh, MeshCoords, rank_of
-from ..model import LlamaStage
-from ..ops import ops_for
 from ..outputs import check_output, claimed
 from ..pipeline.executor import PipelineExecutor
-from ..pipeline.partition import stage_layers
 from ..pipeline.schedule import generation
-from ..tensors import stage_tensors
-from ..watchdog import ActionBoard
 from .data import ScoreData, check_score_data, load_score_data
 from .program import ScoringProgram
 
@@ -97,33 +89,13 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
     """Run the scoring ``job`` on every rank of ``comm``; the result on rank 0, else None."""
     rank, size = comm.Get_rank(), comm.Get_size()
     ckpt = everyone(comm, open_checkpoint, resolve_checkpoint(comm, job.model.checkpoint))
-    cfg = ckpt.config
     plan = everyone(comm, _validate, job, ckpt, size)
     layout = plan.layout
     set_timeout(job.parallel.timeout)
     with claimed(comm, job.output.path):
-        mesh = Mesh(comm, layout)
-        set_location(mesh.describe())
-        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm),
-                           plan.dtype)
-        timeout = job.parallel.timeout
-        stats = CommStats()
-        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
-        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
-        world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
-        board = ActionBoard(comm, layout)
-        set_board(board)
-
-        layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
-        specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
-        with phase("loading the checkpoint"):
-            fault_point("load")
-            shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp,
-                             dtype=plan.dtype, backend=backend)
-        stage = LlamaStage.from_tensors(cfg, specs, shard.tensors, layers,
-                                        mesh.is_first_stage, mesh.is_last_stage, tp,
-                                        ops_for(backend), plan.dtype)
-        backend.release_unused_device_memory()
+        ranks = open_stage(comm, job, layout, ckpt, plan.dtype)
+        mesh, backend, tp, pp, world = ranks.mesh, ranks.backend, ranks.tp, ranks.pp, ranks.world
+        stage, board, shard = ranks.stage, ranks.board, ranks.shard
 
         rows = replica_rows(len(plan.data), layout.dp, mesh.dp_rank)
         mbs = micro_batches(plan.data.ids, rows, _micro_batch_count(plan.data, layout))

@@ -21,7 +21,7 @@ from ..backend import NUMPY, select_backend
 from ..checkpoint import Checkpoint, load_shard, open_checkpoint
 from ..comm import CommStats, create_communicator
 from ..faults import fault_point
-from ..generate.engine import resolve_checkpoint
+from ..generate.setup import resolve_checkpoint
 from ..jobs import Job
 from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone,
                       local_rank, phase, print_error, set_board, set_location,

@@ -13,7 +13,7 @@ from ..checkpoint import Checkpoint
 from ..config import ParallelConfig
 from ..dtypes import float_dtype
 from ..errors import HpcparError
-from ..generate.engine import load_tokenizer
+from ..generate.setup import load_tokenizer
 from ..jobs import Job
 from ..pipeline.partition import stage_layers
 from ..pipeline.training_schedules import micro_batch_problems

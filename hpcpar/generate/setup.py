@@ -1,0 +1,99 @@
+"""What a generation or a scoring job sets up on every rank before its first forward: the
+checkpoint (a file, or a preset's random model in the cache folder) and its tokenizer, the
+mesh and its communicators, the device, and this rank's stage of the model built from its
+slices of the checkpoint. Training finds its checkpoint and tokenizer here too."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..backend import NUMPY, select_backend
+from ..checkpoint import Checkpoint, init_checkpoint, load_shard
+from ..comm import CommStats, create_communicator
+from ..config import ParallelConfig
+from ..faults import fault_point
+from ..jobs import PRESET_PREFIX, Job
+from ..launch import everyone, local_rank, phase, set_board, set_location
+from ..mesh import Mesh
+from ..model import LlamaStage
+from ..ops import ops_for
+from ..pipeline.partition import stage_layers
+from ..tensors import stage_tensors
+from ..watchdog import ActionBoard
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("HPCPAR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcpar")
+    return Path(root)
+
+
+def resolve_checkpoint(comm, spec: str) -> Path:
+    """The checkpoint file for ``spec``: a path, or ``preset:NAME`` for a random model of that
+    preset kept in the cache folder (rank 0 creates it on first use). Collective."""
+    if not spec.startswith(PRESET_PREFIX):
+        return Path(spec)
+    name = spec[len(PRESET_PREFIX):]
+    path = cache_dir() / f"{name}-seed0.h5"
+
+    def create():
+        if comm.Get_rank() == 0 and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            init_checkpoint(path, name, seed=0)
+
+    with phase(f"creating the {name} checkpoint in {path.parent}"):
+        everyone(comm, create)
+    return path
+
+
+def load_tokenizer(ckpt: Checkpoint):
+    files = ckpt.tokenizer_files()
+    if "tokenizer.json" not in files:
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+
+
+@dataclass
+class InferenceRank:
+    mesh: Mesh
+    backend: object
+    stats: CommStats
+    tp: object                  # the tensor-parallel group (MPI or NCCL)
+    pp: object                  # the pipeline group (MPI)
+    world: object               # every rank, host arrays (MPI)
+    board: ActionBoard
+    stage: LlamaStage
+    shard: object               # the loaded slices' figures (seconds, bytes read)
+
+
+def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
+               dtype: np.dtype) -> InferenceRank:
+    """Collective over ``comm``: this rank's place, device, communicators and stage."""
+    cfg = ckpt.config
+    mesh = Mesh(comm, layout)
+    set_location(mesh.describe())
+    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm), dtype)
+    stats = CommStats()
+    timeout = job.parallel.timeout
+    tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
+    # Pipeline messages stay on MPI: NCCL point-to-point on one stream would queue compute
+    # behind receives posted ahead.
+    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
+    board = ActionBoard(comm, layout)
+    set_board(board)
+    layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
+    specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
+    with phase("loading the checkpoint"):
+        fault_point("load")
+        shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp, dtype=dtype,
+                         backend=backend)
+    stage = LlamaStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
+                                    mesh.is_last_stage, tp, ops_for(backend), dtype)
+    backend.release_unused_device_memory()
+    world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
+    return InferenceRank(mesh, backend, stats, tp, pp, world, board, stage, shard)
