@@ -133,6 +133,29 @@ def test_ring_of_nonblocking_sends(world, dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_messages_of_unknown_length_are_probed_then_received(world):
+    """Every other rank sends rank 0 a message whose length only it knows; rank 0 learns
+    source and length from ``probe`` (none before anything is sent) and receives them all."""
+    tag = 21
+    if world.rank == 0:
+        assert world.probe(tag, np.int64) is None
+    world.barrier()
+    if world.rank != 0:
+        req = world.isend(np.arange(world.rank * 3, dtype=np.int64) + world.rank, 0, tag)
+        req.wait()
+        assert req.test()                        # complete stays complete
+    else:
+        got = {}
+        for _ in range(world.size - 1):
+            source, count = world.probe(tag, np.int64, wait=True)
+            got[source] = world.recv(np.empty(count, np.int64), source, tag)
+        assert sorted(got) == list(range(1, world.size))
+        for r, a in got.items():
+            np.testing.assert_array_equal(a, np.arange(r * 3) + r)
+    world.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_blocking_send_recv_between_pairs(world):
     pairs = world.size // 2 * 2
     if world.rank >= pairs:

@@ -2,6 +2,7 @@
 tokens, and seeded samples. Runs under mpiexec -n 2, 4 and 8; each layout of the world's
 size runs on all ranks, and every rank also computes the single-rank reference itself."""
 
+import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -111,9 +112,10 @@ def test_seeded_sampling_is_reproducible_and_layout_independent(checkpoint):
 
 @pytest.mark.mpi(min_size=2)
 def test_two_rows_in_flight_under_every_layout_give_transformers_greedy_tokens(
-        tmp_path_factory):
+        tmp_path_factory, monkeypatch):
     """Continuous batching, 2 slots per micro-batch refilled at different steps (per-prompt
-    limits), under every layout of the world's size: transformers' tokens, row by row."""
+    limits), under every layout of the world's size: transformers' tokens, row by row, in
+    the result and in the output file, whose rows come to rank 0 at every step."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from helpers import build_hf_model
@@ -130,11 +132,15 @@ def test_two_rows_in_flight_under_every_layout_give_transformers_greedy_tokens(
         sets = [f"model.checkpoint='{folder}/model.h5'", f"parallel.dp={dp}",
                 f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.micro_batches={mbs}",
                 "generate.max_new_tokens=10", "generate.stop_at_eos=false",
-                "generate.batch_size=2"]
+                "generate.batch_size=2", f"output.path='{folder}/{dp}-{pp}-{tp}-{mbs}.h5'"]
+        monkeypatch.setenv("HPCPAR_SAVE_SECONDS", "0")
         result = run_generation(comm, load_job(None, sets),
                                 prompts=Prompts(prompts, max_new_tokens=limits), progress=False)
         if comm.Get_rank() != 0:
             continue
+        with h5py.File(f"{folder}/{dp}-{pp}-{tp}-{mbs}.h5") as f:
+            np.testing.assert_array_equal(f["tokens"][()], result.tokens)
+            np.testing.assert_array_equal(f["lengths"][()], limits)
         for b, (prompt, k) in enumerate(zip(prompts, limits)):
             with torch.no_grad():
                 out = model.generate(torch.tensor(prompt[None]), max_new_tokens=k,

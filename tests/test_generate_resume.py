@@ -146,6 +146,65 @@ def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work
     assert not partial.exists()
 
 
+def test_rows_reach_the_partial_file_as_they_finish_and_survive_a_killed_job(work):
+    """Two replicas; replica 1's rows and half of replica 0's want a few tokens, the rest 60.
+    Rank 0 is killed outright (SIGKILL: no stop path runs) at decode step 30: the partial
+    file holds every short row, replica 1's sent over while the run went on, and the
+    resumed run ends with the uninterrupted run's file."""
+    rng = np.random.default_rng(6)
+    limits = [2] * 4 + [60] * 4 + [3] * 8               # rows 0-7: replica 0, 8-15: replica 1
+    lines = [json.dumps({"ids": rng.integers(3, 250, int(rng.integers(2, 9))).tolist(),
+                         "max_new_tokens": k}) for k in limits]
+    (work / "killed.jsonl").write_text("\n".join(lines) + "\n")
+    args = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts",
+            "killed.jsonl", "--max-new-tokens", "60", "--ignore-eos", "--dp", "2"]
+    straight = mpirun(2, [*args, "--out", "killed_straight.h5"], work, timeout=300)[0]
+    assert straight.returncode == 0, straight.stderr
+    os.environ.update(HPCPAR_FAULT="rank=0,phase=decode,step=30,kind=kill",
+                      HPCPAR_SAVE_SECONDS="0")
+    try:
+        killed = mpirun(2, [*args, "--out", "killed.h5"], work, timeout=300)[0]
+    finally:
+        del os.environ["HPCPAR_FAULT"], os.environ["HPCPAR_SAVE_SECONDS"]
+    assert killed.returncode != 0 and "was killed by SIGKILL" in killed.stderr, killed.stderr
+    partial = work / ".killed.h5.partial"
+    with h5py.File(partial) as f:
+        done = f["done"][()]
+        np.testing.assert_array_equal(np.flatnonzero(done), [0, 1, 2, 3, *range(8, 16)])
+        with h5py.File(work / "killed_straight.h5") as a:
+            np.testing.assert_array_equal(f["tokens"][()][done], a["tokens"][()][done])
+    resumed = mpirun(2, [*args, "--out", "killed.h5", "--resume", "auto"], work,
+                     timeout=300)[0]
+    assert resumed.returncode == 0, resumed.stderr
+    assert "4 prompts" in resumed.stdout, resumed.stdout            # only the long rows ran
+    with h5py.File(work / "killed_straight.h5") as a, h5py.File(work / "killed.h5") as b:
+        for key in ("tokens", "lengths"):
+            np.testing.assert_array_equal(a[key][()], b[key][()], err_msg=key)
+    assert not partial.exists()
+
+
+def test_a_damaged_partial_file_is_one_clear_error(work):
+    partial = work / ".damaged.h5.partial"
+    partial.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    proc = mpirun(2, [*ARGS, "--out", "damaged.h5", "--resume", "auto"], work)[0]
+    _assert_one_error(proc, "cannot resume from it")
+    assert partial.exists() and not (work / "damaged.h5").exists()
+
+
+def test_a_finished_rows_message_unpacks_to_what_was_packed():
+    from hpcpar.generate.stream import pack, unpack
+    rng = np.random.default_rng(0)
+    prompts, lengths = np.array([7, 2, 11]), np.array([5, 1, 3])
+    tokens = rng.integers(0, 1000, (3, 5))
+    final, p, t, n = unpack(pack(True, prompts, tokens, lengths), 5)
+    assert final is True
+    np.testing.assert_array_equal(p, prompts)
+    np.testing.assert_array_equal(t, tokens)
+    np.testing.assert_array_equal(n, lengths)
+    final, p, t, n = unpack(pack(False, prompts[:0], tokens[:0], lengths[:0]), 5)
+    assert final is False and len(p) == len(n) == 0 and t.shape == (0, 5)
+
+
 def test_progress_counts_prompts_and_logs_a_line_per_interval():
     import io
     from hpcpar.generate.progress import Progress

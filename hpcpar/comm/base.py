@@ -36,16 +36,27 @@ class Request:
     staged data back to the device, and keeps the buffers alive until then."""
 
     def __init__(self, wait: Callable[[], None], on_complete: Callable[[], None] | None = None,
-                 keepalive: tuple = ()):
+                 keepalive: tuple = (), test: Callable[[], bool] | None = None):
         self._wait = wait
         self._on_complete = on_complete
         self._keepalive = keepalive
+        self._test = test
         self.done = False
 
     def wait(self) -> None:
         if self.done:
             return
         self._wait()
+        self._complete()
+
+    def test(self) -> bool:
+        """Whether the operation is complete (then as after ``wait()``), without waiting;
+        False where the implementation cannot tell without waiting."""
+        if not self.done and self._test is not None and self._test():
+            self._complete()
+        return self.done
+
+    def _complete(self) -> None:
         if self._on_complete is not None:
             self._on_complete()
         self.done = True

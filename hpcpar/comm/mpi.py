@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from ..dtypes import bfloat16
 from ..errors import CommError
-from ..waits import wait_bounded
+from ..waits import poll_until, wait_bounded
 from . import choice
 from .base import Communicator, Request
 
@@ -259,13 +259,28 @@ class MpiCommunicator(Communicator):
         host = self._stage_in(buf)
         req = self.mpi_comm.Isend(self._msg(host), dest=dest, tag=tag)
         return Request(lambda: self._complete(req, f"send to {dest}"),
-                       lambda: self._finish(host, buf, copy_back=False), (host, buf))
+                       lambda: self._finish(host, buf, copy_back=False), (host, buf), req.Test)
 
     def _irecv(self, buf, source, tag) -> Request:
         host = self._stage_out(buf)
         req = self.mpi_comm.Irecv(self._msg(host), source=source, tag=tag)
         return Request(lambda: self._complete(req, f"receive from {source}"),
                        lambda: self._finish(host, buf, copy_back=True), (host, buf))
+
+    def probe(self, tag: int, dtype, wait: bool = False) -> tuple[int, int] | None:
+        """A message with ``tag`` from any rank that has arrived: (source, its length in
+        ``dtype`` elements), for a receive of the right size; None if there is none yet.
+        ``wait``: wait for one, within the group's timeout."""
+        status = MPI.Status()
+        ready = lambda: self.mpi_comm.Iprobe(MPI.ANY_SOURCE, tag, status)   # noqa: E731
+        if wait:
+            if self.timeout > 0:
+                poll_until(ready, self.timeout, f"waiting for a message (tag {tag})" + self._where)
+            else:
+                self.mpi_comm.Probe(MPI.ANY_SOURCE, tag, status)
+        elif not ready():
+            return None
+        return status.Get_source(), status.Get_count(_types(np.dtype(dtype))[0])
 
     def _sendrecv(self, send, dest, recv, source, tag) -> None:
         hsend, hrecv = self._stage_in(send), self._stage_out(recv)

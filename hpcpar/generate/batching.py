@@ -50,3 +50,9 @@ def micro_batches(prompts: list[np.ndarray], rows, count: int) -> list[MicroBatc
         out.append(MicroBatch(i, chunk, ids, lengths))
         start += size
     return out
+
+
+def replica_order(mbs: list[MicroBatch]) -> np.ndarray:
+    """The global prompt index of each of a replica's rows, micro-batch after micro-batch
+    (the row order of a generation program's results)."""
+    return np.concatenate([mb.rows for mb in mbs]) if mbs else np.zeros(0, np.int64)

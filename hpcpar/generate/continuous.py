@@ -31,7 +31,7 @@ from ..faults import fault_point
 from ..model import CacheRows, LlamaStage, kv_cache_bytes
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op, generation
-from .batching import MicroBatch
+from .batching import MicroBatch, replica_order
 from .program import AgreedStop, GenerationSettings
 from .sampling import next_tokens
 
@@ -74,7 +74,7 @@ class ContinuousProgram:
         self.steps = steps
         self.offsets = np.cumsum([0] + [mb.size for mb in mbs])
         rows = int(self.offsets[-1])
-        self.global_rows = np.concatenate([mb.rows for mb in mbs]) if mbs else np.zeros(0, int)
+        self.global_rows = replica_order(mbs)
         self.prompt_ids = [mb.ids[j, :mb.lengths[j]] for mb in mbs for j in range(mb.size)]
         self.limit = (limits[self.global_rows] if limits is not None
                       else np.full(rows, n, dtype=np.int64))

@@ -24,7 +24,7 @@ from ..errors import HpcparError
 from ..jobs import Job
 from ..launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
 from ..faults import fault_point
-from ..mesh import Mesh, MeshCoords, rank_of
+from ..mesh import MeshCoords, rank_of
 from ..outputs import check_output, claimed
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.schedule import generation
@@ -33,6 +33,7 @@ from .output import PartialOutput, unpad_into
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .program import GenerationProgram, GenerationSettings, any_rank
 from .setup import load_tokenizer, open_stage, resolve_checkpoint
+from .stream import FinishedRows, save_interval
 from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
@@ -131,8 +132,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                 if rank == 0 and job.output.path:
                     out = PartialOutput(job.output.path, n_prompts, settings.max_new_tokens,
                                         plan.prompts, cfg.vocab_size, settings.save_logits,
-                                        plan.tokenizer is not None, _fingerprint(job, ckpt, plan),
-                                        job.generate.resume)
+                                        _fingerprint(job, ckpt, plan), job.generate.resume)
 
             with phase("opening the output file"):
                 everyone(comm, open_output)
@@ -151,25 +151,31 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             if rank == 0 and settings.save_logits and out is None:   # no file: held in memory
                 logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size), np.nan,
                                  dtype=np.float32)
+            # finished rows reach the file as they finish; with prompt logits, once those
+            # are written (at the end of a wave, or of a stopped run)
+            live = bool(job.output.path) and not settings.save_logits
+
+            def received(rows, row_tokens, row_lengths):          # rank 0
+                tokens[rows], lengths[rows], done[rows] = row_tokens, row_lengths, 1
+                if live:
+                    out.finish_rows(rows, row_tokens, row_lengths)
+
             totals = None
             micro = 0
             for i, wave in enumerate(todo):
-                figures, collected, micro_w = _run_wave(
+                figures, micro_w = _run_wave(
                     comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-                    backend, pp, stats, bar, out, logits, board, stop)
+                    backend, pp, stats, bar, out, logits, board, stop, received,
+                    save_interval() if live else None)
                 micro = max(micro, micro_w)
                 totals = figures if totals is None else totals.combine(figures)
                 unfinished = 0
                 if rank == 0:
-                    wave_tokens, wave_lengths, finished = collected
-                    tokens[wave], lengths[wave] = wave_tokens, wave_lengths
-                    done[wave] = finished
+                    finished = done[wave] == 1
                     unfinished = int((~finished).sum())
-                    if out is not None and finished.any():
-                        texts = _decode(plan.tokenizer, wave_tokens[finished],
-                                        wave_lengths[finished])
-                        out.finish_rows(wave[finished], wave_tokens[finished],
-                                        wave_lengths[finished], texts)
+                    if out is not None and not live and finished.any():
+                        rows = wave[finished]
+                        out.finish_rows(rows, tokens[rows], lengths[rows])
                 if bar:
                     bar.wave_done(len(wave) - unfinished)
                 flag = world.all_reduce(np.array([int(stop.requested), unfinished],
@@ -192,10 +198,9 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             table = world.gather(totals.to_array()[None], root=0)       # (ranks, figures)
         result = None
         if rank == 0:
-            if out is not None:      # earlier runs' prompts, and every text, from the file
-                tokens, lengths, texts = out.results()
-            else:
-                texts = _decode(plan.tokenizer, tokens, lengths)
+            if out is not None:      # with the prompts earlier runs finished
+                tokens, lengths = out.results()
+            texts = _decode(plan.tokenizer, tokens, lengths)
             ran = sum(len(w) for w in todo)
             ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
             new_tokens = int(sum(lengths[r] for w in todo for r in w))
@@ -207,7 +212,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         def write():
             if out is not None:
                 attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind)
-                out.complete(attrs | result.report.attrs())
+                out.complete(attrs | result.report.attrs(), result.texts)
 
         with phase("writing the output file"):
             everyone(comm, write)     # the other ranks wait for rank 0's verdict
@@ -227,15 +232,21 @@ def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
 
 
 def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-              backend, pp, stats, bar, out, logits, board, stop):
-    """Generate for the prompts of ``wave``; returns this rank's figures, the wave's
-    (tokens, lengths, finished) on rank 0 and the micro-batches a replica ran (a stop request
-    ends it early: the rows not finished by then are not). Prompt logits go micro-batch by
-    micro-batch to the output file, or into ``logits`` (rank 0)."""
+              backend, pp, stats, bar, out, logits, board, stop, received, interval):
+    """Generate for the prompts of ``wave``; returns this rank's figures and the
+    micro-batches a replica ran. Finished rows go to ``received`` on rank 0 (every
+    ``interval`` seconds, and all by the end; a stop request ends the wave early: the rows
+    not finished by then are not). Prompt logits go micro-batch by micro-batch to the output
+    file, or into ``logits`` (rank 0)."""
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
     limits = plan.prompts.limits(settings.max_new_tokens)
-    on_rows = bar.rows if bar else None
+
+    def on_rows(finished: int, tokens: int) -> None:       # after every step's tokens
+        if bar:
+            bar.rows(finished, tokens)
+        stream.pump()
+
     continuous = settings.batching == "continuous"
     if continuous:
         width = rows_in_flight(settings, stage, mbs, limits, backend, world)
@@ -250,6 +261,8 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
                                     stop_requested=lambda: stop.requested)
         actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank]
                    if mbs else [])
+    stream = FinishedRows(world, _owners(layout), program, settings.max_new_tokens,
+                          received if world.rank == 0 else None, interval)
     executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                 board=board)
     with phase("checking the pipeline schedule"):
@@ -271,9 +284,10 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     finished = perf_counter()
     with phase("collecting the outputs on rank 0"):
         figures = _figures(executor, program, stats, stage, backend, start, finished)
-        collected = _collect(world, mesh, layout, plan.prompts, wave, program, settings,
-                             out, logits)
-    return figures, collected, len(mbs)
+        stream.close()
+        if settings.save_logits:
+            _collect_logits(world, layout, plan.prompts, wave, program, out, logits)
+    return figures, len(mbs)
 
 
 def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:
@@ -320,39 +334,31 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         weight_bytes=stage.weight_bytes)
 
 
-def _collect(world, mesh: Mesh, layout: ParallelConfig, prompts: Prompts, wave: np.ndarray,
-             program: GenerationProgram, settings: GenerationSettings, out, logits):
-    """The wave's tokens, lengths and which rows finished on world rank 0, in input order
-    (a stopped run finishes only some), and its prompt logits
-    written one micro-batch at a time (to ``out``, or into ``logits``). Each replica's last
-    stage, tp rank 0, holds its block: tokens and lengths are gathered (owners are in replica
-    order, the other ranks give nothing), logits sent micro-batch by micro-batch."""
-    owners = [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
-    is_owner = world.rank == owners[mesh.dp_rank]
-    sizes = [0] * world.size
-    for d, owner in enumerate(owners):
-        sizes[owner] = len(_wave_rows(wave, layout.dp, d))
-    mine = slice(None) if is_owner else slice(0, 0)
-    tokens = world.gather(program.tokens[mine], root=0, sizes=sizes)
-    lengths = world.gather(program.lengths[mine], root=0, sizes=sizes)
-    finished = world.gather(program.done[mine].astype(np.int64), root=0, sizes=sizes)
-    if is_owner and world.rank != 0 and settings.save_logits:
+def _owners(layout: ParallelConfig) -> list[int]:
+    """The world rank holding each replica's results: its last stage's tp rank 0."""
+    return [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
+
+
+def _collect_logits(world, layout: ParallelConfig, prompts: Prompts, wave: np.ndarray,
+                    program, out, logits) -> None:
+    """The wave's prompt logits on world rank 0, one micro-batch at a time (to ``out``, or
+    into ``logits``), sent by each replica's owner."""
+    owners = _owners(layout)
+    if world.rank in owners and world.rank != 0:
         for mb in program.mbs:
             world.send(_prompt_logits(program, mb), 0, TAG_LOGITS)
     if world.rank != 0:
-        return None
-    if settings.save_logits:
-        vocab = program.stage.cfg.vocab_size
-        for d, owner in enumerate(owners):
-            for mb in micro_batches(prompts.ids, _wave_rows(wave, layout.dp, d),
-                                    layout.micro_batches):
-                if owner == 0:
-                    full = _prompt_logits(program, mb)
-                else:
-                    full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32),
-                                      owner, TAG_LOGITS)
-                unpad_into(out.logits if out is not None else logits, mb, full)
-    return tokens, lengths, finished.astype(bool)
+        return
+    vocab = program.stage.cfg.vocab_size
+    for d, owner in enumerate(owners):
+        for mb in micro_batches(prompts.ids, _wave_rows(wave, layout.dp, d),
+                                layout.micro_batches):
+            if owner == 0:
+                full = _prompt_logits(program, mb)
+            else:
+                full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32),
+                                  owner, TAG_LOGITS)
+            unpad_into(out.logits if out is not None else logits, mb, full)
 
 
 def _prompt_logits(program: GenerationProgram, mb) -> np.ndarray:

@@ -32,21 +32,26 @@ def unpad_into(logits, mb, full: np.ndarray) -> None:
 
 class PartialOutput:
     """The output file while a generation runs (rank 0 only): a hidden sibling
-    ``.NAME.partial`` that holds every dataset from the start, receives each wave's tokens,
-    lengths and text and each micro-batch's prompt logits as they are ready, and records
-    which prompts are done and the run's settings. ``complete`` renames it into place; a run
+    ``.NAME.partial`` that holds every dataset from the start, receives the finished
+    prompts' tokens and lengths as they come (``generate.stream``) and each micro-batch's
+    prompt logits as they are ready, and records which prompts are done and the run's
+    settings; the text is decoded at the end. ``complete`` renames it into place; a run
     stopped early leaves it for ``resume="auto"``, which keeps the prompts it finished. The
     output path itself only ever holds a complete file."""
 
     def __init__(self, path: str | Path, count: int, max_new_tokens: int, prompts, vocab: int,
-                 save_logits: bool, with_text: bool, fingerprint: str, resume: str | None):
+                 save_logits: bool, fingerprint: str, resume: str | None):
         self.path = Path(path)
         self.partial = self.path.with_name(f".{self.path.name}.partial")
         remove_stale_temporaries(self.path)
         if resume not in (None, "auto"):
             raise HpcparError(f"generate.resume must be 'auto' or absent, got {resume!r}")
         if resume and self.partial.exists():
-            self.file = h5py.File(self.partial, "r+")
+            try:
+                self.file = h5py.File(self.partial, "r+")
+            except OSError as e:
+                raise HpcparError(f"{self.partial}: cannot resume from it ({e}); remove it to "
+                                  "start over") from None
             if self.file.attrs.get("run") != fingerprint:
                 self.file.close()
                 raise HpcparError(f"{self.partial}: a stopped run with other settings (model, "
@@ -56,12 +61,11 @@ class PartialOutput:
             self.file = h5py.File(self.partial, "w")
             f = self.file
             f.attrs["run"] = fingerprint
-            f.create_dataset("tokens", (count, max_new_tokens), dtype=np.int64)
-            f.create_dataset("lengths", (count,), dtype=np.int64)
+            # written out now, so that marking rows done later only overwrites bytes in place
+            f.create_dataset("tokens", data=np.zeros((count, max_new_tokens), np.int64))
+            f.create_dataset("lengths", data=np.zeros(count, np.int64))
             f.create_dataset("prompt_lengths", data=np.asarray(prompts.lengths, np.int64))
-            f.create_dataset("done", (count,), dtype=bool)
-            if with_text:
-                f.create_dataset("text", (count,), dtype=h5py.string_dtype("utf-8"))
+            f.create_dataset("done", data=np.zeros(count, bool))
             if save_logits:
                 longest = max(prompts.lengths)
                 f.create_dataset("prompt_logits", (count, longest, vocab), dtype=np.float32,
@@ -77,25 +81,27 @@ class PartialOutput:
         """The prompt_logits dataset, written one micro-batch at a time (``unpad_into``)."""
         return self.file["prompt_logits"]
 
-    def finish_rows(self, rows: np.ndarray, tokens, lengths, texts) -> None:
-        """Finished prompts (increasing global indices) and their results."""
-        f, rows = self.file, list(np.asarray(rows, dtype=np.int64))
-        f["tokens"][rows] = tokens
-        f["lengths"][rows] = lengths
-        if texts is not None and "text" in f:
-            f["text"][rows] = texts
+    def finish_rows(self, rows: np.ndarray, tokens, lengths) -> None:
+        """Finished prompts (global indices) and their results. Their tokens reach the disk
+        before they are marked done, so a process killed in between loses the mark, not
+        the tokens behind it."""
+        rows = np.asarray(rows, dtype=np.int64)
+        order = np.argsort(rows)
+        rows, f = list(rows[order]), self.file
+        f["tokens"][rows] = np.asarray(tokens)[order]
+        f["lengths"][rows] = np.asarray(lengths)[order]
+        f.flush()
         f["done"][rows] = True
-        f.flush()                                   # what a stop keeps is on disk
+        f.flush()
 
-    def results(self) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
-        """Every prompt's tokens, lengths and text (None without a tokenizer), this run's
-        and the earlier runs' alike."""
-        f = self.file
-        texts = list(f["text"].asstr()[()]) if "text" in f else None
-        return f["tokens"][()], f["lengths"][()], texts
+    def results(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every prompt's tokens and lengths, this run's and the earlier runs' alike."""
+        return self.file["tokens"][()], self.file["lengths"][()]
 
-    def complete(self, attrs: dict) -> None:
+    def complete(self, attrs: dict, texts: list[str] | None) -> None:
         f = self.file
+        if texts is not None:
+            f.create_dataset("text", data=texts, dtype=h5py.string_dtype("utf-8"))
         for key, value in attrs.items():
             f.attrs[key] = value
         del f["done"]

@@ -19,7 +19,7 @@ from ..faults import fault_point
 from ..model import LlamaStage
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op
-from .batching import MicroBatch
+from .batching import MicroBatch, replica_order
 from .sampling import SamplingParams, next_tokens
 
 
@@ -76,6 +76,7 @@ class GenerationProgram:
         self.last_index = [self.xp.asarray(mb.lengths - 1) for mb in mbs]  # prefill's last
         self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
         rows = sum(mb.size for mb in mbs)
+        self.global_rows = replica_order(mbs)                      # prompt of each row
         self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens, replica rows
         self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
         self.limit = np.full(rows, n, dtype=np.int64)              # each row's own limit
