@@ -66,10 +66,12 @@ class ArrayBackend:
         return self.xp.get_default_memory_pool().total_bytes() if self.is_gpu else 0
 
     def free_memory_bytes(self) -> int | None:
-        """Memory this rank's arrays can still take: the host's available memory for host
-        arrays; None on a GPU (not measured there yet: callers then assume all they need)."""
+        """Memory this rank's arrays can still take: the device's free memory plus the blocks
+        CuPy's pool holds free, or the host's available memory for host arrays (None where
+        the host does not say)."""
         if self.is_gpu:
-            return None
+            free, _ = self.xp.cuda.runtime.memGetInfo()
+            return int(free) + int(self.xp.get_default_memory_pool().free_bytes())
         try:
             return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):

@@ -191,3 +191,14 @@ def test_strict_arrays_refuse_implicit_host_conversion_and_mixing():
     np.testing.assert_allclose(b.get(), np.exp(a.get()) @ a.get().T, rtol=1e-6)
     a[0] = np.array([7, 8, 9])            # host-to-device copy into a slice: allowed, as CuPy
     assert a.get()[0].tolist() == [7, 8, 9] and float(a.sum()) == 36.0
+
+
+def test_free_memory_on_a_gpu_is_the_drivers_free_plus_the_pools_free_blocks():
+    """The CuPy calls behind continuous batching's default rows in flight, with a stand-in
+    for CuPy (test_ops_gpu checks them on a real GPU)."""
+    from types import SimpleNamespace
+    from hpcpar.backend import ArrayBackend
+    pool = SimpleNamespace(free_bytes=lambda: 3 << 30)
+    fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(
+        memGetInfo=lambda: (5 << 30, 80 << 30))), get_default_memory_pool=lambda: pool)
+    assert ArrayBackend("cupy", fake).free_memory_bytes() == 8 << 30

@@ -96,3 +96,30 @@ def test_continuous_batching_keeps_in_flight_what_fits_the_memory(tmp_path, monk
     assert widths == [[2]]
     static = _run(path, PROMPTS, max_new_tokens=6, batching="'static'")
     assert fitted.tokens.tolist() == static.tokens.tolist()
+
+
+def test_a_refill_prefills_a_bounded_number_of_tokens(tmp_path, monkeypatch):
+    """With room for 16 prompt tokens per refill, eight free slots fill over several
+    segments (each prefill within the budget, or one prompt alone), and the tokens and prompt
+    logits stay those of static batching."""
+    from hpcpar.generate import continuous
+    path, _ = make_checkpoint(tmp_path, GQA)
+    monkeypatch.setattr(continuous, "PREFILL_TOKENS", 16)
+    prefills = []
+    admit = continuous.ContinuousProgram._admit
+
+    def recording(self, waiting):
+        take = admit(self, waiting)
+        prefills.append([len(self.prompt_ids[p]) for p in waiting[:take]])
+        return take
+
+    monkeypatch.setattr(continuous.ContinuousProgram, "_admit", recording)
+    prompts = PROMPTS * 2
+    bounded = _run(path, prompts, max_new_tokens=5, batch_size=8)
+    filled = [p for p in prefills if p]
+    assert len(filled) > 1
+    assert all(len(p) == 1 or len(p) * max(p) <= 16 for p in filled), filled
+    assert sum(map(len, filled)) == len(prompts)
+    static = _run(path, prompts, max_new_tokens=5, batching="'static'")
+    assert bounded.tokens.tolist() == static.tokens.tolist()
+    np.testing.assert_allclose(bounded.prompt_logits, static.prompt_logits, atol=1e-5, rtol=0)

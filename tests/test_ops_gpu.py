@@ -236,3 +236,18 @@ def test_the_load_time_finite_check_runs_on_the_device(cp, dtype):
     got = nonfinite(cp, on_device)
     assert isinstance(got, cp.ndarray)
     np.testing.assert_array_equal(cp.asnumpy(got), ~np.isfinite(values))
+
+
+def test_free_device_memory_counts_the_pools_free_blocks(cp):
+    """What continuous batching's default rows in flight are sized from: an array in use
+    takes its bytes out of the free memory; freed into CuPy's pool, they count again."""
+    from hpcpar.backend import ArrayBackend
+    backend = ArrayBackend("cupy", cp)
+    cp.get_default_memory_pool().free_all_blocks()
+    before = backend.free_memory_bytes()
+    assert 0 < before <= cp.cuda.runtime.memGetInfo()[1]
+    block = cp.empty(256 << 20, dtype=cp.uint8)
+    held = backend.free_memory_bytes()
+    assert before - held >= 256 << 20
+    del block                                             # back in the pool, not the driver
+    assert backend.free_memory_bytes() >= before - (8 << 20)

@@ -10,8 +10,11 @@ segment whose micro-batch got new prompts starts with a prefill of those rows al
 their slots of the KV cache (``CacheRows``: the decoding rows wait that one step); every other
 step decodes one token for every slot. With one stage a segment is one step, so a slot is
 refilled at once; with several, S steps keep the pipeline full between the refills, and a
-finished row waits at most S - 1 steps for its successor. Once no prompt is waiting, the last
-segment runs to the end of the longest row, as static batching does.
+finished row waits at most S - 1 steps for its successor. A refill prefills at most
+``PREFILL_TOKENS`` prompt tokens (vLLM's max_num_batched_tokens), so filling many free slots
+at the start takes several segments and the memory a prefill needs stays bounded. Once no
+prompt is waiting, the last segment runs to the end of the longest row, as static batching
+does.
 
 Rows carry their own lengths and cache positions (``AttentionRows``), so a row's tokens are
 those of running it alone; draws are keyed by (seed, prompt index, token index), so a seed
@@ -37,6 +40,7 @@ from .sampling import next_tokens
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
+PREFILL_TOKENS = 8192      # at most this many (padded) prompt tokens in one refill's prefill
 
 
 def segment_steps(pp: int) -> int:
@@ -125,7 +129,7 @@ class ContinuousProgram:
         work, steps = False, 1
         for s in self.slots:
             free = np.flatnonzero(~s.active(self.done))
-            take = min(len(free), len(s.queue))
+            take = self._admit(s.queue[:len(free)])
             s.new = free[:take]
             s.prompt[free[take:]] = -1                    # finished, nothing to take its place
             for slot in s.new:
@@ -139,6 +143,18 @@ class ContinuousProgram:
         if any(s.queue for s in self.slots):
             steps = self.steps                    # refill again soon
         return generation(pp_host.size, len(self.mbs), steps)[pp_host.rank]
+
+    def _admit(self, waiting: list[int]) -> int:
+        """How many of the ``waiting`` prompts (one per free slot) a refill takes: all whose
+        padded prefill holds at most ``PREFILL_TOKENS`` tokens (at least one), so a prefill's
+        activations stay bounded whatever the rows in flight; the rest wait a segment."""
+        take, longest = 0, 0
+        for p in waiting:
+            longest = max(longest, len(self.prompt_ids[p]))
+            if take and (take + 1) * longest > PREFILL_TOKENS:
+                break
+            take += 1
+        return take
 
     # ---- StageProgram ------------------------------------------------------------------------
 
