@@ -103,7 +103,13 @@ def test_each_prompt_stops_at_its_own_max_new_tokens(workdir):
     ('{"ids": [5, 6], "max_new_tokens": true}', '"max_new_tokens" must be a positive integer'),
     ('{"ids": [5, 6]}\n{"ids": [5], "max_new_tokens": 9}',
      "prompt 1 asks for max_new_tokens 9, more than the job's 5"),
-    ('{"ids": [5, 6], "temperature": 1.0}', "bad.jsonl:1: unknown key 'temperature'"),
+    ('{"ids": [5, 6], "top_n": 1.0}', "bad.jsonl:1: unknown key 'top_n'"),
+    ('{"ids": [5]}\n{"ids": [5, 6], "temperature": -1}',
+     "bad.jsonl:2: temperature must be >= 0 (0 is greedy), got -1"),
+    ('{"ids": [5, 6], "top_k": 2.5}', 'bad.jsonl:1: "top_k" must be an integer, got 2.5'),
+    ('{"ids": [5, 6], "top_p": 0}', "bad.jsonl:1: top_p must be in (0, 1], got 0"),
+    ('{"ids": [5, 6], "seed": true}', 'bad.jsonl:1: "seed" must be an integer, got true'),
+    ('{"ids": [5, 6], "temperature": "hot"}', '"temperature" must be a number, got "hot"'),
 ])
 def test_bad_prompts_are_one_error_and_no_output(workdir, prompts, words):
     (workdir / "bad.jsonl").write_text(prompts)

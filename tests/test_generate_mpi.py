@@ -43,13 +43,14 @@ def checkpoint(request, tmp_path_factory):
     return cfg, f"{folder}/model.h5"
 
 
-def _generate(comm, path, layout=(1, 1, 1, 1), **gen):
+def _generate(comm, path, layout=(1, 1, 1, 1), prompts=None, **gen):
     dp, pp, tp, mbs = layout
     sets = [f"model.checkpoint='{path}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
             f"parallel.tp={tp}", f"parallel.micro_batches={mbs}", "generate.max_new_tokens=6",
             "generate.save_logits=true", "generate.stop_at_eos=false"]
     sets += [f"generate.{k}={v}" for k, v in gen.items()]
-    return run_generation(comm, load_job(None, sets), prompts=Prompts(PROMPTS), progress=False)
+    return run_generation(comm, load_job(None, sets), prompts=prompts or Prompts(PROMPTS),
+                          progress=False)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -65,6 +66,34 @@ def test_every_layout_reproduces_the_single_rank_logits_and_greedy_tokens(checkp
             assert result.tokens.tolist() == single.tokens.tolist(), layout
         else:
             assert result is None
+
+
+OWN_SAMPLING = [{}, {"temperature": 0.9, "top_k": 20, "seed": 5},
+                {"temperature": 1.3, "top_p": 0.95, "seed": 2},          # the whole vocabulary
+                {"temperature": 0.7, "top_k": 3, "top_p": 0.8, "seed": 9}]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint):
+    """Greedy rows, top-k rows, whole-vocabulary top-p rows and another seed in one batch:
+    each row's tokens are those of a job whose own settings are that row's, on one rank, and
+    every layout (static, or one row in flight) gives the single rank's."""
+    comm = MPI.COMM_WORLD
+    cfg, path = checkpoint
+    prompts = PROMPTS * 2
+    own = [OWN_SAMPLING[i % len(OWN_SAMPLING)] for i in range(len(prompts))]
+    mixed = Prompts(prompts, sampling=own)
+    single = _generate(MPI.COMM_SELF, path, prompts=mixed)
+    for settings in OWN_SAMPLING:
+        alike = _generate(MPI.COMM_SELF, path, prompts=Prompts(prompts), **settings)
+        rows = [i for i, o in enumerate(own) if o == settings]
+        assert single.tokens[rows].tolist() == alike.tokens[rows].tolist(), settings
+    for layout in _layouts(comm, cfg)[:2]:
+        static = _generate(comm, path, layout, prompts=mixed, batching="'static'")
+        refilled = _generate(comm, path, layout, prompts=mixed, batch_size=1)
+        if comm.Get_rank() == 0:
+            assert static.tokens.tolist() == single.tokens.tolist(), layout
+            assert refilled.tokens.tolist() == single.tokens.tolist(), layout
 
 
 @pytest.mark.mpi(min_size=2)

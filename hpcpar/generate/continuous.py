@@ -36,7 +36,7 @@ from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op, generation
 from .batching import MicroBatch, replica_order
 from .program import AgreedStop, GenerationSettings
-from .sampling import next_tokens
+from .sampling import PromptSampling, next_tokens
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
@@ -71,7 +71,8 @@ class ContinuousProgram:
                  eos_ids: tuple[int, ...], pad_id: int, backend, batch_size: int,
                  steps: int, limits: np.ndarray | None = None,
                  on_rows: Callable[[int, int], None] | None = None,
-                 stop_requested: Callable[[], bool] | None = None):
+                 stop_requested: Callable[[], bool] | None = None,
+                 sampling: PromptSampling | None = None):
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
@@ -104,6 +105,7 @@ class ContinuousProgram:
         self.outputs: dict[int, object] = {}
         self.on_rows = on_rows
         self.stopping = AgreedStop(stop_requested, stage.tp)
+        self.sampling = sampling if sampling is not None else settings.sampling
         self.prefill_done_at: float | None = None
         self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
 
@@ -243,7 +245,7 @@ class ContinuousProgram:
             slots = np.arange(len(s.prompt))
             last = stage.logits(y)
         prompts = np.where(s.prompt[slots] >= 0, s.prompt[slots], 0)
-        tokens = next_tokens(stage.head, last[:, 0], self.settings.sampling,
+        tokens = next_tokens(stage.head, last[:, 0], self.sampling,
                              self.global_rows[prompts], self.generated[prompts],
                              self.backend.to_host)
         self.step_tokens[mb][slots] = tokens

@@ -241,6 +241,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
     limits = plan.prompts.limits(settings.max_new_tokens)
+    sampling = plan.prompts.sampling_for(settings.sampling)
 
     def on_rows(finished: int, tokens: int) -> None:       # after every step's tokens
         if bar:
@@ -252,13 +253,13 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
         width = rows_in_flight(settings, stage, mbs, limits, backend, world)
         program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
                                     segment_steps(layout.pp), limits, on_rows,
-                                    stop_requested=lambda: stop.requested)
+                                    stop_requested=lambda: stop.requested, sampling=sampling)
         pp_host = pp.on_host()
         actions = program.start_segment(pp_host)
     else:
         program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
                                     on_rows=on_rows, limits=limits,
-                                    stop_requested=lambda: stop.requested)
+                                    stop_requested=lambda: stop.requested, sampling=sampling)
         actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank]
                    if mbs else [])
     stream = FinishedRows(world, _owners(layout), program, settings.max_new_tokens,
@@ -296,6 +297,8 @@ def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:
     for ids in plan.prompts.ids:
         digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
     digest.update(plan.prompts.limits(plan.settings.max_new_tokens).tobytes())
+    if plan.prompts.sampling:
+        digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
     s = plan.settings
     return json.dumps({
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,

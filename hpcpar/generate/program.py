@@ -20,7 +20,7 @@ from ..model import LlamaStage
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op
 from .batching import MicroBatch, replica_order
-from .sampling import SamplingParams, next_tokens
+from .sampling import PromptSampling, SamplingParams, next_tokens
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,11 @@ class GenerationProgram:
                  eos_ids: tuple[int, ...], pad_id: int, backend,
                  on_rows: Callable[[int, int], None] | None = None,
                  limits: np.ndarray | None = None,
-                 stop_requested: Callable[[], bool] | None = None):
+                 stop_requested: Callable[[], bool] | None = None,
+                 sampling: PromptSampling | None = None):
         """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
-        job's for every prompt). ``stop_requested``: polled by the first stage before each
+        job's for every prompt); ``sampling`` likewise (default: the job's settings).
+        ``stop_requested``: polled by the first stage before each
         forward; once its tp ranks agree on a stop, every micro-batch is retired there (the
         STOP reaches the other stages with the activations) and only finished rows count.
         ``on_rows(finished, tokens)`` hears of each step's new tokens and finished rows."""
@@ -90,6 +92,7 @@ class GenerationProgram:
         self.outputs: dict[int, object] = {}
         self.on_rows = on_rows
         self.stopping = AgreedStop(stop_requested, stage.tp)
+        self.sampling = sampling if sampling is not None else settings.sampling
         self.prefill_done_at: float | None = None
 
     def _local(self, mb: MicroBatch) -> slice:
@@ -164,7 +167,7 @@ class GenerationProgram:
                 last = stage.logits(y[self.xp.arange(batch.size), at][:, None])[:, 0]
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)
-        tokens = next_tokens(stage.head, last, self.settings.sampling, batch.rows, step,
+        tokens = next_tokens(stage.head, last, self.sampling, batch.rows, step,
                              self.backend.to_host)
         self._record(batch, step, tokens)
 

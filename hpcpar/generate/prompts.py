@@ -11,6 +11,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..errors import HpcparError
+from .sampling import PromptSampling, SamplingParams
 
 
 class PromptError(HpcparError):
@@ -18,7 +19,8 @@ class PromptError(HpcparError):
 
 
 # the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
-PROMPT_KEYS = ("ids", "text", "max_new_tokens")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+PROMPT_KEYS = ("ids", "text", "max_new_tokens", *SAMPLING_KEYS)
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class Prompts:
     ids: list[np.ndarray]               # one int64 array per prompt, lengths may differ
     texts: list[str] | None = None      # the source text, when prompts were given as text
     max_new_tokens: list[int | None] | None = None   # a prompt's own limit (None: the job's)
+    sampling: list[dict] | None = None  # a prompt's own sampling settings (absent: the job's)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -34,6 +37,10 @@ class Prompts:
         """(prompts,) the new tokens each prompt may get: its own limit, else the job's."""
         own = self.max_new_tokens or [None] * len(self)
         return np.array([job_max if k is None else k for k in own], dtype=np.int64)
+
+    def sampling_for(self, job: SamplingParams) -> PromptSampling:
+        """Each prompt's sampling settings: its own, else the job's."""
+        return PromptSampling.build(job, self.sampling or [{}] * len(self))
 
     @property
     def lengths(self) -> list[int]:
@@ -70,7 +77,7 @@ def _load_npy(path: Path) -> Prompts:
 
 
 def _load_jsonl(path: Path, tokenizer) -> Prompts:
-    ids, texts, limits = [], [], []
+    ids, texts, limits, sampling = [], [], [], []
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -95,6 +102,7 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
             raise PromptError(f"{path}:{n}: \"max_new_tokens\" must be a positive integer, "
                               f"got {json.dumps(limit)}")
         limits.append(limit)
+        sampling.append(_own_sampling(record, f"{path}:{n}"))
         if "ids" in record:
             row = record["ids"]
             if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool)
@@ -118,7 +126,22 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
     if not ids:
         raise PromptError(f"{path}: the prompt file is empty; add one JSON object per line")
     return Prompts(ids, texts if any(t is not None for t in texts) else None,
-                   limits if any(k is not None for k in limits) else None)
+                   limits if any(k is not None for k in limits) else None,
+                   sampling if any(sampling) else None)
+
+
+def _own_sampling(record: dict, where: str) -> dict:
+    """A prompt line's sampling settings, each checked as the job's are."""
+    own = {key: record[key] for key in SAMPLING_KEYS if key in record}
+    for key, value in own.items():
+        whole = key in ("top_k", "seed")
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            raise PromptError(f"{where}: \"{key}\" must be {'an integer' if whole else 'a number'}"
+                              f", got {json.dumps(value)}")
+    problems = SamplingParams(**own).problems()
+    if problems:
+        raise PromptError(f"{where}: {problems[0]}")
+    return own
 
 
 def random_prompts(count: int, lengths: tuple[int, int], vocab_size: int,
