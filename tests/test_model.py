@@ -123,3 +123,19 @@ def test_a_refill_prefills_a_bounded_number_of_tokens(tmp_path, monkeypatch):
     static = _run(path, prompts, max_new_tokens=5, batching="'static'")
     assert bounded.tokens.tolist() == static.tokens.tolist()
     np.testing.assert_allclose(bounded.prompt_logits, static.prompt_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_the_report_splits_the_run_into_prefill_and_decode(tmp_path, batching):
+    """Continuous batching's refills interleave with decoding: its prefill time is that of
+    its prefill steps (not the time to the first fill), so the measured bubbles are
+    fractions, as static batching's are."""
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = PROMPTS * 4
+    result = _run(path, prompts, max_new_tokens=8, batch_size=2, batching=f"'{batching}'")
+    report = result.report
+    assert report.prefill_seconds > 0 and report.decode_seconds > 0
+    for bubble in (report.bubble_prefill, report.bubble_decode):
+        assert 0 <= bubble < 1, (report.bubble_prefill, report.bubble_decode)
+    assert report.prefill_tokens_per_s == pytest.approx(
+        sum(map(len, prompts)) / report.prefill_seconds)

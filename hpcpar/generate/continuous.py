@@ -25,7 +25,6 @@ micro-batch are the ones static batching gives it, in the same rows of the outpu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from time import perf_counter
 from typing import Callable
 
 import numpy as np
@@ -106,7 +105,6 @@ class ContinuousProgram:
         self.on_rows = on_rows
         self.stopping = AgreedStop(stop_requested, stage.tp)
         self.sampling = sampling if sampling is not None else settings.sampling
-        self.prefill_done_at: float | None = None
         self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
 
     # ---- between segments --------------------------------------------------------------------
@@ -163,6 +161,10 @@ class ContinuousProgram:
     def _refill(self, mb: int, step: int) -> bool:
         return step == 0 and len(self.slots[mb].new) > 0
 
+    def phase(self, a: Action) -> int:
+        """Prefill (0) for a refill's step, decode (1) for every other (the run report)."""
+        return 0 if self._refill(a.mb, a.step) else 1
+
     def payload(self, a: Action):
         if a.op in (Op.SEND, Op.RECV):
             if self._refill(a.mb, a.step):
@@ -217,8 +219,6 @@ class ContinuousProgram:
             self._sample(a.mb, a.step, y)
         else:
             self.outputs[a.mb] = y
-        if self.prefill_done_at is None and a.mb == len(self.mbs) - 1:
-            self.prefill_done_at = perf_counter()
 
     def _prefill_ids(self, mb: int) -> np.ndarray:
         """(new rows, longest) the refilled slots' prompts, each from column 0."""

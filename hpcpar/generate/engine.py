@@ -318,6 +318,10 @@ def _decode(tokenizer, tokens, lengths) -> list[str] | None:
 
 def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:
     t = executor.times
+    # static batching prefills every micro-batch first; continuous batching's refills
+    # interleave with decoding, so its prefill time is the time its prefill steps took
+    prefill = (t.compute[0] + t.wait[0] if isinstance(program, ContinuousProgram)
+               else (program.prefill_done_at or start) - start)
 
     def nbytes(key: str) -> int:
         op = stats.ops.get(key)
@@ -326,7 +330,7 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
     return RankFigures(
         compute_prefill=t.compute[0], compute_decode=t.compute[1],
         wait_prefill=t.wait[0], wait_decode=t.wait[1],
-        prefill_end=(program.prefill_done_at or start) - start, total=finished - start,
+        prefill_end=prefill, total=finished - start,
         tp_all_reduce_bytes=nbytes("tp.all_reduce"),
         tp_all_gather_bytes=nbytes("tp.all_gather"),
         pp_send_bytes=nbytes("pp.send"),

@@ -23,6 +23,7 @@ class RankFigures:
     wait_prefill: float = 0.0
     wait_decode: float = 0.0
     prefill_end: float = 0.0      # seconds from the common start to this stage's last prefill
+                                  # (continuous batching: seconds in its prefill steps)
     total: float = 0.0            # seconds from the common start to the end of this rank's run
     tp_all_reduce_bytes: float = 0.0
     tp_all_gather_bytes: float = 0.0

@@ -51,6 +51,9 @@ class StageProgram(Protocol):
     def outgoing(self, a: Action):
         """The payload to send (an array of the ``payload`` shape)."""
 
+    # optional: ``phase(a) -> 0 | 1``, whether an action's time counts as prefill (0) or
+    # decode (1); without it, step 0 is the prefill
+
 
 class Frame:
     """A header + payload byte buffer, with typed views of both."""
@@ -131,6 +134,7 @@ class PipelineExecutor:
         stop_step: dict[int, int] = {}            # micro-batch -> step its STOP applies from
         next_recv = _next_receive_indices(actions)
         mark, last_phase = perf_counter(), 0
+        phase_of = getattr(program, "phase", lambda a: 0 if a.step == 0 else 1)
 
         def live(a: Action) -> bool:
             return a.mb not in stop_step or a.step == stop_step[a.mb] and a.op is Op.SEND
@@ -145,7 +149,7 @@ class PipelineExecutor:
                 continue
             if self.board is not None:
                 self.board.publish(a)
-            phase = 0 if a.step == 0 else 1
+            phase = phase_of(a)
             t0 = perf_counter()
             wall[last_phase] += t0 - mark
             mark, last_phase = t0, phase
