@@ -100,6 +100,8 @@ class PartialOutput:
 
     def complete(self, attrs: dict, texts: list[str] | None) -> None:
         f = self.file
+        if "text" in f:                     # a partial file from before text came last
+            del f["text"]
         if texts is not None:
             f.create_dataset("text", data=texts, dtype=h5py.string_dtype("utf-8"))
         for key, value in attrs.items():
