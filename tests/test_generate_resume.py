@@ -212,10 +212,15 @@ def test_progress_counts_prompts_and_logs_a_line_per_interval():
     progress = Progress(total=10, share=0.5, interval=1e-9, terminal=False, out=log)
     progress.rows(finished=2, tokens=8)                # replica 0: 2 of its 5 rows
     assert progress.finished == 4                      # its half stands for the whole
+    progress.rows_saved(3)                             # behind the estimate: not shown
+    assert progress.finished == 4
+    progress.rows_saved(4)                             # every replica's rows rank 0 holds
+    assert progress.finished == 7
     progress.wave_done(10)
     assert progress.finished == 10
     lines = log.getvalue().splitlines()
     assert lines[0].startswith("progress: 4/10 prompts") and "new tokens/s" in lines[0]
+    assert [line.split()[1] for line in lines] == ["4/10", "4/10", "7/10", "10/10"]
     assert lines[-1].startswith("progress: 10/10 prompts")
     quiet = io.StringIO()
     Progress(total=10, share=1.0, interval=0, terminal=False, out=quiet).rows(3, 3)

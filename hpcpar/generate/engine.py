@@ -159,6 +159,8 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                 tokens[rows], lengths[rows], done[rows] = row_tokens, row_lengths, 1
                 if live:
                     out.finish_rows(rows, row_tokens, row_lengths)
+                    if bar:
+                        bar.rows_saved(len(rows))
 
             totals = None
             micro = 0

@@ -4,9 +4,12 @@ line every ``HPCPAR_PROGRESS_SECONDS`` (default 30; 0: none), so a Slurm log sho
 long job moves without filling up.
 
 Rank 0 is the first stage of replica 0: it sees that replica's tokens as they come back to
-be embedded, and the other replicas' only when a wave ends (dp replicas split the prompts
-evenly and run the same model, so between wave ends the bar counts replica 0's rows at the
-share of the whole they stand for)."""
+be embedded, and the finished rows of every replica about every second when they go to an
+output file as they finish (``generate.stream``), otherwise when a wave ends. In between,
+replica 0's rows are counted at the share of the whole they stand for (dp replicas split the
+prompts evenly and run the same model), and the bar shows that or the rows rank 0 holds,
+whichever is ahead, so it never goes back. The token rate is replica 0's, scaled the same
+way."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ class Progress:
         self.total, self.share = total, share
         self.done = 0               # prompts finished in waves already collected
         self.replica = 0            # replica 0's rows finished in the current wave
+        self.saved = 0              # every replica's rows of the current wave rank 0 holds
         self.tokens = 0
         self.start = self.last = perf_counter()
         self.out = out or sys.stderr
@@ -37,8 +41,10 @@ class Progress:
 
     @property
     def finished(self) -> int:
-        """Prompts finished: collected waves, plus replica 0's current rows scaled up."""
-        return min(self.total, self.done + round(self.replica / self.share))
+        """Prompts finished: collected waves, plus the current wave's rows rank 0 holds or
+        replica 0's scaled up, whichever is ahead (both only grow)."""
+        current = max(self.saved, round(self.replica / self.share))
+        return min(self.total, self.done + current)
 
     def rows(self, finished: int, tokens: int) -> None:
         """Replica 0 recorded ``tokens`` new tokens, and ``finished`` of its rows ended."""
@@ -46,10 +52,15 @@ class Progress:
         self.tokens += tokens
         self._show()
 
+    def rows_saved(self, prompts: int) -> None:
+        """Rank 0 received ``prompts`` finished rows of the current wave (any replica)."""
+        self.saved += prompts
+        self._show()
+
     def wave_done(self, prompts: int) -> None:
         """A wave of ``prompts`` is collected: every replica's rows count exactly."""
         self.done += prompts
-        self.replica = 0
+        self.replica = self.saved = 0
         self._show()
 
     def _show(self) -> None:
