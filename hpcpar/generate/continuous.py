@@ -33,8 +33,8 @@ from ..faults import fault_point
 from ..model import CacheRows, LlamaStage, kv_cache_bytes
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op, generation
-from .batching import MicroBatch, replica_order
-from .program import AgreedStop, GenerationSettings
+from .batching import MicroBatch
+from .program import GenerationSettings, ReplicaProgram
 from .sampling import PromptSampling, next_tokens
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
@@ -61,7 +61,7 @@ class _Slots:
         return held & ~done[np.where(held, self.prompt, 0)]
 
 
-class ContinuousProgram:
+class ContinuousProgram(ReplicaProgram):
     """The ``StageProgram`` of one segment at a time (``start_segment``); its per-prompt
     results (``tokens``, ``lengths``, ``done``) are in the replica's row order, as
     ``GenerationProgram``'s are."""
@@ -72,16 +72,11 @@ class ContinuousProgram:
                  on_rows: Callable[[int, int], None] | None = None,
                  stop_requested: Callable[[], bool] | None = None,
                  sampling: PromptSampling | None = None):
-        self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
-        self.xp = backend.xp
-        n = settings.max_new_tokens
+        super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
+                         stop_requested, sampling)
         self.steps = steps
-        self.offsets = np.cumsum([0] + [mb.size for mb in mbs])
-        rows = int(self.offsets[-1])
-        self.global_rows = replica_order(mbs)
+        rows = len(self.done)
         self.prompt_ids = [mb.ids[j, :mb.lengths[j]] for mb in mbs for j in range(mb.size)]
-        self.limit = (limits[self.global_rows] if limits is not None
-                      else np.full(rows, n, dtype=np.int64))
         self.width = [min(batch_size, mb.size) for mb in mbs]
         # a row finished mid-segment is fed until the segment ends, its position held at the
         # last slot (its cache is no longer read)
@@ -91,20 +86,9 @@ class ContinuousProgram:
         self.slots = [_Slots(np.full(w, -1, np.int64), np.zeros(w, np.int64),
                              list(range(int(self.offsets[i]), int(self.offsets[i + 1]))))
                       for i, w in enumerate(self.width)]
-        self.tokens = np.full((rows, n), pad_id, dtype=np.int64)
-        self.lengths = np.full(rows, n, dtype=np.int64)
         self.generated = np.zeros(rows, dtype=np.int64)
-        self.done = np.zeros(rows, dtype=bool)
         self.step_tokens = [np.full(w, pad_id, np.int64) for w in self.width]  # last sampled
-        self.eos = np.asarray(eos_ids if settings.stop_at_eos else (), dtype=np.int64)
-        self.pad_id = pad_id
         self.logits_of: dict[int, np.ndarray] = {}                 # prompt -> (L, vocab)
-        self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
-        self.inputs: dict[int, object] = {}
-        self.outputs: dict[int, object] = {}
-        self.on_rows = on_rows
-        self.stopping = AgreedStop(stop_requested, stage.tp)
-        self.sampling = sampling if sampling is not None else settings.sampling
         self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
 
     # ---- between segments --------------------------------------------------------------------
@@ -160,6 +144,10 @@ class ContinuousProgram:
 
     def _refill(self, mb: int, step: int) -> bool:
         return step == 0 and len(self.slots[mb].new) > 0
+
+    def prefill_seconds(self, times, start: float) -> float:
+        """Refills interleave with decoding: the time the prefill steps took."""
+        return times.compute[0] + times.wait[0]
 
     def phase(self, a: Action) -> int:
         """Prefill (0) for a refill's step, decode (1) for every other (the run report)."""

@@ -37,7 +37,7 @@ from .stream import FinishedRows, save_interval
 from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
-from .sampling import SamplingParams
+from .sampling import PromptSampling, SamplingParams
 
 TAG_LOGITS = 13
 
@@ -61,6 +61,8 @@ class _Plan:
     settings: GenerationSettings
     prompts: Prompts
     tokenizer: object
+    limits: np.ndarray                 # each prompt's max_new_tokens
+    sampling: PromptSampling           # each prompt's sampling settings
 
 
 def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> _Plan:
@@ -100,7 +102,8 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     if job.output.path:
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
         check_output(job.output.path, inputs)
-    return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer)
+    return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
+                 prompts.limits(settings.max_new_tokens), prompts.sampling_for(sampling))
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,
@@ -242,8 +245,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     file, or into ``logits`` (rank 0)."""
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
-    limits = plan.prompts.limits(settings.max_new_tokens)
-    sampling = plan.prompts.sampling_for(settings.sampling)
+    limits, sampling = plan.limits, plan.sampling
 
     def on_rows(finished: int, tokens: int) -> None:       # after every step's tokens
         if bar:
@@ -298,7 +300,7 @@ def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:
     digest = hashlib.sha256()
     for ids in plan.prompts.ids:
         digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
-    digest.update(plan.prompts.limits(plan.settings.max_new_tokens).tobytes())
+    digest.update(plan.limits.tobytes())
     if plan.prompts.sampling:
         digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
     s = plan.settings
@@ -320,10 +322,6 @@ def _decode(tokenizer, tokens, lengths) -> list[str] | None:
 
 def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:
     t = executor.times
-    # static batching prefills every micro-batch first; continuous batching's refills
-    # interleave with decoding, so its prefill time is the time its prefill steps took
-    prefill = (t.compute[0] + t.wait[0] if isinstance(program, ContinuousProgram)
-               else (program.prefill_done_at or start) - start)
 
     def nbytes(key: str) -> int:
         op = stats.ops.get(key)
@@ -332,7 +330,7 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
     return RankFigures(
         compute_prefill=t.compute[0], compute_decode=t.compute[1],
         wait_prefill=t.wait[0], wait_decode=t.wait[1],
-        prefill_end=prefill, total=finished - start,
+        prefill_end=program.prefill_seconds(t, start), total=finished - start,
         tp_all_reduce_bytes=nbytes("tp.all_reduce"),
         tp_all_gather_bytes=nbytes("tp.all_gather"),
         pp_send_bytes=nbytes("pp.send"),

@@ -58,32 +58,31 @@ class AgreedStop:
         return self.stopped
 
 
-class GenerationProgram:
+class ReplicaProgram:
+    """What both generation programs (static here, continuous in ``generate.continuous``)
+    keep of a replica's rows: results in the replica's row order (``global_rows``: each
+    row's prompt), each row's limit, the stop agreement and the activations in flight."""
+
     def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
-                 eos_ids: tuple[int, ...], pad_id: int, backend,
-                 on_rows: Callable[[int, int], None] | None = None,
-                 limits: np.ndarray | None = None,
-                 stop_requested: Callable[[], bool] | None = None,
-                 sampling: PromptSampling | None = None):
+                 eos_ids: tuple[int, ...], pad_id: int, backend, limits: np.ndarray | None,
+                 on_rows: Callable[[int, int], None] | None,
+                 stop_requested: Callable[[], bool] | None, sampling: PromptSampling | None):
         """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
         job's for every prompt); ``sampling`` likewise (default: the job's settings).
-        ``stop_requested``: polled by the first stage before each
-        forward; once its tp ranks agree on a stop, every micro-batch is retired there (the
-        STOP reaches the other stages with the activations) and only finished rows count.
-        ``on_rows(finished, tokens)`` hears of each step's new tokens and finished rows."""
+        ``stop_requested``: polled by the first stage before each forward; once its tp ranks
+        agree on a stop, every micro-batch is retired there (the STOP reaches the other
+        stages with the activations) and only finished rows count. ``on_rows(finished,
+        tokens)`` hears of each step's new tokens and finished rows."""
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
-        self.caches = [stage.new_cache(mb.size, mb.length + n) for mb in mbs]
-        self.last_index = [self.xp.asarray(mb.lengths - 1) for mb in mbs]  # prefill's last
         self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
-        rows = sum(mb.size for mb in mbs)
+        rows = int(self.offsets[-1])
         self.global_rows = replica_order(mbs)                      # prompt of each row
-        self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens, replica rows
+        self.limit = (limits[self.global_rows] if limits is not None
+                      else np.full(rows, n, dtype=np.int64))       # each row's own limit
+        self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens
         self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
-        self.limit = np.full(rows, n, dtype=np.int64)              # each row's own limit
-        if mbs and limits is not None:
-            self.limit = np.concatenate([limits[mb.rows] for mb in mbs])
         self.done = np.zeros(rows, dtype=bool)
         self.eos = np.asarray(eos_ids if settings.stop_at_eos else (), dtype=np.int64)
         self.pad_id = pad_id
@@ -93,7 +92,31 @@ class GenerationProgram:
         self.on_rows = on_rows
         self.stopping = AgreedStop(stop_requested, stage.tp)
         self.sampling = sampling if sampling is not None else settings.sampling
+
+    def prefill_seconds(self, times, start: float) -> float:
+        """The run's prefill time, for the report (``times``: the executor's)."""
+        raise NotImplementedError
+
+
+class GenerationProgram(ReplicaProgram):
+    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
+                 eos_ids: tuple[int, ...], pad_id: int, backend,
+                 on_rows: Callable[[int, int], None] | None = None,
+                 limits: np.ndarray | None = None,
+                 stop_requested: Callable[[], bool] | None = None,
+                 sampling: PromptSampling | None = None):
+        """Static batching: every row of a micro-batch from its prefill to its longest row's
+        end (``ReplicaProgram`` says what the arguments are)."""
+        super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
+                         stop_requested, sampling)
+        n = settings.max_new_tokens
+        self.caches = [stage.new_cache(mb.size, mb.length + n) for mb in mbs]
+        self.last_index = [self.xp.asarray(mb.lengths - 1) for mb in mbs]  # prefill's last
         self.prefill_done_at: float | None = None
+
+    def prefill_seconds(self, times, start: float) -> float:
+        """Every micro-batch is prefilled first: until the last one's prefill."""
+        return (self.prefill_done_at or start) - start
 
     def _local(self, mb: MicroBatch) -> slice:
         start = int(self.offsets[mb.index])
