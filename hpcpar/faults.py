@@ -9,7 +9,9 @@ world rank 2 fail at decode step 5.
     kind    raise (an exception: the normal error path), exit (the process ends with status
             1 without a word, as a crash would), kill (SIGKILL to itself; for both, the
             rank's keeper, ``supervisor``, names it), hang (SIGSTOP to itself: the other
-            ranks' watchdog, --timeout, must end the job)
+            ranks' watchdog, --timeout, must end the job), slow (a straggler: the rank
+            sleeps ``SLOW_SECONDS`` at this point and at every later point of the phase;
+            the job must finish as without it)
 
 Unset, ``fault_point`` costs one dictionary lookup.
 """
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from .errors import HpcparError
 
 PHASES = ("load", "prefill", "decode", "train")
-KINDS = ("raise", "exit", "kill", "hang")
+KINDS = ("raise", "exit", "kill", "hang", "slow")
+SLOW_SECONDS = 0.1
 
 
 class InjectedFault(RuntimeError):
@@ -44,7 +48,7 @@ def parse(text: str) -> dict:
                 raise ValueError(f"unknown key {key!r}")
     except ValueError as e:
         raise HpcparError(f"HPCPAR_FAULT={text!r}: {e}; expected "
-                          "rank=R,phase=P[,step=S][,kind=raise|exit|kill]") from None
+                          "rank=R,phase=P[,step=S][,kind=raise|exit|kill|hang|slow]") from None
     if "rank" not in spec or spec.get("phase") not in PHASES or spec["kind"] not in KINDS:
         raise HpcparError(f"HPCPAR_FAULT={text!r}: needs rank=R and phase one of "
                           f"{', '.join(PHASES)}; kind is one of {', '.join(KINDS)}")
@@ -74,6 +78,10 @@ def fault_point(phase: str, step: int | None = None) -> None:
         return
     from mpi4py import MPI
     if MPI.COMM_WORLD.Get_rank() != _spec["rank"]:
+        return
+    if _spec["kind"] == "slow":                    # from here on, every point of the phase
+        _spec["step"] = None
+        time.sleep(SLOW_SECONDS)
         return
     kind, _spec = _spec["kind"], None              # fire once
     if kind == "raise":

@@ -28,8 +28,10 @@ import numpy as np
 from .mesh import coords_of
 from .pipeline.schedule import Action, Op
 
-FIELDS = 9      # world rank, op code (-1: none), mb, step, peer (-1), chunk, since (ms), valid,
-                # process id (the report says which rank is stopped or gone)
+FIELDS = 9      # world rank, op code (-1: none), mb, step, peer (-1), chunk, since (ms), state
+                # (1: in an action, WAITING: for the other replicas, else: neither), process
+                # id (the report says which rank is stopped or gone)
+WAITING = 2
 _OPS = list(Op)
 _OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 
@@ -103,6 +105,13 @@ class ActionBoard:
         m[4] = -1 if a.peer is None else a.peer
         m[5], m[6], m[7] = a.chunk, int(time.monotonic() * 1000), 1
 
+    def publish_waiting(self) -> None:
+        """This rank's replica is done with the wave; it waits for the other replicas."""
+        self.mine[6], self.mine[7] = int(time.monotonic() * 1000), WAITING
+
+    def leave_schedule(self) -> None:
+        self.mine[7] = -1
+
     def claim_report(self, settle: float = 0.05) -> bool:
         """Whether this rank prints the hang report: the ranks that time out together each
         write their number, and the last write stands (no atomics needed: after ``settle``
@@ -125,12 +134,17 @@ class ActionBoard:
             c = coords_of(rank, self.layout)
             where = f"rank {rank} (dp {c.dp_rank}, pp {c.pp_rank}, tp {c.tp_rank})"
             where += _process_state(int(row[8]))
+            since = f"for {(now - int(row[6])) / 1000:.1f} s"
+            if row[7] == WAITING:
+                lines.append(f"{where}: done with the wave, waiting for the other replicas "
+                             f"{since}")
+                continue
             if row[7] != 1:
                 lines.append(f"{where}: not in the pipeline schedule (loading or collecting)")
                 continue
             a = Action(_OPS[int(row[1])], int(row[2]), int(row[3]),
                        None if row[4] < 0 else int(row[4]), chunk=int(row[5]))
-            lines.append(f"{where}: at {a} for {(now - int(row[6])) / 1000:.1f} s")
+            lines.append(f"{where}: at {a} {since}")
         return lines
 
     def free(self) -> None:

@@ -138,3 +138,62 @@ def test_a_hang_on_several_nodes_is_reported_by_every_node(work):
     assert {r for part in parts for r in range(4) if f"rank {r} (dp" in part} == {0, 1, 2, 3}
     assert "rank 2 (dp 0, pp 1, tp 0) [stopped]" in proc.stderr
     assert not _survivors("two-nodes.h5") and not (work / "two-nodes.h5").exists()
+
+
+STRAGGLER = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts",
+             "uneven.jsonl", "--max-new-tokens", "40", "--ignore-eos", "--dp", "2", "--pp", "2"]
+
+
+@pytest.fixture(scope="module")
+def uneven(work):
+    """Replica 0's four prompts want 2 new tokens, replica 1's 40: replica 0 is done at once."""
+    import json
+    rng = np.random.default_rng(1)
+    with open(work / "uneven.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"ids": rng.integers(0, 250, 5).tolist(),
+                                "max_new_tokens": 2 if i < 4 else 40}) + "\n")
+    return work
+
+
+def _tokens(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        return f["tokens"][...], f["lengths"][...]
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_replica_that_finishes_long_after_the_other_is_no_hang(uneven, batching):
+    """Replica 1 (its first stage, world rank 2) is a straggler: 0.1 s more per decode step,
+    so it ends about 4 s after replica 0, twice the timeout. Replica 0's ranks wait for it on
+    its heartbeats (passed on by rank 0); the job ends as it would without the straggler."""
+    work, command = uneven, [*STRAGGLER, "--set", f"generate.batching={batching}"]
+    proc, _ = mpirun(4, [*command, "--out", f"even-{batching}.h5"], work, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    os.environ["HPCPAR_FAULT"] = "rank=2,phase=decode,step=1,kind=slow"
+    try:
+        proc, seconds = mpirun(4, [*command, "--timeout", "2", "--out",
+                                   f"straggler-{batching}.h5"], work, timeout=120)
+    finally:
+        del os.environ["HPCPAR_FAULT"]
+    assert proc.returncode == 0, proc.stderr
+    assert seconds > 4                          # the straggler did outlast the timeout
+    expected, got = _tokens(work / f"even-{batching}.h5"), _tokens(work / f"straggler-{batching}.h5")
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
+
+
+def test_a_replica_that_stops_while_the_other_waits_is_reported(uneven):
+    """The heartbeats do not hide a real hang: replica 0 has finished and waits when replica
+    1's first stage stops; the job ends with status 4 and names the stopped rank."""
+    os.environ["HPCPAR_FAULT"] = "rank=2,phase=decode,step=20,kind=hang"
+    try:
+        proc, seconds = mpirun(4, [*STRAGGLER, "--timeout", "3", "--out", "stops.h5"], uneven,
+                               timeout=120)
+    finally:
+        del os.environ["HPCPAR_FAULT"]
+    assert proc.returncode == 4 and seconds < 60, proc.stderr
+    assert proc.stderr.count("gave up while") == 1, proc.stderr
+    assert "rank 2 (dp 1, pp 0, tp 0) [stopped]" in proc.stderr, proc.stderr
+    assert "waiting for every replica to finish the wave" in proc.stderr, proc.stderr
+    assert not _survivors("stops.h5") and not (uneven / "stops.h5").exists()

@@ -267,15 +267,17 @@ class MpiCommunicator(Communicator):
         return Request(lambda: self._complete(req, f"receive from {source}"),
                        lambda: self._finish(host, buf, copy_back=True), (host, buf))
 
-    def probe(self, tag: int, dtype, wait: bool = False) -> tuple[int, int] | None:
+    def probe(self, tag: int, dtype, wait: bool = False,
+              what: str | None = None) -> tuple[int, int] | None:
         """A message with ``tag`` from any rank that has arrived: (source, its length in
         ``dtype`` elements), for a receive of the right size; None if there is none yet.
-        ``wait``: wait for one, within the group's timeout."""
+        ``wait``: wait for one, within the group's timeout (``what`` it is, for the error)."""
         status = MPI.Status()
         ready = lambda: self.mpi_comm.Iprobe(MPI.ANY_SOURCE, tag, status)   # noqa: E731
         if wait:
             if self.timeout > 0:
-                poll_until(ready, self.timeout, f"waiting for a message (tag {tag})" + self._where)
+                what = what or f"a message (tag {tag})"
+                poll_until(ready, self.timeout, f"waiting for {what}" + self._where)
             else:
                 self.mpi_comm.Probe(MPI.ANY_SOURCE, tag, status)
         elif not ready():

@@ -24,7 +24,6 @@ from ..errors import HpcparError
 from ..jobs import Job
 from ..launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
 from ..faults import fault_point
-from ..mesh import MeshCoords, rank_of
 from ..outputs import check_output, claimed
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.schedule import generation
@@ -33,7 +32,7 @@ from .output import PartialOutput, unpad_into
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .program import GenerationProgram, GenerationSettings, any_rank
 from .setup import load_tokenizer, open_stage, resolve_checkpoint
-from .stream import FinishedRows, save_interval
+from .stream import FinishedRows, owners, save_interval
 from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
@@ -154,24 +153,23 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             if rank == 0 and settings.save_logits and out is None:   # no file: held in memory
                 logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size), np.nan,
                                  dtype=np.float32)
-            # finished rows reach the file as they finish; with prompt logits, once those
-            # are written (at the end of a wave, or of a stopped run)
+            # finished rows reach rank 0 and the file as they finish; with prompt logits,
+            # the file once those are written (at the end of a wave, or of a stopped run)
             live = bool(job.output.path) and not settings.save_logits
 
             def received(rows, row_tokens, row_lengths):          # rank 0
                 tokens[rows], lengths[rows], done[rows] = row_tokens, row_lengths, 1
                 if live:
                     out.finish_rows(rows, row_tokens, row_lengths)
-                    if bar:
-                        bar.rows_saved(len(rows))
+                if bar:
+                    bar.rows_saved(len(rows))
 
             totals = None
             micro = 0
             for i, wave in enumerate(todo):
                 figures, micro_w = _run_wave(
                     comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-                    backend, pp, stats, bar, out, logits, board, stop, received,
-                    save_interval() if live else None)
+                    backend, pp, stats, bar, out, logits, board, stop, received)
                 micro = max(micro, micro_w)
                 totals = figures if totals is None else totals.combine(figures)
                 unfinished = 0
@@ -183,8 +181,9 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                         out.finish_rows(rows, tokens[rows], lengths[rows])
                 if bar:
                     bar.wave_done(len(wave) - unfinished)
-                flag = world.all_reduce(np.array([int(stop.requested), unfinished],
-                                                 dtype=np.int64), op="max")
+                with phase("agreeing whether to go on after the wave"):
+                    flag = world.all_reduce(np.array([int(stop.requested), unfinished],
+                                                     dtype=np.int64), op="max")
                 if flag[0] and (flag[1] or i < len(todo) - 1):
                     if bar:
                         bar.close()
@@ -237,12 +236,12 @@ def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
 
 
 def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-              backend, pp, stats, bar, out, logits, board, stop, received, interval):
+              backend, pp, stats, bar, out, logits, board, stop, received):
     """Generate for the prompts of ``wave``; returns this rank's figures and the
-    micro-batches a replica ran. Finished rows go to ``received`` on rank 0 (every
-    ``interval`` seconds, and all by the end; a stop request ends the wave early: the rows
-    not finished by then are not). Prompt logits go micro-batch by micro-batch to the output
-    file, or into ``logits`` (rank 0)."""
+    micro-batches a replica ran, once every replica has finished. Finished rows go to
+    ``received`` on rank 0 (about every second, and all by the end; a stop request ends the
+    wave early: the rows not finished by then are not). Prompt logits go micro-batch by
+    micro-batch to the output file, or into ``logits`` (rank 0)."""
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
     limits, sampling = plan.limits, plan.sampling
@@ -266,8 +265,8 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
                                     stop_requested=lambda: stop.requested, sampling=sampling)
         actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank]
                    if mbs else [])
-    stream = FinishedRows(world, _owners(layout), program, settings.max_new_tokens,
-                          received if world.rank == 0 else None, interval)
+    stream = FinishedRows(world, layout, program, settings.max_new_tokens,
+                          received if world.rank == 0 else None, save_interval())
     executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                 board=board)
     with phase("checking the pipeline schedule"):
@@ -287,9 +286,12 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
             program.finish()
         backend.synchronize()
     finished = perf_counter()
-    with phase("collecting the outputs on rank 0"):
-        figures = _figures(executor, program, stats, stage, backend, start, finished)
+    figures = _figures(executor, program, stats, stage, backend, start, finished)
+    board.publish_waiting()
+    with phase("waiting for every replica to finish the wave"):
         stream.close()
+    board.leave_schedule()
+    with phase("collecting the outputs on rank 0"):
         if settings.save_logits:
             _collect_logits(world, layout, plan.prompts, wave, program, out, logits)
     return figures, len(mbs)
@@ -341,23 +343,18 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         weight_bytes=stage.weight_bytes)
 
 
-def _owners(layout: ParallelConfig) -> list[int]:
-    """The world rank holding each replica's results: its last stage's tp rank 0."""
-    return [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
-
-
 def _collect_logits(world, layout: ParallelConfig, prompts: Prompts, wave: np.ndarray,
                     program, out, logits) -> None:
     """The wave's prompt logits on world rank 0, one micro-batch at a time (to ``out``, or
     into ``logits``), sent by each replica's owner."""
-    owners = _owners(layout)
-    if world.rank in owners and world.rank != 0:
+    holders = owners(layout)
+    if world.rank in holders and world.rank != 0:
         for mb in program.mbs:
             world.send(_prompt_logits(program, mb), 0, TAG_LOGITS)
     if world.rank != 0:
         return
     vocab = program.stage.cfg.vocab_size
-    for d, owner in enumerate(owners):
+    for d, owner in enumerate(holders):
         for mb in micro_batches(prompts.ids, _wave_rows(wave, layout.dp, d),
                                 layout.micro_batches):
             if owner == 0:

@@ -4,8 +4,8 @@ line every ``HPCPAR_PROGRESS_SECONDS`` (default 30; 0: none), so a Slurm log sho
 long job moves without filling up.
 
 Rank 0 is the first stage of replica 0: it sees that replica's tokens as they come back to
-be embedded, and the finished rows of every replica about every second when they go to an
-output file as they finish (``generate.stream``), otherwise when a wave ends. In between,
+be embedded, and the finished rows of every replica about every second (``generate.stream``).
+In between,
 replica 0's rows are counted at the share of the whole they stand for (dp replicas split the
 prompts evenly and run the same model), and the bar shows that or the rows rank 0 holds,
 whichever is ahead, so it never goes back. The token rate is replica 0's, scaled the same
