@@ -2,10 +2,11 @@
 world rank 2 fail at decode step 5.
 
     rank    the world rank that fails (required)
-    phase   load | prefill | decode | train (required); the points the jobs call
+    phase   load | prefill | decode | train | score (required); the points the jobs call
             ``fault_point`` at: before reading the checkpoint, before a wave's prefill, before
-            each decode step, before each training step
-    step    decode step (1-based) or training step; absent: the first time the phase comes
+            each decode step, before each training step, before each scoring micro-batch
+    step    decode step (1-based), training step or scoring micro-batch (1-based); absent:
+            the first time the phase comes
     kind    raise (an exception: the normal error path), exit (the process ends with status
             1 without a word, as a crash would), kill (SIGKILL to itself; for both, the
             rank's keeper, ``supervisor``, names it), hang (SIGSTOP to itself: the other
@@ -24,7 +25,7 @@ import time
 
 from .errors import HpcparError
 
-PHASES = ("load", "prefill", "decode", "train")
+PHASES = ("load", "prefill", "decode", "train", "score")
 KINDS = ("raise", "exit", "kill", "hang", "slow")
 SLOW_SECONDS = 0.1
 

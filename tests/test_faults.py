@@ -195,5 +195,26 @@ def test_a_replica_that_stops_while_the_other_waits_is_reported(uneven):
     assert proc.returncode == 4 and seconds < 60, proc.stderr
     assert proc.stderr.count("gave up while") == 1, proc.stderr
     assert "rank 2 (dp 1, pp 0, tp 0) [stopped]" in proc.stderr, proc.stderr
-    assert "waiting for every replica to finish the wave" in proc.stderr, proc.stderr
+    assert "waiting for every replica to finish" in proc.stderr, proc.stderr
     assert not _survivors("stops.h5") and not (uneven / "stops.h5").exists()
+
+
+def test_a_scoring_replica_that_finishes_long_after_the_other_is_no_hang(work):
+    """Scoring runs one pass, so a straggler's whole lag lands at its end: replica 1's first
+    stage (world rank 2) takes 0.1 s more per micro-batch, 4 s over 40, twice the timeout."""
+    import h5py
+    np.save(work / "score.npy", np.random.default_rng(2).integers(0, 250, (80, 6)))
+    command = ["-m", "hpcpar", "score", "--checkpoint", "model.h5", "--data", "score.npy",
+               "--dp", "2", "--pp", "2", "--micro-batches", "40"]
+    proc, _ = mpirun(4, [*command, "--out", "score-even.h5"], work, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    os.environ["HPCPAR_FAULT"] = "rank=2,phase=score,step=1,kind=slow"
+    try:
+        proc, seconds = mpirun(4, [*command, "--timeout", "2", "--out", "score-straggler.h5"],
+                               work, timeout=120)
+    finally:
+        del os.environ["HPCPAR_FAULT"]
+    assert proc.returncode == 0, proc.stderr
+    assert seconds > 4
+    with h5py.File(work / "score-even.h5") as even, h5py.File(work / "score-straggler.h5") as f:
+        np.testing.assert_array_equal(f["token_logprobs"][...], even["token_logprobs"][...])

@@ -196,13 +196,12 @@ def test_a_finished_rows_message_unpacks_to_what_was_packed():
     rng = np.random.default_rng(0)
     prompts, lengths = np.array([7, 2, 11]), np.array([5, 1, 3])
     tokens = rng.integers(0, 1000, (3, 5))
-    final, p, t, n = unpack(pack(True, prompts, tokens, lengths), 5)
-    assert final is True
+    p, t, n = unpack(pack(prompts, tokens, lengths), 5)
     np.testing.assert_array_equal(p, prompts)
     np.testing.assert_array_equal(t, tokens)
     np.testing.assert_array_equal(n, lengths)
-    final, p, t, n = unpack(pack(False, prompts[:0], tokens[:0], lengths[:0]), 5)
-    assert final is False and len(p) == len(n) == 0 and t.shape == (0, 5)
+    p, t, n = unpack(pack(prompts[:0], tokens[:0], lengths[:0]), 5)
+    assert len(p) == len(n) == 0 and t.shape == (0, 5)
 
 
 def test_progress_counts_prompts_and_logs_a_line_per_interval():

@@ -25,6 +25,7 @@ from ..jobs import Job
 from ..launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
 from ..faults import fault_point
 from ..outputs import check_output, claimed
+from ..replicas import owners
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.schedule import generation
 from .batching import micro_batches, replica_rows
@@ -32,7 +33,7 @@ from .output import PartialOutput, unpad_into
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .program import GenerationProgram, GenerationSettings, any_rank
 from .setup import load_tokenizer, open_stage, resolve_checkpoint
-from .stream import FinishedRows, owners, save_interval
+from .stream import FinishedRows, save_interval
 from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
@@ -265,7 +266,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
                                     stop_requested=lambda: stop.requested, sampling=sampling)
         actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank]
                    if mbs else [])
-    stream = FinishedRows(world, layout, program, settings.max_new_tokens,
+    stream = FinishedRows(world, layout, board, program, settings.max_new_tokens,
                           received if world.rank == 0 else None, save_interval())
     executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                 board=board)
@@ -287,10 +288,7 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
         backend.synchronize()
     finished = perf_counter()
     figures = _figures(executor, program, stats, stage, backend, start, finished)
-    board.publish_waiting()
-    with phase("waiting for every replica to finish the wave"):
-        stream.close()
-    board.leave_schedule()
+    stream.close()
     with phase("collecting the outputs on rank 0"):
         if settings.save_logits:
             _collect_logits(world, layout, plan.prompts, wave, program, out, logits)

@@ -31,10 +31,11 @@ from ..generate.batching import micro_batches, replica_rows
 from ..generate.setup import load_tokenizer, open_stage, resolve_checkpoint
 from ..jobs import Job
 from ..launch import everyone, phase, set_timeout
-from ..mesh import Mesh, MeshCoords, rank_of
+from ..mesh import Mesh
 from ..outputs import check_output, claimed
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.schedule import generation
+from ..replicas import ReplicaChannel, owners
 from .data import ScoreData, check_score_data, load_score_data
 from .program import ScoringProgram
 
@@ -99,7 +100,8 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
 
         rows = replica_rows(len(plan.data), layout.dp, mesh.dp_rank)
         mbs = micro_batches(plan.data.ids, rows, _micro_batch_count(plan.data, layout))
-        program = ScoringProgram(stage, mbs, backend)
+        channel = ReplicaChannel(world, layout, board)     # replicas may end minutes apart
+        program = ScoringProgram(stage, mbs, backend, after_batch=channel.pump)
         actions = generation(layout.pp, len(mbs), 1)[mesh.pp_rank] if mbs else []
         executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                     board=board)
@@ -110,7 +112,9 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
         with phase("scoring"):
             executor.run(actions)
             backend.synchronize()
-        seconds = world.all_reduce(np.array([perf_counter() - start]), op="max")[0]
+        elapsed = perf_counter() - start
+        channel.close()
+        seconds = world.all_reduce(np.array([elapsed]), op="max")[0]
 
         with phase("collecting the log-probabilities on rank 0"):
             logprobs = _collect(world, mesh, layout, len(plan.data), program)
@@ -147,13 +151,13 @@ def _collect(world, mesh: Mesh, layout: ParallelConfig, count: int,
              program: ScoringProgram) -> np.ndarray | None:
     """Every row's log-probabilities (valid-first, width the longest row's) on world rank 0,
     in input order: each replica's last stage, tp rank 0, holds its block."""
-    owners = [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
+    holders = owners(layout)
     sizes = [0] * world.size
-    for d, owner in enumerate(owners):
+    for d, owner in enumerate(holders):
         sizes[owner] = len(replica_rows(count, layout.dp, d))
     width = world.all_reduce(np.array([program.logprobs.shape[1]]), op="max")[0]
     mine = np.full((sizes[world.rank], int(width)), np.nan, dtype=np.float32)
-    if world.rank == owners[mesh.dp_rank]:
+    if world.rank == holders[mesh.dp_rank]:
         mine[:, :program.logprobs.shape[1]] = program.logprobs
     return world.gather(mine, root=0, sizes=sizes)
 

@@ -9,8 +9,11 @@ the sums over tp), the target's logit taken where it lives.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
+from ..faults import fault_point
 from ..generate.batching import MicroBatch
 from ..model import LlamaStage
 from ..model.parallel_layers import VocabParallelCrossEntropy
@@ -23,8 +26,11 @@ LOGITS_BLOCK_BYTES = 256 << 20
 
 
 class ScoringProgram:
-    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], backend):
+    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], backend,
+                 after_batch: Callable[[], None] | None = None):
+        """``after_batch()``: called after each micro-batch's forward."""
         self.stage, self.mbs, self.backend, self.xp = stage, mbs, backend, backend.xp
+        self.after_batch = after_batch
         self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
         width = max((mb.length for mb in mbs), default=0)
         # this replica's rows, each from its first token: column t holds log p(ids[t] | ...)
@@ -50,6 +56,7 @@ class ScoringProgram:
         return self.outputs.pop(a.mb)
 
     def compute(self, a: Action) -> None:
+        fault_point("score", a.mb + 1)
         stage, batch, xp = self.stage, self.mbs[a.mb], self.xp
         x = stage.embed(xp.asarray(batch.ids)) if stage.first else self.inputs.pop(a.mb)
         rows = AttentionRows.build(xp, batch.lengths, batch.lengths, from_start=True)
@@ -58,6 +65,8 @@ class ScoringProgram:
             self._score(batch, stage.final_hidden(y))
         else:
             self.outputs[a.mb] = y
+        if self.after_batch is not None:
+            self.after_batch()
 
     # ---- the last stage ---------------------------------------------------------------------
 
