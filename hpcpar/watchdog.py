@@ -29,9 +29,9 @@ from .mesh import coords_of
 from .pipeline.schedule import Action, Op
 
 FIELDS = 9      # world rank, op code (-1: none), mb, step, peer (-1), chunk, since (ms), state
-                # (1: in an action, WAITING: for the other replicas, else: neither), process
-                # id (the report says which rank is stopped or gone)
-WAITING = 2
+                # (IN_ACTION, WAITING: for the other replicas, else: neither), process id
+                # (the report says which rank is stopped or gone)
+IN_ACTION, WAITING = 1, 2
 _OPS = list(Op)
 _OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 
@@ -103,10 +103,10 @@ class ActionBoard:
         m = self.mine
         m[1], m[2], m[3] = _OP_INDEX[a.op], a.mb, a.step
         m[4] = -1 if a.peer is None else a.peer
-        m[5], m[6], m[7] = a.chunk, int(time.monotonic() * 1000), 1
+        m[5], m[6], m[7] = a.chunk, int(time.monotonic() * 1000), IN_ACTION
 
     def publish_waiting(self) -> None:
-        """This rank's replica is done with the wave; it waits for the other replicas."""
+        """This rank's replica is done with its rows; it waits for the other replicas."""
         self.mine[6], self.mine[7] = int(time.monotonic() * 1000), WAITING
 
     def leave_schedule(self) -> None:
@@ -136,10 +136,9 @@ class ActionBoard:
             where += _process_state(int(row[8]))
             since = f"for {(now - int(row[6])) / 1000:.1f} s"
             if row[7] == WAITING:
-                lines.append(f"{where}: done with the wave, waiting for the other replicas "
-                             f"{since}")
+                lines.append(f"{where}: done, waiting for the other replicas {since}")
                 continue
-            if row[7] != 1:
+            if row[7] != IN_ACTION:
                 lines.append(f"{where}: not in the pipeline schedule (loading or collecting)")
                 continue
             a = Action(_OPS[int(row[1])], int(row[2]), int(row[3]),

@@ -178,7 +178,8 @@ def test_a_replica_that_finishes_long_after_the_other_is_no_hang(uneven, batchin
         del os.environ["HPCPAR_FAULT"]
     assert proc.returncode == 0, proc.stderr
     assert seconds > 4                          # the straggler did outlast the timeout
-    expected, got = _tokens(work / f"even-{batching}.h5"), _tokens(work / f"straggler-{batching}.h5")
+    expected = _tokens(work / f"even-{batching}.h5")
+    got = _tokens(work / f"straggler-{batching}.h5")
     np.testing.assert_array_equal(got[0], expected[0])
     np.testing.assert_array_equal(got[1], expected[1])
 

@@ -9,6 +9,7 @@ back to the first, which embeds them for the next step.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Callable
@@ -58,7 +59,7 @@ class AgreedStop:
         return self.stopped
 
 
-class ReplicaProgram:
+class ReplicaProgram(ABC):
     """What both generation programs (static here, continuous in ``generate.continuous``)
     keep of a replica's rows: results in the replica's row order (``global_rows``: each
     row's prompt), each row's limit, the stop agreement and the activations in flight."""
@@ -93,9 +94,9 @@ class ReplicaProgram:
         self.stopping = AgreedStop(stop_requested, stage.tp)
         self.sampling = sampling if sampling is not None else settings.sampling
 
+    @abstractmethod
     def prefill_seconds(self, times, start: float) -> float:
         """The run's prefill time, for the report (``times``: the executor's)."""
-        raise NotImplementedError
 
 
 class GenerationProgram(ReplicaProgram):

@@ -5,11 +5,10 @@ long job moves without filling up.
 
 Rank 0 is the first stage of replica 0: it sees that replica's tokens as they come back to
 be embedded, and the finished rows of every replica about every second (``generate.stream``).
-In between,
-replica 0's rows are counted at the share of the whole they stand for (dp replicas split the
-prompts evenly and run the same model), and the bar shows that or the rows rank 0 holds,
-whichever is ahead, so it never goes back. The token rate is replica 0's, scaled the same
-way."""
+In between, replica 0's rows are counted at the share of the whole they stand for (dp
+replicas split the prompts evenly and run the same model), and the bar shows that or the
+rows rank 0 holds, whichever is ahead, so it never goes back. The token rate is replica
+0's, scaled the same way."""
 
 from __future__ import annotations
 

@@ -4,4 +4,5 @@ from .kv_cache import CacheRows, KVCache, kv_cache_bytes
 from .llama import LlamaStage
 from .rope import RotaryEmbedding, inverse_frequencies
 
-__all__ = ["CacheRows", "KVCache", "LlamaStage", "RotaryEmbedding", "inverse_frequencies", "kv_cache_bytes"]
+__all__ = ["CacheRows", "KVCache", "LlamaStage", "RotaryEmbedding", "inverse_frequencies",
+           "kv_cache_bytes"]
