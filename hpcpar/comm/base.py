@@ -136,18 +136,74 @@ class Communicator(ABC):
                       list(sizes))
         return self._place(gathered, axis, out)
 
-    def reduce_scatter(self, x, axis: int = 0, out=None):
-        """Sum ``x`` over the group and keep this rank's block along ``axis`` (blocks split
-        like ``numpy.array_split``); returns a new array, or fills ``out``."""
+    def reduce_scatter(self, x, axis: int = 0, out=None, sizes: Sequence[int] | None = None):
+        """Sum ``x`` over the group and keep this rank's block along ``axis``: blocks of
+        ``sizes`` (every rank's length), by default split like ``numpy.array_split``;
+        returns a new array, or fills ``out``."""
         axis = _normalize_axis(axis, x.ndim)
         front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n, *rest)
-        sizes = split_sizes(front.shape[0], self.size)
+        if sizes is None:
+            sizes = split_sizes(front.shape[0], self.size)
+        elif len(sizes) != self.size or sum(sizes) != front.shape[0]:
+            raise HpcparError(f"reduce_scatter on {self.name}: sizes {list(sizes)} do not cut "
+                              f"a length of {front.shape[0]} into {self.size} blocks")
+        sizes = [int(s) for s in sizes]
         block = self._result_buffer(out, axis, (sizes[self.rank],) + front.shape[1:], x.dtype)
         if self.size == 1:
             block[...] = front
         else:
             self._run("reduce_scatter", front.nbytes, self._reduce_scatter, front, block, sizes)
         return self._place(block, axis, out)
+
+    def all_to_all(self, x, split_axis: int, concat_axis: int,
+                   split_sizes: Sequence[int] | None = None,
+                   concat_sizes: Sequence[int] | None = None):
+        """Cut ``x`` along ``split_axis`` into one block per rank (``split_sizes``, default
+        even), send block j to rank j, and concatenate what every rank sent this one along
+        ``concat_axis`` in rank order (rank j's block is ``concat_sizes[j]`` long there,
+        default this rank's own length). Redistributes an array sharded along
+        ``concat_axis`` into one sharded along ``split_axis``; returns a new array."""
+        split_axis = _normalize_axis(split_axis, x.ndim)
+        concat_axis = _normalize_axis(concat_axis, x.ndim)
+        if split_axis == concat_axis:
+            raise HpcparError("all_to_all: split_axis and concat_axis must differ")
+        n_split = x.shape[split_axis]
+        cut = [int(s) for s in split_sizes] if split_sizes is not None else None
+        if cut is None:
+            if n_split % self.size:
+                raise HpcparError(f"all_to_all on {self.name}: length {n_split} along axis "
+                                  f"{split_axis} does not split over {self.size} ranks; pass "
+                                  f"split_sizes")
+            cut = [n_split // self.size] * self.size
+        theirs = ([int(s) for s in concat_sizes] if concat_sizes is not None
+                  else [x.shape[concat_axis]] * self.size)
+        if len(cut) != self.size or sum(cut) != n_split or len(theirs) != self.size \
+                or theirs[self.rank] != x.shape[concat_axis]:
+            raise HpcparError(f"all_to_all on {self.name}: split_sizes {cut} / concat_sizes "
+                              f"{theirs} do not fit {self.size} ranks and local shape "
+                              f"{tuple(x.shape)}")
+        front = self.xp.ascontiguousarray(_to_front(x, split_axis))   # (n_split, *rest)
+        rest = front.shape[1:]
+        c = concat_axis + 1 if concat_axis < split_axis else concat_axis   # in front's axes
+        other = math.prod(rest[:c - 1] + rest[c:])      # elements per step along concat
+        mine = cut[self.rank]
+        # what arrives from rank j: (mine, *rest) with theirs[j] along the concat axis
+        recv_counts = [mine * other * t for t in theirs]
+        send_counts = [n * math.prod(rest) for n in cut]
+        recv = self.xp.empty(sum(recv_counts), dtype=x.dtype)
+        if self.size == 1:
+            recv[...] = front.reshape(-1)
+        else:
+            self._run("all_to_all", recv.nbytes + front.nbytes, self._all_to_all,
+                      front.reshape(-1), send_counts, recv, recv_counts)
+        blocks, offset = [], 0
+        for t, count in zip(theirs, recv_counts):
+            shape = list((mine,) + rest)
+            shape[c] = t
+            blocks.append(recv[offset:offset + count].reshape(shape))
+            offset += count
+        joined = self.xp.concatenate(blocks, axis=c)                   # (mine, *rest')
+        return self.xp.ascontiguousarray(_from_front(joined, split_axis))
 
     def _result_buffer(self, out, axis: int, front_shape: tuple, dtype):
         """Where a gather / scatter lands, axis first: ``out`` itself when it can be."""
@@ -337,6 +393,12 @@ class Communicator(ABC):
 
     @abstractmethod
     def _broadcast(self, buf, root: int) -> None: ...
+
+    @abstractmethod
+    def _all_to_all(self, send, send_counts: list[int], recv,
+                    recv_counts: list[int]) -> None:
+        """Flat buffers: block j of ``send`` (``send_counts[j]`` elements, in order) to rank
+        j; block j of ``recv`` from rank j."""
 
     @abstractmethod
     def _isend(self, buf, dest: int, tag: int) -> Request: ...

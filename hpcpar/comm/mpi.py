@@ -240,6 +240,14 @@ class MpiCommunicator(Communicator):
             self._finish(hsend, send, copy_back=False)
         self._finish(hrecv, recv, copy_back=True)
 
+    def _all_to_all(self, send, send_counts, recv, recv_counts) -> None:
+        hsend, hrecv = self._stage_in(send), self._stage_out(recv)
+        req = self.mpi_comm.Ialltoallv(self._msg(hsend, send_counts, _offsets(send_counts)),
+                                       self._msg(hrecv, recv_counts, _offsets(recv_counts)))
+        self._complete(req, "all_to_all")
+        self._finish(hsend, send, copy_back=False)
+        self._finish(hrecv, recv, copy_back=True)
+
     def _reduce(self, buf, root, op) -> None:
         host = self._stage_in(buf)
         mpi_op = _reduce_op(buf.dtype, op)
@@ -307,6 +315,10 @@ def _reduce_op(dtype, op: str) -> MPI.Op:
     if _types(np.dtype(dtype))[2] != np.dtype(dtype):   # 16-bit floats sent as raw words
         raise CommError(f"all_reduce op {op!r} is not available for {dtype}; reduce in float32")
     return MPI.MAX
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    return [sum(counts[:j]) for j in range(len(counts))]
 
 
 def _counts_and_displs(sizes, block) -> tuple[list[int], list[int]]:

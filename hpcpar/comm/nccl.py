@@ -167,6 +167,15 @@ class NcclCommunicator(Communicator):
             self._comm.recv(recv.data.ptr, recv.size, self._t(recv), root, self._stream())
         self._lib.groupEnd()
 
+    def _all_to_all(self, send, send_counts, recv, recv_counts) -> None:
+        # NCCL has no all-to-all of uneven blocks: grouped point-to-point, as its examples do
+        self._lib.groupStart()
+        for r, part in _pieces(send, send_counts):
+            self._comm.send(part.data.ptr, part.size, self._t(part), r, self._stream())
+        for r, part in _pieces(recv, recv_counts):
+            self._comm.recv(part.data.ptr, part.size, self._t(part), r, self._stream())
+        self._lib.groupEnd()
+
     def _reduce(self, buf, root, op) -> None:
         ptr = buf.data.ptr
         self._comm.reduce(ptr, ptr, buf.size, self._t(buf), self._op(op), root, self._stream())

@@ -1,0 +1,285 @@
+"""Sharded matrix products Y = A B, A (m, k) and B (k, n), under named policies.
+
+Each policy is a few lines of local math plus named collectives; every collective is a
+``redistribute`` step, so the communication of a policy is exactly the redistribution of its
+operands into the placements it computes on, and of its result out of them. Along one mesh
+axis of p ranks (``axis``):
+
+    duplicated     A, B replicated. Y = A B on every rank. No communication.
+    inner          A sharded along k (Shard(1)), B along k (Shard(0)) with the same cuts:
+                   Y_i = A_i B_i is a pending sum (Partial), AllReduce -> Y.
+                   (``out=Shard(0)``: ReduceScatter instead; ``out=Partial()``: none.)
+    inner_gather   A sharded along k, B not cut the same way (replicated, or other cuts):
+                   AllGather A (and B) along k first, then Y = A B. No reduction.
+    outer          A sharded along m (Shard(0)), B along k (Shard(0)): AllGather B, then
+                   Y_i = A_i B is sharded by rows, AllGather Y -> Y. (``out=Shard(0)``: one.)
+    full           two mesh axes (r, c), m, k and n all sharded: A {r: Shard(0), c: Shard(1)},
+                   B {r: Shard(0), c: Shard(1)}. AllGather A along c (A_i: (m_i, k)),
+                   AllGather B along r (B_j: (k, n_j)), Y_ij = A_i B_j: Y {r: Shard(0),
+                   c: Shard(1)} - each rank a block of Y (SUMMA in one round).
+    local          placements that already fit without communication on every axis: rows of
+                   A (Y by rows), columns of B (Y by columns), a matched inner dimension
+                   left Partial, replicas.
+
+Backward, the same rules read backwards: dA = dY B^T and dB = A^T dY on the local pieces,
+placed by the rule of each axis (a sharded inner dimension gives dA, dB sharded like A, B;
+rows of A give dB as a Partial sum), then redistributed to the operands' own placements (a
+Partial sum becomes a ReduceScatter or AllReduce). The gradient of an operand comes back in
+that operand's placement, except that the gradient of a Partial operand is Replicate (every
+addend gets the whole gradient).
+
+16-bit operands are multiplied in float32 and rounded once, as GPU GEMMs accumulate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import HpcparError
+from .darray import DArray, normalize_placements
+from .placement import Partial, Placement, Replicate, Shard
+
+POLICIES = ("duplicated", "inner", "inner_gather", "outer", "full", "local")
+R, P = Replicate(), Partial()
+
+
+class PolicyError(HpcparError):
+    """Operands whose placements fit no policy, or a policy that cannot run on them."""
+
+
+@dataclass(frozen=True)
+class MatmulCtx:
+    """What the backward needs: the operands as multiplied, and the placements involved."""
+
+    a: DArray                      # A as the local product read it
+    b: DArray
+    a_placements: tuple            # A's and B's own placements (the gradients' placements)
+    b_placements: tuple
+    y_placements: tuple            # Y as the local product made it
+    policy: str
+
+
+def _is(p, dim: int) -> bool:
+    return isinstance(p, Shard) and p.dim == dim
+
+
+def _partitions(p: Shard, length: int, parts: int) -> bool:
+    return p.partitions(length, parts)
+
+
+def axis_rule(pa: Placement, pb: Placement, k: int, parts: int):
+    """(Y, dA, dB) placements along one axis for the local product of pieces placed
+    (pa, pb), or None when that pair needs communication first."""
+    if pa == R and pb == R:
+        return R, R, R
+    if _is(pa, 0) and pb == R:
+        return Shard(0, pa.sizes, pa.unit), pa, P
+    if pa == R and _is(pb, 1):
+        return Shard(1, pb.sizes, pb.unit), P, pb
+    if _is(pa, 1) and _is(pb, 0) and pa.bounds(k, parts) == pb.bounds(k, parts) \
+            and _partitions(pa, k, parts):
+        return P, pa, pb
+    if pa == P and pb == R:
+        return P, R, P
+    if pa == R and pb == P:
+        return P, P, R
+    return None
+
+
+def _rules(a_pl, b_pl, k: int, sizes) -> list | None:
+    rules = [axis_rule(pa, pb, k, n) for pa, pb, n in zip(a_pl, b_pl, sizes)]
+    return None if any(r is None for r in rules) else rules
+
+
+def _unit_free(p) -> bool:
+    """A partition shard usable by the local rules (replicated units sum twice)."""
+    return not isinstance(p, Shard) or p.unit == 1
+
+
+def choose(a: DArray, b: DArray) -> tuple[str, tuple[int, ...]]:
+    """The policy the operands' placements ask for, and the mesh axes it acts on."""
+    mesh, k = a.mesh, a.shape[1]
+    if _rules(a.placements, b.placements, k, mesh.sizes) is not None \
+            and all(map(_unit_free, a.placements + b.placements)):
+        pairs = list(zip(a.placements, b.placements))
+        if all(pa == R and pb == R for pa, pb in pairs):
+            return "duplicated", ()
+        inner = tuple(i for i, (pa, pb) in enumerate(pairs) if _is(pa, 1) and _is(pb, 0))
+        return ("inner", inner) if inner else ("local", ())
+    busy = [i for i, (pa, pb) in enumerate(zip(a.placements, b.placements))
+            if axis_rule(pa, pb, k, mesh.sizes[i]) is None]
+    if len(busy) == 2:
+        r, c = busy
+        if _is(a.placements[r], 0) and _is(a.placements[c], 1) \
+                and _is(b.placements[r], 0) and _is(b.placements[c], 1):
+            return "full", (r, c)
+    if len(busy) == 1:
+        i = busy[0]
+        pa, pb = a.placements[i], b.placements[i]
+        if _is(pa, 1):
+            return "inner_gather", (i,)
+        if _is(pa, 0) and _is(pb, 0):
+            return "outer", (i,)
+    raise PolicyError(
+        f"matmul: A {a.placement_text()} and B {b.placement_text()} fit none of the policies "
+        f"({', '.join(POLICIES)}); pass policy= (the operands are then redistributed to it) "
+        f"or redistribute an operand first")
+
+
+def _axes_for(policy: str, a: DArray, b: DArray, axis) -> tuple[int, ...]:
+    mesh = a.mesh
+    if axis is not None:
+        names = (axis,) if isinstance(axis, str) else tuple(axis)
+        return tuple(mesh.axis_index(n) for n in names)
+    if policy in ("duplicated", "local"):
+        return ()
+    want = 2 if policy == "full" else 1
+    if len(mesh.sizes) == want:
+        return tuple(range(want))
+    sharded = [i for i in range(len(mesh.sizes))
+               if isinstance(a.placements[i], Shard) or isinstance(b.placements[i], Shard)]
+    if len(sharded) == want:
+        return tuple(sharded)
+    raise PolicyError(f"matmul policy {policy!r} on a mesh of axes {list(mesh.axis_names)}: "
+                      f"say which axis it acts on (axis=)")
+
+
+def _inputs(policy: str, a: DArray, b: DArray, axes: tuple[int, ...]):
+    """The placements A and B are multiplied in under ``policy``."""
+    mesh, k = a.mesh, a.shape[1]
+    a_in, b_in = list(a.placements), list(b.placements)
+    for i in range(len(mesh.sizes)):          # axes the policy leaves alone: as they are if
+        if i in axes:                         # the local rules take them, else replicated
+            continue
+        if axis_rule(a_in[i], b_in[i], k, mesh.sizes[i]) is None or not (
+                _unit_free(a_in[i]) and _unit_free(b_in[i])):
+            a_in[i], b_in[i] = R, R
+    if policy == "full":
+        if len(axes) != 2:
+            raise PolicyError("matmul policy 'full' acts on two mesh axes (axis=(rows, cols))")
+        r, c = axes
+        a_in[r], a_in[c] = _shard_like(a.placements[r], 0), R    # AllGather A along c
+        b_in[r], b_in[c] = R, _shard_like(b.placements[c], 1)    # AllGather B along r
+        return a_in, b_in
+    if len(axes) != (0 if policy in ("duplicated", "local") else 1) and policy != "local":
+        raise PolicyError(f"matmul policy {policy!r} acts on one mesh axis, got {len(axes)}")
+    for i in axes:
+        pa, pb = a.placements[i], b.placements[i]
+        if policy == "duplicated":
+            a_in[i], b_in[i] = R, R
+        elif policy == "inner":
+            cut = pa if _is(pa, 1) and _unit_free(pa) else (
+                Shard(1, pb.sizes) if _is(pb, 0) and _unit_free(pb) else Shard(1))
+            a_in[i], b_in[i] = cut, Shard(0, cut.sizes)
+        elif policy == "inner_gather":
+            a_in[i] = R
+            b_in[i] = pb if _is(pb, 1) and _unit_free(pb) else R
+        elif policy == "outer":
+            a_in[i], b_in[i] = _shard_like(pa, 0), R
+    if policy == "duplicated":
+        a_in, b_in = [R] * len(mesh.sizes), [R] * len(mesh.sizes)
+    return a_in, b_in
+
+
+def _shard_like(p, dim: int) -> Shard:
+    return p if _is(p, dim) and _unit_free(p) else Shard(dim)
+
+
+def _default_out(policy: str, y_pl: list) -> list:
+    if policy in ("inner", "inner_gather", "outer", "duplicated"):
+        return [R] * len(y_pl)
+    return y_pl
+
+
+def local_product(xp, a, b):
+    """A B of local arrays; 16-bit floats multiplied in float32, rounded once."""
+    if a.dtype.itemsize < 4 and a.dtype.kind == "f" or a.dtype.kind == "V":
+        return xp.matmul(a.astype(xp.float32), b.astype(xp.float32)).astype(a.dtype)
+    return xp.matmul(a, b)
+
+
+def _check(a: DArray, b: DArray) -> None:
+    if a.mesh is not b.mesh:
+        raise PolicyError("matmul: A and B live on different meshes; build both on one Mesh")
+    if a.ndim != 2 or b.ndim != 2:
+        raise PolicyError(f"matmul takes 2-D operands, got A {a.shape} and B {b.shape}; "
+                          f"reshape to (rows, k) first")
+    if a.shape[1] != b.shape[0]:
+        raise PolicyError(f"matmul: A {a.shape} and B {b.shape} do not share the inner "
+                          f"dimension ({a.shape[1]} != {b.shape[0]})")
+    if a.dtype != b.dtype:
+        raise PolicyError(f"matmul: A is {a.dtype} and B is {b.dtype}; cast one first")
+
+
+def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
+                   out=None) -> tuple[DArray, MatmulCtx]:
+    """Y = A B under ``policy`` (default: the one the placements ask for, ``choose``),
+    placed as ``out`` (default: the policy's), and the ctx ``matmul_backward`` needs."""
+    _check(a, b)
+    mesh = a.mesh
+    if policy is None:
+        policy, axes = choose(a, b)
+        if axis is not None:
+            axes = _axes_for(policy, a, b, axis)
+    else:
+        if policy not in POLICIES:
+            raise PolicyError(f"matmul policy {policy!r} is not one of {', '.join(POLICIES)}")
+        axes = _axes_for(policy, a, b, axis)
+    a_in, b_in = _inputs(policy, a, b, axes)
+    rules = _rules(a_in, b_in, a.shape[1], mesh.sizes)
+    if rules is None:
+        raise PolicyError(f"matmul policy {policy!r} cannot multiply A {a.placement_text()} "
+                          f"by B {b.placement_text()}")
+    a2, b2 = a.redistribute(a_in), b.redistribute(b_in)
+    y_pl = [r[0] for r in rules]
+    y = DArray(local_product(mesh.backend.xp, a2.local, b2.local), (a.shape[0], b.shape[1]),
+               mesh, y_pl)
+    want = _default_out(policy, y_pl) if out is None else normalize_placements(mesh, out, 2)
+    ctx = MatmulCtx(a2, b2, a.placements, b.placements, tuple(y_pl), policy)
+    return y.redistribute(want), ctx
+
+
+def matmul(a: DArray, b: DArray, policy: str | None = None, axis=None, out=None) -> DArray:
+    """Y = A B (see the module docstring for the policies); forward only."""
+    return matmul_forward(a, b, policy, axis, out)[0]
+
+
+def gradient_placements(placements: Sequence[Placement]) -> list[Placement]:
+    """Where the gradient of an array placed so lives: the same, a Partial sum's is whole."""
+    return [R if isinstance(p, Partial) else p for p in placements]
+
+
+def matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements=None,
+                    db_placements=None) -> tuple[DArray, DArray]:
+    """(dA, dB) from dY (any placement): dA = dY B^T, dB = A^T dY, each in its operand's
+    placement (``gradient_placements``) unless ``da_placements`` / ``db_placements`` say
+    otherwise."""
+    mesh, xp = ctx.a.mesh, ctx.a.mesh.backend.xp
+    a, b = ctx.a, ctx.b
+    dy = dy.redistribute(gradient_placements(ctx.y_placements))
+    rules = _rules(a.placements, b.placements, a.shape[1], mesh.sizes)
+    da = DArray(local_product(xp, dy.local, b.local.T), a.shape, mesh, [r[1] for r in rules])
+    db = DArray(local_product(xp, a.local.T, dy.local), b.shape, mesh, [r[2] for r in rules])
+    return (da.redistribute(da_placements or gradient_placements(ctx.a_placements)),
+            db.redistribute(db_placements or gradient_placements(ctx.b_placements)))
+
+
+def communication(a: DArray, b: DArray, policy: str | None = None, axis=None,
+                  out=None) -> list[str]:
+    """The collectives ``matmul`` would run, as text (pure: nothing is sent)."""
+    from .redistribute import COMMUNICATING, plan
+    _check(a, b)
+    mesh = a.mesh
+    name, axes = choose(a, b) if policy is None else (policy, _axes_for(policy, a, b, axis))
+    a_in, b_in = _inputs(name, a, b, axes)
+    rules = _rules(a_in, b_in, a.shape[1], mesh.sizes)
+    if rules is None:
+        raise PolicyError(f"matmul policy {name!r} cannot multiply these placements")
+    y_pl = [r[0] for r in rules]
+    want = _default_out(name, y_pl) if out is None else normalize_placements(mesh, out, 2)
+    steps = [("A", plan(a.shape, mesh.sizes, a.placements, a_in)),
+             ("B", plan(b.shape, mesh.sizes, b.placements, b_in)),
+             ("Y", plan((a.shape[0], b.shape[1]), mesh.sizes, y_pl, want))]
+    return [f"{what}: {s.text(mesh.axis_names)}" for what, part in steps for s in part
+            if s.op in COMMUNICATING]

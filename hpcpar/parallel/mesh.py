@@ -1,0 +1,196 @@
+"""A mesh of named axes over a communicator: coordinates, rank lookup, a group per axis.
+
+The ranks of a communicator laid out row-major over axes of given sizes, the last axis
+varying fastest. 8 ranks as ``Mesh(comm, {"dp": 2, "pp": 2, "tp": 2})``:
+
+    rank   0  1  2  3  4  5  6  7
+    dp     0  0  0  0  1  1  1  1
+    pp     0  0  1  1  0  0  1  1
+    tp     0  1  0  1  0  1  0  1
+
+    group("tp")         [0,1] [2,3] [4,5] [6,7]      (ranks that differ only in tp)
+    group("dp")         [0,4] [1,5] [2,6] [3,7]
+    group(("pp","tp"))  [0,1,2,3] [4,5,6,7]          (a group over a set of axes)
+
+The coordinate math is pure (``mesh_coords``, ``mesh_rank``, ``group_members``); ``Mesh``
+builds the communicators once, from a Cartesian topology, and hands them out explicitly.
+A group is a ``Communicator``: NumPy or CuPy arrays, MPI (CUDA-aware or staged) or NCCL,
+every wait bounded by the mesh's timeout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+from ..backend import NUMPY, ArrayBackend
+from ..comm import Communicator, CommStats, create_communicator
+from ..errors import HpcparError
+
+Axes = str | Sequence[str]
+
+
+class MeshError(HpcparError):
+    """A mesh whose axes do not fit the communicator, or an axis it does not have."""
+
+
+def resolve_shape(shape: Mapping[str, int], world_size: int) -> dict[str, int]:
+    """Axis sizes with at most one -1 inferred; the product must be the world size."""
+    sizes = {str(k): int(v) for k, v in shape.items()}
+    if not sizes:
+        raise MeshError("a mesh needs at least one axis, e.g. {'x': world_size}")
+    unknown = [k for k, v in sizes.items() if v == -1]
+    if len(unknown) > 1 or any(v < 1 and v != -1 for v in sizes.values()):
+        raise MeshError(f"mesh axes {sizes}: sizes must be >= 1, with at most one -1 to infer")
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if unknown:
+        if world_size % known:
+            raise MeshError(f"mesh {_product_text(sizes)}: {world_size} ranks do not divide by "
+                            f"{known}")
+        sizes[unknown[0]] = world_size // known
+    if math.prod(sizes.values()) != world_size:
+        raise MeshError(f"mesh {_product_text(sizes)} = {math.prod(sizes.values())} != world "
+                        f"size {world_size}")
+    return sizes
+
+
+def _product_text(sizes: Mapping[str, int]) -> str:
+    return " * ".join(f"{k}({v})" for k, v in sizes.items())
+
+
+def mesh_coords(rank: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinates of ``rank`` (last axis fastest)."""
+    coords = []
+    for n in reversed(sizes):
+        rank, c = divmod(rank, n)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def mesh_rank(coords: Sequence[int], sizes: Sequence[int]) -> int:
+    """The rank at ``coords`` (inverse of ``mesh_coords``)."""
+    rank = 0
+    for c, n in zip(coords, sizes):
+        if not 0 <= c < n:
+            raise MeshError(f"coordinate {c} outside an axis of size {n}")
+        rank = rank * n + c
+    return rank
+
+
+def group_members(rank: int, sizes: Sequence[int], axes: Sequence[int]) -> list[int]:
+    """The ranks that share every coordinate of ``rank`` outside ``axes`` (group order:
+    row-major over ``axes``)."""
+    base = list(mesh_coords(rank, sizes))
+    members = []
+    for sub in _product(range(sizes[a]) for a in axes):
+        for a, c in zip(axes, sub):
+            base[a] = c
+        members.append(mesh_rank(base, sizes))
+    return members
+
+
+def _product(ranges: Iterable[range]) -> list[tuple[int, ...]]:
+    out: list[tuple[int, ...]] = [()]
+    for r in ranges:
+        out = [t + (i,) for t in out for i in r]
+    return out
+
+
+class Mesh:
+    """This rank's place in a mesh of named axes, and a ``Communicator`` per axis.
+
+    ``Mesh(comm, {"x": 2, "y": 2})`` over an mpi4py intracommunicator (one size may be -1:
+    inferred). ``coords``, ``coord("x")``, ``rank_of(x=1, y=0)``, ``group("x")`` and
+    ``group(("x", "y"))``. Every group's collectives move NumPy or CuPy arrays (``backend``)
+    over ``comm_kind`` ("mpi", "nccl" or "auto"), and every wait gives up after ``timeout``
+    seconds (0: never) with an error naming the operation, the group and the rank.
+    Building a mesh, and the first ``group`` of a set of axes, are collective.
+    """
+
+    def __init__(self, comm, shape: Mapping[str, int], *, backend: ArrayBackend = NUMPY,
+                 comm_kind: str = "mpi", timeout: float = 600.0,
+                 stats: CommStats | None = None):
+        self.world = comm
+        self.shape = resolve_shape(shape, comm.Get_size())
+        self.axis_names = tuple(self.shape)
+        self.sizes = tuple(self.shape.values())
+        self.rank = comm.Get_rank()
+        self.coords = mesh_coords(self.rank, self.sizes)
+        self.backend, self.comm_kind, self.timeout = backend, comm_kind, timeout
+        self.stats = stats if stats is not None else CommStats()
+        # reorder=False keeps cart ranks equal to the communicator's: row-major cart
+        # coordinates are then ``mesh_coords``
+        self.cart = comm.Create_cart(list(self.sizes), periods=[False] * len(self.sizes),
+                                     reorder=False)
+        self._groups: dict[tuple[int, ...], Communicator] = {}
+        for axis in range(len(self.sizes)):
+            self._group((axis,))
+
+    # ---- coordinates --------------------------------------------------------------------------
+
+    def axis_index(self, axis: str) -> int:
+        try:
+            return self.axis_names.index(axis)
+        except ValueError:
+            raise MeshError(f"the mesh has axes {list(self.axis_names)}, not {axis!r}") from None
+
+    def size(self, axes: Axes) -> int:
+        """Ranks along ``axes`` (one name or several)."""
+        return math.prod(self.sizes[a] for a in self._indices(axes))
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.coords[self.axis_index(axis)]
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at the given coordinates; an axis left out is this rank's own."""
+        full = list(self.coords)
+        for name, c in coords.items():
+            full[self.axis_index(name)] = c
+        return mesh_rank(full, self.sizes)
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world.Get_size():
+            raise MeshError(f"rank {rank} outside a mesh of {self.world.Get_size()} ranks")
+        return dict(zip(self.axis_names, mesh_coords(rank, self.sizes)))
+
+    def members(self, axes: Axes) -> list[int]:
+        """The ranks of this rank's group along ``axes``, in group-rank order."""
+        return group_members(self.rank, self.sizes, self._indices(axes))
+
+    # ---- groups -------------------------------------------------------------------------------
+
+    def group(self, axes: Axes) -> Communicator:
+        """The communicator of the ranks that differ from this one only along ``axes``;
+        its group rank is the row-major coordinate over ``axes``."""
+        return self._group(self._indices(axes))
+
+    def _indices(self, axes: Axes) -> tuple[int, ...]:
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        indices = tuple(sorted(self.axis_index(a) for a in names))
+        if len(set(indices)) != len(indices):
+            raise MeshError(f"axes {list(names)} name an axis twice")
+        return indices
+
+    def _group(self, indices: tuple[int, ...]) -> Communicator:
+        group = self._groups.get(indices)
+        if group is None:
+            remain = [i in indices for i in range(len(self.sizes))]
+            name = "+".join(self.axis_names[i] for i in indices)
+            group = create_communicator(self.cart.Sub(remain), self.comm_kind, self.backend,
+                                        self.stats, name, self.timeout)
+            self._groups[indices] = group
+        return group
+
+    def describe(self) -> str:
+        where = ", ".join(f"{n} {c}" for n, c in zip(self.axis_names, self.coords))
+        return f"rank {self.rank} ({where})"
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.shape})"
+
+    def free(self) -> None:
+        for group in self._groups.values():
+            group.mpi_comm.Free()
+        self._groups.clear()
+        self.cart.Free()
