@@ -129,7 +129,7 @@ def _float_pair(text: str) -> tuple[float, ...]:
 def _train_flags(p) -> None:
     """The flags of ``train`` that ``generate`` does not have (``run`` takes both)."""
     from .pipeline.training_schedules import TRAINING_SCHEDULES
-    from .train.optim import LR_SCHEDULES, OPTIMIZERS
+    from .parallel.optim import LR_SCHEDULES, OPTIMIZERS
     p.add_argument("--data", help="training data: .npy rows, .bin tokens or .jsonl")
     p.add_argument("--steps", type=int, help="total optimizer steps (counted from step 0)")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import HpcparError
+from .parallel.split import unit_split_problem
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -188,9 +189,9 @@ def tp_problems(model: LlamaConfig, tp: int) -> list[str]:
     out = []
     if model.num_attention_heads % tp:
         out.append(f"num_attention_heads {model.num_attention_heads} is not divisible by tp {tp}")
-    kv = model.num_key_value_heads
-    if kv % tp and tp % kv:
-        out.append(f"num_key_value_heads {kv} is neither a multiple nor a divisor of tp {tp}")
+    kv_problem = unit_split_problem(model.num_key_value_heads, tp)     # KV heads may replicate
+    if kv_problem:
+        out.append(f"num_key_value_heads {kv_problem.replace(' of ', ' of tp ')}")
     if model.intermediate_size % tp:
         out.append(f"intermediate_size {model.intermediate_size} is not divisible by tp {tp}")
     return out

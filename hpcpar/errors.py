@@ -18,6 +18,14 @@ class CommTimeout(CommError):
     """A receive or collective waited longer than the job's timeout (the watchdog)."""
 
 
+class PeerFailed(CommError):
+    """Another rank of the group failed and said why; this one stops waiting for it."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank = rank
+
+
 class HangElsewhere(CommTimeout):
     """Another node's rank found the job hung (the watchdog's alarm): stop waiting, report."""
 

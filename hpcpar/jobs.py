@@ -31,7 +31,7 @@ from typing import Any, get_type_hints
 
 from .config import ParallelConfig
 from .errors import HpcparError
-from .train.optim import OptimizerSettings
+from .parallel.optim import OptimizerSettings
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -20,8 +20,9 @@ and 16 ranks as dp=2 × pp=2 × tp=4:
     dp groups  [0,8] [1,9] [2,10] [3,11] [4,12] [5,13] [6,14] [7,15]
 
 With tp fastest, a tp group is a block of consecutive ranks, so launchers that fill nodes in
-rank order keep each tp group on one node. The coordinate math is pure (no MPI); ``Mesh``
-builds the communicators once from a Cartesian topology and hands them out explicitly.
+rank order keep each tp group on one node. This is the library's mesh of named axes
+(``hpcpar.parallel.Mesh``) with the axes dp, pp, tp: the coordinate math is the core's pure
+functions, and the communicators are the core mesh's groups.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .config import ParallelConfig
+from .parallel.mesh import Mesh as CoreMesh, group_members, mesh_coords, mesh_rank
 
 if TYPE_CHECKING:  # mpi4py is only needed to build a Mesh, not for the math
     from mpi4py import MPI
@@ -44,19 +46,20 @@ class MeshCoords:
     tp_rank: int
 
 
+def _sizes(layout: ParallelConfig) -> tuple[int, int, int]:
+    return layout.dp, layout.pp, layout.tp
+
+
 def coords_of(rank: int, layout: ParallelConfig) -> MeshCoords:
     """The (dp, pp, tp) coordinates of world rank ``rank``."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
-    tp_rank = rank % layout.tp
-    pp_rank = (rank // layout.tp) % layout.pp
-    dp_rank = rank // (layout.tp * layout.pp)
-    return MeshCoords(dp_rank, pp_rank, tp_rank)
+    return MeshCoords(*mesh_coords(rank, _sizes(layout)))
 
 
 def rank_of(coords: MeshCoords, layout: ParallelConfig) -> int:
     """The world rank at ``coords`` (inverse of ``coords_of``)."""
-    return (coords.dp_rank * layout.pp + coords.pp_rank) * layout.tp + coords.tp_rank
+    return mesh_rank((coords.dp_rank, coords.pp_rank, coords.tp_rank), _sizes(layout))
 
 
 def by_stage(per_rank: list, layout: ParallelConfig) -> list[list]:
@@ -71,11 +74,10 @@ def group_ranks(layout: ParallelConfig, axis: str) -> list[list[int]]:
     """Every group along ``axis`` ('dp', 'pp' or 'tp'), each listed in group-rank order."""
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[int, ...], list[int]] = {}
     for rank in range(layout.world_size):
-        c = coords_of(rank, layout)
-        key = tuple(getattr(c, f"{a}_rank") for a in AXES if a != axis)
-        groups.setdefault(key, []).append(rank)
+        members = group_members(rank, _sizes(layout), (AXES.index(axis),))
+        groups.setdefault(tuple(members), members)
     return list(groups.values())
 
 
@@ -94,13 +96,9 @@ class Mesh:
         self.layout = layout
         self.rank = world.Get_rank()
         self.coords = coords_of(self.rank, layout)
-        # reorder=False keeps cart ranks equal to world ranks; row-major cart coordinates then
-        # match the tp-fastest formula above.
-        self.cart = world.Create_cart([layout.dp, layout.pp, layout.tp],
-                                      periods=[False] * 3, reorder=False)
-        self.dp_comm = self.cart.Sub([True, False, False])
-        self.pp_comm = self.cart.Sub([False, True, False])
-        self.tp_comm = self.cart.Sub([False, False, True])
+        self.core = CoreMesh(world, dict(zip(AXES, _sizes(layout))))
+        self.cart = self.core.cart
+        self.dp_comm, self.pp_comm, self.tp_comm = (self.core.group(a).mpi_comm for a in AXES)
 
     @property
     def dp_rank(self) -> int:
@@ -137,5 +135,4 @@ class Mesh:
         return f"rank {self.rank} (dp {c.dp_rank}, pp {c.pp_rank}, tp {c.tp_rank})"
 
     def free(self) -> None:
-        for comm in (self.tp_comm, self.pp_comm, self.dp_comm, self.cart):
-            comm.Free()
+        self.core.free()

@@ -22,7 +22,8 @@ from enum import Enum
 import numpy as np
 
 from .config import LlamaConfig
-from .errors import HpcparError
+from .parallel import split as core_split
+from .parallel.split import ShardingError, padded_vocab_size, vocab_range
 from .tensors import TensorSpec
 
 
@@ -48,10 +49,6 @@ SPLIT_OF_ROLE = {
 _AXIS = {Split.COLUMN: 0, Split.ROW: 1, Split.VOCAB: 0}
 
 
-class ShardingError(HpcparError):
-    pass
-
-
 @dataclass(frozen=True)
 class Shard:
     """One rank's piece of a tensor.
@@ -71,18 +68,6 @@ class Shard:
 
 def split_of(spec: TensorSpec) -> Split:
     return SPLIT_OF_ROLE[spec.role]
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """The vocabulary rounded up to a multiple of ``tp_size``."""
-    return -(-vocab_size // tp_size) * tp_size
-
-
-def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    """The token ids [start, stop) that rank ``tp_rank`` owns in a vocab-parallel layer."""
-    per = padded_vocab_size(vocab_size, tp_size) // tp_size
-    start = min(tp_rank * per, vocab_size)
-    return start, min(start + per, vocab_size)
 
 
 def _units(spec: TensorSpec, cfg: LlamaConfig) -> tuple[int, int, bool]:
@@ -111,18 +96,13 @@ def shard_of(spec: TensorSpec, cfg: LlamaConfig, tp_rank: int, tp_size: int) -> 
         return Shard(shape, (slice(start, stop),) + full[1:],
                      (slice(0, stop - start),) + full[1:])
     n_units, unit, may_replicate = _units(spec, cfg)
-    if n_units % tp_size == 0:
-        per_partition = n_units // tp_size
-        first_unit = tp_rank * per_partition
-    elif may_replicate and tp_size % n_units == 0:
-        per_partition = 1                                # one KV head, shared by tp/kv ranks
-        first_unit = tp_rank // (tp_size // n_units)
-    else:
+    # the core's unit rule: whole heads, a KV head replicated when kv_heads < tp
+    if core_split.unit_split_problem(n_units, tp_size, may_replicate) is not None:
         what = "heads" if unit > 1 else ("rows" if axis == 0 else "columns")
         raise ShardingError(
             f"{spec.name}: {n_units} {what} cannot be split evenly over tp {tp_size}; "
             f"choose a tp that divides {n_units}")
-    start, stop = first_unit * unit, (first_unit + per_partition) * unit
+    start, stop = core_split.bounds(n_units * unit, tp_size, unit=unit)[tp_rank]
     region = list(full)
     region[axis] = slice(start, stop)
     shape = list(spec.shape)

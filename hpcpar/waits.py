@@ -26,10 +26,15 @@ def limit() -> float:
     return _state["limit"]
 
 
-def listen_for_alarm(alarm: Callable[[], int | None] | None) -> None:
+def listen_for_alarm(alarm: Callable[[], int | Exception | None] | None) -> None:
     """Make every bounded wait also give up when ``alarm()`` names a rank (the watchdog's
-    alarm from another node); None: stop listening."""
+    alarm from another node) or returns an exception (raised as it is); None: stop
+    listening."""
     _state["alarm"] = alarm
+
+
+def current_alarm() -> Callable[[], int | Exception | None] | None:
+    return _state["alarm"]
 
 
 def wait_bounded(req, timeout: float, what: str) -> None:
@@ -53,6 +58,8 @@ def poll_until(done: Callable[[], bool], timeout: float, what: str) -> None:
                 raise CommTimeout(f"{what} waited {timeout:g} s")
             alarm = _state["alarm"]
             if alarm is not None and (rank := alarm()) is not None:
+                if isinstance(rank, Exception):       # a peer's own report of its failure
+                    raise rank
                 raise HangElsewhere(rank)
             os.sched_yield()                        # oversubscribed ranks share the cores
 

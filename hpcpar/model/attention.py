@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..ops import AttentionRows, Ops
 from .kv_cache import KVCache
 from ..comm import Communicator
-from .parallel_layers import ColumnParallelLinear, RowParallelLinear, column_parallel, row_parallel
+from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel, row_parallel
 
 
 class Attention:

@@ -25,7 +25,7 @@ from ..ops import AttentionRows, Ops
 from ..tensors import TensorSpec
 from .attention import Attention
 from .kv_cache import KVCache
-from .parallel_layers import (ColumnParallelLinear, Frozen, ParallelLMHead, RowParallelLinear,
+from ..parallel.layers import (ColumnParallelLinear, Frozen, ParallelLMHead, RowParallelLinear,
                               VocabParallelEmbedding, column_parallel, frozen_matrix,
                               row_parallel)
 from .rope import RotaryEmbedding

@@ -58,7 +58,7 @@ def bounds(n: int, parts: int, sizes: Sequence[int] | None = None, unit: int = 1
     if units % parts == 0:
         per = units // parts * unit
         return [(r * per, (r + 1) * per) for r in range(parts)]
-    if unit > 1 and 0 < units < parts and parts % units == 0:
+    if unit > 1 and units > 0 and unit_split_problem(units, parts) is None:
         shared = parts // units                     # ranks r*shared .. hold unit r
         return [((r // shared) * unit, (r // shared + 1) * unit) for r in range(parts)]
     if unit > 1:
@@ -70,6 +70,32 @@ def bounds(n: int, parts: int, sizes: Sequence[int] | None = None, unit: int = 1
         f"{what} of length {n} does not split evenly over {parts} ranks; pass "
         f"sizes={even_sizes(n, parts)} (or any {parts} lengths adding up to {n}) for uneven "
         f"shards")
+
+
+def padded_vocab_size(vocab_size: int, parts: int) -> int:
+    """The vocabulary rounded up to a multiple of ``parts``: every rank of a vocab-parallel
+    layer holds the same number of rows (the last ones padding)."""
+    return -(-vocab_size // parts) * parts
+
+
+def vocab_range(vocab_size: int, rank: int, parts: int) -> tuple[int, int]:
+    """The token ids [start, stop) that ``rank`` owns in a vocab-parallel layer: blocks of
+    ceil(vocab / parts) rows, the last ones short (or empty)."""
+    per = padded_vocab_size(vocab_size, parts) // parts
+    start = min(rank * per, vocab_size)
+    return start, min(start + per, vocab_size)
+
+
+def unit_split_problem(units: int, parts: int, replicate: bool = True) -> str | None:
+    """Why ``units`` whole units (heads) cannot be cut over ``parts`` ranks, or None: each
+    rank takes units / parts of them, or, with ``replicate``, when there are fewer units
+    than ranks and they divide the ranks, every unit is held by parts / units ranks (GQA's
+    KV heads over a larger tp group)."""
+    if units % parts == 0 or (replicate and units < parts and parts % units == 0):
+        return None
+    if replicate:
+        return f"{units} is neither a multiple nor a divisor of {parts}"
+    return f"{units} is not divisible by {parts}"
 
 
 def is_partition(cuts: list[tuple[int, int]]) -> bool:

@@ -1,11 +1,13 @@
 """Runs one stage's action list: framed non-blocking messages, receives posted ahead.
 
 Every message between stages is one contiguous byte buffer: a fixed 40-byte header (op,
-micro-batch, step, chunk, flags as int64) followed by the payload. Both ends know the payload's
-shape from the job (every rank of a pipeline holds the same prompts), so micro-batches of
-different shapes need no shape handshake; the header lets the receiver check that it got the
-message it expected, and carries the STOP flag that retires a micro-batch whose rows have
-all finished.
+micro-batch, step, chunk, flags as int64) followed by the payload. Where both ends know the
+payload's shape (the jobs: every rank of a pipeline holds the same prompts), that is the
+whole message. Where the program cannot say (``payload`` returns None: user stage functions,
+micro-batches of any shape), the message describes itself: a fixed header that adds the
+dtype and shape, then the payload as a second message. Either way the header lets the
+receiver check that it got the message it expected, and carries the STOP flag that retires
+a micro-batch whose rows have all finished.
 
 Overlap: before a forward or backward pass, the receive the stage will need next is posted,
 so its data arrives while this micro-batch computes; sends never block the compute. Only
@@ -24,7 +26,8 @@ from typing import Protocol
 import numpy as np
 
 from ..backend import DeviceClock
-from ..comm import Communicator
+from ..dtypes import bfloat16
+from ..comm import Communicator, Request
 from ..errors import CommError, HpcparError
 from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode,
                        encode, simulate)
@@ -32,13 +35,19 @@ from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, 
 HEADER_WORDS = 5                    # op, micro-batch, step, chunk, flags
 HEADER_BYTES = HEADER_WORDS * 8
 FLAG_STOP = 1
+MAX_DIMS = 8                        # a described payload: dtype code, ndim, up to 8 dims
+DESCRIBED_WORDS = HEADER_WORDS + 2 + MAX_DIMS
+WIRE_DTYPES = tuple(np.dtype(t) for t in (np.float32, np.float64, np.float16, bfloat16,
+                                          np.int64, np.int32, np.int16, np.int8, np.uint8,
+                                          np.bool_, np.uint16, np.uint32, np.uint64))
 
 
 class StageProgram(Protocol):
     """What a stage computes; the executor decides when, and moves the messages."""
 
-    def payload(self, a: Action) -> tuple[tuple[int, ...], np.dtype]:
-        """Shape and dtype of the payload of a send or receive."""
+    def payload(self, a: Action) -> tuple[tuple[int, ...], np.dtype] | None:
+        """Shape and dtype of the payload of a send or receive; None: the message describes
+        itself (the same answer on both ends)."""
 
     def finished(self, mb: int) -> bool:
         """Whether micro-batch ``mb`` needs no more steps (checked before each FORWARD)."""
@@ -66,6 +75,25 @@ class Frame:
         self.payload = self.buf[HEADER_BYTES:].view(dtype).reshape(shape)
 
 
+def describe(header, payload) -> None:
+    """Write ``payload``'s dtype and shape into a described header (host int64 words)."""
+    dtype = np.dtype(payload.dtype)
+    if dtype not in WIRE_DTYPES or payload.ndim > MAX_DIMS:
+        raise HpcparError(f"pipeline message of dtype {dtype} and {payload.ndim} dimensions: "
+                          f"send one of {', '.join(map(str, WIRE_DTYPES))}, at most "
+                          f"{MAX_DIMS} dimensions")
+    header[HEADER_WORDS] = WIRE_DTYPES.index(dtype)
+    header[HEADER_WORDS + 1] = payload.ndim
+    header[HEADER_WORDS + 2:HEADER_WORDS + 2 + payload.ndim] = payload.shape
+
+
+def described(header) -> tuple[tuple[int, ...], np.dtype]:
+    """The shape and dtype a described header announces."""
+    ndim = int(header[HEADER_WORDS + 1])
+    shape = tuple(int(v) for v in header[HEADER_WORDS + 2:HEADER_WORDS + 2 + ndim])
+    return shape, WIRE_DTYPES[int(header[HEADER_WORDS])]
+
+
 @dataclass
 class StageTimes:
     """Where one stage's time went, split by prefill (step 0) and decode (steps > 0)."""
@@ -91,8 +119,11 @@ class PipelineExecutor:
         out = []
         for a in actions:
             if a.op in SENDS or a.op in RECVS:
-                shape, dtype = self.program.payload(a)
-                a = replace(a, nbytes=int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+                known = self.program.payload(a)
+                if known is not None:           # a described message's size is its own
+                    shape, dtype = known
+                    a = replace(a, nbytes=int(np.prod(shape, dtype=np.int64))
+                                * np.dtype(dtype).itemsize)
             out.append(a)
         return out
 
@@ -141,7 +172,8 @@ class PipelineExecutor:
 
         def post(i: int):
             a = actions[i]
-            frame = Frame(xp, *program.payload(a))
+            known = program.payload(a)
+            frame = Frame(xp, *known) if known is not None else _HeaderFrame(xp)
             posted[i] = (frame, self.pp.irecv(frame.buf, a.peer, tag=OP_CODES[a.op]))
 
         for i, a in enumerate(actions):
@@ -158,15 +190,21 @@ class PipelineExecutor:
                     post(i)
                 frame, request = posted.pop(i)
                 request.wait()
-                self.times.wait[phase] += perf_counter() - t0
-                op, mb, step, chunk, flags = (int(v) for v in self.backend.to_host(frame.header))
+                header = self.backend.to_host(frame.header)
+                op, mb, step, chunk, flags = (int(v) for v in header[:HEADER_WORDS])
                 if (op, mb, step, chunk) != (OP_CODES[_sender_of(a.op)], a.mb, a.step, a.chunk):
                     raise CommError(f"pipeline stage {self.stage} expected {a} but received "
                                     f"op {op}, micro-batch {mb}, step {step}, chunk {chunk}")
+                payload = frame.payload
+                if payload is None and not flags & FLAG_STOP:    # described: now its payload
+                    shape, dtype = described(header)
+                    payload = xp.empty(shape, dtype=dtype)
+                    self.pp.irecv(payload, a.peer, tag=OP_CODES[a.op]).wait()
+                self.times.wait[phase] += perf_counter() - t0
                 if flags & FLAG_STOP:
                     stop_step[a.mb] = a.step
                 else:
-                    program.receive(a, frame.payload)
+                    program.receive(a, payload)
             elif a.op in COMPUTE:
                 if a.op is Op.FORWARD and program.finished(a.mb):
                     stop_step[a.mb] = a.step
@@ -180,15 +218,8 @@ class PipelineExecutor:
                 program.compute(a)
                 self.clock.add(self.times.compute, phase, started)
             else:  # a send
-                frame = Frame(xp, *program.payload(a))
-                stop = a.mb in stop_step
-                if not stop:
-                    frame.payload[...] = program.outgoing(a)
-                frame.header[...] = xp.asarray(
-                    [OP_CODES[a.op], a.mb, a.step, a.chunk, FLAG_STOP if stop else 0],
-                    dtype=xp.int64)
                 queue = sends.setdefault((a.op, a.peer), deque())
-                queue.append(self.pp.isend(frame.buf, a.peer, tag=OP_CODES[_receiver_of(a.op)]))
+                queue.append(self._send(a, a.mb in stop_step))
                 while len(queue) > self.in_flight:
                     queue.popleft().wait()
                 self.times.wait[phase] += perf_counter() - t0
@@ -200,6 +231,41 @@ class PipelineExecutor:
         end = perf_counter()
         self.times.wait[1] += end - t0
         wall[last_phase] += end - mark
+
+
+    def _send(self, a: Action, stop: bool):
+        """Start sending ``a``'s message (a STOP header alone when ``stop``); the request."""
+        xp, tag = self.xp, OP_CODES[_receiver_of(a.op)]
+        known = self.program.payload(a)
+        head = [OP_CODES[a.op], a.mb, a.step, a.chunk, FLAG_STOP if stop else 0]
+        if known is not None:
+            frame = Frame(xp, *known)
+            if not stop:
+                frame.payload[...] = self.program.outgoing(a)
+            frame.header[...] = xp.asarray(head, dtype=xp.int64)
+            return self.pp.isend(frame.buf, a.peer, tag=tag)
+        header = np.zeros(DESCRIBED_WORDS, dtype=np.int64)
+        header[:HEADER_WORDS] = head
+        payload = None
+        if not stop:
+            payload = xp.ascontiguousarray(self.program.outgoing(a))
+            describe(header, payload)
+        frame = _HeaderFrame(xp)
+        frame.header[...] = xp.asarray(header)
+        first = self.pp.isend(frame.buf, a.peer, tag=tag)
+        if payload is None:
+            return first
+        second = self.pp.isend(payload, a.peer, tag=tag)
+        return Request(lambda: (first.wait(), second.wait()), keepalive=(first, second))
+
+
+class _HeaderFrame:
+    """A described message's header alone (its payload follows as a second message)."""
+
+    def __init__(self, xp):
+        self.buf = xp.zeros(DESCRIBED_WORDS * 8, dtype=xp.uint8)
+        self.header = self.buf.view(xp.int64)
+        self.payload = None
 
 
 _SENDER_OF = {Op.RECV: Op.SEND, Op.RECV_TOKENS: Op.SEND_TOKENS, Op.RECV_GRAD: Op.SEND_GRAD}

@@ -16,7 +16,7 @@ import numpy as np
 from ..faults import fault_point
 from ..generate.batching import MicroBatch
 from ..model import LlamaStage
-from ..model.parallel_layers import VocabParallelCrossEntropy
+from ..parallel.layers import VocabParallelCrossEntropy
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action
 

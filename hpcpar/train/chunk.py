@@ -18,7 +18,7 @@ from ..comm import Communicator
 from ..config import LlamaConfig
 from ..model import LlamaStage
 from ..model.llama import norm_backward
-from ..model.parallel_layers import VocabParallelCrossEntropy
+from ..parallel.layers import VocabParallelCrossEntropy
 from ..ops import AttentionRows, Ops
 from .memory import activation_bytes
 from .params import GradSink, Param

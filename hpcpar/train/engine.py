@@ -36,9 +36,10 @@ from ..watchdog import ActionBoard
 from . import checkpoint as tc
 from .chunk import Batch, ModelChunk
 from .data import label_count, make_batches, sample_indices
-from .grads import GradientReducer, local_sq_norm, sum_replicated
-from .optim import STATE_NAMES, LossScaler, Optimizer, clip_coefficient, learning_rate
-from .params import make_params
+from ..parallel.data_parallel import GradientReducer, local_sq_norm
+from .grads import sum_replicated
+from ..parallel.optim import STATE_NAMES, LossScaler, Optimizer, clip_coefficient, learning_rate
+from .params import kv_replicas, make_params
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
 from .setup import TrainPlan, chunk_layers, validate
@@ -257,11 +258,9 @@ def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr,
 
 def _kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):
     """The tp ranks that hold the same KV head, when kv_heads < tp (else None)."""
-    tp_size = mesh.layout.tp
-    kv = cfg.num_key_value_heads
-    if kv >= tp_size:
+    replicas = kv_replicas(cfg, mesh.layout.tp)
+    if replicas == 1:
         return None
-    replicas = tp_size // kv
     sub = mesh.tp_comm.Split(mesh.tp_rank // replicas, mesh.tp_rank)
     return create_communicator(sub, "mpi", backend, stats, "kv", timeout)
 

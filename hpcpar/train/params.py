@@ -17,42 +17,30 @@ elements decides the global gradient norm, so it is decided here, once:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 from ..config import LlamaConfig
+from ..parallel.params import GradSink, Parameter
+from ..parallel.split import unit_replicas
 from ..sharding import Split, split_of
 from ..tensors import EMBED, TensorSpec
 
+__all__ = ["GradSink", "Param", "kv_replicas", "make_param", "make_params"]
 
-@dataclass(eq=False)
-class Param:
-    spec: TensorSpec
-    data: object            # this rank's shard in the compute dtype (what the layers read)
-    grad: object            # float32, same shape; summed over micro-batches, then over dp
-    counted: bool           # this rank's elements count in the global gradient norm
-    decay: bool             # weight decay applies: matrices, not norm weights or biases
-    kv_replicated: bool     # a KV head shared by several tp ranks: grads summed over them
-    master: object = None   # float32 weights (``data`` itself when computing in float32)
 
-    def __post_init__(self):
-        if self.master is None:
-            self.master = self.data
+class Param(Parameter):
+    """The core's ``Parameter`` of one Hugging Face tensor: ``spec`` names it, and
+    ``kv_replicated`` says it is a KV head shared by several tp ranks (its gradients are
+    summed over them)."""
 
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def refresh(self) -> None:
-        """Copy the updated master weights into the compute copy."""
-        if self.data is not self.master:
-            self.data[...] = self.master
+    def __init__(self, spec: TensorSpec, data, grad, counted: bool, decay: bool,
+                 kv_replicated: bool, master=None):
+        super().__init__(data, grad, spec.name, decay, counted, master)
+        self.spec = spec
+        self.kv_replicated = kv_replicated
 
 
 def kv_replicas(cfg: LlamaConfig, tp_size: int) -> int:
-    """How many tp ranks hold each KV head (1 unless kv_heads < tp)."""
-    kv = cfg.num_key_value_heads
-    return tp_size // kv if kv < tp_size else 1
+    """How many tp ranks hold each KV head (1 unless kv_heads < tp): the core's unit rule."""
+    return unit_replicas(cfg.num_key_value_heads, tp_size)
 
 
 def make_param(spec: TensorSpec, master, xp, cfg: LlamaConfig, tp_rank: int, tp_size: int,
@@ -69,46 +57,6 @@ def make_param(spec: TensorSpec, master, xp, cfg: LlamaConfig, tp_rank: int, tp_
     data = master if dtype is None or master.dtype == dtype else master.astype(dtype)
     return Param(spec, data, xp.zeros_like(master), counted, len(spec.shape) == 2,
                  replicas > 1, master)
-
-
-class GradSink:
-    """Where weight gradients go: added at once, or (``defer``) kept as closures until
-    ``flush`` — zero-bubble schedules run a backward's input half (B) first and its weight
-    half (W) later, in a pipeline bubble."""
-
-    def __init__(self, xp, defer: bool = False):
-        self.xp = xp
-        self.defer = defer
-        self.pending: list[tuple[Param, Callable]] = []
-
-    def add(self, param: Param, grad: Callable[[], object]) -> None:
-        """param.grad += grad()"""
-        if self.defer:
-            self.pending.append((param, grad))
-        else:
-            param.grad += grad()
-
-    def outer(self, param: Param, dy2, x2) -> None:
-        """param.grad += dy2^T x2, the weight gradient of Y = X W^T: (out, in) from
-        dy2 (N, out) and x2 (N, in)."""
-        self.add(param, lambda: dy2.T @ x2)
-
-    def scatter_rows(self, param: Param, rows, values) -> None:
-        """param.grad[rows[j]] += values[j] for every j, repeated rows summed."""
-        def scatter():   # ufunc.at: NumPy, and CuPy >= 12 (atomicAdd, float32 grads)
-            self.xp.add.at(param.grad, rows, values.astype(param.grad.dtype, copy=False))
-        if self.defer:
-            self.pending.append((None, scatter))
-        else:
-            scatter()
-
-    def flush(self) -> None:
-        for param, grad in self.pending:
-            if param is None:
-                grad()                   # an in-place update (scatter_rows)
-            else:
-                param.grad += grad()
-        self.pending.clear()
 
 
 def make_params(cfg: LlamaConfig, specs: list[TensorSpec], shards: dict, xp, tp_rank: int,

@@ -20,7 +20,7 @@ from ..pipeline.training_schedules import micro_batch_problems
 from ..outputs import check_output
 from . import checkpoint as tc
 from .data import Dataset, load_dataset
-from .optim import OptimizerSettings
+from ..parallel.optim import OptimizerSettings
 
 RECOMPUTE = ("none", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")

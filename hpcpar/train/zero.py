@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm import Communicator, split_sizes
-from .grads import GradientReducer
+from ..parallel.data_parallel import GradientReducer
 from .params import Param
 
 

@@ -1,20 +1,23 @@
-"""Megatron's tensor-parallel layers, for generation and training alike.
+"""Megatron's tensor-parallel layers, for any model: generation and training alike.
 
-Notation: a linear layer computes Y = X A^T + b with Hugging Face's A of shape [out, in].
-p is the tp size, i this rank. Megatron's two conjugate operators name the communication:
-f is the identity forward and an AllReduce backward; g is an AllReduce forward and the
-identity backward. Every layer has both halves: ``forward`` (generation runs it alone) and
+Notation: a linear layer computes Y = X A^T + b with A of shape [out, in] (Hugging Face's and
+torch's orientation). p is the tp size, i this rank. The communication is Megatron's two
+conjugate operators (``mappings``): f (identity forward, AllReduce backward) and g (AllReduce
+forward, identity backward). Every layer has both halves: ``forward`` / ``__call__`` and
 ``backward``, which returns the input gradient and hands weight gradients to a ``GradSink``
 (added at once, or deferred to a zero-bubble schedule's W pass). X of shape (B, T, ...) is
 flattened to N = B*T rows for every product.
 
-Weights are objects with a ``data`` array in Hugging Face's orientation, read at every call
-(an optimizer may move it): a training ``Param``, or a ``Frozen`` weight in generation, whose
+Weights are objects with a ``data`` array in [out, in] orientation, read at every call (an
+optimizer may move it): a ``Parameter`` (training), or a ``Frozen`` weight (inference), whose
 matrices are stored transposed, [in, out] and contiguous, so that the product's operand
-``data.T`` is (on the CPU a transposed operand costs ~20% at decode sizes). Generation also
-merges the projections that read the same input (q/k/v, gate/up) into one GEMM, as vLLM's
-QKVParallelLinear does; training keeps one ``Param`` per Hugging Face tensor, as checkpoints,
-ZeRO and the gradient buckets hold them.
+``data.T`` is (on the CPU a transposed operand costs ~20% at decode sizes). Inference may
+merge the projections that read the same input (q/k/v, gate/up) into one GEMM, as vLLM's
+QKVParallelLinear does. ``from_full`` builds a layer from the whole weight, each rank keeping
+its slice; the constructors take this rank's shards.
+
+The products, lookups and the cross-entropy's local pieces are ``hpcpar.ops`` (a NumPy
+reference, or a device kernel chosen once per backend); ``ops`` defaults to the references.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from dataclasses import dataclass
 
 from ..comm import Communicator
 from ..dtypes import at_least_float32
-from ..ops import Ops, embedding_lookup
-from ..sharding import vocab_range
+from ..ops import Ops, embedding_lookup, native_ops
+from . import split
+from .mappings import CopyToGroup, ReduceFromGroup
+from .params import Parameter
 
 
 @dataclass(eq=False)
@@ -60,6 +65,33 @@ def _weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
     return ops.linear.input_grad(dy, w.data.T).astype(x.dtype, copy=False)
 
 
+def _keep(tp: Communicator, piece, name: str) -> Parameter:
+    """This rank's slice of a whole weight, as a Parameter on the group's backend."""
+    import numpy as np
+    backend = tp.backend
+    if isinstance(piece, np.ndarray) and backend.on_device:
+        data = backend.asarray(np.ascontiguousarray(piece))
+    else:
+        data = tp.xp.array(piece, copy=True)
+    return Parameter(data, name=name, decay=data.ndim > 1)
+
+
+def _sink(sink, xp):
+    from .params import GradSink
+    return GradSink(xp) if sink is None else sink
+
+
+def _vocab_rows(tp: Communicator, table, name: str) -> Parameter:
+    """This rank's vocabulary rows of ``table``, zero rows after the vocabulary's end."""
+    import numpy as np
+    per = split.padded_vocab_size(table.shape[0], tp.size) // tp.size
+    start, stop = split.vocab_range(table.shape[0], tp.rank, tp.size)
+    rows = np.zeros((per,) + tuple(table.shape[1:]), dtype=table.dtype) \
+        if isinstance(table, np.ndarray) else tp.xp.zeros((per,) + table.shape[1:], table.dtype)
+    rows[:stop - start] = table[start:stop]
+    return _keep(tp, rows, name)
+
+
 class ColumnParallelLinear:
     """Y_i = X A_i^T + b_i, with A = [A_1; ...; A_p] split along its output features.
 
@@ -89,6 +121,21 @@ class ColumnParallelLinear:
                 for b, w, n in zip(biases, weights, sizes)]))]
         return cls(ops, [weight], bias, tp, sizes)
 
+    @classmethod
+    def from_full(cls, tp: Communicator, weight, bias=None, sizes=None, ops: Ops | None = None,
+                  name: str = "") -> "ColumnParallelLinear":
+        """From the whole ``weight`` [out, in] (and ``bias`` [out]), the same on every rank:
+        this rank keeps output features [start_i, stop_i) (even, or cut at ``sizes``)."""
+        a, b = split.bounds(weight.shape[0], tp.size, sizes, what="output features")[tp.rank]
+        w = _keep(tp, weight[a:b], name)
+        bs = [_keep(tp, bias[a:b], name + ".bias")] if bias is not None else None
+        return cls(ops or native_ops(tp.xp), [w], bs, tp)
+
+    def forward(self, x):
+        """(Y_i, ctx) of a single-weight layer (a list of Y's for several weights)."""
+        ys = self(x)
+        return (ys[0] if len(ys) == 1 else ys), x
+
     def __call__(self, x) -> list:
         ys = []
         for k, w in enumerate(self.weights):
@@ -98,8 +145,11 @@ class ColumnParallelLinear:
             ys.append(y)
         return self.ops.xp.split(ys[0], self.bounds, axis=-1) if self.bounds else ys
 
-    def backward(self, dys: list, x, sink):
-        """dX, AllReduced over tp, from the outputs' gradients (one weight per output)."""
+    def backward(self, dys, x, sink=None):
+        """dX, AllReduced over tp, from the outputs' gradients (one weight per output; an
+        array for one weight). Weight gradients go to ``sink`` (default: added at once)."""
+        dys = dys if isinstance(dys, (list, tuple)) else [dys]
+        sink = _sink(sink, self.ops.xp)
         biases = self.biases or [None] * len(self.weights)
         dx = None
         for dy, w, b in zip(dys, self.weights, biases):
@@ -108,7 +158,7 @@ class ColumnParallelLinear:
                 dx = d
             else:
                 dx += d
-        return self.tp.all_reduce(dx)                                   # f backward
+        return CopyToGroup.backward(dx, self.tp)
 
 
 def column_parallel(ops: Ops, w: dict, roles: tuple, tp: Communicator,
@@ -139,15 +189,29 @@ class RowParallelLinear:
     def __init__(self, ops: Ops, weight, bias, tp: Communicator):
         self.ops, self.weight, self.bias, self.tp = ops, weight, bias, tp
 
+    @classmethod
+    def from_full(cls, tp: Communicator, weight, bias=None, sizes=None, ops: Ops | None = None,
+                  name: str = "") -> "RowParallelLinear":
+        """From the whole ``weight`` [out, in] (and ``bias`` [out], replicated): this rank
+        keeps input features [start_i, stop_i) (even, or cut at ``sizes``)."""
+        a, b = split.bounds(weight.shape[1], tp.size, sizes, what="input features")[tp.rank]
+        w = _keep(tp, weight[:, a:b], name)
+        bias = _keep(tp, bias, name + ".bias") if bias is not None else None
+        return cls(ops or native_ops(tp.xp), w, bias, tp)
+
+    def forward(self, x):
+        """(Y, ctx)."""
+        return self(x), x
+
     def __call__(self, x):
-        y = _product(self.ops, x, self.weight)
-        self.tp.all_reduce(y)                                           # g
+        y = ReduceFromGroup.forward(_product(self.ops, x, self.weight), self.tp)
         if self.bias is not None:
             y += self.bias.data
         return y
 
-    def backward(self, dy, x, sink):
-        return _weight_grads(self.ops, dy, x, self.weight, self.bias, sink)
+    def backward(self, dy, x, sink=None):
+        """dX_i = dY A_i (g's backward: no communication); weight gradients to ``sink``."""
+        return _weight_grads(self.ops, dy, x, self.weight, self.bias, _sink(sink, self.ops.xp))
 
 
 class VocabParallelEmbedding:
@@ -160,19 +224,26 @@ class VocabParallelEmbedding:
 
     def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
         self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
-        self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
+        self.start, self.stop = split.vocab_range(vocab_size, tp.rank, tp.size)
+
+    @classmethod
+    def from_full(cls, tp: Communicator, table, name: str = "") -> "VocabParallelEmbedding":
+        """From the whole table [vocab, hidden]: this rank keeps its vocabulary rows, padded
+        with zero rows to ceil(vocab / p) (``split.vocab_range``)."""
+        return cls(tp.xp, _vocab_rows(tp, table, name), table.shape[0], tp)
 
     def forward(self, ids):
         """(B, T, hidden) and the ctx ``backward`` needs."""
         out, local, owned = embedding_lookup(self.xp, self.weight.data, ids, self.start,
                                              self.stop, zero_others=self.tp.size > 1)
         if self.tp.size > 1:
-            self.tp.all_reduce(out)
+            ReduceFromGroup.forward(out, self.tp)
         return out, (local, owned)
 
-    def backward(self, dy, ctx, sink) -> None:
+    def backward(self, dy, ctx, sink=None) -> None:
+        """Adds dY's rows to the gradient of this rank's table rows (no communication)."""
         local, owned = ctx
-        sink.scatter_rows(self.weight, local[owned], dy[owned])
+        _sink(sink, self.xp).scatter_rows(self.weight, local[owned], dy[owned])
 
 
 class ParallelLMHead:
@@ -189,7 +260,13 @@ class ParallelLMHead:
     def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator):
         self.ops, self.xp, self.weight, self.tp = ops, ops.xp, weight, tp
         self.vocab_size = vocab_size
-        self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
+        self.start, self.stop = split.vocab_range(vocab_size, tp.rank, tp.size)
+
+    @classmethod
+    def from_full(cls, tp: Communicator, weight, ops: Ops | None = None,
+                  name: str = "") -> "ParallelLMHead":
+        """From the whole head [vocab, hidden]: this rank keeps its vocabulary rows."""
+        return cls(ops or native_ops(tp.xp), _vocab_rows(tp, weight, name), weight.shape[0], tp)
 
     def local_logits(self, h):
         """(..., vocab_per_partition) logits of this rank's block, float32 at least,
@@ -200,10 +277,11 @@ class ParallelLMHead:
             logits[..., real:] = -self.xp.inf
         return logits
 
-    def backward(self, dlogits, h, sink):
+    def backward(self, dlogits, h, sink=None):
         """dH, AllReduced over tp, from this block's logit gradients (in h's dtype)."""
         dlogits = dlogits.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
-        return self.tp.all_reduce(_weight_grads(self.ops, dlogits, h, self.weight, None, sink))
+        dh = _weight_grads(self.ops, dlogits, h, self.weight, None, _sink(sink, self.xp))
+        return CopyToGroup.backward(dh, self.tp)
 
     def full_logits(self, local):
         """(..., vocab_size): every rank's block gathered along the vocabulary (AllGather)."""
@@ -232,9 +310,9 @@ class VocabParallelCrossEntropy:
     vocabulary (Megatron's vocab-parallel cross-entropy; the math is ``ops.cross_entropy``):
     one AllReduce(max) and one AllReduce(sum) of two numbers per row over tp, forward only."""
 
-    def __init__(self, ops: Ops, vocab_size: int, tp: Communicator):
-        self.ce, self.tp = ops.cross_entropy, tp
-        self.start, self.stop = vocab_range(vocab_size, tp.rank, tp.size)
+    def __init__(self, ops: Ops | None, vocab_size: int, tp: Communicator):
+        self.ce, self.tp = (ops or native_ops(tp.xp)).cross_entropy, tp
+        self.start, self.stop = split.vocab_range(vocab_size, tp.rank, tp.size)
 
     def forward(self, logits, labels, weights):
         """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).

@@ -1,4 +1,4 @@
-"""Optimizers, learning-rate schedules and gradient clipping, as DESIGN §3 fixes them.
+"""Optimizers, learning-rate schedules and gradient clipping over any model's parameters.
 
 SGD and AdamW follow ``torch.optim.SGD`` (momentum, no dampening, no Nesterov) and
 ``torch.optim.AdamW`` (bias correction, eps outside the square root, decoupled weight decay)
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, fields
 
 from ..errors import HpcparError
-from .params import Param
+from .params import Parameter
 
 OPTIMIZERS = ("adamw", "sgd")
 BLOCK = 1 << 15                 # elements per block of the AdamW update (L2-sized)
@@ -80,7 +80,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 class Optimizer:
     """Per-parameter state (same shape as the shard) and the update of one step."""
 
-    def __init__(self, settings: OptimizerSettings, params: list[Param], xp):
+    def __init__(self, settings: OptimizerSettings, params: list[Parameter], xp):
         problems = settings.problems()
         if problems:
             raise HpcparError("invalid optimizer settings: " + "; ".join(problems))
@@ -95,16 +95,19 @@ class Optimizer:
         self.block = BLOCK if not hasattr(xp, "cuda") else largest
         self._scratch = xp.empty(self.block, dtype=params[0].master.dtype) if params else None
 
-    def state_of(self, p: Param) -> dict[str, object]:
+    def state_of(self, p: Parameter) -> dict[str, object]:
         st = self.state.get(p.name)
         if st is None:
             st = self.state[p.name] = {k: self.xp.zeros_like(p.master)
                                             for k in self.state_names}
         return st
 
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
         """Update every parameter's master weights from its ``grad`` (multiplied by
-        ``grad_scale`` first: the clip coefficient, over the loss scale)."""
+        ``grad_scale`` first: the clip coefficient, over the loss scale), at ``lr``
+        (default: the settings' lr). A 16-bit compute copy is refreshed by
+        ``Parameter.refresh`` afterwards."""
+        lr = self.s.lr if lr is None else lr
         self.steps += 1
         for p in self.params:
             g = p.grad
@@ -115,7 +118,7 @@ class Optimizer:
             else:
                 self._adamw(p, g, lr)
 
-    def _sgd(self, p: Param, g, lr: float) -> None:
+    def _sgd(self, p: Parameter, g, lr: float) -> None:
         s = self.s
         if s.weight_decay and p.decay:
             g = g + s.weight_decay * p.master
@@ -130,7 +133,7 @@ class Optimizer:
             g = buf
         p.master -= lr * g
 
-    def _adamw(self, p: Param, g, lr: float) -> None:
+    def _adamw(self, p: Parameter, g, lr: float) -> None:
         """torch's single-tensor AdamW, elementwise, one block of elements at a time."""
         st = self.state_of(p)
         decay = 1.0 - lr * self.s.weight_decay if self.s.weight_decay and p.decay else 1.0
@@ -159,6 +162,33 @@ class Optimizer:
         xp.divide(m, tmp, out=tmp)                      # param.addcdiv_(m, denom, -lr / bc1)
         tmp *= lr / bc1
         w -= tmp
+
+
+def array_module(a):
+    """The array module of ``a``: NumPy, CuPy, or the strict test backend's."""
+    if hasattr(a, "__cuda_array_interface__"):
+        import cupy
+        return cupy
+    if type(a).__module__ == "hpcpar.strict":
+        from ..strict import xp
+        return xp
+    import numpy
+    return numpy
+
+
+def AdamW(params: list[Parameter], lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+          weight_decay: float = 0.0, xp=None) -> Optimizer:
+    """torch.optim.AdamW over ``params`` (decay on the params whose ``decay`` is set)."""
+    settings = OptimizerSettings("adamw", lr=lr, betas=tuple(betas), eps=eps,
+                                 weight_decay=weight_decay)
+    return Optimizer(settings, params, xp or array_module(params[0].master))
+
+
+def SGD(params: list[Parameter], lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+        xp=None) -> Optimizer:
+    """torch.optim.SGD over ``params`` (momentum without dampening)."""
+    settings = OptimizerSettings("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return Optimizer(settings, params, xp or array_module(params[0].master))
 
 
 @dataclass
