@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import HpcparError
-from .parallel.split import unit_split_problem
+from .parallel.splits import unit_split_problem
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")

@@ -22,8 +22,8 @@ from enum import Enum
 import numpy as np
 
 from .config import LlamaConfig
-from .parallel import split as core_split
-from .parallel.split import ShardingError, padded_vocab_size, vocab_range
+from .parallel import splits as core_split
+from .parallel.splits import ShardingError, padded_vocab_size, vocab_range
 from .tensors import TensorSpec
 
 

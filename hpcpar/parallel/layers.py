@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from ..comm import Communicator
 from ..dtypes import at_least_float32
 from ..ops import Ops, embedding_lookup, native_ops
-from . import split
+from . import splits
 from .mappings import CopyToGroup, ReduceFromGroup
 from .params import Parameter
 
@@ -84,8 +84,8 @@ def _sink(sink, xp):
 def _vocab_rows(tp: Communicator, table, name: str) -> Parameter:
     """This rank's vocabulary rows of ``table``, zero rows after the vocabulary's end."""
     import numpy as np
-    per = split.padded_vocab_size(table.shape[0], tp.size) // tp.size
-    start, stop = split.vocab_range(table.shape[0], tp.rank, tp.size)
+    per = splits.padded_vocab_size(table.shape[0], tp.size) // tp.size
+    start, stop = splits.vocab_range(table.shape[0], tp.rank, tp.size)
     rows = np.zeros((per,) + tuple(table.shape[1:]), dtype=table.dtype) \
         if isinstance(table, np.ndarray) else tp.xp.zeros((per,) + table.shape[1:], table.dtype)
     rows[:stop - start] = table[start:stop]
@@ -126,7 +126,7 @@ class ColumnParallelLinear:
                   name: str = "") -> "ColumnParallelLinear":
         """From the whole ``weight`` [out, in] (and ``bias`` [out]), the same on every rank:
         this rank keeps output features [start_i, stop_i) (even, or cut at ``sizes``)."""
-        a, b = split.bounds(weight.shape[0], tp.size, sizes, what="output features")[tp.rank]
+        a, b = splits.bounds(weight.shape[0], tp.size, sizes, what="output features")[tp.rank]
         w = _keep(tp, weight[a:b], name)
         bs = [_keep(tp, bias[a:b], name + ".bias")] if bias is not None else None
         return cls(ops or native_ops(tp.xp), [w], bs, tp)
@@ -194,7 +194,7 @@ class RowParallelLinear:
                   name: str = "") -> "RowParallelLinear":
         """From the whole ``weight`` [out, in] (and ``bias`` [out], replicated): this rank
         keeps input features [start_i, stop_i) (even, or cut at ``sizes``)."""
-        a, b = split.bounds(weight.shape[1], tp.size, sizes, what="input features")[tp.rank]
+        a, b = splits.bounds(weight.shape[1], tp.size, sizes, what="input features")[tp.rank]
         w = _keep(tp, weight[:, a:b], name)
         bias = _keep(tp, bias, name + ".bias") if bias is not None else None
         return cls(ops or native_ops(tp.xp), w, bias, tp)
@@ -224,12 +224,12 @@ class VocabParallelEmbedding:
 
     def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
         self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
-        self.start, self.stop = split.vocab_range(vocab_size, tp.rank, tp.size)
+        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
 
     @classmethod
     def from_full(cls, tp: Communicator, table, name: str = "") -> "VocabParallelEmbedding":
         """From the whole table [vocab, hidden]: this rank keeps its vocabulary rows, padded
-        with zero rows to ceil(vocab / p) (``split.vocab_range``)."""
+        with zero rows to ceil(vocab / p) (``splits.vocab_range``)."""
         return cls(tp.xp, _vocab_rows(tp, table, name), table.shape[0], tp)
 
     def forward(self, ids):
@@ -260,7 +260,7 @@ class ParallelLMHead:
     def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator):
         self.ops, self.xp, self.weight, self.tp = ops, ops.xp, weight, tp
         self.vocab_size = vocab_size
-        self.start, self.stop = split.vocab_range(vocab_size, tp.rank, tp.size)
+        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
 
     @classmethod
     def from_full(cls, tp: Communicator, weight, ops: Ops | None = None,
@@ -312,7 +312,7 @@ class VocabParallelCrossEntropy:
 
     def __init__(self, ops: Ops | None, vocab_size: int, tp: Communicator):
         self.ce, self.tp = (ops or native_ops(tp.xp)).cross_entropy, tp
-        self.start, self.stop = split.vocab_range(vocab_size, tp.rank, tp.size)
+        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
 
     def forward(self, logits, labels, weights):
         """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).

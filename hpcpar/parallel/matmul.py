@@ -39,6 +39,7 @@ from typing import Sequence
 from ..errors import HpcparError
 from .darray import DArray, normalize_placements
 from .placement import Partial, Placement, Replicate, Shard
+from .splits import even_sizes
 
 POLICIES = ("duplicated", "inner", "inner_gather", "outer", "full", "local")
 R, P = Replicate(), Partial()
@@ -64,21 +65,25 @@ def _is(p, dim: int) -> bool:
     return isinstance(p, Shard) and p.dim == dim
 
 
-def _partitions(p: Shard, length: int, parts: int) -> bool:
-    return p.partitions(length, parts)
+def _whole(p, length: int, parts: int) -> bool:
+    """Not a shard, or one whose elements each live on one rank: a unit replicated on
+    several ranks would be summed twice by a Partial result or gradient."""
+    return not isinstance(p, Shard) or p.partitions(length, parts)
 
 
-def axis_rule(pa: Placement, pb: Placement, k: int, parts: int):
+def axis_rule(pa: Placement, pb: Placement, m: int, k: int, n: int, parts: int):
     """(Y, dA, dB) placements along one axis for the local product of pieces placed
-    (pa, pb), or None when that pair needs communication first."""
+    (pa, pb) of A (m, k) and B (k, n), or None when that pair needs communication first."""
+    if not (_whole(pa, (m, k)[getattr(pa, "dim", 0)], parts)
+            and _whole(pb, (k, n)[getattr(pb, "dim", 0)], parts)):
+        return None
     if pa == R and pb == R:
         return R, R, R
     if _is(pa, 0) and pb == R:
         return Shard(0, pa.sizes, pa.unit), pa, P
     if pa == R and _is(pb, 1):
         return Shard(1, pb.sizes, pb.unit), P, pb
-    if _is(pa, 1) and _is(pb, 0) and pa.bounds(k, parts) == pb.bounds(k, parts) \
-            and _partitions(pa, k, parts):
+    if _is(pa, 1) and _is(pb, 0) and pa.bounds(k, parts) == pb.bounds(k, parts):
         return P, pa, pb
     if pa == P and pb == R:
         return P, R, P
@@ -87,28 +92,24 @@ def axis_rule(pa: Placement, pb: Placement, k: int, parts: int):
     return None
 
 
-def _rules(a_pl, b_pl, k: int, sizes) -> list | None:
-    rules = [axis_rule(pa, pb, k, n) for pa, pb, n in zip(a_pl, b_pl, sizes)]
+def _rules(a_pl, b_pl, a_shape, b_shape, sizes) -> list | None:
+    (m, k), n = a_shape, b_shape[1]
+    rules = [axis_rule(pa, pb, m, k, n, parts) for pa, pb, parts in zip(a_pl, b_pl, sizes)]
     return None if any(r is None for r in rules) else rules
-
-
-def _unit_free(p) -> bool:
-    """A partition shard usable by the local rules (replicated units sum twice)."""
-    return not isinstance(p, Shard) or p.unit == 1
 
 
 def choose(a: DArray, b: DArray) -> tuple[str, tuple[int, ...]]:
     """The policy the operands' placements ask for, and the mesh axes it acts on."""
-    mesh, k = a.mesh, a.shape[1]
-    if _rules(a.placements, b.placements, k, mesh.sizes) is not None \
-            and all(map(_unit_free, a.placements + b.placements)):
-        pairs = list(zip(a.placements, b.placements))
+    mesh = a.mesh
+    pairs = list(zip(a.placements, b.placements))
+    if _rules(a.placements, b.placements, a.shape, b.shape, mesh.sizes) is not None:
         if all(pa == R and pb == R for pa, pb in pairs):
             return "duplicated", ()
         inner = tuple(i for i, (pa, pb) in enumerate(pairs) if _is(pa, 1) and _is(pb, 0))
         return ("inner", inner) if inner else ("local", ())
-    busy = [i for i, (pa, pb) in enumerate(zip(a.placements, b.placements))
-            if axis_rule(pa, pb, k, mesh.sizes[i]) is None]
+    (m, k), n = a.shape, b.shape[1]
+    busy = [i for i, (pa, pb) in enumerate(pairs)
+            if axis_rule(pa, pb, m, k, n, mesh.sizes[i]) is None]
     if len(busy) == 2:
         r, c = busy
         if _is(a.placements[r], 0) and _is(a.placements[c], 1) \
@@ -116,7 +117,7 @@ def choose(a: DArray, b: DArray) -> tuple[str, tuple[int, ...]]:
             return "full", (r, c)
     if len(busy) == 1:
         i = busy[0]
-        pa, pb = a.placements[i], b.placements[i]
+        pa, pb = pairs[i]
         if _is(pa, 1):
             return "inner_gather", (i,)
         if _is(pa, 0) and _is(pb, 0):
@@ -147,43 +148,45 @@ def _axes_for(policy: str, a: DArray, b: DArray, axis) -> tuple[int, ...]:
 
 def _inputs(policy: str, a: DArray, b: DArray, axes: tuple[int, ...]):
     """The placements A and B are multiplied in under ``policy``."""
-    mesh, k = a.mesh, a.shape[1]
+    mesh = a.mesh
+    (m, k), n = a.shape, b.shape[1]
     a_in, b_in = list(a.placements), list(b.placements)
-    for i in range(len(mesh.sizes)):          # axes the policy leaves alone: as they are if
-        if i in axes:                         # the local rules take them, else replicated
-            continue
-        if axis_rule(a_in[i], b_in[i], k, mesh.sizes[i]) is None or not (
-                _unit_free(a_in[i]) and _unit_free(b_in[i])):
-            a_in[i], b_in[i] = R, R
+    for i, parts in enumerate(mesh.sizes):    # axes the policy leaves alone: as they are if
+        if i not in axes and axis_rule(a_in[i], b_in[i], m, k, n, parts) is None:
+            a_in[i], b_in[i] = R, R           # the local rules take them, else replicated
     if policy == "full":
         if len(axes) != 2:
             raise PolicyError("matmul policy 'full' acts on two mesh axes (axis=(rows, cols))")
         r, c = axes
-        a_in[r], a_in[c] = _shard_like(a.placements[r], 0), R    # AllGather A along c
-        b_in[r], b_in[c] = R, _shard_like(b.placements[c], 1)    # AllGather B along r
+        a_in[r], a_in[c] = _shard_like(a.placements[r], 0, m, mesh.sizes[r]), R  # AllGather A
+        b_in[r], b_in[c] = R, _shard_like(b.placements[c], 1, n, mesh.sizes[c])  # AllGather B
         return a_in, b_in
-    if len(axes) != (0 if policy in ("duplicated", "local") else 1) and policy != "local":
+    if policy == "duplicated":
+        return [R] * len(mesh.sizes), [R] * len(mesh.sizes)
+    if policy != "local" and len(axes) != 1:
         raise PolicyError(f"matmul policy {policy!r} acts on one mesh axis, got {len(axes)}")
-    for i in axes:
-        pa, pb = a.placements[i], b.placements[i]
-        if policy == "duplicated":
-            a_in[i], b_in[i] = R, R
-        elif policy == "inner":
-            cut = pa if _is(pa, 1) and _unit_free(pa) else (
-                Shard(1, pb.sizes) if _is(pb, 0) and _unit_free(pb) else Shard(1))
-            a_in[i], b_in[i] = cut, Shard(0, cut.sizes)
+    for i in axes if policy != "local" else ():
+        pa, pb, parts = a.placements[i], b.placements[i], mesh.sizes[i]
+        if policy == "inner":
+            cut = pa if _is(pa, 1) and _whole(pa, k, parts) else (
+                Shard(1, pb.sizes, pb.unit) if _is(pb, 0) and _whole(pb, k, parts)
+                else _cut(1, k, parts))
+            a_in[i], b_in[i] = cut, Shard(0, cut.sizes, cut.unit)
         elif policy == "inner_gather":
             a_in[i] = R
-            b_in[i] = pb if _is(pb, 1) and _unit_free(pb) else R
+            b_in[i] = pb if _is(pb, 1) and _whole(pb, n, parts) else R
         elif policy == "outer":
-            a_in[i], b_in[i] = _shard_like(pa, 0), R
-    if policy == "duplicated":
-        a_in, b_in = [R] * len(mesh.sizes), [R] * len(mesh.sizes)
+            a_in[i], b_in[i] = _shard_like(pa, 0, m, parts), R
     return a_in, b_in
 
 
-def _shard_like(p, dim: int) -> Shard:
-    return p if _is(p, dim) and _unit_free(p) else Shard(dim)
+def _shard_like(p, dim: int, length: int, parts: int) -> Shard:
+    return p if _is(p, dim) and _whole(p, length, parts) else _cut(dim, length, parts)
+
+
+def _cut(dim: int, length: int, parts: int) -> Shard:
+    """A policy's own cut of an operand: even, or ``numpy.array_split``'s when uneven."""
+    return Shard(dim) if length % parts == 0 else Shard(dim, tuple(even_sizes(length, parts)))
 
 
 def _default_out(policy: str, y_pl: list) -> list:
@@ -227,7 +230,7 @@ def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
             raise PolicyError(f"matmul policy {policy!r} is not one of {', '.join(POLICIES)}")
         axes = _axes_for(policy, a, b, axis)
     a_in, b_in = _inputs(policy, a, b, axes)
-    rules = _rules(a_in, b_in, a.shape[1], mesh.sizes)
+    rules = _rules(a_in, b_in, a.shape, b.shape, mesh.sizes)
     if rules is None:
         raise PolicyError(f"matmul policy {policy!r} cannot multiply A {a.placement_text()} "
                           f"by B {b.placement_text()}")
@@ -258,7 +261,7 @@ def matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements=None,
     mesh, xp = ctx.a.mesh, ctx.a.mesh.backend.xp
     a, b = ctx.a, ctx.b
     dy = dy.redistribute(gradient_placements(ctx.y_placements))
-    rules = _rules(a.placements, b.placements, a.shape[1], mesh.sizes)
+    rules = _rules(a.placements, b.placements, a.shape, b.shape, mesh.sizes)
     da = DArray(local_product(xp, dy.local, b.local.T), a.shape, mesh, [r[1] for r in rules])
     db = DArray(local_product(xp, a.local.T, dy.local), b.shape, mesh, [r[2] for r in rules])
     return (da.redistribute(da_placements or gradient_placements(ctx.a_placements)),
@@ -273,7 +276,7 @@ def communication(a: DArray, b: DArray, policy: str | None = None, axis=None,
     mesh = a.mesh
     name, axes = choose(a, b) if policy is None else (policy, _axes_for(policy, a, b, axis))
     a_in, b_in = _inputs(name, a, b, axes)
-    rules = _rules(a_in, b_in, a.shape[1], mesh.sizes)
+    rules = _rules(a_in, b_in, a.shape, b.shape, mesh.sizes)
     if rules is None:
         raise PolicyError(f"matmul policy {name!r} cannot multiply these placements")
     y_pl = [r[0] for r in rules]

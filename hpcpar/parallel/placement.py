@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import split
+from . import splits
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ class Shard:
 
     def bounds(self, length: int, parts: int) -> list[tuple[int, int]]:
         """Every rank's [start, stop) of a dimension of ``length`` over ``parts`` ranks."""
-        return split.bounds(length, parts, self.sizes, self.unit, f"dimension {self.dim}")
+        return splits.bounds(length, parts, self.sizes, self.unit, f"dimension {self.dim}")
 
     def partitions(self, length: int, parts: int) -> bool:
         """Whether each element lives on exactly one rank (no replicated units)."""
-        return split.is_partition(self.bounds(length, parts))
+        return splits.is_partition(self.bounds(length, parts))
 
     def __repr__(self) -> str:
         extra = "".join([f", sizes={self.sizes}" if self.sizes is not None else "",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..config import LlamaConfig
 from ..parallel.params import GradSink, Parameter
-from ..parallel.split import unit_replicas
+from ..parallel.splits import unit_replicas
 from ..sharding import Split, split_of
 from ..tensors import EMBED, TensorSpec
 

@@ -1,0 +1,152 @@
+"""The parallel core's pure parts, without MPI: split rules, mesh coordinates, redistribution
+plans, matmul policy choice on a one-rank mesh, micro-batch split, and the errors of bad
+input. The multi-rank behaviour is in test_parallel_mpi.py."""
+
+import numpy as np
+import pytest
+
+from hpcpar.dtypes import bfloat16
+from hpcpar.parallel import splits
+from hpcpar.parallel.mesh import MeshError, group_members, mesh_coords, mesh_rank, resolve_shape
+from hpcpar.parallel.placement import Partial, Replicate, Shard
+from hpcpar.parallel.redistribute import plan
+
+R, P = Replicate(), Partial()
+
+
+def test_bounds_even_uneven_and_by_units():
+    assert splits.bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert splits.bounds(7, 3, sizes=[3, 2, 2]) == [(0, 3), (3, 5), (5, 7)]
+    assert splits.bounds(12, 2, unit=3) == [(0, 6), (6, 12)]               # 2 heads each
+    # 2 KV heads of 4 over 8 ranks: each head on 4 consecutive ranks (GQA)
+    assert splits.bounds(8, 8, unit=4) == [(0, 4)] * 4 + [(4, 8)] * 4
+    assert splits.unit_replicas(8, 8, unit=4) == 4
+    assert splits.even_sizes(10, 4) == [3, 3, 2, 2]
+
+
+def test_bounds_refuse_what_does_not_split_with_the_numbers():
+    with pytest.raises(splits.ShardingError, match=r"length 10 does not split evenly over 4 "
+                                                   r"ranks; pass sizes=\[3, 3, 2, 2\]"):
+        splits.bounds(10, 4)
+    with pytest.raises(splits.ShardingError, match="adding up to 10"):
+        splits.bounds(10, 2, sizes=[4, 5])
+    with pytest.raises(splits.ShardingError, match="3 units of 4"):
+        splits.bounds(12, 2, unit=4)
+    assert splits.unit_split_problem(3, 2) == "3 is neither a multiple nor a divisor of 2"
+    assert splits.unit_split_problem(2, 8) is None
+    assert splits.unit_split_problem(2, 8, replicate=False) == "2 is not divisible by 8"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16, np.float64, np.int64,
+                                   np.int32])
+@pytest.mark.parametrize("axis,parts,sizes,unit", [(0, 3, None, 1), (1, 2, [5, 1], 1),
+                                                   (1, 3, None, 2), (0, 4, [0, 2, 3, 1], 1)])
+def test_split_and_merge_are_inverses(dtype, axis, parts, sizes, unit):
+    full = (np.arange(6 * 6).reshape(6, 6) % 17).astype(dtype)
+    pieces = splits.split(full, axis, parts, sizes, unit)
+    assert sum(p.shape[axis] for p in pieces) == 6
+    assert all(p.dtype == np.dtype(dtype) for p in pieces)
+    np.testing.assert_array_equal(splits.merge(pieces, axis, sizes, unit), full)
+
+
+def test_merge_of_replicated_units_needs_the_length():
+    full = np.arange(8.0).reshape(1, 8)
+    pieces = splits.split(full, 1, 4, unit=4)          # 2 units over 4 ranks
+    assert [p[0, 0] for p in pieces] == [0, 0, 4, 4]
+    np.testing.assert_array_equal(splits.merge(pieces, 1, unit=4, length=8), full)
+
+
+def test_vocab_range_pads_the_last_blocks():
+    assert [splits.vocab_range(10, r, 4) for r in range(4)] == [(0, 3), (3, 6), (6, 9),
+                                                                (9, 10)]
+    assert splits.padded_vocab_size(10, 4) == 12
+
+
+def test_mesh_coordinates_and_groups_are_row_major():
+    sizes = (2, 2, 2)                                   # dp, pp, tp
+    assert [mesh_coords(r, sizes) for r in (0, 1, 2, 5)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0),
+                                                             (1, 0, 1)]
+    assert all(mesh_rank(mesh_coords(r, sizes), sizes) == r for r in range(8))
+    assert group_members(5, sizes, (2,)) == [4, 5]                 # tp
+    assert group_members(5, sizes, (0,)) == [1, 5]                 # dp
+    assert group_members(5, sizes, (1, 2)) == [4, 5, 6, 7]         # pp x tp
+
+
+def test_mesh_shape_errors_give_the_numbers():
+    assert resolve_shape({"dp": -1, "tp": 2}, 8) == {"dp": 4, "tp": 2}
+    with pytest.raises(MeshError, match=r"dp\(2\) \* pp\(2\) \* tp\(4\) = 16 != world size 8"):
+        resolve_shape({"dp": 2, "pp": 2, "tp": 4}, 8)
+    with pytest.raises(MeshError, match="do not divide"):
+        resolve_shape({"x": -1, "y": 3}, 8)
+    with pytest.raises(MeshError, match="at most one -1"):
+        resolve_shape({"x": -1, "y": -1}, 8)
+
+
+def _ops(steps):
+    return [(s.axis, s.op) for s in steps]
+
+
+def test_plans_use_the_fewest_collectives():
+    shape = (8, 8)
+    assert _ops(plan(shape, (2,), [Shard(0)], [R])) == [(0, "all_gather")]
+    assert _ops(plan(shape, (2,), [P], [R])) == [(0, "all_reduce")]
+    assert _ops(plan(shape, (2,), [P], [Shard(1)])) == [(0, "reduce_scatter")]
+    assert _ops(plan(shape, (2,), [Shard(0)], [Shard(1)])) == [(0, "all_to_all")]
+    assert _ops(plan(shape, (2,), [R], [Shard(0)])) == [(0, "slice")]
+    assert _ops(plan(shape, (2,), [Shard(0)], [P])) == [(0, "zero_pad")]
+    assert _ops(plan(shape, (2,), [R], [P])) == [(0, "keep_one")]
+    assert plan(shape, (2, 2), [Shard(0), Shard(1)], [Shard(0), Shard(1)]) == []
+    # unchanged outer shard, inner one changes: only the inner axis moves
+    assert _ops(plan(shape, (2, 2), [Shard(0), Shard(0)], [Shard(0), R])) == [(1, "all_gather")]
+    # the outer shard of a doubly-sharded dim changes: inner first, then cut again
+    assert _ops(plan(shape, (2, 2), [Shard(0), Shard(0)], [R, Shard(0)])) == [
+        (1, "all_gather"), (0, "all_gather"), (1, "slice")]
+    # replicated units cannot be summed as a partition: through Replicate instead
+    assert _ops(plan((8, 8), (4,), [Shard(1, unit=4)], [P])) == [(0, "all_gather"),
+                                                                   (0, "keep_one")]
+
+
+def test_placements_read_as_they_are_written():
+    assert repr(Shard(1, sizes=[3, 2])) == "Shard(1, sizes=(3, 2))"
+    assert repr(Shard(0, unit=64)) == "Shard(0, unit=64)"
+    assert (repr(R), repr(P)) == ("Replicate()", "Partial()")
+    assert Shard(0) == Shard(0) and Shard(0) != Shard(0, sizes=(1, 1))
+
+
+def test_one_rank_mesh_runs_every_policy_locally(comm):
+    import hpcpar.parallel as hp
+    from mpi4py import MPI
+    mesh = hp.Mesh(MPI.COMM_SELF, {"x": 1})
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 5)), rng.standard_normal((5, 2))
+    for policy in ("duplicated", "inner", "inner_gather", "outer"):
+        y = hp.matmul(hp.DArray.from_full(a, mesh, {}), hp.DArray.from_full(b, mesh, {}),
+                      policy=policy)
+        np.testing.assert_allclose(y.full(), a @ b, rtol=1e-12)
+
+
+def test_bad_operands_are_one_clear_error():
+    import hpcpar.parallel as hp
+    from mpi4py import MPI
+    mesh, other = hp.Mesh(MPI.COMM_SELF, {"x": 1}), hp.Mesh(MPI.COMM_SELF, {"x": 1})
+    a = hp.DArray.from_full(np.ones((2, 3)), mesh, {})
+    with pytest.raises(hp.PolicyError, match="different meshes"):
+        hp.matmul(a, hp.DArray.from_full(np.ones((3, 2)), other, {}))
+    with pytest.raises(hp.PolicyError, match=r"do not share the inner dimension \(3 != 4\)"):
+        hp.matmul(a, hp.DArray.from_full(np.ones((4, 2)), mesh, {}))
+    with pytest.raises(hp.PolicyError, match="not one of"):
+        hp.matmul(a, hp.DArray.from_full(np.ones((3, 2)), mesh, {}), policy="diagonal")
+    with pytest.raises(hp.PlacementError, match="no dimension 2"):
+        hp.DArray.from_full(np.ones((2, 3)), mesh, {"x": hp.Shard(2)})
+    with pytest.raises(hp.MeshError, match="not 'y'"):
+        hp.DArray.from_full(np.ones((2, 3)), mesh, {"y": hp.Shard(0)})
+
+
+def test_micro_batches_split_and_join():
+    import hpcpar.parallel as hp
+    x = np.arange(20).reshape(10, 2)
+    parts = hp.split_micro_batches(x, 4)
+    assert [len(p) for p in parts] == [3, 3, 2, 2]
+    np.testing.assert_array_equal(hp.concat_micro_batches(parts), x)
+    with pytest.raises(hp.HpcparError, match="cannot cut 10 rows into 11"):
+        hp.split_micro_batches(x, 11)
