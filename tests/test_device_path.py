@@ -154,7 +154,7 @@ def _held_bytes(obj) -> int:
             for v in x.values():
                 walk(v)
         elif hasattr(x, "__dict__") and not isinstance(x, type) and x.__class__.__module__ \
-                .startswith("hpcpar.model"):
+                .startswith(("hpcpar.model", "hpcpar.parallel")):    # the model and its layers
             for v in vars(x).values():
                 walk(v)
 

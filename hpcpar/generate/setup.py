@@ -11,17 +11,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backend import NUMPY, select_backend
 from ..checkpoint import Checkpoint, init_checkpoint, load_shard
-from ..comm import CommStats, create_communicator
+from ..comm import CommStats
 from ..config import ParallelConfig
 from ..faults import fault_point
 from ..jobs import PRESET_PREFIX, Job
-from ..launch import everyone, local_rank, phase, set_board, set_location
+from ..launch import everyone, phase
 from ..mesh import Mesh
 from ..model import LlamaStage
 from ..ops import ops_for
 from ..pipeline.partition import stage_layers
+from ..runtime import open_runtime
 from ..tensors import stage_tensors
 from ..watchdog import ActionBoard
 
@@ -75,17 +75,8 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
                dtype: np.dtype) -> InferenceRank:
     """Collective over ``comm``: this rank's place, device, communicators and stage."""
     cfg = ckpt.config
-    mesh = Mesh(comm, layout)
-    set_location(mesh.describe())
-    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm), dtype)
-    stats = CommStats()
-    timeout = job.parallel.timeout
-    tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
-    # Pipeline messages stay on MPI: NCCL point-to-point on one stream would queue compute
-    # behind receives posted ahead.
-    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
-    board = ActionBoard(comm, layout)
-    set_board(board)
+    rt = open_runtime(comm, job, layout, dtype)
+    mesh, backend, tp = rt.mesh, rt.backend, rt.tp
     layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.pp_rank, layout.stage_layers)
     specs = stage_tensors(cfg, layers, mesh.is_first_stage, mesh.is_last_stage)
     with phase("loading the checkpoint"):
@@ -95,5 +86,4 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
     stage = LlamaStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
                                     mesh.is_last_stage, tp, ops_for(backend), dtype)
     backend.release_unused_device_memory()
-    world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
-    return InferenceRank(mesh, backend, stats, tp, pp, world, board, stage, shard)
+    return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard)

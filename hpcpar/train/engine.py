@@ -17,28 +17,27 @@ from time import perf_counter
 
 import numpy as np
 
-from ..backend import NUMPY, select_backend
 from ..checkpoint import Checkpoint, load_shard, open_checkpoint
-from ..comm import CommStats, create_communicator
+from ..comm import create_communicator
 from ..faults import fault_point
 from ..generate.setup import resolve_checkpoint
 from ..jobs import Job
-from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone,
-                      local_rank, phase, print_error, set_board, set_location,
-                      set_timeout)
+from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase,
+                      print_error, set_timeout)
 from ..mesh import Mesh
 from ..ops import ops_for
 from ..outputs import claimed
+from ..parallel.data_parallel import GradientReducer, local_sq_norm
+from ..parallel.optim import (STATE_NAMES, LossScaler, Optimizer, clip_coefficient,
+                              learning_rate)
 from ..pipeline.executor import PipelineExecutor
 from ..pipeline.training_schedules import training_schedule
+from ..runtime import open_runtime
 from ..tensors import stage_tensors
-from ..watchdog import ActionBoard
 from . import checkpoint as tc
 from .chunk import Batch, ModelChunk
 from .data import label_count, make_batches, sample_indices
-from ..parallel.data_parallel import GradientReducer, local_sq_norm
 from .grads import sum_replicated
-from ..parallel.optim import STATE_NAMES, LossScaler, Optimizer, clip_coefficient, learning_rate
 from .params import kv_replicas, make_params
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
@@ -66,20 +65,11 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     with claimed(comm, plan.out_dir, folder=True):   # one job writes this folder
         if rank == 0:
             tc.remove_partial(plan.out_dir)
-        mesh = Mesh(comm, layout)
-        set_location(mesh.describe())
-        backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm),
-                           plan.dtype)
-        xp = backend.xp
-        stats = CommStats()
-        timeout = job.parallel.timeout
-        tp = create_communicator(mesh.tp_comm, job.parallel.comm, backend, stats, "tp", timeout)
-        pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
-        dp = create_communicator(mesh.dp_comm, job.parallel.comm, backend, stats, "dp", timeout)
+        rt = open_runtime(comm, job, layout, plan.dtype, data_parallel=True)
+        mesh, backend, stats = rt.mesh, rt.backend, rt.stats
+        tp, pp, dp, world, board = rt.tp, rt.pp, rt.dp, rt.world, rt.board
+        xp, timeout = backend.xp, job.parallel.timeout
         kv_comm = _kv_group(mesh, cfg, backend, stats, timeout)
-        world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
-        board = ActionBoard(comm, layout)
-        set_board(board)
 
         with phase("loading the checkpoint"):
             chunks, params, states = _load(comm, mesh, plan, ckpt, tp, backend,

@@ -1,0 +1,50 @@
+"""What every job sets up on every rank before its first step, written once for generation,
+scoring and training: the mesh, the device, the communicators and the watchdog's board.
+
+The tensor-parallel and data-parallel groups use the job's communicator choice (MPI or
+NCCL); pipeline messages stay on MPI (NCCL point-to-point on one stream would queue compute
+behind receives posted ahead); ``world`` carries host metadata over MPI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import NUMPY, ArrayBackend, select_backend
+from .comm import CommStats, Communicator, create_communicator
+from .config import ParallelConfig
+from .jobs import Job
+from .launch import everyone, local_rank, set_board, set_location
+from .mesh import Mesh
+from .watchdog import ActionBoard
+
+
+@dataclass
+class Runtime:
+    mesh: Mesh
+    backend: ArrayBackend
+    stats: CommStats
+    tp: Communicator
+    pp: Communicator
+    dp: Communicator | None     # only where the job reduces over replicas (training)
+    world: Communicator         # every rank, host arrays (MPI)
+    board: ActionBoard
+
+
+def open_runtime(comm, job: Job, layout: ParallelConfig, dtype: np.dtype,
+                 data_parallel: bool = False) -> Runtime:
+    """Collective over ``comm``: this rank's place in the mesh, device and communicators."""
+    mesh = Mesh(comm, layout)
+    set_location(mesh.describe())
+    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm), dtype)
+    stats, timeout, kind = CommStats(), job.parallel.timeout, job.parallel.comm
+    tp = create_communicator(mesh.tp_comm, kind, backend, stats, "tp", timeout)
+    pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
+    dp = (create_communicator(mesh.dp_comm, kind, backend, stats, "dp", timeout)
+          if data_parallel else None)
+    world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
+    board = ActionBoard(comm, layout)
+    set_board(board)
+    return Runtime(mesh, backend, stats, tp, pp, dp, world, board)
