@@ -5,8 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcpar.pipeline.partition import stage_layer_counts
+from hpcpar.generate.schedule import generation
 from hpcpar.pipeline.schedule import (Action, Op, bubble_fraction, decode, draw, encode,
-                                      generation, gpipe_forward, schedule_problems, simulate)
+                                      gpipe_forward, schedule_problems, simulate)
 
 
 @settings(max_examples=60, deadline=None)
@@ -18,7 +19,7 @@ def test_generation_schedules_run_to_the_end(stages, micro_batches, steps):
     expected = [(m, t) for t in range(steps) for m in range(micro_batches)]
     assert all(f == expected for f in forwards)      # every stage runs every (mb, step) once
     if stages > 1:  # tokens go back from the last stage for every step but the last
-        back = [a for a in schedule[-1] if a.op is Op.SEND_TOKENS]
+        back = [a for a in schedule[-1] if a.op is Op.SEND_LOOP]
         assert len(back) == micro_batches * (steps - 1)
 
 

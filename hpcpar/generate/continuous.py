@@ -32,7 +32,8 @@ import numpy as np
 from ..faults import fault_point
 from ..model import CacheRows, LlamaStage, kv_cache_bytes
 from ..ops import AttentionRows
-from ..pipeline.schedule import Action, Op, generation
+from ..pipeline.schedule import Action, Op
+from .schedule import generation
 from .batching import MicroBatch
 from .program import GenerationSettings, ReplicaProgram
 from .sampling import PromptSampling, next_tokens

@@ -27,7 +27,7 @@ from ..faults import fault_point
 from ..outputs import check_output, claimed
 from ..replicas import owners
 from ..pipeline.executor import PipelineExecutor
-from ..pipeline.schedule import generation
+from .schedule import generation
 from .batching import micro_batches, replica_rows
 from .output import PartialOutput, unpad_into
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps

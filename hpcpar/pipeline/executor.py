@@ -268,7 +268,7 @@ class _HeaderFrame:
         self.payload = None
 
 
-_SENDER_OF = {Op.RECV: Op.SEND, Op.RECV_TOKENS: Op.SEND_TOKENS, Op.RECV_GRAD: Op.SEND_GRAD}
+_SENDER_OF = {Op.RECV: Op.SEND, Op.RECV_LOOP: Op.SEND_LOOP, Op.RECV_GRAD: Op.SEND_GRAD}
 _RECEIVER_OF = {send: recv for recv, send in _SENDER_OF.items()}
 
 

@@ -3,8 +3,8 @@
 An executor only runs these lists; nothing here touches MPI or arrays, so a schedule can be
 checked (``schedule_problems``), drawn (``draw``) and tested on its own.
 
-Actions name a micro-batch ``mb`` and a ``step`` (0 for a plain forward pass; in generation,
-step 0 is the prefill and step t > 0 the t-th decode step). Messages are matched in order
+Actions name a micro-batch ``mb`` and a ``step`` (0 for a plain forward pass; a program that
+runs each micro-batch several times, as generation's token loop does, counts them). Messages are matched in order
 per (sender, receiver, channel), as MPI and NCCL deliver them.
 
 GPipe forward over S = 3 stages, M = 2 micro-batches (R recv, F forward, S send):
@@ -13,8 +13,9 @@ GPipe forward over S = 3 stages, M = 2 micro-batches (R recv, F forward, S send)
     stage 1:  R0 F0 S0  R1 F1 S1
     stage 2:  R0 F0  R1 F1
 
-Generation adds a channel back from the last stage to the first (the sampled tokens), so the
-micro-batches circulate and every stage stays busy when M >= S.
+A loop channel goes back from the last stage to the first, for programs whose micro-batches
+circulate (generation, ``hpcpar.generate.schedule``: the sampled tokens return to stage 0,
+and every stage stays busy when M >= S).
 Training schedules (``training_schedules``) add backward passes and the gradient channel
 back through the stages to the same lists; an action's ``chunk`` names which of a stage's
 model chunks it runs (the interleaved schedule holds several per stage).
@@ -30,8 +31,8 @@ class Op(Enum):
     RECV = "recv"                 # activations from the previous stage
     FORWARD = "forward"
     SEND = "send"                 # activations to the next stage
-    RECV_TOKENS = "recv_tokens"   # sampled tokens from the last stage (generation, stage 0)
-    SEND_TOKENS = "send_tokens"   # sampled tokens to the first stage (generation, last stage)
+    RECV_LOOP = "recv_loop"       # from the last stage back to the first (stage 0)
+    SEND_LOOP = "send_loop"       # from the last stage back to the first (last stage)
     BACKWARD = "backward"         # B: input and weight gradients of one chunk
     BACKWARD_INPUT = "backward_input"    # I: the input-gradient half of B (zero-bubble)
     BACKWARD_WEIGHT = "backward_weight"  # W: the weight-gradient half, run later
@@ -39,8 +40,8 @@ class Op(Enum):
     RECV_GRAD = "recv_grad"       # output gradients from the next stage
 
 
-SENDS = {Op.SEND: "activations", Op.SEND_TOKENS: "tokens", Op.SEND_GRAD: "gradients"}
-RECVS = {Op.RECV: "activations", Op.RECV_TOKENS: "tokens", Op.RECV_GRAD: "gradients"}
+SENDS = {Op.SEND: "activations", Op.SEND_LOOP: "loop", Op.SEND_GRAD: "gradients"}
+RECVS = {Op.RECV: "activations", Op.RECV_LOOP: "loop", Op.RECV_GRAD: "gradients"}
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
 OP_CODES = {op: i for i, op in enumerate(Op)}
 LETTERS = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
@@ -68,7 +69,7 @@ class Action:
 Schedule = list[list[Action]]     # schedule[stage] = that stage's actions, in order
 
 
-def _forward_pass(stage: int, num_stages: int, mb: int, step: int) -> list[Action]:
+def forward_pass(stage: int, num_stages: int, mb: int, step: int) -> list[Action]:
     out = []
     if stage > 0:
         out.append(Action(Op.RECV, mb, step, stage - 1))
@@ -80,29 +81,8 @@ def _forward_pass(stage: int, num_stages: int, mb: int, step: int) -> list[Actio
 
 def gpipe_forward(num_stages: int, num_micro_batches: int) -> Schedule:
     """All micro-batches forward through every stage in order (GPipe's forward half)."""
-    return [[a for mb in range(num_micro_batches) for a in _forward_pass(s, num_stages, mb, 0)]
+    return [[a for mb in range(num_micro_batches) for a in forward_pass(s, num_stages, mb, 0)]
             for s in range(num_stages)]
-
-
-def generation(num_stages: int, num_micro_batches: int, num_steps: int) -> Schedule:
-    """Prefill (step 0) then ``num_steps - 1`` decode steps for every micro-batch.
-
-    Step t of micro-batch m needs the token the last stage sampled at step t - 1, so the last
-    stage sends it back to stage 0 (unless there is one stage). Micro-batches are interleaved
-    step by step: while m waits for its token, stage 0 runs m + 1, ... Each step produces one
-    token per row; the last step's tokens stay on the last stage.
-    """
-    last = num_stages - 1
-    schedule: Schedule = [[] for _ in range(num_stages)]
-    for step in range(num_steps):
-        for mb in range(num_micro_batches):
-            for s in range(num_stages):
-                if s == 0 and step > 0 and last > 0:
-                    schedule[s].append(Action(Op.RECV_TOKENS, mb, step - 1, last))
-                schedule[s] += _forward_pass(s, num_stages, mb, step)
-                if s == last and last > 0 and step < num_steps - 1:
-                    schedule[s].append(Action(Op.SEND_TOKENS, mb, step, 0))
-    return schedule
 
 
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:

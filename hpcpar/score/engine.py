@@ -34,7 +34,7 @@ from ..launch import everyone, phase, set_timeout
 from ..mesh import Mesh
 from ..outputs import check_output, claimed
 from ..pipeline.executor import PipelineExecutor
-from ..pipeline.schedule import generation
+from ..generate.schedule import generation
 from ..replicas import ReplicaChannel, owners
 from .data import ScoreData, check_score_data, load_score_data
 from .program import ScoringProgram
