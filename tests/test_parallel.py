@@ -150,3 +150,28 @@ def test_micro_batches_split_and_join():
     np.testing.assert_array_equal(hp.concat_micro_batches(parts), x)
     with pytest.raises(hp.HpcparError, match="cannot cut 10 rows into 11"):
         hp.split_micro_batches(x, 11)
+
+
+@pytest.mark.gpu
+def test_the_core_on_cupy_arrays():
+    """One rank on a GPU: distributed arrays, a policy's product and backward, the layers and
+    a pipeline step keep CuPy arrays on the device and equal NumPy's (not yet run on a GPU)."""
+    from mpi4py import MPI
+
+    import hpcpar.parallel as hp
+    from hpcpar.backend import select_backend
+    backend = select_backend("cupy")
+    mesh = hp.Mesh(MPI.COMM_SELF, {"x": 1}, backend=backend)
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal((4, 3)).astype(
+        np.float32)
+    y, ctx = hp.matmul_forward(hp.DArray.from_full(a, mesh, [hp.Shard(1)]),
+                               hp.DArray.from_full(b, mesh, [hp.Shard(0)]))
+    assert type(y.local).__module__.startswith("cupy")
+    np.testing.assert_allclose(backend.to_host(y.full()), a @ b, rtol=1e-5)
+    da, _ = hp.matmul_backward(y.like(y.local * 0 + 1), ctx)
+    np.testing.assert_allclose(backend.to_host(da.full()), np.ones((6, 3)) @ b.T, rtol=1e-5)
+    tp = mesh.group("x")
+    col = hp.ColumnParallelLinear.from_full(tp, a.T.copy())
+    z, _ = col.forward(backend.asarray(rng.standard_normal((2, 6)).astype(np.float32)))
+    assert type(z).__module__.startswith("cupy")

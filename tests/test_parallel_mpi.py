@@ -424,6 +424,22 @@ def test_a_schedule_that_cannot_run_is_refused_before_the_first_step(comm):
             else pytest.fail("micro_batches 3 is not a multiple of pp")
 
 
+def test_bad_shapes_and_operands_are_one_error_on_every_rank(comm):
+    n = comm.Get_size()
+    mesh = hp.Mesh(comm, {"x": n}, backend=backend(), timeout=30)
+    other = hp.Mesh(comm, {"x": n}, backend=backend(), timeout=30)
+    with pytest.raises(hp.ShardingError, match=f"length {n + 1} does not split evenly over "
+                                               f"{n} ranks; pass sizes="):
+        hp.DArray.from_full(np.zeros((n + 1, 2)), mesh, [S0])
+    a = hp.DArray.from_full(np.ones((4, 2 * n)), mesh, [S0])
+    with pytest.raises(hp.PolicyError, match="different meshes"):
+        hp.matmul(a, hp.DArray.from_full(np.ones((2 * n, 3)), other, [R]))
+    with pytest.raises(hp.PolicyError, match="fit none of the policies"):
+        hp.matmul(a, hp.DArray.from_full(np.ones((2 * n, 2 * n)), mesh, [S1]))
+    with pytest.raises(hp.MeshError, match=rf"x\({n}\) \* y\(2\) = {2 * n} != world size {n}"):
+        hp.Mesh(comm, {"x": n, "y": 2})
+
+
 def test_gradient_buckets_sum_over_replicas_and_the_norm(comm):
     n, r = comm.Get_size(), comm.Get_rank()
     mesh = hp.Mesh(comm, {"dp": n}, backend=backend(), timeout=60)

@@ -81,15 +81,11 @@ class GatherFromGroup:
 
 
 class ReduceScatterToGroup:
-    """Sum over the group and keep this rank's slice along ``axis``; the backward gathers."""
+    """Sum over the group and keep this rank's slice along ``axis``; the backward gathers:
+    ``GatherFromGroup`` read the other way round."""
 
-    @staticmethod
-    def forward(x, group: Communicator, axis: int = 0, sizes=None):
-        return group.reduce_scatter(x, axis=axis, sizes=sizes)
-
-    @staticmethod
-    def backward(dy, group: Communicator, axis: int = 0, sizes=None):
-        return group.all_gather(dy, axis=axis, sizes=sizes)
+    forward = staticmethod(GatherFromGroup.backward)
+    backward = staticmethod(GatherFromGroup.forward)
 
 
 f = CopyToGroup
