@@ -418,10 +418,10 @@ def test_a_schedule_that_cannot_run_is_refused_before_the_first_step(comm):
     m = 2 if mesh.rank == 0 else 3                     # the ranks disagree on the count
     with pytest.raises(hp.HpcparError, match="pipeline schedule check failed"):
         pipe.train_step([xp.asarray(np.ones((1, D)))] * m, [None] * m)
-    with pytest.raises(hp.HpcparError, match="micro_batches 3 is not a multiple of pp"):
-        hp.Pipeline(mesh.group("pp"), [TanhLayer(np.eye(D), xp)] * 2, schedule="interleaved",
-                    loss=_loss).train_step([None] * 3, [None] * 3) if n > 1 and 3 % n \
-            else pytest.fail("micro_batches 3 is not a multiple of pp")
+    chunks = [TanhLayer(np.eye(D), xp), TanhLayer(np.eye(D), xp)]
+    interleaved = hp.Pipeline(mesh.group("pp"), chunks, schedule="interleaved", loss=_loss)
+    with pytest.raises(hp.HpcparError, match=f"micro_batches {n + 1} is not a multiple of pp"):
+        interleaved.train_step([None] * (n + 1), [None] * (n + 1))
 
 
 def test_bad_shapes_and_operands_are_one_error_on_every_rank(comm):

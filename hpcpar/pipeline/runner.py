@@ -136,11 +136,11 @@ class Pipeline:
         previous = waits.current_alarm()
         waits.listen_for_alarm(lambda: self._errors.alarm() or (previous() if previous
                                                                 else None))
+        if key not in self._checked:       # collective, and every rank fails alike
+            executor.preflight(actions)
+            self._checked.add(key)
         self._errors.listen()
         try:
-            if key not in self._checked:
-                executor.preflight(actions)
-                self._checked.add(key)
             executor.run(actions)
         except PeerFailed:
             raise
