@@ -431,7 +431,7 @@ def test_bad_shapes_and_operands_are_one_error_on_every_rank(comm):
     with pytest.raises(hp.ShardingError, match=f"length {n + 1} does not split evenly over "
                                                f"{n} ranks; pass sizes="):
         hp.DArray.from_full(np.zeros((n + 1, 2)), mesh, [S0])
-    a = hp.DArray.from_full(np.ones((4, 2 * n)), mesh, [S0])
+    a = hp.DArray.from_full(np.ones((2 * n, 2 * n)), mesh, [S0])
     with pytest.raises(hp.PolicyError, match="different meshes"):
         hp.matmul(a, hp.DArray.from_full(np.ones((2 * n, 3)), other, [R]))
     with pytest.raises(hp.PolicyError, match="fit none of the policies"):
