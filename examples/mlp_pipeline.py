@@ -21,8 +21,10 @@ D_IN, HIDDEN, D_OUT, BATCH, MICRO_BATCHES, STEPS, LR = 6, 8, 3, 16, 4, 5, 1e-2
 
 def make_data(seed=0):
     rng = np.random.default_rng(seed)
-    weights = dict(w1=rng.standard_normal((HIDDEN, D_IN)) * 0.5, b1=rng.standard_normal(HIDDEN) * 0.1,
-                   w2=rng.standard_normal((D_OUT, HIDDEN)) * 0.5, b2=rng.standard_normal(D_OUT) * 0.1)
+    weights = dict(w1=rng.standard_normal((HIDDEN, D_IN)) * 0.5,
+                   b1=rng.standard_normal(HIDDEN) * 0.1,
+                   w2=rng.standard_normal((D_OUT, HIDDEN)) * 0.5,
+                   b2=rng.standard_normal(D_OUT) * 0.1)
     batches = [(rng.standard_normal((BATCH, D_IN)), rng.standard_normal((BATCH, D_OUT)))
                for _ in range(STEPS)]
     return weights, batches

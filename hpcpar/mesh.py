@@ -97,7 +97,6 @@ class Mesh:
         self.rank = world.Get_rank()
         self.coords = coords_of(self.rank, layout)
         self.core = CoreMesh(world, dict(zip(AXES, _sizes(layout))))
-        self.cart = self.core.cart
         self.dp_comm, self.pp_comm, self.tp_comm = (self.core.group(a).mpi_comm for a in AXES)
 
     @property

@@ -113,7 +113,7 @@ def test_placements_read_as_they_are_written():
     assert Shard(0) == Shard(0) and Shard(0) != Shard(0, sizes=(1, 1))
 
 
-def test_one_rank_mesh_runs_every_policy_locally(comm):
+def test_one_rank_mesh_runs_every_policy_locally():
     import hpcpar.parallel as hp
     from mpi4py import MPI
     mesh = hp.Mesh(MPI.COMM_SELF, {"x": 1})
@@ -175,3 +175,22 @@ def test_the_core_on_cupy_arrays():
     col = hp.ColumnParallelLinear.from_full(tp, a.T.copy())
     z, _ = col.forward(backend.asarray(rng.standard_normal((2, 6)).astype(np.float32)))
     assert type(z).__module__.startswith("cupy")
+
+
+def test_every_public_name_resolves_and_the_pure_modules_stay_free_of_mpi():
+    """``hpcpar.parallel`` loads its names on first use: each exported name is the object
+    documented (not a submodule of the same name), and importing the split rules, as the
+    configuration does, starts no MPI."""
+    import pkgutil
+    import subprocess
+    import sys
+    import types
+
+    import hpcpar.parallel as hp
+    for name in hp.__all__:
+        assert not isinstance(getattr(hp, name), types.ModuleType), name
+    assert not {m.name for m in pkgutil.iter_modules(hp.__path__)} & set(hp.__all__)
+    probe = ("import sys, hpcpar.config, hpcpar.sharding, hpcpar.parallel.splits; "
+             "print('mpi4py.MPI' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"

@@ -216,8 +216,8 @@ def test_parallel_layers_from_whole_weights(comm):
     rng = np.random.default_rng(4)
     d, h = 6, 3 * n + 1                                # h uneven: given sizes
     x = rng.standard_normal((2, 3, d)).astype(np.float32)
-    w1, b1 = rng.standard_normal((h, d)).astype(np.float32), rng.standard_normal(h).astype(np.float32)
-    w2, b2 = rng.standard_normal((d, h)).astype(np.float32), rng.standard_normal(d).astype(np.float32)
+    w1, b1, w2, b2 = (rng.standard_normal(s).astype(np.float32)
+                      for s in ((h, d), (h,), (d, h), (d,)))
     sizes = hp.even_sizes(h, n)
     col = hp.ColumnParallelLinear.from_full(tp, w1, b1, sizes=sizes)
     row = hp.RowParallelLinear.from_full(tp, w2, b2, sizes=sizes)

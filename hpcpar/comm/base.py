@@ -20,15 +20,10 @@ import numpy as np
 
 from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
+from ..parallel.splits import even_sizes as split_sizes
 from .stats import CommStats
 
 REDUCE_OPS = ("sum", "max")
-
-
-def split_sizes(n: int, parts: int) -> list[int]:
-    """Lengths of ``parts`` consecutive blocks of ``n`` items, remainder to the first blocks."""
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 class Request:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from time import perf_counter
 
+import numpy as np
+
 from ..comm import Communicator, Request
 from .params import Parameter
 
@@ -118,7 +120,6 @@ def grad_norm(params: list[Parameter], group: Communicator | None = None) -> flo
     """The global L2 norm of the gradients, each element counted once: the counted elements
     of this rank, summed over ``group`` (the ranks that hold different pieces: tp and pp;
     never dp, whose replicas are equal after the reduction)."""
-    import numpy as np
     sq = np.array([local_sq_norm(params, group.xp if group is not None else np)
                    if params else 0.0])
     if group is not None and group.size > 1:

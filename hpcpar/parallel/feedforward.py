@@ -22,7 +22,7 @@ import math
 
 from ..errors import HpcparError
 from .darray import DArray
-from .matmul import matmul_backward, matmul_forward
+from .sharded_matmul import matmul_backward, matmul_forward
 from .placement import Replicate, Shard
 
 FFN_POLICIES = ("megatron", "allgather", "sequence")

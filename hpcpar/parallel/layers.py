@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..comm import Communicator
 from ..dtypes import at_least_float32
 from ..ops import Ops, embedding_lookup, native_ops
 from . import splits
 from .mappings import CopyToGroup, ReduceFromGroup
-from .params import Parameter
+from .params import GradSink, Parameter
 
 
 @dataclass(eq=False)
@@ -67,7 +69,6 @@ def _weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
 
 def _keep(tp: Communicator, piece, name: str) -> Parameter:
     """This rank's slice of a whole weight, as a Parameter on the group's backend."""
-    import numpy as np
     backend = tp.backend
     if isinstance(piece, np.ndarray) and backend.on_device:
         data = backend.asarray(np.ascontiguousarray(piece))
@@ -77,13 +78,11 @@ def _keep(tp: Communicator, piece, name: str) -> Parameter:
 
 
 def _sink(sink, xp):
-    from .params import GradSink
     return GradSink(xp) if sink is None else sink
 
 
 def _vocab_rows(tp: Communicator, table, name: str) -> Parameter:
     """This rank's vocabulary rows of ``table``, zero rows after the vocabulary's end."""
-    import numpy as np
     per = splits.padded_vocab_size(table.shape[0], tp.size) // tp.size
     start, stop = splits.vocab_range(table.shape[0], tp.rank, tp.size)
     rows = np.zeros((per,) + tuple(table.shape[1:]), dtype=table.dtype) \

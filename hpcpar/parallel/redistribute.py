@@ -23,6 +23,7 @@ from typing import Sequence
 
 from .darray import DArray, normalize_placements, piece_bounds, shard_chain
 from .placement import Partial, Placement, Replicate, Shard
+from .splits import is_partition
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ def plan(shape: Sequence[int], sizes: Sequence[int], src: Sequence[Placement],
             else:
                 move(i, "all_gather", Replicate())
         elif isinstance(cur, Partial) and not isinstance(tgt, Partial):
-            if isinstance(tgt, Shard) and alone(i, tgt.dim) and _partitions(tgt, shape, sizes[i], dst, i):
+            if isinstance(tgt, Shard) and alone(i, tgt.dim) \
+                    and _partitions(tgt, shape, sizes[i], dst, i):
                 move(i, "reduce_scatter", tgt)
             else:
                 move(i, "all_reduce", Replicate())
@@ -133,7 +135,7 @@ def _run(step: Step, local, x: DArray, before, after):
         dim = step.src.dim
         sizes = [b - a for a, b in cuts]
         gathered = group.all_gather(local, axis=dim, sizes=sizes)
-        if _tiles(cuts):
+        if is_partition(cuts):
             return gathered
         return _assemble(xp, gathered, dim, cuts, _shape_at(x.shape, mesh, after))
     if step.op == "reduce_scatter":
@@ -170,10 +172,6 @@ def _cuts_along(shape, mesh, axis: int, placements) -> list[tuple[int, int]]:
         out.append(here)
     base = min(a for a, _ in out)
     return [(a - base, b - base) for a, b in out]
-
-
-def _tiles(cuts) -> bool:
-    return all(cuts[r][1] == cuts[r + 1][0] for r in range(len(cuts) - 1))
 
 
 def _assemble(xp, gathered, dim: int, cuts, shape):

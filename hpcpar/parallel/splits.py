@@ -11,8 +11,8 @@ Three ways, each exact and the same on every rank:
 
 ``bounds`` gives each rank's [start, stop); ``split`` and ``merge`` are exact inverses built on
 it, for any dtype (float32/16, bfloat16, float64, integers). ``even_sizes`` is the
-``numpy.array_split`` rule (remainder to the first ranks), for callers who want uneven
-shards without choosing them.
+``numpy.array_split`` rule (remainder to the first ranks; the communicators' ``split_sizes``),
+for callers who want uneven shards without choosing them.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from typing import Protocol
 import numpy as np
 
 from ..backend import DeviceClock
-from ..dtypes import bfloat16
 from ..comm import Communicator, Request
+from ..dtypes import bfloat16
 from ..errors import CommError, HpcparError
 from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode,
                        encode, simulate)

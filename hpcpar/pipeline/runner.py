@@ -31,6 +31,7 @@ import numpy as np
 from ..comm import Communicator
 from ..errors import HpcparError, PeerFailed
 from .. import waits
+from ..parallel import splits
 from .executor import PipelineExecutor
 from .schedule import Action, Op, gpipe_forward
 from .training_schedules import (bubble_formula, micro_batch_problems, training_schedule)
@@ -50,15 +51,7 @@ def split_micro_batches(x, num: int, axis: int = 0) -> list:
     """``x`` cut into ``num`` micro-batches along ``axis`` (``numpy.array_split``'s rule)."""
     if not 1 <= num <= x.shape[axis]:
         raise HpcparError(f"cannot cut {x.shape[axis]} rows into {num} micro-batches")
-    cuts = np.cumsum([x.shape[axis] // num + (1 if i < x.shape[axis] % num else 0)
-                      for i in range(num)])[:-1]
-    index = [slice(None)] * x.ndim
-    out, start = [], 0
-    for stop in list(cuts) + [x.shape[axis]]:
-        index[axis] = slice(start, int(stop))
-        out.append(x[tuple(index)])
-        start = int(stop)
-    return out
+    return splits.split(x, axis, num, splits.even_sizes(x.shape[axis], num))
 
 
 def concat_micro_batches(parts: Sequence, xp=np, axis: int = 0):
@@ -81,8 +74,9 @@ class Pipeline:
         self.chunks = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         self.p, self.rank, self.V = group.size, group.rank, len(self.chunks)
         self.loss, self.schedule, self.recompute = loss, schedule, recompute
-        problems = micro_batch_problems(schedule, self.p, max(self.p, 1), self.V)
-        problems = [q for q in problems if "multiple of pp" not in q]
+        # the counts themselves are checked per step; here the schedule and V (p
+        # micro-batches always fit)
+        problems = micro_batch_problems(schedule, self.p, self.p, self.V)
         if problems:
             raise HpcparError("pipeline: " + "; ".join(problems))
         for c in self.chunks:
@@ -261,7 +255,6 @@ class _ErrorChannel:
         self.world_rank = MPI.COMM_WORLD.Get_rank()
         self.buf = np.zeros(self.SIZE, dtype=np.uint8)
         self.request = None
-        self.sends: list = []
 
     def listen(self) -> None:
         from mpi4py import MPI
@@ -290,6 +283,7 @@ class _ErrorChannel:
         raw = text.encode()[:self.SIZE - 4]
         msg[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         msg[-4:] = np.array([self.world_rank], dtype=np.int32).view(np.uint8)
-        self._msg = msg                               # kept alive until delivered
-        self.sends = [self.comm.Isend(msg, dest=r, tag=self.TAG)
-                      for r in range(self.size) if r != self.comm.Get_rank()]
+        # the message and its requests are kept alive until delivered
+        self._msg = msg
+        self._sends = [self.comm.Isend(msg, dest=r, tag=self.TAG)
+                       for r in range(self.size) if r != self.comm.Get_rank()]

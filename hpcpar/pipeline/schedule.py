@@ -4,8 +4,8 @@ An executor only runs these lists; nothing here touches MPI or arrays, so a sche
 checked (``schedule_problems``), drawn (``draw``) and tested on its own.
 
 Actions name a micro-batch ``mb`` and a ``step`` (0 for a plain forward pass; a program that
-runs each micro-batch several times, as generation's token loop does, counts them). Messages are matched in order
-per (sender, receiver, channel), as MPI and NCCL deliver them.
+runs each micro-batch several times, as generation's token loop does, counts them).
+Messages are matched in order per (sender, receiver, channel), as MPI and NCCL deliver them.
 
 GPipe forward over S = 3 stages, M = 2 micro-batches (R recv, F forward, S send):
 

@@ -215,10 +215,19 @@ def _check(a: DArray, b: DArray) -> None:
         raise PolicyError(f"matmul: A is {a.dtype} and B is {b.dtype}; cast one first")
 
 
-def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
-                   out=None) -> tuple[DArray, MatmulCtx]:
-    """Y = A B under ``policy`` (default: the one the placements ask for, ``choose``),
-    placed as ``out`` (default: the policy's), and the ctx ``matmul_backward`` needs."""
+@dataclass(frozen=True)
+class _Plan:
+    """How one product runs: the policy, the placements A and B are multiplied in, Y's
+    placements as the local product makes them, and the placements Y is returned in."""
+
+    policy: str
+    a_in: tuple
+    b_in: tuple
+    y_local: tuple
+    y_out: tuple
+
+
+def _plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
     _check(a, b)
     mesh = a.mesh
     if policy is None:
@@ -234,13 +243,22 @@ def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
     if rules is None:
         raise PolicyError(f"matmul policy {policy!r} cannot multiply A {a.placement_text()} "
                           f"by B {b.placement_text()}")
-    a2, b2 = a.redistribute(a_in), b.redistribute(b_in)
-    y_pl = [r[0] for r in rules]
-    y = DArray(local_product(mesh.backend.xp, a2.local, b2.local), (a.shape[0], b.shape[1]),
-               mesh, y_pl)
-    want = _default_out(policy, y_pl) if out is None else normalize_placements(mesh, out, 2)
-    ctx = MatmulCtx(a2, b2, a.placements, b.placements, tuple(y_pl), policy)
-    return y.redistribute(want), ctx
+    y_local = tuple(r[0] for r in rules)
+    y_out = _default_out(policy, list(y_local)) if out is None else out
+    return _Plan(policy, tuple(a_in), tuple(b_in), y_local,
+                 normalize_placements(mesh, y_out, 2))
+
+
+def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
+                   out=None) -> tuple[DArray, MatmulCtx]:
+    """Y = A B under ``policy`` (default: the one the placements ask for, ``choose``),
+    placed as ``out`` (default: the policy's), and the ctx ``matmul_backward`` needs."""
+    plan = _plan(a, b, policy, axis, out)
+    a2, b2 = a.redistribute(plan.a_in), b.redistribute(plan.b_in)
+    y = DArray(local_product(a.mesh.backend.xp, a2.local, b2.local), (a.shape[0], b.shape[1]),
+               a.mesh, plan.y_local)
+    ctx = MatmulCtx(a2, b2, a.placements, b.placements, plan.y_local, plan.policy)
+    return y.redistribute(plan.y_out), ctx
 
 
 def matmul(a: DArray, b: DArray, policy: str | None = None, axis=None, out=None) -> DArray:
@@ -271,18 +289,10 @@ def matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements=None,
 def communication(a: DArray, b: DArray, policy: str | None = None, axis=None,
                   out=None) -> list[str]:
     """The collectives ``matmul`` would run, as text (pure: nothing is sent)."""
-    from .redistribute import COMMUNICATING, plan
-    _check(a, b)
-    mesh = a.mesh
-    name, axes = choose(a, b) if policy is None else (policy, _axes_for(policy, a, b, axis))
-    a_in, b_in = _inputs(name, a, b, axes)
-    rules = _rules(a_in, b_in, a.shape, b.shape, mesh.sizes)
-    if rules is None:
-        raise PolicyError(f"matmul policy {name!r} cannot multiply these placements")
-    y_pl = [r[0] for r in rules]
-    want = _default_out(name, y_pl) if out is None else normalize_placements(mesh, out, 2)
-    steps = [("A", plan(a.shape, mesh.sizes, a.placements, a_in)),
-             ("B", plan(b.shape, mesh.sizes, b.placements, b_in)),
-             ("Y", plan((a.shape[0], b.shape[1]), mesh.sizes, y_pl, want))]
-    return [f"{what}: {s.text(mesh.axis_names)}" for what, part in steps for s in part
+    from .redistribute import COMMUNICATING, plan as steps_of
+    p, sizes, names = _plan(a, b, policy, axis, out), a.mesh.sizes, a.mesh.axis_names
+    steps = [("A", steps_of(a.shape, sizes, a.placements, p.a_in)),
+             ("B", steps_of(b.shape, sizes, b.placements, p.b_in)),
+             ("Y", steps_of((a.shape[0], b.shape[1]), sizes, p.y_local, p.y_out))]
+    return [f"{what}: {s.text(names)}" for what, part in steps for s in part
             if s.op in COMMUNICATING]
