@@ -49,8 +49,13 @@ TRAIN_FLAGS = {
         "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
         "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
         "zero",
-        "save_every", "resume", "shuffle", "peak_tflops")},
+        "save_every", "resume", "shuffle", "peak_tflops", "bucket_mb")},
 }
+# (job section, key) -> the flag that sets it, for the messages
+FLAG_NAMES = {target: "--" + dest.replace("_", "-")
+              for dest, target in (JOB_FLAGS | TRAIN_FLAGS).items()} | {
+    ("score", "data"): "--data", ("train", "seed"): "--seed",
+    ("generate", "resume"): "--resume"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -154,6 +159,8 @@ def _train_flags(p) -> None:
     p.add_argument("--shuffle", action="store_const", const=True,
                    help="permute the samples of each epoch")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per rank, for MFU")
+    p.add_argument("--bucket-mb", type=float,
+                   help="data-parallel gradient bucket size in MiB (default 25, as DDP)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv) -> int:
     comm = world()
     everyone(comm, check_launch, comm)
-    from .faults import check_environment
-    everyone(comm, check_environment)
+    from . import faults, settings
+    everyone(comm, faults.check_environment)
+    everyone(comm, settings.check_environment)
     args = everyone(comm, build_parser().parse_args, argv)
     command = args.command or "demo"
     if command == "demo":
@@ -293,7 +301,7 @@ def _main(argv) -> int:
                  if k in JOB_FLAGS and k != "prompts"}
         if command == "score":
             flags[("score", "data")] = args.data
-        job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags)
+        job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags, FLAG_NAMES)
         return _score(comm, job)
     if command in ("run", "generate", "train"):
         from .jobs import load_job
@@ -308,7 +316,7 @@ def _main(argv) -> int:
         else:                                   # --resume of a generation job
             flags[("generate", "resume")] = flags.pop(TRAIN_FLAGS["resume"], None) or getattr(
                 args, "resume", None)
-        job = everyone(comm, load_job, job_file, args.set, flags)
+        job = everyone(comm, load_job, job_file, args.set, flags, FLAG_NAMES)
         if training:
             return _train(comm, job)
         from .generate import run_generation
@@ -379,9 +387,14 @@ def _score(comm, job) -> int:
 def _train(comm, job) -> int:
     from .train.engine import run_training
     report = run_training(comm, job)
+
+    def save():
+        if report is not None:
+            report.save(Path(job.output.path) / "report.json")
+
+    everyone(comm, save)                 # rank 0 writes; a failure ends every rank
     if report is not None:
         print(report.format())
-        report.save(Path(job.output.path) / "report.json")
         print(f"wrote {job.output.path}")
     return 0
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from . import settings
 from .errors import HpcparError
 from .parallel.splits import unit_split_problem
 
@@ -243,11 +244,10 @@ class ParallelConfig:
     def problems(self, model: LlamaConfig | None = None,
                  world_size: int | None = None) -> list[str]:
         """Every reason this layout cannot run ``model`` on ``world_size`` ranks."""
-        out = []
-        for name in ("dp", "pp", "tp", "micro_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                out.append(f"{name} must be a positive integer, got {value!r}")
+        sizes = {name: getattr(self, name) for name in ("dp", "pp", "tp", "micro_batches")}
+        out = [f"{name} must be an integer, got {value!r}" for name, value in sizes.items()
+               if not isinstance(value, int) or isinstance(value, bool)]
+        out += settings.problems("parallel", sizes)
         if out:
             return out
         if world_size is not None and self.world_size != world_size:

@@ -2,31 +2,37 @@
 world rank 2 fail at decode step 5.
 
     rank    the world rank that fails (required)
-    phase   load | prefill | decode | train | score (required); the points the jobs call
-            ``fault_point`` at: before reading the checkpoint, before a wave's prefill, before
-            each decode step, before each training step, before each scoring micro-batch
-    step    decode step (1-based), training step or scoring micro-batch (1-based); absent:
-            the first time the phase comes
+    phase   load | prefill | decode | train | score | write (required); the points the
+            jobs call ``fault_point`` at: before reading the checkpoint, before a wave's
+            prefill, before each decode step, before each training step, before each scoring
+            micro-batch, and inside every write of an output, partial, checkpoint or metrics
+            file (``outputs.write_point``)
+    step    decode step (1-based), training step, scoring micro-batch, or the rank's n-th
+            write (1-based); absent: the first time the phase comes
     kind    raise (an exception: the normal error path), exit (the process ends with status
             1 without a word, as a crash would), kill (SIGKILL to itself; for both, the
             rank's keeper, ``supervisor``, names it), hang (SIGSTOP to itself: the other
             ranks' watchdog, --timeout, must end the job), slow (a straggler: the rank
             sleeps ``SLOW_SECONDS`` at this point and at every later point of the phase;
-            the job must finish as without it)
+            the job must finish as without it); at a write also enospc, eio, erofs (the
+            write fails with that system error, as on a full disk, a failing or a
+            read-only file system)
 
 Unset, ``fault_point`` costs one dictionary lookup.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 
 from .errors import HpcparError
 
-PHASES = ("load", "prefill", "decode", "train", "score")
-KINDS = ("raise", "exit", "kill", "hang", "slow")
+PHASES = ("load", "prefill", "decode", "train", "score", "write")
+WRITE_ERRORS = {"enospc": errno.ENOSPC, "eio": errno.EIO, "erofs": errno.EROFS}
+KINDS = ("raise", "exit", "kill", "hang", "slow", *WRITE_ERRORS)
 SLOW_SECONDS = 0.1
 
 
@@ -49,15 +55,19 @@ def parse(text: str) -> dict:
                 raise ValueError(f"unknown key {key!r}")
     except ValueError as e:
         raise HpcparError(f"HPCPAR_FAULT={text!r}: {e}; expected "
-                          "rank=R,phase=P[,step=S][,kind=raise|exit|kill|hang|slow]") from None
+                          f"rank=R,phase=P[,step=S][,kind={'|'.join(KINDS)}]") from None
     if "rank" not in spec or spec.get("phase") not in PHASES or spec["kind"] not in KINDS:
         raise HpcparError(f"HPCPAR_FAULT={text!r}: needs rank=R and phase one of "
                           f"{', '.join(PHASES)}; kind is one of {', '.join(KINDS)}")
+    if spec["kind"] in WRITE_ERRORS and spec["phase"] != "write":
+        raise HpcparError(f"HPCPAR_FAULT={text!r}: kind {spec['kind']} happens at a write; "
+                          "use phase=write")
     return spec
 
 
 _spec: dict | None = None
 _loaded = False
+_writes = 0                 # write points this process has passed
 
 
 def check_environment() -> None:
@@ -68,11 +78,15 @@ def check_environment() -> None:
     _loaded = True
 
 
-def fault_point(phase: str, step: int | None = None) -> None:
-    """Fail here if ``HPCPAR_FAULT`` names this rank, phase and step."""
-    global _spec
+def fault_point(phase: str, step: int | None = None, path=None) -> None:
+    """Fail here if ``HPCPAR_FAULT`` names this rank, phase and step. A write point counts
+    its own steps and names the ``path`` being written."""
+    global _spec, _writes
     if not _loaded:
         check_environment()
+    if phase == "write":
+        _writes += 1
+        step = _writes
     if _spec is None or _spec["phase"] != phase:
         return
     if _spec["step"] is not None and _spec["step"] != step:
@@ -85,6 +99,9 @@ def fault_point(phase: str, step: int | None = None) -> None:
         time.sleep(SLOW_SECONDS)
         return
     kind, _spec = _spec["kind"], None              # fire once
+    if kind in WRITE_ERRORS:
+        code = WRITE_ERRORS[kind]
+        raise OSError(code, os.strerror(code), str(path))
     if kind == "raise":
         raise InjectedFault(f"injected fault at {phase}" + (f" step {step}" if step else ""))
     if kind == "exit":

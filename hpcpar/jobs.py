@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from . import settings
 from .config import ParallelConfig
 from .errors import HpcparError
 from .parallel.optim import OptimizerSettings
@@ -112,6 +113,7 @@ class TrainSection(OptimizerSettings):
     seed: int = 0
     shuffle: bool = False
     peak_tflops: float = 0.0            # per rank, for MFU; 0: measured by a GEMM probe
+    bucket_mb: float = 25.0             # dp gradient bucket size in MiB (PyTorch DDP's)
 
 
 @dataclass(frozen=True)
@@ -186,30 +188,46 @@ def merge(base: dict, section: str, key: str, value: Any) -> None:
     base.setdefault(section, {})[key] = value
 
 
-def build_job(raw: dict, source: str = "job") -> Job:
-    """Typed ``Job`` from nested dicts; every unknown name or wrong type is reported."""
+def build_job(raw: dict, source: str = "job",
+              origins: dict[tuple[str, str], str] | None = None) -> Job:
+    """Typed ``Job`` from nested dicts; every unknown name, wrong type and value out of its
+    range (``settings.RULES``) is reported, each with where it came from: ``origins`` names
+    the source of a (section, key) that did not come from ``source`` (``--set ...``, a flag)."""
+    origins = origins or {}
     problems, sections = [], {}
+
+    def report(section: str, key: str | None, text: str) -> None:
+        where = origins.get((section, key)) if key else None
+        if where is None and key is None:       # a bad section: blame any key's source
+            where = next((o for (s, _), o in origins.items() if s == section), None)
+        problems.append(f"{where or source}: {text}")
+
     for name, table in raw.items():
         if name not in SECTIONS:
-            problems.append(f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
+            report(name, None, f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
             continue
         if not isinstance(table, dict):
-            problems.append(f"[{name}] must be a table")
+            report(name, None, f"[{name}] must be a table")
             continue
         cls = _SECTION_TYPES[name]
         hints = get_type_hints(cls)
         values = {}
         for key, value in table.items():
             if key not in hints:
-                problems.append(f"unknown key {name}.{key} (known: {', '.join(hints)})")
+                report(name, key, f"unknown key {name}.{key} (known: {', '.join(hints)})")
                 continue
             try:
                 values[key] = _coerce(value, hints[key])
             except TypeError:
-                problems.append(f"{name}.{key} = {value!r}: expected {_describe(hints[key])}")
-        sections[name] = cls(**values)
+                report(name, key, f"{name}.{key} = {value!r}: expected {_describe(hints[key])}")
+                continue
+            out_of_range = settings.problem(f"{name}.{key}", values[key])
+            if out_of_range:
+                report(name, key, out_of_range)
+        if not problems:
+            sections[name] = cls(**values)
     if problems:
-        raise JobError(f"{source}: " + "; ".join(problems))
+        raise JobError("; ".join(problems))
     return Job(**sections)
 
 
@@ -256,12 +274,19 @@ def _describe(hint) -> str:
 
 
 def load_job(path: str | Path | None, sets: list[str] = (),
-             flags: dict[tuple[str, str], Any] | None = None) -> Job:
-    """The job from a file (or the defaults), ``--set`` assignments, then explicit flags."""
+             flags: dict[tuple[str, str], Any] | None = None,
+             flag_names: dict[tuple[str, str], str] | None = None) -> Job:
+    """The job from a file (or the defaults), ``--set`` assignments, then explicit flags.
+    ``flag_names`` gives each flag's spelling (``--lr``) for the messages."""
     raw = read_job_file(path) if path is not None else {}
+    origins: dict[tuple[str, str], str] = {}
     for assignment in sets:
-        merge(raw, *parse_set(assignment))
+        section, key, value = parse_set(assignment)
+        merge(raw, section, key, value)
+        origins[(section, key)] = f"--set {assignment}"
     for (section, key), value in (flags or {}).items():
         if value is not None:
             merge(raw, section, key, value)
-    return build_job(raw, str(path) if path is not None else "job")
+            origins[(section, key)] = (flag_names or {}).get((section, key),
+                                                             f"the {section}.{key} flag")
+    return build_job(raw, str(path) if path is not None else "job", origins)

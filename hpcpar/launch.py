@@ -6,14 +6,16 @@ Three rules keep an MPI job from hanging or flooding the terminal:
    runs ``fn`` on every rank and follows it with one tiny AllReduce. If any rank raised an
    ``HpcparError``, the lowest such rank prints its one-line message and every rank exits with
    status 2, with no traceback.
-2. Anything else that escapes on any rank (a bug, a failed read mid-run, Ctrl-C) is printed by
-   that rank with its mesh position and the phase it was in, and the whole world is aborted
-   with ``MPI_Abort``, so no rank is left blocked in a collective.
+2. Anything else that escapes on any rank (a bug, a failed read mid-run) is printed by that
+   rank with its mesh position and the phase it was in, and the whole world is aborted with
+   ``MPI_Abort``, so no rank is left blocked in a collective. Ctrl-C outside a job's steps
+   (or a second one) is one "interrupted" line from rank 0, and the same abort.
 3. A process that finds itself alone where the launcher started several (an MPI library that
    does not match the launcher, e.g. ``srun --mpi=none``) stops instead of running N copies.
 
-Jobs turn SIGTERM / SIGUSR1 into a request the ranks agree on at a step boundary (a training
-step, a generation wave: ``StopRequest``), then exit with ``EXIT_PREEMPTED`` after saving.
+Jobs turn SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) into a request the ranks agree on at a step
+boundary (a training step, a generation step: ``StopRequest``), then exit with
+``EXIT_PREEMPTED`` after saving; a second Ctrl-C ends the job at once.
 Every wait is bounded by the job's timeout; one that runs out (``CommTimeout``) ends the job
 with ``EXIT_HUNG`` and a report of where the node's ranks are (``watchdog``).
 """
@@ -39,6 +41,7 @@ EXIT_INVALID = 2   # bad input, reported once
 EXIT_FAILED = 1    # anything else
 EXIT_PREEMPTED = 3  # stopped on SIGTERM/SIGUSR1 after saving its state: run again to resume
 EXIT_HUNG = 4       # a receive or collective outlasted --timeout: a rank stopped or hung
+EXIT_INTERRUPTED = 130   # a second Ctrl-C, or one before the job's steps: ended at once
 
 _state = {"phase": "start-up", "where": None, "board": None}
 
@@ -135,14 +138,30 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         return e.code if isinstance(e.code, int) else EXIT_FAILED
     except CommTimeout as e:
         _report_hang(e)
+    except KeyboardInterrupt:
+        _interrupted()
     except HpcparError as e:
         # Failed on this rank alone, after validation: the others may be blocked in a
         # collective, so end them all.
         _abort(" ".join(f"{_who()}: {e}".split()), EXIT_INVALID, with_traceback=False)
-    except BaseException as e:  # a bug, an I/O error mid-run, Ctrl-C
+    except BaseException as e:  # a bug, an I/O error mid-run
         _abort(f"{_who()} failed while {_state['phase']}: {type(e).__name__}: {e}",
-               EXIT_FAILED, with_traceback=not isinstance(e, KeyboardInterrupt))
+               EXIT_FAILED, with_traceback=True)
     return EXIT_FAILED
+
+
+def _interrupted() -> None:
+    """Ctrl-C that is not a stop request: every rank that got it ends the job; world rank 0
+    alone says so (the launcher passes Ctrl-C to every rank)."""
+    comm = world()
+    mark_known_exit()
+    if comm.Get_rank() == 0:
+        print(f"hpcpar: interrupted (Ctrl-C) while {_state['phase']}: stopped at once; what "
+              "was saved before is kept", file=sys.stderr, flush=True)
+    if comm.Get_size() > 1:
+        time.sleep(0.2 if comm.Get_rank() == 0 else 1.0)   # rank 0's abort comes first
+        comm.Abort(EXIT_INTERRUPTED)
+    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def _report_hang(e: CommTimeout) -> None:
@@ -189,21 +208,45 @@ def _abort(message: str, code: int, with_traceback: bool, linger: float = 0.0) -
 
 
 class StopRequest:
-    """Context manager: SIGTERM / SIGUSR1 (a scheduler's time limit or preemption) only set
-    ``requested``; the job's ranks agree on it at their next step boundary, save and exit
-    with ``EXIT_PREEMPTED``."""
+    """Context manager: SIGTERM / SIGUSR1 (a scheduler's time limit or preemption) and
+    SIGINT (Ctrl-C) only set ``requested``; the job's ranks agree on it at their next step
+    boundary, save and exit with ``EXIT_PREEMPTED``. A second Ctrl-C raises
+    ``KeyboardInterrupt``: the job ends at once. Copies of one Ctrl-C (a rank's keeper
+    passes on what its process group got too) arrive within ``AGAIN_AFTER`` seconds and
+    count once."""
+
+    AGAIN_AFTER = 0.5
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.requested = False
+        self.signal_name: str | None = None        # the first signal that asked
+        self._interrupted_at: float | None = None
         self._previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is None:
+                self._interrupted_at = now
+            elif now - self._interrupted_at > self.AGAIN_AFTER:
+                raise KeyboardInterrupt
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
         self.requested = True
+
+    def describe(self, when: str = "") -> str:
+        """The stop as a user reads it: "stopped at step 5 on request (SIGTERM)" or
+        "interrupted (Ctrl-C) at step 5" for ``when`` "at step 5"."""
+        when = f" {when}" if when else ""
+        if self.signal_name == "SIGINT":
+            return f"interrupted (Ctrl-C){when}"
+        return f"stopped{when} on request ({self.signal_name or 'SIGTERM/SIGUSR1'})"
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

@@ -8,28 +8,202 @@ while it runs.
   exclusively; a second job writing the same output stops with a message. A lock left by a
   process that no longer runs on this host (a crash, a ``kill -9``) is taken over.
 - Temporary files that a crashed writer left beside the output are removed.
+- An output file has the suffix of its format, and an existing file at its path is
+  replaced only when it is an hpcpar output of the same kind (a file of ``OUTPUT_KIND``),
+  never a file someone put there for another reason.
+
+And while it writes: a failed write (a full disk, a quota, a read-only or failing file
+system) is one ``WriteError`` naming the path and the cause (``writing``). HDF5 must not
+meet a full disk at all: after a failed write its next flush can crash the process (HDF5
+2.0, measured), so a large HDF5 file is sized before it is created (``check_space``) and its
+blocks are reserved once it exists (``reserve``); later writes go into reserved space.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import socket
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import HpcparError
+from .faults import fault_point
 from .launch import everyone
+
+EMPTY_LOCK_SECONDS = 10.0             # an empty lock older than this is a dead writer's
+OUTPUT_KIND = "hpcpar_output"          # attribute of every HDF5 output: its kind
+OUTPUT_SUFFIXES = (".h5", ".hdf5")
+# kind -> a dataset only that kind of file holds (files written before OUTPUT_KIND existed)
+_KIND_MARKS = {"generation": "tokens", "scores": "token_logprobs"}
+_ADVICE = {errno.ENOSPC: "free space or write elsewhere",
+           errno.EDQUOT: "free space under your quota or write elsewhere",
+           errno.EROFS: "the file system is read-only; write elsewhere",
+           errno.EIO: "the storage failed; check the file system, or write elsewhere",
+           errno.EACCES: "choose a folder you can write"}
+
+
+class WriteError(HpcparError):
+    """Writing an output failed (ENOSPC, EDQUOT, EROFS, EIO, ...)."""
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """An ``OSError``, or HDF5's report of a failed system call, which h5py raises as
+    whichever type the call maps to ("Unable to flush file (file write failed: ... errno =
+    28 ...)" as ``RuntimeError``, dataset creation as ``ValueError``)."""
+    return isinstance(e, OSError) or (isinstance(e, Exception) and "errno = " in str(e))
+
+
+def write_failure(path: str | Path, e: BaseException) -> WriteError:
+    """The one-line ``WriteError`` for ``e``, raised while writing ``path``. HDF5 reports
+    the system error inside its message ("errno = 28"); its number is found there."""
+    code = getattr(e, "errno", None)
+    if code is None:
+        found = re.search(r"errno = (\d+)", str(e))
+        code = int(found.group(1)) if found else None
+    cause = os.strerror(code) if code else (getattr(e, "strerror", None)
+                                            or str(e).splitlines()[0])
+    advice = _ADVICE.get(code, "check the file system, or write elsewhere")
+    return WriteError(f"cannot write {path}: {cause}; {advice}")
+
+
+@contextmanager
+def quiet_deallocation():
+    """Yields a list that collects the write failures h5py meets while freeing an object
+    (its chunk cache is written then, and the error can only be printed as "Exception
+    ignored"): kept, not printed, for the caller to report once."""
+    caught: list[BaseException] = []
+    previous, previous_print = sys.unraisablehook, sys.excepthook
+
+    def hook(unraisable):
+        if is_write_failure(unraisable.exc_value):
+            caught.append(unraisable.exc_value)
+        else:
+            previous(unraisable)
+
+    def print_hook(kind, value, tb):         # Cython prints the traceback first
+        if not is_write_failure(value):
+            previous_print(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = hook, print_hook
+    try:
+        yield caught
+    finally:
+        sys.unraisablehook, sys.excepthook = previous, previous_print
+
+
+@contextmanager
+def writing(path: str | Path):
+    """``with writing(path):`` a failed write in the body (an ``OSError``, HDF5's
+    ``RuntimeError``, or one h5py meets while freeing an object) becomes
+    ``write_failure``."""
+    with quiet_deallocation() as caught:
+        try:
+            yield
+        except WriteError:
+            raise
+        except Exception as e:
+            if not is_write_failure(e):
+                raise
+            raise write_failure(path, e) from None
+    if caught:
+        raise write_failure(path, caught[0])
+
+
+def write_point(path: str | Path) -> None:
+    """Where tests inject a failed write (``HPCPAR_FAULT=...,phase=write,kind=enospc``):
+    each call is one write of this rank, counted from 1."""
+    fault_point("write", path=path)
+
+
+SPACE_MARGIN = 1 << 20                 # bytes kept free beyond a file's size (metadata)
+
+
+def check_space(path: str | Path, nbytes: int) -> None:
+    """A ``WriteError`` now if the file system of ``path`` has less than ``nbytes`` (plus
+    a margin) free for this user, before anything is written."""
+    path = Path(path)
+    try:
+        stat = os.statvfs(path.parent)
+    except OSError:
+        return
+    free = stat.f_bavail * stat.f_frsize
+    if free < nbytes + SPACE_MARGIN:
+        raise WriteError(f"cannot write {path}: it needs about {_megabytes(nbytes)} and the "
+                         f"file system holds {_megabytes(free)} free; free space or write "
+                         "elsewhere")
+
+
+def reserve(path: str | Path) -> None:
+    """Give the existing file ``path`` real blocks for all its bytes (``posix_fallocate``),
+    so that writing into it later cannot meet a full disk or a quota; a file system that
+    cannot reserve is left as it is."""
+    path = Path(path)
+    with writing(path):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size:
+                os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+        finally:
+            os.close(fd)
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Replace the small text file ``path`` with ``text`` at once (a hidden sibling, then
+    a rename): a failed write leaves the old file, and no temporary."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        with writing(path):
+            write_point(path)
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def output_kind(path: str | Path) -> str | None:
+    """The kind of hpcpar output ``path`` holds ("generation", "scores", "checkpoint"), or
+    None for any other file."""
+    import h5py
+    from .checkpoint.format import ATTR_VERSION
+    try:
+        with h5py.File(path, "r") as f:
+            if OUTPUT_KIND in f.attrs:
+                return str(f.attrs[OUTPUT_KIND])
+            if ATTR_VERSION in f.attrs:
+                return "checkpoint"
+            if "hpcpar_version" in f.attrs:
+                return next((k for k, mark in _KIND_MARKS.items() if mark in f), None)
+    except OSError:
+        return None
+    return None
 
 
 def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
-                 folder: bool = False) -> None:
+                 folder: bool = False, kind: str | None = None) -> None:
     """Raise ``HpcparError`` if ``path`` cannot be this job's output (see the module doc).
     ``inputs`` names the job's input files ({"checkpoint": ..., "prompts": ...});
-    ``folder`` says the output is a folder (training checkpoints) rather than a file."""
+    ``folder`` says the output is a folder (training checkpoints) rather than a file;
+    ``kind`` the kind of HDF5 output written there ("generation", "scores", "checkpoint")."""
     path = Path(path)
     if not folder and path.is_dir():
         raise HpcparError(f"output {path} is a folder; give a file name such as {path}/out.h5")
+    if kind is not None and path.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise HpcparError(f"output {path}: this command writes HDF5; give a name ending in "
+                          f"{' or '.join(OUTPUT_SUFFIXES)}, such as {path.with_suffix('.h5')}")
     if folder and path.exists() and not path.is_dir():
         raise HpcparError(f"output {path} is a file; this command writes a folder")
     parent = path.parent
@@ -44,6 +218,11 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
             where = "is" if source == target else "lies inside"
             raise HpcparError(f"the {what} {source} {where} the output {path}; writing there "
                               "would destroy it; choose another output")
+    if kind is not None and path.is_file() and output_kind(path) != kind:
+        found = output_kind(path)
+        what = f"an hpcpar {found} file" if found else "not an hpcpar output"
+        raise HpcparError(f"output {path} exists and is {what}; this command writes a {kind} "
+                          "file and will not replace it: remove it or choose another name")
     writable = path if folder and path.is_dir() else parent
     try:                       # really create a file: permissions, read-only mounts, quotas
         with tempfile.NamedTemporaryFile(dir=writable, prefix=".hpcpar-probe-"):
@@ -83,16 +262,22 @@ class OutputLock:
             except FileExistsError:
                 try:
                     owner = self.lock.read_text()
+                    age = time.time() - self.lock.stat().st_mtime
                 except OSError:
-                    owner = ""
-                if _owner_alive(owner):
+                    owner, age = "", 0.0
+                # empty and old: its writer died between creating and filling it
+                if _owner_alive(owner) and (owner.strip() or age < EMPTY_LOCK_SECONDS):
                     raise HpcparError(f"another job ({owner.strip() or 'unknown'}) is writing "
                                       f"{self.path}; wait for it, or remove {self.lock} if it "
                                       "is gone") from None
                 self.lock.unlink(missing_ok=True)          # its writer died: take over
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(self.mine + "\n")
+            try:
+                with writing(self.lock), os.fdopen(fd, "w") as f:
+                    f.write(self.mine + "\n")
+            except WriteError:
+                self.lock.unlink(missing_ok=True)
+                raise
             self.held = True
             return
 

@@ -85,7 +85,7 @@ def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> Ll
         raise HpcparError(f"{hf_dir}: the index names {absent[0].name}, which is not in the "
                           "folder; download every shard the index lists")
     sources = [config_path, *shards, *(hf_dir / n for n in TOKENIZER_FILES)]
-    check_output(out, {f"source file {p.name}": p for p in sources})
+    check_output(out, {f"source file {p.name}": p for p in sources}, kind="checkpoint")
 
     safe_open = _safetensors()
     with ExitStack() as stack:

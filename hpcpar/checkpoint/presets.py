@@ -77,7 +77,7 @@ def init_checkpoint(out: str | Path, preset: str | dict, seed: int = 0,
     """Write a checkpoint of random weights for ``preset`` (a name or a config.json dict)."""
     hf = preset_config(preset) if isinstance(preset, str) else dict(preset)
     label = f"hpcpar init --preset {preset} --seed {seed}" if isinstance(preset, str) else "init"
-    check_output(out)
+    check_output(out, kind="checkpoint")
     with OutputLock(out), CheckpointWriter(out, hf, dtype, source=label) as w:
         for spec in model_tensors(w.config):
             w.write(spec, random_tensor(spec, seed, hf.get("initializer_range", 0.02)))

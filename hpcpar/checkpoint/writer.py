@@ -18,7 +18,8 @@ import numpy as np
 from ..config import LlamaConfig
 from ..dtypes import dtype_name
 from ..errors import HpcparError
-from ..outputs import remove_stale_temporaries
+from ..outputs import (WriteError, check_space, is_write_failure, quiet_deallocation,
+                       remove_stale_temporaries, write_failure, write_point, writing)
 from ..tensors import TensorSpec, model_tensors
 from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
                      chunk_shape, storage_dtype, to_storage)
@@ -64,12 +65,19 @@ class CheckpointWriter:
         out_dir = self._out.path.parent
         if not out_dir.is_dir():
             raise HpcparError(f"{self._out.path}: folder {out_dir} does not exist")
-        self._file = h5py.File(self._out.tmp, "w")
-        self._file.attrs[ATTR_VERSION] = FORMAT_VERSION
-        self._file.attrs[ATTR_CONFIG] = json.dumps(self.hf_config, sort_keys=True)
-        self._file.attrs[ATTR_DTYPE] = dtype_name(self.dtype)
-        if self.source:
-            self._file.attrs["source"] = self.source
+        nbytes = sum(int(np.prod(s.shape)) for s in self.expected.values()) * self.dtype.itemsize
+        check_space(self._out.path, nbytes)
+        try:
+            with writing(self._out.path):
+                self._file = h5py.File(self._out.tmp, "w")
+                self._file.attrs[ATTR_VERSION] = FORMAT_VERSION
+                self._file.attrs[ATTR_CONFIG] = json.dumps(self.hf_config, sort_keys=True)
+                self._file.attrs[ATTR_DTYPE] = dtype_name(self.dtype)
+                if self.source:
+                    self._file.attrs["source"] = self.source
+        except WriteError:
+            self._close_and_discard()
+            raise
         return self
 
     def write(self, spec: TensorSpec, array: np.ndarray) -> None:
@@ -81,24 +89,44 @@ class CheckpointWriter:
                               f"config, which implies {spec.shape}")
         data = to_storage(np.ascontiguousarray(array, dtype=self.dtype))
         chunks = chunk_shape(spec, self.config, data.dtype.itemsize)
-        dset = self._file.create_dataset(spec.name, data=data, chunks=chunks)
-        if storage_dtype(self.dtype) != self.dtype:
-            dset.attrs[ATTR_DTYPE] = dtype_name(self.dtype)
+        with writing(self._out.path):
+            write_point(self._out.path)
+            dset = self._file.create_dataset(spec.name, data=data, chunks=chunks)
+            if storage_dtype(self.dtype) != self.dtype:
+                dset.attrs[ATTR_DTYPE] = dtype_name(self.dtype)
         self.written.add(spec.name)
 
     def add_file(self, name: str, data: bytes) -> None:
         """Keep a small file (a tokenizer's) inside the checkpoint."""
-        group = self._file.require_group(TOKENIZER_GROUP)
-        group.create_dataset(name, data=np.frombuffer(data, dtype=np.uint8))
+        with writing(self._out.path):
+            group = self._file.require_group(TOKENIZER_GROUP)
+            group.create_dataset(name, data=np.frombuffer(data, dtype=np.uint8))
+
+    def _close_and_discard(self) -> None:
+        if self._file is not None:
+            with quiet_deallocation():
+                try:
+                    self._file.close()
+                except Exception:     # a full disk fails the close's flush too
+                    pass
+        self._out.discard()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._file.close()
-        if exc_type is None:
-            missing = [n for n in self.expected if n not in self.written]
-            if missing:
-                self._out.discard()
-                raise HpcparError(f"{self._out.path}: {len(missing)} tensor(s) never written, "
-                                  f"first {missing[0]}")
-            self._out.commit()
-        else:
+        if exc_type is not None:
+            self._close_and_discard()
+            if is_write_failure(exc):
+                raise write_failure(self._out.path, exc) from None
+            return
+        try:
+            with writing(self._out.path):
+                self._file.close()
+        except WriteError:
             self._out.discard()
+            raise
+        missing = [n for n in self.expected if n not in self.written]
+        if missing:
+            self._out.discard()
+            raise HpcparError(f"{self._out.path}: {len(missing)} tensor(s) never written, "
+                              f"first {missing[0]}")
+        with writing(self._out.path):
+            self._out.commit()

@@ -22,14 +22,15 @@ from ..config import ParallelConfig
 from ..dtypes import dtype_name, float_dtype
 from ..errors import HpcparError
 from ..jobs import Job
-from ..launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
+from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase,
+                      print_error, set_timeout)
 from ..faults import fault_point
 from ..outputs import check_output, claimed
 from ..replicas import owners
 from ..pipeline.executor import PipelineExecutor
 from .schedule import generation
 from .batching import micro_batches, replica_rows
-from .output import PartialOutput, unpad_into
+from .output import PartialOutput, RunShape, unpad_into
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .program import GenerationProgram, GenerationSettings, any_rank
 from .setup import load_tokenizer, open_stage, resolve_checkpoint
@@ -78,9 +79,6 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     if gen.batching not in ("continuous", "static"):
         raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
                           f"{gen.batching!r}")
-    if gen.batch_size < 0:
-        raise HpcparError(f"generate.batch_size must be >= 1 (0: what fits), got "
-                          f"{gen.batch_size}")
     settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
                                   gen.save_logits, gen.batching, gen.batch_size)
     tokenizer = load_tokenizer(ckpt)
@@ -91,9 +89,6 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
             lengths = job.data.random_lengths
             if len(lengths) != 2:
                 raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")
-            if not 0 <= job.data.random_seed < 2 ** 63:
-                raise HpcparError(f"data.random_seed must be in [0, 2^63), got "
-                                  f"{job.data.random_seed}")
             prompts = random_prompts(job.data.random_count, (lengths[0], lengths[1]),
                                      cfg.vocab_size, job.data.random_seed)
         else:
@@ -101,7 +96,7 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     check_prompts(prompts, cfg, settings.max_new_tokens, source)
     if job.output.path:
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
-        check_output(job.output.path, inputs)
+        check_output(job.output.path, inputs, kind="generation")
     return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
                  prompts.limits(settings.max_new_tokens), prompts.sampling_for(sampling))
 
@@ -133,9 +128,11 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             def open_output():
                 nonlocal out
                 if rank == 0 and job.output.path:
-                    out = PartialOutput(job.output.path, n_prompts, settings.max_new_tokens,
-                                        plan.prompts, cfg.vocab_size, settings.save_logits,
-                                        _fingerprint(job, ckpt, plan), job.generate.resume)
+                    shape = RunShape(_fingerprint(job, ckpt, plan), settings.max_new_tokens,
+                                     np.asarray(plan.prompts.lengths, np.int64), plan.limits,
+                                     cfg.vocab_size, settings.save_logits)
+                    out = PartialOutput(job.output.path, shape, plan.prompts,
+                                        job.generate.resume)
 
             with phase("opening the output file"):
                 everyone(comm, open_output)
@@ -162,6 +159,8 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                 tokens[rows], lengths[rows], done[rows] = row_tokens, row_lengths, 1
                 if live:
                     out.finish_rows(rows, row_tokens, row_lengths)
+                    if out.failed:             # end the wave soon; reported after it
+                        stop.requested = True
                 if bar:
                     bar.rows_saved(len(rows))
 
@@ -182,16 +181,23 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                         out.finish_rows(rows, tokens[rows], lengths[rows])
                 if bar:
                     bar.wave_done(len(wave) - unfinished)
+                failed = out is not None and out.failed is not None
                 with phase("agreeing whether to go on after the wave"):
-                    flag = world.all_reduce(np.array([int(stop.requested), unfinished],
-                                                     dtype=np.int64), op="max")
+                    flag = world.all_reduce(np.array([int(stop.requested), unfinished,
+                                                      int(failed)], dtype=np.int64), op="max")
+                if flag[2]:                               # rank 0 could not write the output
+                    if bar:
+                        bar.close()
+                    if rank == 0:
+                        print_error(str(out.failed))
+                    raise JobFailed(EXIT_INVALID)
                 if flag[0] and (flag[1] or i < len(todo) - 1):
                     if bar:
                         bar.close()
                     if rank == 0:
                         kept = ("saved; run again with --resume auto to finish the rest"
                                 if out is not None else "not saved (no --out)")
-                        print(f"stopped on request (SIGTERM/SIGUSR1): {int(done.sum())} of "
+                        print(f"{stop.describe()}: {int(done.sum())} of "
                               f"{n_prompts} prompts are finished and {kept}", flush=True)
                     raise JobFailed(EXIT_PREEMPTED)
         if bar:
@@ -295,22 +301,23 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     return figures, len(mbs)
 
 
-def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> str:
+def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> dict:
     """What a resumed run must share with the stopped one for the file to be one run's."""
     digest = hashlib.sha256()
     for ids in plan.prompts.ids:
         digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
-    digest.update(plan.limits.tobytes())
+    if plan.prompts.max_new_tokens:            # the prompts' own limits (the job's is below)
+        digest.update(json.dumps(plan.prompts.max_new_tokens).encode())
     if plan.prompts.sampling:
         digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
     s = plan.settings
-    return json.dumps({
+    return {
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
         "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
         "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
         "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
-        "dtype": dtype_name(plan.dtype)}, sort_keys=True)
+        "dtype": dtype_name(plan.dtype)}
 
 
 def _decode(tokenizer, tokens, lengths) -> list[str] | None:
@@ -360,7 +367,10 @@ def _collect_logits(world, layout: ParallelConfig, prompts: Prompts, wave: np.nd
             else:
                 full = world.recv(np.empty((mb.size, mb.length, vocab), np.float32),
                                   owner, TAG_LOGITS)
-            unpad_into(out.logits if out is not None else logits, mb, full)
+            if out is not None:
+                out.write_logits(mb, full)
+            else:
+                unpad_into(logits, mb, full)
 
 
 def _prompt_logits(program: GenerationProgram, mb) -> np.ndarray:

@@ -12,9 +12,10 @@ rows rank 0 holds, whichever is ahead, so it never goes back. The token rate is 
 
 from __future__ import annotations
 
-import os
 import sys
 from time import perf_counter
+
+from ..settings import environment_number
 
 
 class Progress:
@@ -29,7 +30,7 @@ class Progress:
         self.start = self.last = perf_counter()
         self.out = out or sys.stderr
         if interval is None:
-            interval = float(os.environ.get("HPCPAR_PROGRESS_SECONDS", "30"))
+            interval = environment_number("HPCPAR_PROGRESS_SECONDS")
         self.interval = interval
         terminal = self.out.isatty() if terminal is None else terminal
         self.bar = None

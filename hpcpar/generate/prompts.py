@@ -11,6 +11,7 @@ import numpy as np
 
 from ..config import LlamaConfig
 from ..errors import HpcparError
+from ..settings import problem
 from .sampling import PromptSampling, SamplingParams
 
 
@@ -97,10 +98,11 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
             raise PromptError(f"{path}:{n}: unknown key {unknown[0]!r}; a prompt line holds "
                               f"{' / '.join(repr(k) for k in PROMPT_KEYS)}")
         limit = record.get("max_new_tokens")
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
-                                  or limit < 1):
-            raise PromptError(f"{path}:{n}: \"max_new_tokens\" must be a positive integer, "
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+            raise PromptError(f"{path}:{n}: \"max_new_tokens\" must be an integer, "
                               f"got {json.dumps(limit)}")
+        if problem("generate.max_new_tokens", limit):
+            raise PromptError(f"{path}:{n}: {problem('generate.max_new_tokens', limit)}")
         limits.append(limit)
         sampling.append(_own_sampling(record, f"{path}:{n}"))
         if "ids" in record:
@@ -163,8 +165,6 @@ def check_prompts(prompts: Prompts, cfg: LlamaConfig, max_new_tokens: int,
     max_position_embeddings."""
     if len(prompts) == 0:
         raise PromptError(f"{source}: no prompts")
-    if max_new_tokens < 1:
-        raise PromptError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     limits = prompts.limits(max_new_tokens)
     for n, row in enumerate(prompts.ids):
         if limits[n] > max_new_tokens:
@@ -177,9 +177,13 @@ def check_prompts(prompts: Prompts, cfg: LlamaConfig, max_new_tokens: int,
         if bad.size:
             raise PromptError(f"{source}: prompt {n} holds token id {int(bad[0])}, outside the "
                               f"model's vocabulary [0, {cfg.vocab_size})")
-        if len(row) + limits[n] > cfg.max_position_embeddings:
-            what = ("is longer than" if len(row) > cfg.max_position_embeddings
-                    else f"plus {limits[n]} new tokens exceeds")
-            raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, which {what} the "
-                              f"model's max_position_embeddings {cfg.max_position_embeddings}; "
-                              "shorten it or lower max_new_tokens")
+        positions = cfg.max_position_embeddings
+        if len(row) >= positions:
+            raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, and the model "
+                              f"holds {positions} positions in all; shorten it to at most "
+                              f"{positions - 1} tokens to leave room for a new one")
+        if len(row) + limits[n] > positions:
+            raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, which plus "
+                              f"{limits[n]} new tokens exceeds the model's "
+                              f"max_position_embeddings {positions}; lower max_new_tokens to "
+                              f"{positions - len(row)} or shorten the prompt")

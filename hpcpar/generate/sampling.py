@@ -8,11 +8,11 @@ from a stream whose position depends on how rows were batched.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from .. import settings
 from ..errors import HpcparError
 
 
@@ -28,21 +28,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def problems(self) -> list[str]:
-        out = []
-        for name in ("temperature", "top_p"):
-            if not math.isfinite(getattr(self, name)):
-                out.append(f"{name} must be a finite number, got {getattr(self, name)}")
-        if not 0 <= self.seed < 2 ** 63:
-            out.append(f"seed must be in [0, 2^63), got {self.seed}")
-        if out:
-            return out
-        if self.temperature < 0:
-            out.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k < 0:
-            out.append(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            out.append(f"top_p must be in (0, 1], got {self.top_p}")
-        return out
+        """Each setting outside its range (the rules of ``hpcpar.settings``)."""
+        return settings.problems("generate", vars(self))
 
     def check(self) -> None:
         if self.problems():
@@ -65,8 +52,8 @@ class PromptSampling:
         n = len(own)
         out = cls(np.full(n, job.temperature, np.float64), np.full(n, job.top_k, np.int64),
                   np.full(n, job.top_p, np.float64), np.full(n, job.seed, np.int64))
-        for i, settings in enumerate(own):
-            for key, value in settings.items():
+        for i, prompt_own in enumerate(own):
+            for key, value in prompt_own.items():
                 getattr(out, key)[i] = value
         return out
 

@@ -10,21 +10,22 @@ end of a wave rank 0 holds every finished row, and every rank has waited for eve
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import numpy as np
 
 from ..config import ParallelConfig
 from ..replicas import ReplicaChannel
+from ..settings import environment_number
 
-SAVE_SECONDS = 1.0          # default interval; HPCPAR_SAVE_SECONDS overrides (0: every step)
 
 Receive = Callable[[np.ndarray, np.ndarray, np.ndarray], None]   # (prompts, tokens, lengths)
 
 
 def save_interval() -> float:
-    return float(os.environ.get("HPCPAR_SAVE_SECONDS", SAVE_SECONDS))
+    """Seconds between a replica's messages: ``HPCPAR_SAVE_SECONDS`` (default 1; 0: every
+    step)."""
+    return environment_number("HPCPAR_SAVE_SECONDS")
 
 
 def pack(prompts: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from .. import settings
 from ..errors import HpcparError
 from .params import Parameter
 
@@ -47,14 +48,10 @@ class OptimizerSettings:
         if self.lr_schedule not in LR_SCHEDULES:
             out.append(f"lr_schedule {self.lr_schedule!r} is not one of "
                        f"{', '.join(LR_SCHEDULES)}")
-        for name in ("lr", "min_lr", "weight_decay", "momentum", "eps", "clip_grad"):
-            if getattr(self, name) < 0:
-                out.append(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            out.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            out.append(f"betas must be two numbers in [0, 1), got {list(self.betas)}")
-        return out
+        if len(self.betas) != 2:
+            out.append(f"betas must be two numbers, got {list(self.betas)}")
+        return out + settings.problems("train", {f.name: getattr(self, f.name)
+                                                 for f in fields(OptimizerSettings)})
 
 
 def learning_rate(s: OptimizerSettings, step: int, total_steps: int) -> float:

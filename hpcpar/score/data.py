@@ -59,7 +59,12 @@ def _from_padded(path: Path, array: np.ndarray) -> ScoreData:
 
 
 def check_score_data(data: ScoreData, cfg: LlamaConfig, source: str) -> None:
-    """Every id is in the vocabulary and every row fits the model's positions."""
+    """Every id is in the vocabulary, every row fits the model's positions, and some row
+    has a token to score (a row's first token has no context, so is never scored)."""
+    if all(len(row) < 2 for row in data.ids):
+        raise HpcparError(f"{source}: every row holds a single token, and a row's first token "
+                          "is never scored (it has no context): nothing to score; give rows "
+                          "of two or more tokens")
     for n, row in enumerate(data.ids):
         bad = row[(row < 0) | (row >= cfg.vocab_size)]
         if bad.size:

@@ -32,7 +32,8 @@ from ..generate.setup import load_tokenizer, open_stage, resolve_checkpoint
 from ..jobs import Job
 from ..launch import everyone, phase, set_timeout
 from ..mesh import Mesh
-from ..outputs import check_output, claimed
+from ..outputs import (OUTPUT_KIND, check_output, check_space, claimed, write_point,
+                       writing)
 from ..pipeline.executor import PipelineExecutor
 from ..generate.schedule import generation
 from ..replicas import ReplicaChannel, owners
@@ -82,7 +83,8 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> _Plan:
     check_score_data(data, ckpt.config, source)
     if not job.output.path:
         raise HpcparError("scoring needs an output file: --out OUT.h5")
-    check_output(job.output.path, {"checkpoint": ckpt.path, "data": source})
+    check_output(job.output.path, {"checkpoint": ckpt.path, "data": source}, kind="scores")
+    check_space(job.output.path, output_bytes(len(data), data.width))   # before the work
     return _Plan(layout, float_dtype(job.model.dtype), data)
 
 
@@ -175,17 +177,26 @@ def _result(data: ScoreData, valid_first: np.ndarray, seconds: float,
     return ScoreResult(out, nll, scored, perplexity, seconds, load_seconds)
 
 
+def output_bytes(rows: int, width: int) -> int:
+    """The output's datasets: float32 log-probabilities, float64 nll, int64 counts."""
+    return rows * (width * 4 + 16)
+
+
 def _write(path: str, result: ScoreResult, attrs: dict) -> None:
+    check_space(path, output_bytes(*result.token_logprobs.shape))
     target = AtomicPath(path)
     try:
-        with h5py.File(target.tmp, "w") as f:
-            f.create_dataset("token_logprobs", data=result.token_logprobs)
-            f.create_dataset("nll", data=result.nll)
-            f.create_dataset("tokens_scored", data=result.tokens_scored)
-            f.attrs.update(attrs | {
-                "perplexity": result.perplexity, "seconds": result.seconds,
-                "tokens_per_s": result.tokens_per_s, "load_seconds": result.load_seconds})
-        target.commit()
+        with writing(path):
+            with h5py.File(target.tmp, "w") as f:
+                f.create_dataset("token_logprobs", data=result.token_logprobs)
+                f.create_dataset("nll", data=result.nll)
+                f.create_dataset("tokens_scored", data=result.tokens_scored)
+                f.attrs.update(attrs | {
+                    OUTPUT_KIND: "scores", "perplexity": result.perplexity,
+                    "seconds": result.seconds, "tokens_per_s": result.tokens_per_s,
+                    "load_seconds": result.load_seconds})
+                write_point(path)
+            target.commit()
     except BaseException:
         target.discard()
         raise

@@ -26,6 +26,7 @@ from ..checkpoint import Checkpoint, CheckpointError, load_shard, open_checkpoin
 from ..checkpoint.format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION,
                                  TOKENIZER_GROUP, chunk_shape)
 from ..errors import HpcparError
+from ..outputs import check_space, reserve, write_point, write_text, writing
 from ..sharding import shard_of
 from ..tensors import model_tensors
 from .params import Param
@@ -47,30 +48,42 @@ def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
                 train_attrs: dict) -> None:
     """Rank 0: every dataset of the checkpoint, empty, in the temporary file."""
     cfg = source.config
-    with h5py.File(_tmp(path), "w") as f:
+    tokenizer = source.tokenizer_files()
+    specs = model_tensors(cfg)
+    values = sum(int(np.prod(spec.shape)) for spec in specs) * (1 + len(state_names))
+    check_space(path, values * 4 + sum(len(data) for data in tokenizer.values()))
+    # every dataset's space assigned now (not filled), then reserved below: the ranks'
+    # writes into it cannot meet a full disk
+    early = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    early.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    early.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    with writing(path), h5py.File(_tmp(path), "w") as f:
         f.attrs[ATTR_VERSION] = FORMAT_VERSION
         f.attrs[ATTR_CONFIG] = json.dumps(source.hf_config, sort_keys=True)
         f.attrs[ATTR_DTYPE] = "float32"
         f.attrs["source"] = f"hpcpar train, step {train_attrs['step']}"
-        for spec in model_tensors(cfg):
+        for spec in specs:
             chunks = chunk_shape(spec, cfg, 4)
-            f.create_dataset(spec.name, spec.shape, dtype=np.float32, chunks=chunks)
-            for state in state_names:
-                f.create_dataset(f"{OPTIMIZER_GROUP}/{spec.name}/{state}", spec.shape,
-                                 dtype=np.float32, chunks=chunks)
+            for name in (spec.name, *(f"{OPTIMIZER_GROUP}/{spec.name}/{state}"
+                                      for state in state_names)):
+                f.create_dataset(name, spec.shape, dtype=np.float32, chunks=chunks,
+                                 dcpl=early.copy())
         group = f.create_group(TRAIN_GROUP)
         for k, v in train_attrs.items():
             group.attrs[k] = v
-        for name, data in source.tokenizer_files().items():
+        for name, data in tokenizer.items():
             f.require_group(TOKENIZER_GROUP).create_dataset(
                 name, data=np.frombuffer(data, dtype=np.uint8))
+        write_point(path)
+    reserve(_tmp(path))
 
 
 def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, tp_rank: int,
                  tp_size: int, to_host) -> None:
     """This rank's counted slices of every param and of its optimizer state (``states``
     may leave params out: ZeRO writes their state by segments)."""
-    with h5py.File(_tmp(path), "r+") as f:
+    with writing(path), h5py.File(_tmp(path), "r+") as f:
+        write_point(path)
         for p in params:
             if not p.counted:
                 continue
@@ -86,7 +99,8 @@ def write_segments(path: Path, segments: list[Param], offsets: dict[str, int],
     """ZeRO: the optimizer state of this rank's segments. A segment is elements
     [a, a + n) of a param's local shard, flattened; it is written as the rectangles of the
     full tensor those elements cover."""
-    with h5py.File(_tmp(path), "r+") as f:
+    with writing(path), h5py.File(_tmp(path), "r+") as f:
+        write_point(path)
         for seg in segments:
             if not seg.counted:
                 continue
@@ -139,13 +153,17 @@ def remove_partial(out_dir: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def discard(path: Path) -> None:
+    """Rank 0: drop the half-written checkpoint ``path`` (a write failed); ``latest`` still
+    names the previous one."""
+    _tmp(path).unlink(missing_ok=True)
+
+
 def commit(path: Path) -> None:
     """Rank 0: move the finished file into place, then point ``latest`` at it."""
-    os.replace(_tmp(path), path)
-    latest = path.parent / LATEST
-    tmp = latest.with_name(f".{LATEST}.tmp")
-    tmp.write_text(path.name + "\n")
-    os.replace(tmp, latest)
+    with writing(path):
+        os.replace(_tmp(path), path)
+    write_text(path.parent / LATEST, path.name + "\n")
 
 
 def resolve_resume(spec: str | None, out_dir: Path) -> Path | None:

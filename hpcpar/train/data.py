@@ -84,6 +84,7 @@ def load_dataset(path: str | Path, cfg: LlamaConfig, seq_len: int | None = None,
                  tokenizer=None) -> Dataset:
     """Read and check a dataset; every problem is a one-line ``DataError``."""
     if str(path) == SYNTHETIC:
+        check_positions(seq_len or 64, cfg, SYNTHETIC)
         return Dataset(synthetic_samples(cfg.vocab_size, seq_len or 64), SYNTHETIC)
     path = Path(path)
     if not path.exists():
@@ -102,7 +103,7 @@ def load_dataset(path: str | Path, cfg: LlamaConfig, seq_len: int | None = None,
         if not seq_len:
             raise DataError(f"{path}: a {suffix} dataset needs --seq-len (tokens per sample)")
         if suffix == ".bin":
-            tokens = np.memmap(path, dtype=token_dtype(cfg.vocab_size), mode="r")
+            tokens = _token_file(path, token_dtype(cfg.vocab_size))
         else:
             tokens = _jsonl_tokens(path, cfg, tokenizer)
         samples = _windows(tokens, seq_len, str(path))
@@ -111,8 +112,28 @@ def load_dataset(path: str | Path, cfg: LlamaConfig, seq_len: int | None = None,
     if seq_len and samples.shape[1] != seq_len + 1:
         raise DataError(f"{path}: rows hold {samples.shape[1]} tokens, --seq-len {seq_len} "
                         f"needs {seq_len + 1}")
+    check_positions(samples.shape[1] - 1, cfg, str(path))
     check_samples(samples, cfg, str(path))
     return Dataset(samples, str(path))
+
+
+def _token_file(path: Path, dtype: np.dtype) -> np.ndarray:
+    """A ``.bin`` token file as a read-only memmap, its size checked first."""
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens "
+                        f"({dtype.itemsize} bytes each, as this vocabulary needs); the file is "
+                        "truncated or was written for another vocabulary" if size else
+                        f"{path}: the token file is empty")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def check_positions(seq_len: int, cfg: LlamaConfig, source: str) -> None:
+    """A sample's inputs fit the model's positions, as a generated sequence must."""
+    if seq_len > cfg.max_position_embeddings:
+        raise DataError(f"{source}: samples of {seq_len} input tokens exceed the model's "
+                        f"max_position_embeddings {cfg.max_position_embeddings}; lower "
+                        f"--seq-len to at most {cfg.max_position_embeddings}")
 
 
 def _jsonl_tokens(path: Path, cfg: LlamaConfig, tokenizer) -> np.ndarray:

@@ -79,7 +79,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         if cfg.tie_word_embeddings and layout.pp > 1 and holds_embedding:
             tied_peer = (pp, layout.pp - 1 if mesh.is_first_stage else 0)
         groups = [g for chunk in reversed(chunks) for g in chunk.groups]
-        reducer = GradientReducer(dp, groups, xp) if layout.dp > 1 else None
+        reducer = (GradientReducer(dp, groups, xp, bucket_bytes=int(tr.bucket_mb * (1 << 20)))
+                   if layout.dp > 1 else None)
         zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
         updated = zero.segments if zero else params         # what the optimizer steps
         optimizer = Optimizer(plan.optimizer, updated, xp)
@@ -108,7 +109,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         with phase("checking the pipeline schedule"):
             everyone(comm, executor.preflight, actions)
 
-        metrics = Metrics(plan.out_dir / "metrics.jsonl", rank == 0, plan.start_step)
+        metrics = everyone(comm, Metrics, plan.out_dir / "metrics.jsonl", rank == 0,
+                           plan.start_step)
         per_token = flops_per_token(cfg, T)
         peak = tr.peak_tflops * 1e12 if tr.peak_tflops else peak_flops(xp, backend)
         figures = TrainFigures()
@@ -174,9 +176,10 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 executor.times.compute[0] = executor.times.wait[0] = 0.0
                 tokens = B * T
                 rate = tokens / seconds
-                metrics.write(StepRecord(step, loss, None if overflow else norm, lr, tokens,
-                                         seconds, rate, rate * per_token / (size * peak),
-                                         scaler.scale if scaler else None))
+                record = StepRecord(step, loss, None if overflow else norm, lr, tokens, seconds,
+                                    rate, rate * per_token / (size * peak),
+                                    scaler.scale if scaler else None)
+                everyone(comm, metrics.write, record)     # rank 0 writes; a failure ends all
                 if bar:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss:.4f}")
@@ -184,14 +187,14 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                     print(metrics.line(), flush=True)
                 if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
                     with phase(f"saving the checkpoint of step {step}"):
-                        _save(comm, world, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
+                        _save(comm, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
                               first_sample + B, job, backend)
                     saved_at = step
                 if stopping and step < tr.steps:
                     if bar:
                         bar.close()
                     if rank == 0:
-                        print(f"stopped at step {step} on request (SIGTERM/SIGUSR1); saved "
+                        print(f"{stop.describe(f'at step {step}')}; saved "
                               f"{plan.out_dir / tc.checkpoint_name(step)}; run again with "
                               "--resume auto to continue", flush=True)
                     raise JobFailed(EXIT_PREEMPTED)
@@ -263,7 +266,7 @@ def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int)
             f"update ({kept}); lower --lr or set --clip-grad")
 
 
-def _save(comm, world, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
+def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
           zero: ZeroShards | None, scaler: LossScaler | None, step: int, samples: int,
           job: Job, backend) -> None:
     """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``);
@@ -279,30 +282,40 @@ def _save(comm, world, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, op
     if scaler is not None:
         attrs |= {"loss_scale": scaler.scale, "good_steps": scaler.good_steps}
 
+    rank = comm.Get_rank()
+
     def create():
-        if comm.Get_rank() == 0:
+        if rank == 0:
             plan.out_dir.mkdir(exist_ok=True)
             tc.create_file(path, ckpt, optimizer.state_names, attrs)
 
-    everyone(comm, create)
     states = {p.name: optimizer.state_of(p) for p in optimizer.params}
     to_host = backend.to_host
     tp_rank, tp_size = mesh.tp_rank, mesh.layout.tp
-    for r in range(comm.Get_size()):
-        if r == comm.Get_rank():
-            if mesh.dp_rank == 0:
-                tc.write_slices(path, params, {} if zero else states, ckpt.config, tp_rank,
-                                tp_size, to_host)
-            if zero:
-                tc.write_segments(path, zero.segments, zero.offset, states, ckpt.config,
-                                  tp_rank, tp_size, to_host)
-        world.barrier()
+
+    def write_mine():
+        if mesh.dp_rank == 0:
+            tc.write_slices(path, params, {} if zero else states, ckpt.config, tp_rank,
+                            tp_size, to_host)
+        if zero:
+            tc.write_segments(path, zero.segments, zero.offset, states, ckpt.config,
+                              tp_rank, tp_size, to_host)
 
     def commit():
-        if comm.Get_rank() == 0:
+        if rank == 0:
             tc.commit(path)
 
-    everyone(comm, commit)
+    # each step agreed: a write that fails on any rank (a full disk) ends the job on all,
+    # with one line, the temporary file removed and ``latest`` at the previous checkpoint
+    try:
+        everyone(comm, create)
+        for r in range(comm.Get_size()):
+            everyone(comm, write_mine if r == rank else lambda: None)
+        everyone(comm, commit)
+    except JobFailed:
+        if rank == 0:
+            tc.discard(path)
+        raise
 
 
 def _progress_bar(enabled: bool, total: int):

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..config import LlamaConfig, ParallelConfig
 from ..mesh import by_stage
+from ..outputs import write_point, write_text, writing
 from ..pipeline.training_schedules import bubble_formula
 from ..tensors import EMBED, model_tensors
 
@@ -59,6 +60,14 @@ class StepRecord:
         self.peak_host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _step_of(line: str) -> int | None:
+    """A metrics line's step; None for a line a failed write left torn."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class Metrics:
     """``DIR/metrics.jsonl``, one object per step, written by rank 0. On a resumed run, rows
     past the checkpoint's step (written before an interruption) are dropped first."""
@@ -68,8 +77,8 @@ class Metrics:
         self.records: list[StepRecord] = []
         if enabled and path.exists():
             keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resumed_at]
-            path.write_text("".join(line + "\n" for line in keep))
+                    if _step_of(line) is not None and _step_of(line) <= resumed_at]
+            write_text(path, "".join(line + "\n" for line in keep))
 
     def write(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -79,8 +88,9 @@ class Metrics:
         row = asdict(record) | {"peak_host_mb": record.peak_host_mb}
         if row["loss_scale"] is None:
             del row["loss_scale"]
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        with writing(self.path), open(self.path, "a") as f:
+            write_point(self.path)
+            f.write(json.dumps(row, allow_nan=False) + "\n")
 
     def line(self) -> str:
         r = self.records[-1]
@@ -194,7 +204,7 @@ class TrainReport:
 
     def save(self, path: Path) -> None:
         """The report as JSON beside the checkpoints (for scripts and benchmarks)."""
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        write_text(path, json.dumps(asdict(self), indent=1) + "\n")
 
     def format(self) -> str:
         lines = [

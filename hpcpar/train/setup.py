@@ -57,22 +57,11 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
     if tr.global_batch < 1 or tr.global_batch % replicas_x_mbs:
         problems.append(f"global batch {tr.global_batch} is not divisible by dp * micro_batches"
                         f" = {layout.dp} * {layout.micro_batches} = {replicas_x_mbs}")
-    if tr.steps < 1:
-        problems.append(f"steps must be >= 1, got {tr.steps}")
     if tr.recompute not in RECOMPUTE:
         problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
     if job.model.dtype not in COMPUTE_DTYPES:
         problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
                         f"weights), not {job.model.dtype}")
-    if tr.loss_scale <= 0:
-        problems.append(f"loss_scale must be > 0, got {tr.loss_scale}")
-    if not 0 <= tr.seed < 2 ** 63:
-        problems.append(f"seed must be in [0, 2^63), got {tr.seed}")
-    if tr.zero not in (0, 1):
-        problems.append(f"zero {tr.zero} is not a ZeRO stage hpcpar has: 0 (off) or 1 "
-                        "(optimizer state split over dp)")
-    if tr.save_every < 0:
-        problems.append(f"save_every must be >= 0, got {tr.save_every}")
     settings = OptimizerSettings.of(tr)
     problems += settings.problems()
     if not job.data.dataset:
