@@ -201,9 +201,6 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
     path = Path(path)
     if not folder and path.is_dir():
         raise HpcparError(f"output {path} is a folder; give a file name such as {path}/out.h5")
-    if kind is not None and path.suffix.lower() not in OUTPUT_SUFFIXES:
-        raise HpcparError(f"output {path}: this command writes HDF5; give a name ending in "
-                          f"{' or '.join(OUTPUT_SUFFIXES)}, such as {path.with_suffix('.h5')}")
     if folder and path.exists() and not path.is_dir():
         raise HpcparError(f"output {path} is a file; this command writes a folder")
     parent = path.parent
@@ -218,6 +215,9 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
             where = "is" if source == target else "lies inside"
             raise HpcparError(f"the {what} {source} {where} the output {path}; writing there "
                               "would destroy it; choose another output")
+    if kind is not None and path.suffix.lower() not in OUTPUT_SUFFIXES:
+        raise HpcparError(f"output {path}: this command writes HDF5; give a name ending in "
+                          f"{' or '.join(OUTPUT_SUFFIXES)}, such as {path.with_suffix('.h5')}")
     if kind is not None and path.is_file() and output_kind(path) != kind:
         found = output_kind(path)
         what = f"an hpcpar {found} file" if found else "not an hpcpar output"

@@ -161,11 +161,13 @@ def losses(folder: Path) -> list[float]:
 
 
 def wait_for_steps(folder: Path, steps: int, timeout: float = 120) -> None:
-    """Until a training run writing to ``folder`` has logged ``steps`` steps (or timeout)."""
+    """Until a training run writing to ``folder`` has logged ``steps`` steps; a run that
+    does not get there within ``timeout`` seconds fails the test."""
     metrics = Path(folder) / "metrics.jsonl"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (not metrics.exists()
-                                           or len(metrics.read_text().splitlines()) < steps):
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{folder}: fewer than {steps} steps logged after {timeout} s")
         time.sleep(0.02)
 
 

@@ -99,7 +99,9 @@ def test_a_malformed_fault_setting_is_refused():
         "rank": 2, "phase": "decode", "step": 5, "kind": "exit"}
 
 
-def test_ctrl_c_to_the_launcher_ends_every_rank_with_a_failure_status(work):
+def test_ctrl_c_to_the_launcher_stops_the_job_as_a_stop_request(work):
+    """Ctrl-C is SIGTERM's stop request: the finished rows are saved, status 3, one
+    "interrupted" line, and the partial file resumes."""
     import signal
     import subprocess
     import sys
@@ -116,12 +118,50 @@ def test_ctrl_c_to_the_launcher_ends_every_rank_with_a_failure_status(work):
         time.sleep(0.05)
     time.sleep(0.5)                                     # generating by now
     proc.send_signal(signal.SIGINT)                     # one Ctrl-C
-    start = time.monotonic()
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode not in (0, None), err
-    assert time.monotonic() - start < 10
-    assert "KeyboardInterrupt" in err
+    assert proc.returncode == 3, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    lines = [line for line in out.splitlines() if line.startswith("interrupted (Ctrl-C)")]
+    assert len(lines) == 1 and "run again with --resume auto" in lines[0], out
     assert not _survivors(marker) and not (work / marker).exists()
+    assert (work / f".{marker}.partial").exists()
+
+
+def test_a_second_ctrl_c_ends_at_once_and_copies_of_one_count_once():
+    import signal
+    from hpcpar.launch import StopRequest
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)          # a keeper's copy of the same Ctrl-C
+        assert stop.requested and stop.describe("at step 4") == "interrupted (Ctrl-C) at step 4"
+        time.sleep(StopRequest.AGAIN_AFTER + 0.1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)                             # the handler raises here
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_before_the_steps_is_one_line_from_rank_0(work):
+    """During start-up there is nothing to save: the job ends at once, status 130."""
+    import signal
+    import subprocess
+    import sys
+    from helpers import MPIEXEC, REPO
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-c",
+                             "import time, sys; from hpcpar.launch import run_guarded, world;"
+                             "world(); print('ready', flush=True);"
+                             "sys.exit(run_guarded(lambda: time.sleep(60)))"], cwd=work,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    lines = [line for line in err.splitlines() if line.startswith("hpcpar:")]
+    assert len(lines) == 1 and lines[0].startswith("hpcpar: interrupted (Ctrl-C)"), err
+    assert "Traceback" not in err
 
 
 def test_a_hang_on_several_nodes_is_reported_by_every_node(work):

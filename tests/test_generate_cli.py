@@ -86,21 +86,20 @@ def test_each_prompt_stops_at_its_own_max_new_tokens(workdir):
             assert b["lengths"][()].tolist() == [2, 5, 1]
             for r, k in enumerate([2, 5, 1]):
                 assert tokens[r, :k].tolist() == full[r, :k].tolist()
-                assert (tokens[r, k:] == tokens[2, 4]).all()          # the pad id after
+                # the pad id after: the model's pad_token_id, else its first EOS (GQA: 2)
+                assert (tokens[r, k:] == GQA.get("pad_token_id", GQA["eos_token_id"])).all()
 
 
 @pytest.mark.parametrize("prompts, words", [
     ('{"ids": [' + ",".join(["5"] * 95) + "]}", "has 95 tokens, which plus 5 new tokens exceeds"),
-    ('{"ids": [' + ",".join(["5"] * 97) + "]}", "has 97 tokens, which is longer than"),
+    ('{"ids": [' + ",".join(["5"] * 97) + "]}", "has 97 tokens, and the model holds 96 positions in all; shorten it to at most 95"),
     ('{"ids": [5, 250, 7]}', "token id 250, outside the model's vocabulary [0, 250)"),
     ("", "the prompt file is empty"),
     ('{"ids": []}', "the prompt is empty"),
     ('{"nope": 1}', 'each line needs exactly one of "ids" or "text"'),
-    ('{"ids": [5, 6], "max_new_tokens": -1}', '"max_new_tokens" must be a positive integer, '
-                                              'got -1'),
-    ('{"ids": [5, 6], "max_new_tokens": 2.5}', '"max_new_tokens" must be a positive integer, '
-                                               'got 2.5'),
-    ('{"ids": [5, 6], "max_new_tokens": true}', '"max_new_tokens" must be a positive integer'),
+    ('{"ids": [5, 6], "max_new_tokens": -1}', 'max_new_tokens must be >= 1, got -1'),
+    ('{"ids": [5, 6], "max_new_tokens": 2.5}', '"max_new_tokens" must be an integer, got 2.5'),
+    ('{"ids": [5, 6], "max_new_tokens": true}', '"max_new_tokens" must be an integer'),
     ('{"ids": [5, 6]}\n{"ids": [5], "max_new_tokens": 9}',
      "prompt 1 asks for max_new_tokens 9, more than the job's 5"),
     ('{"ids": [5, 6], "top_n": 1.0}', "bad.jsonl:1: unknown key 'top_n'"),

@@ -27,7 +27,9 @@ def _fits(cfg, pp, tp):
 
 
 def _layouts(comm, cfg):
-    return [lay for lay in LAYOUTS.get(comm.Get_size(), []) if _fits(cfg, lay[1], lay[2])]
+    layouts = [lay for lay in LAYOUTS[comm.Get_size()] if _fits(cfg, lay[1], lay[2])]
+    assert layouts, f"no layout to compare at {comm.Get_size()} ranks"
+    return layouts
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -72,8 +72,8 @@ def test_nan_weights_are_refused_at_load_naming_the_tensor(work):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--temperature", "nan"], "temperature must be a finite number"),
-    (["--temperature", "1", "--top-p", "inf"], "top_p must be a finite number"),
+    (["--temperature", "nan"], "--temperature: generate.temperature must be >= 0 (0 is greedy), got nan"),
+    (["--temperature", "1", "--top-p", "inf"], "generate.top_p must be in (0, 1], got inf"),
     (["--seed", "-1"], "seed must be in [0, 2^63)"),
 ])
 def test_non_finite_or_out_of_range_sampling_settings_are_refused(work, flags, words):

@@ -105,7 +105,8 @@ def test_every_layout_scores_as_transformers(tmp_path_factory):
         np.save(folder / "rows.npy", _padded(PROMPTS))
     folder = comm.bcast(str(folder) if folder else None, root=0)
     offsets = [max(len(p) for p in PROMPTS) - len(p) for p in PROMPTS]
-    for layout in LAYOUTS.get(comm.Get_size(), []):
+    assert LAYOUTS[comm.Get_size()], f"no layout to compare at {comm.Get_size()} ranks"
+    for layout in LAYOUTS[comm.Get_size()]:
         result = _score(comm, f"{folder}/model.h5", f"{folder}/rows.npy",
                         f"{folder}/scores-{'-'.join(map(str, layout))}.h5", layout)
         if comm.Get_rank() == 0:

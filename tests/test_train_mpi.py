@@ -102,7 +102,7 @@ def assert_matches_single(folder, out, what=""):
 def test_every_schedule_and_layout_reproduces_the_single_rank_steps(setup):
     comm = MPI.COMM_WORLD
     cfg, folder = setup
-    layouts = [lay for lay in LAYOUTS.get(comm.Get_size(), []) if _fits(cfg, lay)]
+    layouts = [lay for lay in LAYOUTS[comm.Get_size()] if _fits(cfg, lay)]
     assert layouts
     for i, layout in enumerate(layouts):
         out = f"layout{comm.Get_size()}-{i}"

@@ -101,8 +101,9 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
         if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
             raise PromptError(f"{path}:{n}: \"max_new_tokens\" must be an integer, "
                               f"got {json.dumps(limit)}")
-        if problem("generate.max_new_tokens", limit):
-            raise PromptError(f"{path}:{n}: {problem('generate.max_new_tokens', limit)}")
+        wrong = problem("generate.max_new_tokens", limit)
+        if wrong:                                   # the line's key, without the section
+            raise PromptError(f"{path}:{n}: {wrong.removeprefix('generate.')}")
         limits.append(limit)
         sampling.append(_own_sampling(record, f"{path}:{n}"))
         if "ids" in record:
@@ -141,8 +142,8 @@ def _own_sampling(record: dict, where: str) -> dict:
             raise PromptError(f"{where}: \"{key}\" must be {'an integer' if whole else 'a number'}"
                               f", got {json.dumps(value)}")
     problems = SamplingParams(**own).problems()
-    if problems:
-        raise PromptError(f"{where}: {problems[0]}")
+    if problems:                                    # the line's key, without the section
+        raise PromptError(f"{where}: {problems[0].removeprefix('generate.')}")
     return own
 
 
