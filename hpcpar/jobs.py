@@ -108,6 +108,7 @@ class TrainSection(OptimizerSettings):
     recompute: str = "none"
     zero: int = 0                       # 1: optimizer state split over the dp replicas
     loss_scale: float = 65536.0         # float16 compute: the initial dynamic loss scale
+    loss_scale_window: int = 2000       # good steps in a row before the scale doubles
     save_every: int = 0                 # 0: only at the end
     resume: str | None = None           # a checkpoint path, or "auto"
     seed: int = 0

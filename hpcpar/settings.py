@@ -86,7 +86,8 @@ RULES: dict[str, Range] = {
     "train.momentum": FRACTION, "train.betas": FRACTION,
     "train.eps": Range(0, low_open=True), "train.clip_grad": Range(0, note="0 turns it off"),
     "train.zero": Range(0, 1, note="0 off, 1 optimizer state split over dp"),
-    "train.loss_scale": Range(0, low_open=True), "train.save_every": Range(
+    "train.loss_scale": Range(0, low_open=True), "train.loss_scale_window": POSITIVE,
+    "train.save_every": Range(
         0, note="0: only at the end"),
     "train.seed": SEED, "train.peak_tflops": Range(0, note="0: measured by a GEMM probe"),
     "train.bucket_mb": Range(0, low_open=True),

@@ -113,6 +113,26 @@ def test_every_schedule_and_layout_reproduces_the_single_rank_steps(setup):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_many_buckets_overlap_the_backward_and_full_recompute_under_pp_and_dp(setup):
+    """Buckets of 10 kB (several per stage and step, where the tests' models fit DDP's one 25 MB
+    bucket) and --recompute full, with dp 2 and pp = the rest: the single-rank steps, and
+    buckets reduced while the backward still runs."""
+    comm = MPI.COMM_WORLD
+    cfg, folder = setup
+    pp = comm.Get_size() // 2
+    layout = (2, pp, 1, 4 if pp > 1 else 2, "1f1b", 1)
+    out = f"buckets-{comm.Get_size()}"
+    report = run_training(comm, _job(folder, out, layout, "train.bucket_mb=0.01",
+                                     "train.recompute='full'"), progress=False)
+    if comm.Get_rank() == 0:
+        assert_matches_single(folder, out, str(layout))
+        # buckets are cut between layers: more than one per rank and step on average
+        assert report.dp_buckets > STEPS * comm.Get_size(), report.dp_buckets
+        assert report.dp_buckets_early > 0, report.dp_overlap
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_sgd_steps_agree_elementwise_across_layouts(setup):
     comm = MPI.COMM_WORLD
     cfg, folder = setup

@@ -33,7 +33,48 @@ def model(request, tmp_path_factory):
     return folder, rows
 
 
-def _torch_run(folder, rows, steps, optimizer, **opts):
+def torch_lrs(lr: float, min_lr: float, warmup: int, steps: int, kind: str) -> list[float]:
+    """The lr of steps 1..steps as torch's own schedulers give it: ``LinearLR`` from lr / W
+    up to lr over the W warmup steps, then ``CosineAnnealingLR`` / ``LinearLR`` down to
+    min_lr at the last step, or constant."""
+    sched = torch.optim.lr_scheduler
+    param = torch.nn.Parameter(torch.zeros(1))
+    out = []
+    if warmup:
+        opt = torch.optim.SGD([param], lr=lr)
+        up = sched.LinearLR(opt, start_factor=1 / warmup, end_factor=1.0,
+                            total_iters=max(warmup - 1, 1))
+        for _ in range(warmup):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            up.step()
+    opt = torch.optim.SGD([param], lr=lr)
+    down = {"cosine": lambda: sched.CosineAnnealingLR(opt, T_max=steps - warmup, eta_min=min_lr),
+            "linear": lambda: sched.LinearLR(opt, start_factor=1.0, end_factor=min_lr / lr,
+                                             total_iters=steps - warmup),
+            "constant": lambda: None}[kind]()
+    for _ in range(warmup, steps):
+        if down is not None:
+            opt.step()
+            down.step()
+        out.append(opt.param_groups[0]["lr"])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["constant", "cosine", "linear"])
+@pytest.mark.parametrize("warmup, steps", [(0, 7), (1, 5), (3, 10), (4, 4)])
+def test_learning_rate_schedules_are_torchs(kind, warmup, steps):
+    from hpcpar.parallel.optim import OptimizerSettings, learning_rate
+    settings = OptimizerSettings(lr=3e-3, min_lr=3e-4, warmup_steps=warmup, lr_schedule=kind)
+    ours = [learning_rate(settings, s, steps) for s in range(1, steps + 1)]
+    np.testing.assert_allclose(ours, torch_lrs(3e-3, 3e-4, warmup, steps, kind), rtol=1e-12)
+    if kind != "constant" and steps > warmup:
+        assert ours[-1] == pytest.approx(3e-4)          # min_lr reached at the last step
+
+
+def _torch_run(folder, rows, steps, optimizer, lrs=None, **opts):
+    """Torch's steps over ``rows`` (negative ids: left padding, masked out of attention and
+    of the labels, positions starting at the first real token); ``lrs`` each step's lr."""
     hf = transformers.LlamaForCausalLM.from_pretrained(folder / "hf").float().train()
     decay = [p for p in hf.parameters() if p.ndim == 2]
     no_decay = [p for p in hf.parameters() if p.ndim < 2]
@@ -45,9 +86,18 @@ def _torch_run(folder, rows, steps, optimizer, **opts):
         opt = torch.optim.AdamW(groups, lr=opts["lr"], betas=(0.9, 0.95), eps=1e-8)
     losses, norms = [], []
     for s in range(steps):
-        ids = torch.from_numpy(rows[s * B:(s + 1) * B])
+        batch = torch.from_numpy(rows[s * B:(s + 1) * B])
+        mask = (batch >= 0).long()
+        ids = batch.clamp(min=0)
+        labels = batch.clone()
+        first = mask.argmax(dim=1)                    # the first real token has no context
+        labels[torch.arange(len(batch)), first] = -100
+        labels[mask == 0] = -100
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        for group in opt.param_groups:
+            group["lr"] = lrs[s] if lrs else opts["lr"]
         opt.zero_grad()
-        loss = hf(ids, labels=ids).loss
+        loss = hf(ids, attention_mask=mask, position_ids=positions, labels=labels).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(hf.parameters(), opts["clip"] or float("inf"))
         opt.step()
@@ -56,13 +106,13 @@ def _torch_run(folder, rows, steps, optimizer, **opts):
     return hf, losses, norms
 
 
-def _hpcpar_run(folder, out, steps, optimizer, **opts):
-    sets = [f"model.checkpoint='{folder}/model.h5'", f"data.dataset='{folder}/data.npy'",
+def _hpcpar_run(folder, out, steps, optimizer, data="data.npy", extra=(), **opts):
+    sets = [f"model.checkpoint='{folder}/model.h5'", f"data.dataset='{folder}/{data}'",
             f"output.path='{folder}/{out}'", f"train.steps={steps}", f"train.global_batch={B}",
             f"train.optimizer='{optimizer}'", f"train.lr={opts['lr']}",
             f"train.momentum={opts['momentum']}", f"train.weight_decay={opts['weight_decay']}",
             f"train.clip_grad={opts['clip']}", "train.betas=[0.9, 0.95]",
-            "train.peak_tflops=1.0"]
+            "train.peak_tflops=1.0", *extra]
     run_training(MPI.COMM_SELF, load_job(None, sets), progress=False)
     metrics = [json.loads(line) for line in open(f"{folder}/{out}/metrics.jsonl")]
     return [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
@@ -99,5 +149,35 @@ def test_three_adamw_steps_with_clipping_match_torch(model):
     assert max(norms) > opts["clip"]                     # clipping really happened
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     for name, w in _weights(folder / "adamw/step-3.h5").items():
+        update = np.linalg.norm(state[name] - before[name])
+        assert np.linalg.norm(w - state[name]) <= 1e-3 * update, name
+
+
+def test_padded_rows_under_warmup_and_cosine_decay_match_torch_over_five_steps(model):
+    """Left-padded rows (padding of every length up to most of a row) and an lr that warms
+    up over two steps and decays by cosine to min_lr: five AdamW steps, as torch takes them
+    with its own schedulers."""
+    folder, rows = model
+    padded = rows.copy()
+    rng = np.random.default_rng(7)
+    for r in range(len(padded)):
+        padded[r, :rng.integers(0, L - 2)] = -1
+    np.save(folder / "padded.npy", np.concatenate([padded, padded[:2 * B]]))
+    lr, min_lr = 2e-3, 2e-4
+    lrs = torch_lrs(lr, min_lr, 2, 5, "cosine")
+    opts = dict(lr=lr, momentum=0.0, weight_decay=0.1, clip=1.0)
+    before = _weights(folder / "model.h5")
+    hf, losses, norms = _torch_run(folder, np.concatenate([padded, padded[:2 * B]]), 5,
+                                   "adamw", lrs=lrs, **opts)
+    got_losses, got_norms = _hpcpar_run(
+        folder, "padded", 5, "adamw", data="padded.npy",
+        extra=["train.warmup_steps=2", "train.lr_schedule='cosine'", f"train.min_lr={min_lr}"],
+        **opts)
+    metrics = [json.loads(line) for line in open(folder / "padded" / "metrics.jsonl")]
+    np.testing.assert_allclose([m["lr"] for m in metrics], lrs, rtol=1e-12)
+    assert got_losses == pytest.approx(losses, rel=1e-5)
+    assert got_norms == pytest.approx(norms, rel=1e-5)
+    state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    for name, w in _weights(folder / "padded/step-5.h5").items():
         update = np.linalg.norm(state[name] - before[name])
         assert np.linalg.norm(w - state[name]) <= 1e-3 * update, name

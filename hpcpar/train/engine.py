@@ -84,7 +84,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
         updated = zero.segments if zero else params         # what the optimizer steps
         optimizer = Optimizer(plan.optimizer, updated, xp)
-        scaler = LossScaler(tr.loss_scale) if plan.dtype == np.float16 else None
+        scaler = (LossScaler(tr.loss_scale, growth_interval=tr.loss_scale_window)
+                  if plan.dtype == np.float16 else None)
         # float16 gradients may overflow on purpose (the scaler then skips the step): quietly
         def overflow_is_expected():
             return (np.errstate(over="ignore", invalid="ignore") if scaler

@@ -166,6 +166,8 @@ class TrainReport:
     tp_bytes: float
     pp_bytes: float
     dp_bytes: float
+    dp_buckets: int                    # gradient buckets reduced, all ranks and steps
+    dp_buckets_early: int              # of them, started while the backward still ran
     dp_overlap: str
 
     @classmethod
@@ -200,7 +202,10 @@ class TrainReport:
             peak_activation_full_mb=[f.peak_activation_full_bytes / 1e6 for f in ranks],
             peak_host_mb=[f.peak_host_bytes / 1e6 for f in ranks],
             tp_bytes=sum(f.tp_bytes for f in ranks), pp_bytes=sum(f.pp_bytes for f in ranks),
-            dp_bytes=sum(f.dp_bytes for f in ranks), dp_overlap=_overlap(ranks))
+            dp_bytes=sum(f.dp_bytes for f in ranks),
+            dp_buckets=int(sum(f.dp_buckets for f in ranks)),
+            dp_buckets_early=int(sum(f.dp_buckets_early for f in ranks)),
+            dp_overlap=_overlap(ranks))
 
     def save(self, path: Path) -> None:
         """The report as JSON beside the checkpoints (for scripts and benchmarks)."""
