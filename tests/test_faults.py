@@ -107,16 +107,16 @@ def test_ctrl_c_to_the_launcher_stops_the_job_as_a_stop_request(work):
     import sys
     from helpers import MPIEXEC, REPO
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
+               HPCPAR_PROGRESS_SECONDS="0.05",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     marker = "ctrl-c-out.h5"
     proc = subprocess.Popen([MPIEXEC, "-n", "4", sys.executable, *GENERATE[:-2], "--prompts",
                              "random", "--set", "data.random_count=3000", "--max-new-tokens",
                              "60", "--ignore-eos", "--out", marker], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (work / f".{marker}.partial").exists():
-        time.sleep(0.05)
-    time.sleep(0.5)                                     # generating by now
+    for line in proc.stderr:                            # generating once progress shows
+        if line.startswith("progress:"):
+            break
     proc.send_signal(signal.SIGINT)                     # one Ctrl-C
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 3, err
@@ -151,11 +151,10 @@ def test_ctrl_c_before_the_steps_is_one_line_from_rank_0(work):
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-c",
                              "import time, sys; from hpcpar.launch import run_guarded, world;"
-                             "world(); print('ready', flush=True);"
-                             "sys.exit(run_guarded(lambda: time.sleep(60)))"], cwd=work,
+                             "world(); sys.exit(run_guarded(lambda: (print('ready', flush=True),"
+                             " time.sleep(60))))"], cwd=work,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    time.sleep(0.5)
+    assert [proc.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -59,7 +59,8 @@ def test_replicas_that_end_apart_wait_on_heartbeats_and_lose_nothing(comm):
             time.sleep(0.01)
             channel.pump()
         channel.close()
-        assert time.monotonic() - start >= 2.5 * TIMEOUT - 0.05   # every rank waited for the last
+        # every rank waited for the last replica (a lower bound: load only adds to it)
+        assert time.monotonic() - start >= 2.5 * TIMEOUT - 0.05
         counts = world.gather(np.array([[sent[0] if world.rank in owners(layout) else 0]]),
                               root=0)
         if world.rank == 0:
@@ -73,14 +74,13 @@ def test_replicas_that_end_apart_wait_on_heartbeats_and_lose_nothing(comm):
 def test_a_replica_that_goes_silent_ends_every_wait(comm):
     """The last replica stops pumping (a stopped rank sends nothing): rank 0 misses its
     heartbeats, the finished ranks miss rank 0's pings, and the silent one, when it comes
-    back, finds no release: every rank gives up with CommTimeout within a few timeouts."""
+    back, finds no release: every rank gives up with CommTimeout (no clock is read: a loaded
+    machine only makes it later, and a hang would meet the suite's own timeout)."""
     world = MpiCommunicator(comm.Dup(), timeout=TIMEOUT)
     layout = ParallelConfig(dp=world.size)
     channel = ReplicaChannel(world, layout)
     silent = world.size - 1
-    start = time.monotonic()
     if world.rank == silent:
         time.sleep(4 * TIMEOUT)
     with pytest.raises(CommTimeout, match="heartbeat of the replicas still running"):
         channel.close()
-    assert time.monotonic() - start < 4 * TIMEOUT + 3 * TIMEOUT
