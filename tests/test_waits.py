@@ -60,11 +60,29 @@ def test_an_nccl_request_is_bounded(limit):
 
 
 def test_without_a_limit_the_event_is_waited_on_directly():
+    """--timeout 0: the event's own blocking wait, never a poll of ``done``."""
+    calls = []
+
+    class Counted(FakeEvent):
+        ready = True
+
+        @property
+        def done(self):
+            calls.append("polled")
+            return True
+
+        def synchronize(self):
+            calls.append("synchronized")
+
+    before = waits.limit()
     waits.set_limit(0)
     try:
-        waits.wait_event(_fake_cupy(ready=True).cuda.Event(), "x")
+        waits.wait_event(Counted(), "x")
     finally:
-        waits.set_limit(600.0)
+        waits.set_limit(before)
+    assert calls == ["synchronized"]
+    waits.wait_event(Counted(), "x")                   # with a limit: polled instead
+    assert calls == ["synchronized", "polled"]
 
 
 class TimedEvent(FakeEvent):
