@@ -42,8 +42,8 @@ OUTPUT_SUFFIXES = (".h5", ".hdf5")
 _KIND_MARKS = {"generation": "tokens", "scores": "token_logprobs"}
 _ADVICE = {errno.ENOSPC: "free space or write elsewhere",
            errno.EDQUOT: "free space under your quota or write elsewhere",
-           errno.EROFS: "the file system is read-only; write elsewhere",
-           errno.EIO: "the storage failed; check the file system, or write elsewhere",
+           errno.EROFS: "write elsewhere",
+           errno.EIO: "check the file system, or write elsewhere",
            errno.EACCES: "choose a folder you can write"}
 
 

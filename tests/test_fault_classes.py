@@ -257,6 +257,15 @@ def test_a_failed_write_of_a_generation_keeps_a_resumable_partial_file(work, kin
         np.testing.assert_array_equal(resumed["tokens"][()], whole["tokens"][()])
 
 
+def test_a_generation_whose_first_write_fails_leaves_no_file(work):
+    """The partial file's creation fails: nothing had finished, nothing is kept."""
+    proc = _with_fault("rank=0,phase=write,step=1,kind=enospc", 2,
+                       GENERATE + ["--out", "first.h5", "--dp", "2"], work)
+    _assert_one_error(proc, "cannot write .first.h5.partial: No space left on device; free "
+                            "space or write elsewhere; no prompt had finished")
+    assert not [p for p in work.iterdir() if "first.h5" in p.name]
+
+
 def test_a_failed_write_of_scores_leaves_nothing(work):
     args = ["-m", "hpcpar", "score", "--checkpoint", "model.h5", "--data", "prompts.npy",
             "--out", "scores.h5"]

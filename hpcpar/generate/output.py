@@ -224,11 +224,16 @@ class PartialOutput:
             self.file = None
         try:
             check_partial(self.partial, self.shape)
-        except HpcparError:
+            with h5py.File(self.partial, "r") as f:
+                finished = int(f["done"][()].sum())
+        except (HpcparError, OSError):
             self.partial.unlink(missing_ok=True)
-            return "no prompt finished so far could be kept"
-        return (f"the finished prompts are kept in {self.partial}: make room, then run again "
-                "with --resume auto")
+            return "no finished prompt could be kept"
+        if not finished:
+            self.partial.unlink(missing_ok=True)
+            return "no prompt had finished"
+        return (f"the {finished} finished prompts are kept in {self.partial}: make room, then "
+                "run again with --resume auto")
 
     @property
     def done(self) -> np.ndarray:
