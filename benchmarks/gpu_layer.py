@@ -27,21 +27,21 @@ def main(argv=None) -> None:
     from hpcpar.backend import select_backend
     from hpcpar.checkpoint.presets import preset_config
     from hpcpar.comm import MpiCommunicator
-    from hpcpar.config import LlamaConfig
+    from hpcpar.config import ModelConfig
     from hpcpar.dtypes import float_dtype
-    from hpcpar.model import LlamaStage
+    from hpcpar.model import DecoderStage
     from hpcpar.ops import AttentionRows, ops_for
     from hpcpar.tensors import stage_tensors
 
     dtype = float_dtype(args.dtype)
     backend = select_backend("cupy", 0, dtype)
     ops = ops_for(backend)
-    cfg = LlamaConfig.from_hf(preset_config("llama3-1b"))
+    cfg = ModelConfig.from_hf(preset_config("llama3-1b"))
     specs = stage_tensors(cfg, range(1), False, False)
     rng = cp.random.default_rng(0)
     weights = {s.name: (rng.standard_normal(s.shape, dtype=cp.float32) * 0.02).astype(dtype)
                for s in specs}
-    stage = LlamaStage.from_tensors(cfg, specs, weights, range(1), False, False,
+    stage = DecoderStage.from_tensors(cfg, specs, weights, range(1), False, False,
                                     MpiCommunicator(MPI.COMM_SELF), ops, dtype)
     B, P = args.batch, args.prompt_length
     cache = stage.new_cache(B, P + 128)

@@ -401,7 +401,7 @@ def _train(comm, job) -> int:
 
 def _plan_text(args) -> str:
     from .checkpoint import open_checkpoint, preset_config
-    from .config import LlamaConfig
+    from .config import ModelConfig
     from .dtypes import float_dtype
     from .jobs import PRESET_PREFIX, load_job
 
@@ -417,7 +417,7 @@ def _plan_text(args) -> str:
     spec = job.model.checkpoint
     if spec.startswith(PRESET_PREFIX):
         name = spec[len(PRESET_PREFIX):]
-        cfg = LlamaConfig.from_hf(preset_config(name), source=f"preset {name}")
+        cfg = ModelConfig.from_hf(preset_config(name), source=f"preset {name}")
     else:
         name = spec
         cfg = open_checkpoint(spec).config

@@ -16,6 +16,7 @@ from .errors import HpcparError
 from .parallel.splits import unit_split_problem
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_tanh")          # the gated MLP's: SwiGLU, GeGLU
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -39,8 +40,9 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """The fields of a Hugging Face ``LlamaConfig`` that define the computation."""
+class ModelConfig:
+    """The fields of a Hugging Face config that define the computation: Llama's, and the
+    features by which the other families differ (``hpcpar.models``)."""
 
     vocab_size: int
     hidden_size: int
@@ -54,8 +56,15 @@ class LlamaConfig:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False               # biases on q, k, v (Qwen2; Llama's attention_bias)
+    o_bias: bool = False                 # a bias on o (Llama's attention_bias)
     mlp_bias: bool = False
+    qk_norm: bool = False                # per-head RMSNorm of q and k before rotary (Qwen3)
+    norm_offset: float = 0.0             # RMSNorm scales by (offset + w) (Gemma: 1)
+    embed_scale: float = 1.0             # the embedding's output times this (Gemma: sqrt(h))
+    activation: str = "silu"             # the gated MLP's: silu (SwiGLU), gelu_tanh (GeGLU)
+    sliding_window: int | None = None    # attention to the last W keys only (Mistral)
+    model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -69,18 +78,24 @@ class LlamaConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any], source: str = "config") -> "LlamaConfig":
+    def from_hf(cls, hf: Mapping[str, Any], source: str = "config") -> "ModelConfig":
         """Parse a ``config.json`` dict as written by transformers 4.x or 5.x.
 
         4.x keeps ``rope_theta`` and ``rope_scaling`` at the top level; 5.x folds both into
-        ``rope_parameters``. Non-Llama architectures are refused with a message that says so.
+        ``rope_parameters``. The family (``model_type``) says how the rest reads; a
+        ``model_type`` of no family is one error naming the supported ones.
         """
+        from .models import FAMILIES
         model_type = hf.get("model_type", "llama")
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
-        if model_type != "llama" or "LlamaForCausalLM" not in archs:
+        if model_type not in FAMILIES:
+            raise ConfigError(source, [f"model_type {model_type!r} is not supported; hpcpar "
+                                       f"runs {', '.join(sorted(FAMILIES))}"])
+        family = FAMILIES[model_type]
+        archs = hf.get("architectures") or [family.architecture]
+        if family.architecture not in archs:
             raise ConfigError(source, [
-                f"model_type {model_type!r} / architectures {archs} is not supported; hpcpar runs "
-                "Llama-family models (model_type 'llama', LlamaForCausalLM)"])
+                f"architectures {archs} is not {family.architecture}, the causal LM of "
+                f"model_type {model_type!r}; hpcpar runs causal LMs only"])
         required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads")
         missing = [k for k in required if k not in hf]
@@ -88,7 +103,7 @@ class LlamaConfig:
             raise ConfigError(source, [f"missing required field(s) {', '.join(missing)}"])
 
         try:
-            cfg = cls._build(hf, source)
+            cfg = cls._build(hf, source, family.features(hf) | {"model_type": model_type})
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ConfigError(source, [f"malformed value ({type(e).__name__}: {e}); fields must "
                                        "be numbers as transformers writes them"]) from None
@@ -98,14 +113,14 @@ class LlamaConfig:
         return cfg
 
     @classmethod
-    def _build(cls, hf: Mapping[str, Any], source: str) -> "LlamaConfig":
+    def _build(cls, hf: Mapping[str, Any], source: str, features: dict) -> "ModelConfig":
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if heads else 0)
         rope_theta, scaling = _parse_rope(hf, source)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        return cls(
+        return cls(**dict(
             vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
             num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
@@ -114,13 +129,11 @@ class LlamaConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            mlp_bias=bool(hf.get("mlp_bias", False)),
             bos_token_id=hf.get("bos_token_id"), eos_token_id=eos_ids,
-            pad_token_id=hf.get("pad_token_id"))
+            pad_token_id=hf.get("pad_token_id")) | features)
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> "LlamaConfig":
+    def from_json_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         try:
             hf = json.loads(path.read_text(encoding="utf-8"))
@@ -154,6 +167,12 @@ class LlamaConfig:
                        f"{list(self.eos_token_id)}")
         if self.rms_norm_eps <= 0:
             out.append(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.activation not in ACTIVATIONS:
+            out.append(f"activation {self.activation!r} is not supported (supported: "
+                       f"{', '.join(ACTIVATIONS)})")
+        if self.sliding_window is not None:
+            out.append(f"sliding-window attention (window {self.sliding_window}) is not "
+                       "supported yet; only full causal attention runs exactly")
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
             out.append(f"rope type {self.rope_scaling.rope_type!r} is not supported "
                        f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -185,7 +204,7 @@ def _parse_rope(hf: Mapping[str, Any], source: str) -> tuple[float, RopeScaling]
         raise ConfigError(source, [f"unreadable rope parameters {dict(scaling)} ({e})"]) from None
 
 
-def tp_problems(model: LlamaConfig, tp: int) -> list[str]:
+def tp_problems(model: ModelConfig, tp: int) -> list[str]:
     """Why ``model`` cannot be split over ``tp`` ranks (empty when it can)."""
     out = []
     if model.num_attention_heads % tp:
@@ -241,7 +260,7 @@ class ParallelConfig:
                 given[fill] = world_size // product
         return cls(dp=given["dp"], pp=given["pp"], tp=given["tp"], **rest)
 
-    def problems(self, model: LlamaConfig | None = None,
+    def problems(self, model: ModelConfig | None = None,
                  world_size: int | None = None) -> list[str]:
         """Every reason this layout cannot run ``model`` on ``world_size`` ranks."""
         sizes = {name: getattr(self, name) for name in ("dp", "pp", "tp", "micro_batches")}
@@ -277,7 +296,7 @@ class ParallelConfig:
                 out.append(f"stage_layers {counts}: every stage needs at least one layer")
         return out
 
-    def check(self, model: LlamaConfig | None = None, world_size: int | None = None) -> None:
+    def check(self, model: ModelConfig | None = None, world_size: int | None = None) -> None:
         problems = self.problems(model, world_size)
         if problems:
             raise ConfigError("invalid parallel layout", problems)

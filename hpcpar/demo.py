@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import LlamaConfig, ParallelConfig
+from .config import ModelConfig, ParallelConfig
 from .generate import resolve_checkpoint, run_generation
 from .jobs import PRESET_PREFIX, DataSection, GenerateSection, Job, ModelSection, ParallelSection
 from .checkpoint import open_checkpoint
@@ -18,7 +18,7 @@ from .launch import everyone
 DEMO_CHECKPOINT = PRESET_PREFIX + "tiny"
 
 
-def demo_layout(world_size: int, cfg: LlamaConfig) -> ParallelConfig:
+def demo_layout(world_size: int, cfg: ModelConfig) -> ParallelConfig:
     """tp 2 and pp 2 where they fit, the rest as data-parallel replicas."""
     tp = 2 if world_size % 2 == 0 and 2 in cfg.valid_tp_sizes(2) else 1
     rest = world_size // tp
@@ -41,7 +41,7 @@ class DemoOptions:
     comm: str = "auto"
 
 
-def demo_job(opts: DemoOptions, checkpoint: str, cfg: LlamaConfig, world_size: int) -> Job:
+def demo_job(opts: DemoOptions, checkpoint: str, cfg: ModelConfig, world_size: int) -> Job:
     if opts.dp is None and opts.pp is None and opts.tp is None:
         layout = demo_layout(world_size, cfg)
         dp, pp, tp = layout.dp, layout.pp, layout.tp

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import LlamaConfig, ParallelConfig
+from .config import ModelConfig, ParallelConfig
 from .model import kv_cache_bytes
 from .pipeline.partition import stage_layers
 from .pipeline.schedule import bubble_fraction, draw, gpipe_forward
@@ -29,7 +29,7 @@ class StagePlan:
     send_bytes_per_token: int
 
 
-def plan_stages(cfg: LlamaConfig, layout: ParallelConfig, batch: int, prompt_length: int,
+def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
                 max_new_tokens: int, itemsize: int) -> list[StagePlan]:
     replica_batch = -(-batch // layout.dp)
     k_proj = next(spec for spec in layer_tensors(cfg, 0) if spec.role == "k")
@@ -50,7 +50,7 @@ def plan_stages(cfg: LlamaConfig, layout: ParallelConfig, batch: int, prompt_len
     return out
 
 
-def format_plan(cfg: LlamaConfig, layout: ParallelConfig, batch: int, prompt_length: int,
+def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
                 max_new_tokens: int, itemsize: int, model_name: str) -> str:
     stages = plan_stages(cfg, layout, batch, prompt_length, max_new_tokens, itemsize)
     total_params = sum(int(np.prod(s.shape)) for s in stage_tensors(
@@ -91,7 +91,7 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def format_train_plan(cfg: LlamaConfig, layout: ParallelConfig, virtual_stages: int,
+def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: int,
                       global_batch: int, seq_len: int, optimizer: str, recompute: bool,
                       model_name: str, zero: int = 0) -> str:
     """Training: per stage, parameters, weights + gradients + optimizer state (split over dp

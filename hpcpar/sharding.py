@@ -21,7 +21,7 @@ from enum import Enum
 
 import numpy as np
 
-from .config import LlamaConfig
+from .config import ModelConfig
 from .parallel import splits as core_split
 from .parallel.splits import ShardingError, padded_vocab_size, vocab_range
 from .tensors import TensorSpec
@@ -43,6 +43,7 @@ SPLIT_OF_ROLE = {
     "o": Split.ROW, "down": Split.ROW,
     "o_bias": Split.REPLICATED, "down_bias": Split.REPLICATED,
     "input_norm": Split.REPLICATED, "post_attention_norm": Split.REPLICATED,
+    "q_norm": Split.REPLICATED, "k_norm": Split.REPLICATED,      # one weight for every head
     "final_norm": Split.REPLICATED,
 }
 
@@ -70,7 +71,7 @@ def split_of(spec: TensorSpec) -> Split:
     return SPLIT_OF_ROLE[spec.role]
 
 
-def _units(spec: TensorSpec, cfg: LlamaConfig) -> tuple[int, int, bool]:
+def _units(spec: TensorSpec, cfg: ModelConfig) -> tuple[int, int, bool]:
     """(number of indivisible units, elements per unit, may replicate) along the split axis."""
     if spec.role in ("q", "q_bias", "o"):
         return cfg.num_attention_heads, cfg.head_dim, False
@@ -80,7 +81,7 @@ def _units(spec: TensorSpec, cfg: LlamaConfig) -> tuple[int, int, bool]:
     return spec.shape[axis], 1, False
 
 
-def shard_of(spec: TensorSpec, cfg: LlamaConfig, tp_rank: int, tp_size: int) -> Shard:
+def shard_of(spec: TensorSpec, cfg: ModelConfig, tp_rank: int, tp_size: int) -> Shard:
     """The piece of ``spec`` that tensor-parallel rank ``tp_rank`` of ``tp_size`` holds."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside tp size {tp_size}")
@@ -111,7 +112,7 @@ def shard_of(spec: TensorSpec, cfg: LlamaConfig, tp_rank: int, tp_size: int) -> 
     return Shard(tuple(shape), tuple(region), dest)
 
 
-def split(full: np.ndarray, spec: TensorSpec, cfg: LlamaConfig, tp_size: int) -> list[np.ndarray]:
+def split(full: np.ndarray, spec: TensorSpec, cfg: ModelConfig, tp_size: int) -> list[np.ndarray]:
     """Every rank's piece of ``full``, in tp-rank order (vocabulary padding is zero)."""
     if tuple(full.shape) != spec.shape:
         raise ShardingError(f"{spec.name}: array of shape {tuple(full.shape)} is not the "
@@ -125,7 +126,7 @@ def split(full: np.ndarray, spec: TensorSpec, cfg: LlamaConfig, tp_size: int) ->
     return out
 
 
-def merge(shards: list[np.ndarray], spec: TensorSpec, cfg: LlamaConfig) -> np.ndarray:
+def merge(shards: list[np.ndarray], spec: TensorSpec, cfg: ModelConfig) -> np.ndarray:
     """The full tensor from every rank's piece (inverse of ``split``)."""
     tp_size = len(shards)
     full = np.empty(spec.shape, dtype=shards[0].dtype)

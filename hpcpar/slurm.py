@@ -140,13 +140,13 @@ def submit(req: SlurmRequest, dry_run: bool = False) -> str:
 def check_layout(job, world_size: int, training: bool) -> None:
     """The job's layout on ``world_size`` ranks, with the errors a run would give."""
     from .checkpoint import open_checkpoint, preset_config
-    from .config import ConfigError, LlamaConfig
+    from .config import ConfigError, ModelConfig
     from .jobs import PRESET_PREFIX
     from .pipeline.training_schedules import micro_batch_problems
     spec = job.model.checkpoint
     if spec.startswith(PRESET_PREFIX):
         name = spec[len(PRESET_PREFIX):]
-        cfg = LlamaConfig.from_hf(preset_config(name), source=f"preset {name}")
+        cfg = ModelConfig.from_hf(preset_config(name), source=f"preset {name}")
     else:
         cfg = open_checkpoint(spec).config
     layout = job.parallel.layout(world_size, "1f1b" if training else "gpipe")

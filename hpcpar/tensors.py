@@ -1,4 +1,5 @@
-"""The parameter inventory of a Llama model: every tensor's Hugging Face name, shape and role.
+"""The parameter inventory of a model: every tensor's Hugging Face name, shape and role, from
+its config's features and its family's names (``hpcpar.models``).
 
 Conversion, random init, loading, sharding and planning all start from this one list, so they
 cannot disagree about what a checkpoint holds. Shapes are Hugging Face's: ``nn.Linear``
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import LlamaConfig
+from .config import ModelConfig
 
 EMBED = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -31,34 +32,34 @@ class TensorSpec:
         return n
 
 
-def layer_tensors(cfg: LlamaConfig, i: int) -> list[TensorSpec]:
-    """The tensors of decoder layer ``i``."""
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    p = f"model.layers.{i}."
-    out = [
-        TensorSpec(p + "input_layernorm.weight", (h,), "input_norm", i),
-        TensorSpec(p + "self_attn.q_proj.weight", (q, h), "q", i),
-        TensorSpec(p + "self_attn.k_proj.weight", (kv, h), "k", i),
-        TensorSpec(p + "self_attn.v_proj.weight", (kv, h), "v", i),
-        TensorSpec(p + "self_attn.o_proj.weight", (h, q), "o", i),
-        TensorSpec(p + "post_attention_layernorm.weight", (h,), "post_attention_norm", i),
-        TensorSpec(p + "mlp.gate_proj.weight", (inter, h), "gate", i),
-        TensorSpec(p + "mlp.up_proj.weight", (inter, h), "up", i),
-        TensorSpec(p + "mlp.down_proj.weight", (h, inter), "down", i),
-    ]
-    if cfg.attention_bias:
-        out += [TensorSpec(p + "self_attn.q_proj.bias", (q,), "q_bias", i),
-                TensorSpec(p + "self_attn.k_proj.bias", (kv,), "k_bias", i),
-                TensorSpec(p + "self_attn.v_proj.bias", (kv,), "v_bias", i),
-                TensorSpec(p + "self_attn.o_proj.bias", (h,), "o_bias", i)]
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's tensors by role, with their shapes: those the config's features
+    call for."""
+    h, q, kv, inter, hd = (cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size,
+                           cfg.head_dim)
+    out = {"input_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q),
+           "post_attention_norm": (h,), "gate": (inter, h), "up": (inter, h),
+           "down": (h, inter)}
+    if cfg.qkv_bias:
+        out |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
+    if cfg.o_bias:
+        out["o_bias"] = (h,)
+    if cfg.qk_norm:
+        out |= {"q_norm": (hd,), "k_norm": (hd,)}
     if cfg.mlp_bias:
-        out += [TensorSpec(p + "mlp.gate_proj.bias", (inter,), "gate_bias", i),
-                TensorSpec(p + "mlp.up_proj.bias", (inter,), "up_bias", i),
-                TensorSpec(p + "mlp.down_proj.bias", (h,), "down_bias", i)]
+        out |= {"gate_bias": (inter,), "up_bias": (inter,), "down_bias": (h,)}
     return out
 
 
-def stage_tensors(cfg: LlamaConfig, layers: range, first: bool, last: bool) -> list[TensorSpec]:
+def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+    """The tensors of decoder layer ``i``, named as the model's family names them."""
+    from .models import family_of
+    family = family_of(cfg.model_type)
+    return [TensorSpec(family.layer_name(role, i), shape, role, i)
+            for role, shape in layer_shapes(cfg).items()]
+
+
+def stage_tensors(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[TensorSpec]:
     """The tensors a pipeline stage needs: its layers, the embedding on the first stage, the
     final norm and head on the last. With tied embeddings the last stage reads the embedding
     as its head."""
@@ -74,7 +75,7 @@ def stage_tensors(cfg: LlamaConfig, layers: range, first: bool, last: bool) -> l
     return out
 
 
-def model_tensors(cfg: LlamaConfig) -> list[TensorSpec]:
+def model_tensors(cfg: ModelConfig) -> list[TensorSpec]:
     """Every tensor a checkpoint of ``cfg`` stores (no ``lm_head`` when embeddings are tied)."""
     return stage_tensors(cfg, range(cfg.num_hidden_layers), first=True, last=True)
 

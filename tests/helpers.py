@@ -26,7 +26,10 @@ TINY = {
 
 
 def hf_tensor_shapes(cfg: dict) -> dict[str, tuple]:
-    """Names and shapes as transformers' LlamaForCausalLM state_dict has them."""
+    """Names and shapes as transformers' state_dict has them: LlamaForCausalLM's, with
+    Qwen2's q/k/v biases and Qwen3's q/k norms by ``model_type`` (written out here, apart
+    from hpcpar's own inventory)."""
+    family = cfg.get("model_type", "llama")
     h, inter, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -39,13 +42,18 @@ def hf_tensor_shapes(cfg: dict) -> dict[str, tuple]:
             p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter)})
-        if cfg.get("attention_bias"):
+        if cfg.get("attention_bias") or family == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,), p + "self_attn.o_proj.bias": (h,)})
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.get("attention_bias") and family != "qwen2":
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if family == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,),
+                           p + "self_attn.k_norm.weight": (hd,)})
         if cfg.get("mlp_bias"):
             shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                            p + "mlp.down_proj.bias": (h,)})
-    if not cfg.get("tie_word_embeddings"):
+    if not cfg.get("tie_word_embeddings", family == "gemma"):
         shapes["lm_head.weight"] = (cfg["vocab_size"], h)
     return shapes
 
@@ -105,6 +113,14 @@ GQA = dict(TINY, vocab_size=250, num_hidden_layers=9, max_position_embeddings=96
            eos_token_id=2, bos_token_id=1,
            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+# Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) and Gemma ((1 + w) norms,
+# embedding scale, GeGLU, tied head; one KV head, replicated at every tp)
+QWEN3 = dict(TINY, model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=12,
+             num_hidden_layers=4, max_position_embeddings=96, eos_token_id=2)
+GEMMA = dict(TINY, model_type="gemma", architectures=["GemmaForCausalLM"], vocab_size=251,
+             num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128,
+             num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=1,
+             hidden_activation="gelu_pytorch_tanh")
 TIED = dict(TINY, vocab_size=251, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
             head_dim=16, intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True,
             attention_bias=True, mlp_bias=True, rope_theta=500.0, eos_token_id=[3, 4])
@@ -184,20 +200,33 @@ HF_CONFIGS = {
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                           max_position_embeddings=128, tie_word_embeddings=True,
                           attention_bias=True, mlp_bias=True),
+    # the other families, each where it differs from Llama (hpcpar.models)
+    "qwen2": dict(model_type="qwen2", vocab_size=250, hidden_size=64, intermediate_size=176,
+                  num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                  max_position_embeddings=128, rope_theta=1000000.0),
+    "qwen3": dict(model_type="qwen3", vocab_size=250, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=24, max_position_embeddings=128, tie_word_embeddings=True),
+    "gemma": dict(model_type="gemma", vocab_size=251, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                  head_dim=16, max_position_embeddings=128,
+                  hidden_activation="gelu_pytorch_tanh"),
 }
 
 
 def build_hf_model(name: str, folder):
-    """A random transformers LlamaForCausalLM of ``HF_CONFIGS[name]`` (norms away from 1 and
-    non-zero biases, so each one is tested), saved under folder/hf and converted to
-    folder/model.h5."""
+    """A random transformers causal LM of ``HF_CONFIGS[name]`` (its own family's class, by
+    ``model_type``; norms away from their neutral value and non-zero biases, so each one is
+    tested), saved under folder/hf and converted to folder/model.h5."""
     import torch
     import transformers
     from hpcpar.checkpoint import convert
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**HF_CONFIGS[name], eos_token_id=None, bos_token_id=None,
-                                   pad_token_id=None)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    settings = dict(HF_CONFIGS[name])
+    cfg = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings,
+                                            eos_token_id=None, bos_token_id=None,
+                                            pad_token_id=None)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:

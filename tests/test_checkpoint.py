@@ -9,7 +9,7 @@ import pytest
 from hpcpar.checkpoint import (CheckpointError, convert, init_checkpoint, load_shard,
                                open_checkpoint, read_tensor)
 from hpcpar.checkpoint.format import CHUNK_TP_SIZES
-from hpcpar.config import LlamaConfig, ParallelConfig
+from hpcpar.config import ModelConfig, ParallelConfig
 from hpcpar.dtypes import FLOAT_DTYPES, bfloat16, nonfinite
 from hpcpar.errors import HpcparError
 from hpcpar.sharding import shard_of
@@ -98,7 +98,7 @@ def test_slices_for_tp_1_2_4_8_are_whole_chunks(tmp_path):
     cfg_dict = dict(TINY, vocab_size=250)
     write_hf_checkpoint(tmp_path / "hf", cfg_dict)
     convert(tmp_path / "hf", tmp_path / "m.h5")
-    cfg = LlamaConfig.from_hf(cfg_dict)
+    cfg = ModelConfig.from_hf(cfg_dict)
     with h5py.File(tmp_path / "m.h5") as f:
         for spec in model_tensors(cfg):
             chunks = f[spec.name].chunks

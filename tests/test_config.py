@@ -1,6 +1,6 @@
 import pytest
 
-from hpcpar.config import ConfigError, LlamaConfig, ParallelConfig
+from hpcpar.config import ConfigError, ModelConfig, ParallelConfig
 from helpers import TINY
 
 LLAMA31_V4 = dict(TINY, rope_theta=500000.0, rope_scaling={
@@ -11,7 +11,7 @@ LLAMA31_V5["rope_parameters"] = dict(LLAMA31_V4["rope_scaling"], rope_theta=5000
 
 
 def test_transformers_4_and_5_configs_parse_the_same():
-    v4, v5 = LlamaConfig.from_hf(LLAMA31_V4), LlamaConfig.from_hf(LLAMA31_V5)
+    v4, v5 = ModelConfig.from_hf(LLAMA31_V4), ModelConfig.from_hf(LLAMA31_V5)
     assert v4 == v5
     assert v4.rope_theta == 500000.0
     assert v4.rope_scaling.rope_type == "llama3" and v4.rope_scaling.factor == 8.0
@@ -20,15 +20,15 @@ def test_transformers_4_and_5_configs_parse_the_same():
 
 def test_defaults_follow_transformers():
     cfg = {k: v for k, v in TINY.items() if k not in ("head_dim", "num_key_value_heads")}
-    c = LlamaConfig.from_hf(cfg)
+    c = ModelConfig.from_hf(cfg)
     assert c.head_dim == 64 // 8 and c.num_key_value_heads == 8
     assert c.rope_scaling.rope_type == "default"
-    legacy = LlamaConfig.from_hf(dict(TINY, rope_scaling={"type": "linear", "factor": 2.0}))
+    legacy = ModelConfig.from_hf(dict(TINY, rope_scaling={"type": "linear", "factor": 2.0}))
     assert legacy.rope_scaling.rope_type == "linear"
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"model_type": "mistral"}, "not supported"),
+    ({"model_type": "gpt_neox"}, "not supported; hpcpar runs gemma, llama, qwen2, qwen3"),
     ({"architectures": ["GPT2LMHeadModel"]}, "LlamaForCausalLM"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
@@ -36,17 +36,17 @@ def test_defaults_follow_transformers():
 ])
 def test_bad_model_configs_are_refused_with_the_numbers(change, words):
     with pytest.raises(ConfigError, match=words):
-        LlamaConfig.from_hf(dict(TINY, **change))
+        ModelConfig.from_hf(dict(TINY, **change))
 
 
 def test_missing_fields_are_named():
     cfg = {k: v for k, v in TINY.items() if k not in ("vocab_size", "hidden_size")}
     with pytest.raises(ConfigError, match="vocab_size, hidden_size"):
-        LlamaConfig.from_hf(cfg)
+        ModelConfig.from_hf(cfg)
 
 
 def test_layout_reports_every_problem_at_once():
-    model = LlamaConfig.from_hf(dict(TINY, num_attention_heads=12, num_key_value_heads=3,
+    model = ModelConfig.from_hf(dict(TINY, num_attention_heads=12, num_key_value_heads=3,
                                      head_dim=8, intermediate_size=100, num_hidden_layers=3))
     problems = ParallelConfig(dp=2, pp=4, tp=8).problems(model, world_size=8)
     text = " | ".join(problems)
@@ -61,13 +61,13 @@ def test_layout_reports_every_problem_at_once():
 
 
 def test_fewer_kv_heads_than_tp_is_replication_not_an_error():
-    model = LlamaConfig.from_hf(TINY)  # 2 KV heads
+    model = ModelConfig.from_hf(TINY)  # 2 KV heads
     assert ParallelConfig(tp=8).problems(model, 8) == []
     assert model.valid_tp_sizes(8) == [1, 2, 4, 8]
 
 
 def test_stage_layers_must_cover_the_model():
-    model = LlamaConfig.from_hf(TINY)  # 3 layers
+    model = ModelConfig.from_hf(TINY)  # 3 layers
     assert ParallelConfig(pp=2, stage_layers=(1, 2)).problems(model, 2) == []
     text = " ".join(ParallelConfig(pp=2, stage_layers=(3, 1)).problems(model, 2))
     assert "sum to 4" in text

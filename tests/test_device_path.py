@@ -128,7 +128,7 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     no second, transposed copy stays behind, and a tied head shares the embedding table."""
     from hpcpar.checkpoint import load_shard, open_checkpoint
     from hpcpar.comm import MpiCommunicator
-    from hpcpar.model.llama import LlamaStage
+    from hpcpar.model.decoder import DecoderStage
     from hpcpar.tensors import stage_tensors
     from mpi4py import MPI
     path, _ = make_checkpoint(tmp_path, cfg)
@@ -140,7 +140,7 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     tp = MpiCommunicator(MPI.COMM_SELF)
     from hpcpar.backend import NUMPY
     from hpcpar.ops import ops_for
-    stage = LlamaStage.from_tensors(ckpt.config, specs, shard.tensors, layers, True, True, tp,
+    stage = DecoderStage.from_tensors(ckpt.config, specs, shard.tensors, layers, True, True, tp,
                                     ops_for(NUMPY), np.dtype(np.float32))
     assert not shard.tensors                          # the stage took them all
     rope = _held_bytes(stage.rope)                   # position tables, not weights

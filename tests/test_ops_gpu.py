@@ -93,12 +93,12 @@ def test_rms_norm_and_its_fused_add(cp, device_ops, native, dtype, width):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_on_strided_q_and_k_and_its_backward(cp, device_ops, native, dtype):
-    from hpcpar.config import LlamaConfig
+    from hpcpar.config import ModelConfig
     from hpcpar.model.rope import RotaryEmbedding
     from helpers import GQA
     rng = np.random.default_rng(1)
     B, T, nh, nkv, hd = 2, 7, 4, 2, 16
-    cfg = LlamaConfig.from_hf(dict(GQA, head_dim=hd))
+    cfg = ModelConfig.from_hf(dict(GQA, head_dim=hd))
     positions = rng.integers(0, 100, (B, T))
     cos, sin = RotaryEmbedding(cfg, cp, cp.dtype(dtype)).tables(cp.asarray(positions))
     rcos, rsin = RotaryEmbedding(cfg, np, np.float64).tables(positions)

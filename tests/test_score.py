@@ -96,12 +96,15 @@ def test_jsonl_rows_start_at_column_zero_and_blocks_of_positions_change_nothing(
 
 
 @pytest.mark.mpi(min_size=2)
-def test_every_layout_scores_as_transformers(tmp_path_factory):
+@pytest.mark.parametrize("family", ["gqa-llama3", "qwen3", "gemma"])
+def test_every_layout_scores_as_transformers(tmp_path_factory, family):
+    """Every layout against transformers' own class, for Llama, Qwen3 (q/k norms over split
+    and replicated KV heads) and Gemma (one KV head)."""
     comm = MPI.COMM_WORLD
     model, folder = None, None
     if comm.Get_rank() == 0:
         folder = tmp_path_factory.mktemp("score")
-        model, _ = build_hf_model("gqa-llama3", folder)
+        model, _ = build_hf_model(family, folder)
         np.save(folder / "rows.npy", _padded(PROMPTS))
     folder = comm.bcast(str(folder) if folder else None, root=0)
     offsets = [max(len(p) for p in PROMPTS) - len(p) for p in PROMPTS]

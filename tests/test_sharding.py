@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hpcpar.config import LlamaConfig
+from hpcpar.config import ModelConfig
 from hpcpar.pipeline.partition import stage_layer_counts, stage_layers
 from hpcpar.sharding import ShardingError, merge, padded_vocab_size, shard_of, split, vocab_range
 from hpcpar.tensors import model_tensors, stage_tensors
@@ -31,7 +31,7 @@ def model_and_tp(draw):
 @given(model_and_tp())
 def test_split_matches_megatron_and_merge_inverts_it(case):
     hf, tp = case
-    cfg = LlamaConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf)
     rng = np.random.default_rng(0)
     specs = model_tensors(cfg)
     assert {s.name: s.shape for s in specs} == hf_tensor_shapes(hf)
@@ -46,7 +46,7 @@ def test_split_matches_megatron_and_merge_inverts_it(case):
 
 def test_kv_heads_replicated_so_each_rank_has_its_query_heads_kv_head():
     hf = dict(TINY, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
-    cfg = LlamaConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf)
     q, k = (s for s in model_tensors(cfg) if s.name.endswith(("0.self_attn.q_proj.weight",
                                                                "0.self_attn.k_proj.weight")))
     tp, group = 8, 8 // 2
@@ -64,7 +64,7 @@ def test_vocab_is_padded_to_a_multiple_of_tp():
 
 
 def test_uneven_split_is_a_clear_error():
-    cfg = LlamaConfig.from_hf(dict(TINY, intermediate_size=100))
+    cfg = ModelConfig.from_hf(dict(TINY, intermediate_size=100))
     gate = next(s for s in model_tensors(cfg) if s.role == "gate")
     with pytest.raises(ShardingError, match="100 rows cannot be split evenly over tp 8"):
         shard_of(gate, cfg, 0, 8)
@@ -82,7 +82,7 @@ def test_stage_partition_is_contiguous_with_remainder_first():
 
 def test_stage_tensors_give_embedding_and_head_to_the_end_stages():
     for tied in (False, True):
-        cfg = LlamaConfig.from_hf(dict(TINY, tie_word_embeddings=tied))
+        cfg = ModelConfig.from_hf(dict(TINY, tie_word_embeddings=tied))
         first = {s.name for s in stage_tensors(cfg, range(0, 1), True, False)}
         last = {s.name for s in stage_tensors(cfg, range(2, 3), False, True)}
         assert "model.embed_tokens.weight" in first and "model.norm.weight" in last

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from helpers import GQA, TIED, realistic_tensors
 from hpcpar.backend import NUMPY
 from hpcpar.comm import create_communicator
-from hpcpar.config import LlamaConfig
+from hpcpar.config import ModelConfig
 from hpcpar.model.rope import RotaryEmbedding
 from hpcpar.ops import AttentionRows, ops_for
 from hpcpar.sharding import split
@@ -21,7 +21,7 @@ from hpcpar.tensors import TensorSpec, stage_tensors
 from hpcpar.train.chunk import Batch, ModelChunk
 from hpcpar.train.data import label_count, make_batches
 from hpcpar.model.attention import Attention
-from hpcpar.model.llama import Mlp, norm_backward
+from hpcpar.model.decoder import Mlp, norm_backward
 from hpcpar.parallel.layers import VocabParallelCrossEntropy, VocabParallelEmbedding
 from hpcpar.train.params import GradSink, make_params
 from reference import llama_logits
@@ -81,7 +81,7 @@ def test_rms_norm_backward_matches_finite_differences():
 
 def test_rope_backward_is_the_transpose_of_rope():
     rng = np.random.default_rng(1)
-    cfg = LlamaConfig.from_hf(CONFIGS["gqa"])
+    cfg = ModelConfig.from_hf(CONFIGS["gqa"])
     cos, sin = RotaryEmbedding(cfg, np, np.float64).tables(rng.integers(0, 50, (2, 5)))
     x, r = rng.standard_normal((2, 5, 3, 8)), rng.standard_normal((2, 5, 3, 8))
     dx = OPS.rotary.backward_one(r, cos, sin)
@@ -94,7 +94,7 @@ def test_rope_backward_is_the_transpose_of_rope():
 def test_attention_backward_with_causal_and_padding_masks(heads, kv_heads):
     rng = np.random.default_rng(2)
     hd, hidden, B, T = 8, 16, 3, 6
-    cfg = LlamaConfig.from_hf(dict(GQA, head_dim=hd))
+    cfg = ModelConfig.from_hf(dict(GQA, head_dim=hd))
     p = {"q": _param(rng, (heads * hd, hidden)), "k": _param(rng, (kv_heads * hd, hidden)),
          "v": _param(rng, (kv_heads * hd, hidden)), "o": _param(rng, (hidden, heads * hd)),
          "q_bias": _param(rng, (heads * hd,)), "o_bias": _param(rng, (hidden,))}
@@ -166,7 +166,7 @@ def test_cross_entropy_is_the_weighted_mean_and_its_backward_is_local():
 # ---- the whole stage against the independent reference, tp 1 ------------------------------
 
 def build_chunk(cfg_dict, tensors, tp, recompute=False):
-    cfg = LlamaConfig.from_hf(cfg_dict)
+    cfg = ModelConfig.from_hf(cfg_dict)
     layers = range(cfg.num_hidden_layers)
     specs = stage_tensors(cfg, layers, True, True)
     shards = {s.name: split(tensors[s.name], s, cfg, tp.size)[tp.rank] for s in specs}
@@ -268,7 +268,7 @@ def test_plan_activation_memory_is_what_a_forward_keeps(name, recompute):
     batch = batch_of(np.random.default_rng(10).integers(0, 200, (3, 11)))
     batch.weights = batch.weights.astype(np.float32)
     _, ctx = chunk.forward(None, batch)
-    planned = activation_bytes(LlamaConfig.from_hf(cfg), 1, cfg["num_hidden_layers"], 3, 10,
+    planned = activation_bytes(ModelConfig.from_hf(cfg), 1, cfg["num_hidden_layers"], 3, 10,
                                True, True, recompute)
     assert held_bytes(ctx) == planned
 
@@ -277,7 +277,7 @@ def test_data_files_and_their_order(tmp_path):
     """.npy rows, a .bin token file cut into windows, .jsonl ids packed with EOS between
     documents; bad padding refused; the sample order wraps and shuffles by (seed, epoch)."""
     from hpcpar.train.data import DataError, load_dataset, sample_indices, token_dtype
-    cfg = LlamaConfig.from_hf(dict(GQA, eos_token_id=2))
+    cfg = ModelConfig.from_hf(dict(GQA, eos_token_id=2))
     tokens = np.arange(1, 42) % 250
     tokens.astype(token_dtype(cfg.vocab_size)).tofile(tmp_path / "t.bin")
     ds = load_dataset(tmp_path / "t.bin", cfg, seq_len=8)

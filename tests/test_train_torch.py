@@ -21,6 +21,10 @@ from hpcpar.train.engine import run_training  # noqa: E402
 from helpers import HF_CONFIGS, build_hf_model  # noqa: E402
 
 B, L = 4, 10
+# AdamW's eps: an element whose float32 gradient is summation noise (~1e-9) moves by g / eps;
+# at 1e-8 one such element of a 16 x 64 tensor is 3% of its 3-step update (qwen2's last
+# v_proj, measured), at 1e-6 the comparison is about the arithmetic again (DESIGN.md §5)
+EPS = 1e-6
 
 
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
@@ -75,7 +79,7 @@ def test_learning_rate_schedules_are_torchs(kind, warmup, steps):
 def _torch_run(folder, rows, steps, optimizer, lrs=None, **opts):
     """Torch's steps over ``rows`` (negative ids: left padding, masked out of attention and
     of the labels, positions starting at the first real token); ``lrs`` each step's lr."""
-    hf = transformers.LlamaForCausalLM.from_pretrained(folder / "hf").float().train()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").float().train()
     decay = [p for p in hf.parameters() if p.ndim == 2]
     no_decay = [p for p in hf.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": opts["weight_decay"]},
@@ -83,7 +87,7 @@ def _torch_run(folder, rows, steps, optimizer, lrs=None, **opts):
     if optimizer == "sgd":
         opt = torch.optim.SGD(groups, lr=opts["lr"], momentum=opts["momentum"])
     else:
-        opt = torch.optim.AdamW(groups, lr=opts["lr"], betas=(0.9, 0.95), eps=1e-8)
+        opt = torch.optim.AdamW(groups, lr=opts["lr"], betas=(0.9, 0.95), eps=EPS)
     losses, norms = [], []
     for s in range(steps):
         batch = torch.from_numpy(rows[s * B:(s + 1) * B])
@@ -111,11 +115,20 @@ def _hpcpar_run(folder, out, steps, optimizer, data="data.npy", extra=(), **opts
             f"output.path='{folder}/{out}'", f"train.steps={steps}", f"train.global_batch={B}",
             f"train.optimizer='{optimizer}'", f"train.lr={opts['lr']}",
             f"train.momentum={opts['momentum']}", f"train.weight_decay={opts['weight_decay']}",
-            f"train.clip_grad={opts['clip']}", "train.betas=[0.9, 0.95]",
+            f"train.clip_grad={opts['clip']}", "train.betas=[0.9, 0.95]", f"train.eps={EPS}",
             "train.peak_tflops=1.0", *extra]
     run_training(MPI.COMM_SELF, load_job(None, sets), progress=False)
     metrics = [json.loads(line) for line in open(f"{folder}/{out}/metrics.jsonl")]
     return [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
+
+
+def assert_adamw_steps(got: list[float], want: list[float]) -> None:
+    """Per-step figures of AdamW runs (DESIGN.md §5): the first step's exactly (1e-5
+    relative), each later one within 1e-3 of how far the figure has moved since, as the
+    weights behind it are compared by the update."""
+    assert got[0] == pytest.approx(want[0], rel=1e-5)
+    for k, (g, w) in enumerate(zip(got[1:], want[1:]), start=2):
+        assert abs(g - w) <= 1e-3 * abs(w - want[0]) + 1e-6, (k, g, w)
 
 
 def _weights(path):
@@ -144,8 +157,8 @@ def test_three_adamw_steps_with_clipping_match_torch(model):
     before = _weights(folder / "model.h5")
     hf, losses, norms = _torch_run(folder, rows, 3, "adamw", **opts)
     got_losses, got_norms = _hpcpar_run(folder, "adamw", 3, "adamw", **opts)
-    assert got_losses == pytest.approx(losses, rel=1e-5)
-    assert got_norms == pytest.approx(norms, rel=1e-5)
+    assert_adamw_steps(got_losses, losses)
+    assert_adamw_steps(got_norms, norms)
     assert max(norms) > opts["clip"]                     # clipping really happened
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     for name, w in _weights(folder / "adamw/step-3.h5").items():
@@ -175,8 +188,8 @@ def test_padded_rows_under_warmup_and_cosine_decay_match_torch_over_five_steps(m
         **opts)
     metrics = [json.loads(line) for line in open(folder / "padded" / "metrics.jsonl")]
     np.testing.assert_allclose([m["lr"] for m in metrics], lrs, rtol=1e-12)
-    assert got_losses == pytest.approx(losses, rel=1e-5)
-    assert got_norms == pytest.approx(norms, rel=1e-5)
+    assert_adamw_steps(got_losses, losses)
+    assert_adamw_steps(got_norms, norms)
     state = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
     for name, w in _weights(folder / "padded/step-5.h5").items():
         update = np.linalg.norm(state[name] - before[name])

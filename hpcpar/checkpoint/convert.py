@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..dtypes import float_dtype
 from ..errors import HpcparError
 from ..outputs import OutputLock, check_output
@@ -57,14 +57,14 @@ def weight_map(hf_dir: Path) -> dict[str, Path]:
     raise HpcparError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> LlamaConfig:
+def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> ModelConfig:
     """Convert a Hugging Face Llama folder; ``dtype`` defaults to the weights' own."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HpcparError(f"{hf_dir}: not a folder; pass the Hugging Face model folder "
                           "(config.json and *.safetensors)")
     config_path = hf_dir / "config.json"
-    cfg = LlamaConfig.from_json_file(config_path)
+    cfg = ModelConfig.from_json_file(config_path)
     hf_config = json.loads(config_path.read_text())
     files = weight_map(hf_dir)
     specs = model_tensors(cfg)

@@ -20,7 +20,7 @@ from math import gcd
 
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..dtypes import bfloat16
 from ..sharding import ShardingError, Split, shard_of, split_of
 from ..tensors import TensorSpec
@@ -61,7 +61,7 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return 1
 
 
-def split_boundaries(spec: TensorSpec, cfg: LlamaConfig,
+def split_boundaries(spec: TensorSpec, cfg: ModelConfig,
                      tp_sizes=CHUNK_TP_SIZES) -> tuple[int | None, list[int]]:
     """(split axis, every offset where some rank's slice starts or ends for ``tp_sizes``);
     tp sizes the model cannot use are skipped. Axis None: the tensor is never split."""
@@ -79,7 +79,7 @@ def split_boundaries(spec: TensorSpec, cfg: LlamaConfig,
     return axis, sorted(edges)
 
 
-def chunk_shape(spec: TensorSpec, cfg: LlamaConfig, itemsize: int,
+def chunk_shape(spec: TensorSpec, cfg: ModelConfig, itemsize: int,
                 budget: int = CHUNK_BYTES) -> tuple[int, ...]:
     """A chunk shape whose length along the split axis divides every slice boundary, so each
     rank's slice is whole chunks; the other dimension stays whole when a line of it fits the

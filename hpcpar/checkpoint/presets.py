@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..errors import HpcparError
 from ..outputs import OutputLock, check_output
 from ..tensors import TensorSpec, model_tensors
@@ -73,7 +73,7 @@ def random_tensor(spec: TensorSpec, seed: int, std: float = 0.02) -> np.ndarray:
 
 
 def init_checkpoint(out: str | Path, preset: str | dict, seed: int = 0,
-                    dtype: np.dtype = np.float32) -> LlamaConfig:
+                    dtype: np.dtype = np.float32) -> ModelConfig:
     """Write a checkpoint of random weights for ``preset`` (a name or a config.json dict)."""
     hf = preset_config(preset) if isinstance(preset, str) else dict(preset)
     label = f"hpcpar init --preset {preset} --seed {seed}" if isinstance(preset, str) else "init"

@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 
 from ..backend import NUMPY, ArrayBackend
-from ..config import ConfigError, LlamaConfig
+from ..config import ConfigError, ModelConfig
 from ..dtypes import FLOAT_DTYPES, dtype_name, nonfinite
 from ..errors import HpcparError
 from ..sharding import shard_of
@@ -36,7 +36,7 @@ class Checkpoint:
     """A validated checkpoint's metadata (the file itself is reopened for each read)."""
 
     path: Path
-    config: LlamaConfig
+    config: ModelConfig
     hf_config: dict
     dtype: np.dtype                      # the dtype its tensors are stored in
     version: int
@@ -79,7 +79,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                                   f"hpcpar reads ({FORMAT_VERSION}); upgrade hpcpar")
         try:
             hf_config = json.loads(f.attrs[ATTR_CONFIG])
-            config = LlamaConfig.from_hf(hf_config, source=f"{path} config")
+            config = ModelConfig.from_hf(hf_config, source=f"{path} config")
         except KeyError:
             raise CheckpointError(f"{path}: no '{ATTR_CONFIG}' attribute") from None
         except (json.JSONDecodeError, TypeError) as e:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import h5py
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..dtypes import dtype_name
 from ..errors import HpcparError
 from ..outputs import (WriteError, check_space, is_write_failure, quiet_deallocation,
@@ -52,7 +52,7 @@ class CheckpointWriter:
 
     def __init__(self, path: str | Path, hf_config: Mapping[str, Any], dtype: np.dtype,
                  source: str = ""):
-        self.config = LlamaConfig.from_hf(hf_config, source=source or "config")
+        self.config = ModelConfig.from_hf(hf_config, source=source or "config")
         self.hf_config = dict(hf_config)
         self.dtype = np.dtype(dtype)
         self.source = source

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from ..faults import fault_point
-from ..model import CacheRows, LlamaStage, kv_cache_bytes
+from ..model import CacheRows, DecoderStage
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op
 from .schedule import generation
@@ -67,7 +67,7 @@ class ContinuousProgram(ReplicaProgram):
     results (``tokens``, ``lengths``, ``done``) are in the replica's row order, as
     ``GenerationProgram``'s are."""
 
-    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend, batch_size: int,
                  steps: int, limits: np.ndarray | None = None,
                  on_rows: Callable[[int, int], None] | None = None,
@@ -287,10 +287,7 @@ def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, wo
     free = backend.free_memory_bytes()
     if free is not None and mbs:
         capacity = max(int(n + limits[r]) for mb in mbs for r, n in zip(mb.rows, mb.lengths))
-        attention = stage.decoder[0].attention
-        per_row = len(mbs) * kv_cache_bytes(len(stage.decoder), 1, attention.kv_heads,
-                                            capacity, attention.head_dim,
-                                            np.dtype(stage.dtype).itemsize)
+        per_row = len(mbs) * stage.kv_bytes_per_row(capacity)
         fit = max(1, int(KV_SHARE * free // max(per_row, 1)))
     fit = -int(world.all_reduce(np.array([-fit], dtype=np.int64), op="max")[0])
     return min(fit, max((mb.size for mb in mbs), default=1))

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ..faults import fault_point
-from ..model import LlamaStage
+from ..model import DecoderStage
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op
 from .batching import MicroBatch, replica_order
@@ -64,7 +64,7 @@ class ReplicaProgram(ABC):
     keep of a replica's rows: results in the replica's row order (``global_rows``: each
     row's prompt), each row's limit, the stop agreement and the activations in flight."""
 
-    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend, limits: np.ndarray | None,
                  on_rows: Callable[[int, int], None] | None,
                  stop_requested: Callable[[], bool] | None, sampling: PromptSampling | None):
@@ -100,7 +100,7 @@ class ReplicaProgram(ABC):
 
 
 class GenerationProgram(ReplicaProgram):
-    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], settings: GenerationSettings,
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend,
                  on_rows: Callable[[int, int], None] | None = None,
                  limits: np.ndarray | None = None,

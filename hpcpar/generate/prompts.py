@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..errors import HpcparError
 from ..settings import problem
 from .sampling import PromptSampling, SamplingParams
@@ -160,7 +160,7 @@ def random_prompts(count: int, lengths: tuple[int, int], vocab_size: int,
     return Prompts([rng.integers(0, vocab_size, size=int(n), dtype=np.int64) for n in sizes])
 
 
-def check_prompts(prompts: Prompts, cfg: LlamaConfig, max_new_tokens: int,
+def check_prompts(prompts: Prompts, cfg: ModelConfig, max_new_tokens: int,
                   source: str) -> None:
     """Every prompt fits the model: ids in [0, vocab_size), prompt plus new tokens within
     max_position_embeddings."""

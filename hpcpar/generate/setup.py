@@ -18,7 +18,7 @@ from ..faults import fault_point
 from ..jobs import PRESET_PREFIX, Job
 from ..launch import everyone, phase
 from ..mesh import Mesh
-from ..model import LlamaStage
+from ..model import DecoderStage
 from ..ops import ops_for
 from ..pipeline.partition import stage_layers
 from ..runtime import open_runtime
@@ -67,7 +67,7 @@ class InferenceRank:
     pp: object                  # the pipeline group (MPI)
     world: object               # every rank, host arrays (MPI)
     board: ActionBoard
-    stage: LlamaStage
+    stage: DecoderStage
     shard: object               # the loaded slices' figures (seconds, bytes read)
 
 
@@ -83,7 +83,7 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
         fault_point("load")
         shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp, dtype=dtype,
                          backend=backend)
-    stage = LlamaStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
+    stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
                                     mesh.is_last_stage, tp, ops_for(backend), dtype)
     backend.release_unused_device_memory()
     return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard)

@@ -1,8 +1,8 @@
 """The Llama model as tensor-parallel pipeline stages (NumPy or CuPy through ``xp``)."""
 
 from .kv_cache import CacheRows, KVCache, kv_cache_bytes
-from .llama import LlamaStage
+from .decoder import DecoderStage
 from .rope import RotaryEmbedding, inverse_frequencies
 
-__all__ = ["CacheRows", "KVCache", "LlamaStage", "RotaryEmbedding", "inverse_frequencies",
+__all__ = ["CacheRows", "KVCache", "DecoderStage", "RotaryEmbedding", "inverse_frequencies",
            "kv_cache_bytes"]

@@ -6,6 +6,8 @@ projection's AllReduce does (see ``RowParallelLinear``), and in backward the All
 after the column-parallel q/k/v. The math is the ops layer's: rotary on q and k, then the
 ``attention`` op over per-row lengths. A KV head replicated on several tp ranks gets a
 partial gradient on each, summed over those ranks by the trainer (``Param.kv_replicated``).
+With per-head q/k norms (Qwen3) each rank normalizes its own heads with the shared weights,
+whose gradients are therefore partial too and summed over tp (``Param.tp_partial``).
 """
 
 from __future__ import annotations
@@ -20,19 +22,20 @@ class Attention:
     """o_proj(softmax(rope(Q) rope(K)^T / sqrt(d) + mask) V) over this rank's heads."""
 
     def __init__(self, ops: Ops, heads: int, kv_heads: int, head_dim: int,
-                 qkv: ColumnParallelLinear, o: RowParallelLinear):
+                 qkv: ColumnParallelLinear, o: RowParallelLinear, qk_norms=None):
         self.ops = ops
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim  # per partition
         self.qkv, self.o = qkv, o
+        self.qk_norms = qk_norms        # (q's, k's) per-head ``decoder.Norm``s, or None
 
     @classmethod
     def of(cls, ops: Ops, w: dict, head_dim: int, tp: Communicator,
-           merge: bool = False) -> "Attention":
+           merge: bool = False, qk_norms=None) -> "Attention":
         """From a layer's weights by role (q, k, v, o and their biases)."""
         heads, kv_heads = (w[r].data.shape[0] // head_dim for r in ("q", "k"))
         return cls(ops, heads, kv_heads, head_dim,
                    column_parallel(ops, w, ("q", "k", "v"), tp, merge),
-                   row_parallel(ops, w, "o", tp, merge))
+                   row_parallel(ops, w, "o", tp, merge), qk_norms)
 
     def forward(self, x, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
                 layer: int = 0, train: bool = False):
@@ -45,6 +48,10 @@ class Attention:
         q = q.reshape(B, T, nh, hd)                                   # (B, T, nh, hd)
         k = k.reshape(B, T, nkv, hd)                                  # (B, T, nkv, hd)
         v = v.reshape(B, T, nkv, hd)
+        nctx = None
+        if self.qk_norms is not None:
+            (q, qctx), (k, kctx) = (n.forward(a, train) for n, a in zip(self.qk_norms, (q, k)))
+            nctx = (qctx, kctx)
         q, k = self.ops.rotary.forward(q, k, cos, sin)
         if cache is None:
             keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -56,14 +63,17 @@ class Attention:
         else:
             out, actx = self.ops.attention.forward(q, keys, values, rows), None
         out = out.reshape(B, T, nh * hd)
-        return self.o(out), ((x, cos, sin, actx, out) if train else None)
+        return self.o(out), ((x, cos, sin, actx, out, nctx) if train else None)
 
     def backward(self, dy, ctx, sink):
-        x, cos, sin, actx, out = ctx
+        x, cos, sin, actx, out, nctx = ctx
         B, T, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         dout = self.o.backward(dy, out, sink)                         # g backward: identity
         dq, dk, dv = self.ops.attention.backward(dout.reshape(B, T, nh, hd), actx)
         dq, dk = self.ops.rotary.backward(dq, dk.transpose(0, 2, 1, 3), cos, sin)
+        if nctx is not None:
+            qn, kn = self.qk_norms
+            dq, dk = qn.backward(dq, nctx[0], sink), kn.backward(dk, nctx[1], sink)
         return self.qkv.backward([dq.reshape(B, T, nh * hd), dk.reshape(B, T, nkv * hd),
                                   dv.transpose(0, 2, 1, 3).reshape(B, T, nkv * hd)], x, sink)

@@ -16,10 +16,10 @@ import math
 
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 
 
-def inverse_frequencies(cfg: LlamaConfig) -> np.ndarray:
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     """The d/2 rotary frequencies of ``cfg`` after its ``rope_scaling`` (float64)."""
     d = cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
@@ -48,7 +48,7 @@ def _llama3(inv_freq, factor, low_freq_factor, high_freq_factor, old_context):
 class RotaryEmbedding:
     """cos / sin tables for given positions."""
 
-    def __init__(self, cfg: LlamaConfig, xp, dtype):
+    def __init__(self, cfg: ModelConfig, xp, dtype):
         self.xp = xp
         self.dtype = dtype
         self.inv_freq = xp.asarray(inverse_frequencies(cfg))        # (d/2,) float64

@@ -10,6 +10,7 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
     rms_norm     y = w * x / rms(x), with the residual add fused in front, and its backward
     rotary       rope on q and k together, and its backward
     swiglu       silu(gate) * up, and its backward
+    geglu        gelu_tanh(gate) * up, and its backward (Gemma)
     attention    causal GQA softmax attention over per-row lengths (prefill, decode over a
                  KV cache, training with backward)
     embedding    the vocab-parallel lookup and its scatter backward
@@ -30,6 +31,7 @@ from .linear import Linear, linear, linear_input_grad
 from .rms_norm import RMSNorm
 from .rotary import Rotary
 from .swiglu import SwiGLU
+from .geglu import GeGLU
 from .top_k import TopK
 
 
@@ -46,7 +48,12 @@ class Ops:
     kv_write: KVWrite
     cross_entropy: CrossEntropy
     top_k: TopK
+    geglu: GeGLU
     device: bool = False        # the device kernels are in use
+
+    def gated(self, activation: str):
+        """The gated MLP's activation op: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
+        return self.geglu if activation == "gelu_tanh" else self.swiglu
 
 
 def ops_for(backend) -> Ops:
@@ -63,9 +70,9 @@ def ops_for(backend) -> Ops:
 def native_ops(xp) -> Ops:
     """The NumPy references, on any array module."""
     return Ops(xp, Linear(xp), RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp), KVWrite(xp),
-               CrossEntropy(xp), TopK(xp))
+               CrossEntropy(xp), TopK(xp), GeGLU(xp))
 
 
-__all__ = ["Attention", "AttentionRows", "CrossEntropy", "KVWrite", "Linear", "Ops", "RMSNorm", "Rotary",
-           "SwiGLU", "TopK", "embedding_lookup", "linear", "linear_input_grad", "native_ops",
+__all__ = ["Attention", "AttentionRows", "CrossEntropy", "GeGLU", "KVWrite", "Linear", "Ops",
+           "RMSNorm", "Rotary", "SwiGLU", "TopK", "embedding_lookup", "linear", "linear_input_grad", "native_ops",
            "ops_for"]

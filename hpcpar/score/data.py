@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..errors import HpcparError
 from ..generate.prompts import Prompts, load_prompts
 
@@ -58,7 +58,7 @@ def _from_padded(path: Path, array: np.ndarray) -> ScoreData:
     return ScoreData(ids, np.asarray(offsets, dtype=np.int64), array.shape[1])
 
 
-def check_score_data(data: ScoreData, cfg: LlamaConfig, source: str) -> None:
+def check_score_data(data: ScoreData, cfg: ModelConfig, source: str) -> None:
     """Every id is in the vocabulary, every row fits the model's positions, and some row
     has a token to score (a row's first token has no context, so is never scored)."""
     if all(len(row) < 2 for row in data.ids):

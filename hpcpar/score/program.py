@@ -15,7 +15,7 @@ import numpy as np
 
 from ..faults import fault_point
 from ..generate.batching import MicroBatch
-from ..model import LlamaStage
+from ..model import DecoderStage
 from ..parallel.layers import VocabParallelCrossEntropy
 from ..ops import AttentionRows
 from ..pipeline.schedule import Action
@@ -26,7 +26,7 @@ LOGITS_BLOCK_BYTES = 256 << 20
 
 
 class ScoringProgram:
-    def __init__(self, stage: LlamaStage, mbs: list[MicroBatch], backend,
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], backend,
                  after_batch: Callable[[], None] | None = None):
         """``after_batch()``: called after each micro-batch's forward."""
         self.stage, self.mbs, self.backend, self.xp = stage, mbs, backend, backend.xp

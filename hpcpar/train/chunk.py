@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..comm import Communicator
-from ..config import LlamaConfig
-from ..model import LlamaStage
-from ..model.llama import norm_backward
+from ..config import ModelConfig
+from ..model import DecoderStage
 from ..parallel.layers import VocabParallelCrossEntropy
 from ..ops import AttentionRows, Ops
 from .memory import activation_bytes
@@ -44,15 +43,15 @@ class Batch:
 
 
 class ModelChunk:
-    """Training's driver of a ``LlamaStage`` (the layers generation runs), built over this
+    """Training's driver of a ``DecoderStage`` (the layers generation runs), built over this
     chunk's ``Param``s: the forward keeps each layer's ctx (or only its input, with
     recompute), the last chunk adds the loss, and the backward runs the layers in reverse."""
 
-    def __init__(self, cfg: LlamaConfig, params: dict[str, Param], layers: range,
+    def __init__(self, cfg: ModelConfig, params: dict[str, Param], layers: range,
                  first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
-        self.stage = LlamaStage.from_params(cfg, params, layers, first, last, tp, ops)
+        self.stage = DecoderStage.from_params(cfg, params, layers, first, last, tp, ops)
         if last:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values())
@@ -94,6 +93,7 @@ class ModelChunk:
         ctx: dict = {}
         if self.first:
             x, ctx["embed"] = stage.embedding.forward(batch.ids)
+            x = stage.scale_embedding(x)
         positions = xp.broadcast_to(xp.arange(T)[None, :], (B, T))              # (B, T)
         cos, sin = stage.rope.tables(positions)
         rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True)
@@ -108,8 +108,7 @@ class ModelChunk:
         ctx["layers"] = saved
         if not self.last:
             return x, ctx
-        h, ctx["final_norm"] = self.ops.rms_norm.forward_train(x, stage.final_norm.data,
-                                                               self.cfg.rms_norm_eps)
+        h, ctx["final_norm"] = stage.norm.forward(x, train=True)
         logits = stage.head.local_logits(h).reshape(B * T, -1)                # (N, V/p)
         loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
         ctx["h"] = h
@@ -130,7 +129,7 @@ class ModelChunk:
         if self.last:
             dz = self.loss.backward(ctx.pop("loss"))                           # (N, V/p)
             dh = stage.head.backward(dz, ctx.pop("h"), sink)
-            dy = norm_backward(self.ops, dh, ctx.pop("final_norm"), stage.final_norm, sink)
+            dy = stage.norm.backward(dh, ctx.pop("final_norm"), sink)
             finished_group()
         cos, sin, rows = ctx["rope"]
         saved = ctx.pop("layers")
@@ -141,7 +140,7 @@ class ModelChunk:
             dy = layer.backward(dy, lctx, sink)
             finished_group()
         if self.first:
-            stage.embedding.backward(dy, ctx.pop("embed"), sink)
+            stage.embedding.backward(stage.scale_embedding(dy), ctx.pop("embed"), sink)
             finished_group()
             return None
         return dy

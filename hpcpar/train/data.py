@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..errors import HpcparError
 
 
@@ -80,7 +80,7 @@ def synthetic_samples(vocab_size: int, seq_len: int, rows: int = SYNTHETIC_ROWS,
     return out
 
 
-def load_dataset(path: str | Path, cfg: LlamaConfig, seq_len: int | None = None,
+def load_dataset(path: str | Path, cfg: ModelConfig, seq_len: int | None = None,
                  tokenizer=None) -> Dataset:
     """Read and check a dataset; every problem is a one-line ``DataError``."""
     if str(path) == SYNTHETIC:
@@ -128,7 +128,7 @@ def _token_file(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def check_positions(seq_len: int, cfg: LlamaConfig, source: str) -> None:
+def check_positions(seq_len: int, cfg: ModelConfig, source: str) -> None:
     """A sample's inputs fit the model's positions, as a generated sequence must."""
     if seq_len > cfg.max_position_embeddings:
         raise DataError(f"{source}: samples of {seq_len} input tokens exceed the model's "
@@ -136,7 +136,7 @@ def check_positions(seq_len: int, cfg: LlamaConfig, source: str) -> None:
                         f"--seq-len to at most {cfg.max_position_embeddings}")
 
 
-def _jsonl_tokens(path: Path, cfg: LlamaConfig, tokenizer) -> np.ndarray:
+def _jsonl_tokens(path: Path, cfg: ModelConfig, tokenizer) -> np.ndarray:
     """Every line's ids (or its text through the tokenizer) joined, EOS after each."""
     from ..generate.prompts import load_prompts     # the same {"ids"} / {"text"} lines
     eos = np.asarray(cfg.eos_token_id[:1], dtype=np.int64)
@@ -144,7 +144,7 @@ def _jsonl_tokens(path: Path, cfg: LlamaConfig, tokenizer) -> np.ndarray:
     return np.concatenate([part for doc in docs for part in (doc, eos)])
 
 
-def check_samples(samples: np.ndarray, cfg: LlamaConfig, source: str,
+def check_samples(samples: np.ndarray, cfg: ModelConfig, source: str,
                   block_rows: int = 1 << 16) -> None:
     """Every id below the vocabulary, padding only at the start of a row, and at least two
     real tokens per sample. Reads the data in blocks of rows (a token file may be larger

@@ -140,12 +140,12 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                     executor.run(actions)
                 t_reduce = perf_counter()
                 if zero:                      # replicated sums first, then each rank its piece
-                    sum_replicated(params, kv_comm, tied_peer, xp)
+                    sum_replicated(params, kv_comm, tied_peer, xp, tp)
                     zero.reduce_scatter()
                 else:
                     if reducer:
                         reducer.finish()
-                    sum_replicated(params, kv_comm, tied_peer, xp)
+                    sum_replicated(params, kv_comm, tied_peer, xp, tp)
                 backend.synchronize()
                 figures.reduce += perf_counter() - t_reduce
                 counts_loss = chunks[-1].last and mesh.tp_rank == 0

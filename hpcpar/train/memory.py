@@ -18,14 +18,14 @@ A schedule multiplies this by the micro-batches a stage holds at its peak
 
 from __future__ import annotations
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..sharding import padded_vocab_size, shard_of
 from ..tensors import layer_tensors
 
 FLOAT = 4
 
 
-def activation_bytes(cfg: LlamaConfig, tp: int, num_layers: int, rows: int, seq_len: int,
+def activation_bytes(cfg: ModelConfig, tp: int, num_layers: int, rows: int, seq_len: int,
                      first: bool, last: bool, recompute: bool, itemsize: int = FLOAT) -> int:
     """Bytes one chunk keeps for one micro-batch between its forward and backward (exact in
     float32; with 16-bit compute, ``itemsize`` 2 approximates it)."""

@@ -17,11 +17,13 @@ elements decides the global gradient norm, so it is decided here, once:
 
 from __future__ import annotations
 
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..parallel.params import GradSink, Parameter
 from ..parallel.splits import unit_replicas
 from ..sharding import Split, split_of
 from ..tensors import EMBED, TensorSpec
+
+PER_HEAD_NORMS = ("q_norm", "k_norm")       # one weight every head reads, heads split over tp
 
 __all__ = ["GradSink", "Param", "kv_replicas", "make_param", "make_params"]
 
@@ -32,18 +34,19 @@ class Param(Parameter):
     summed over them)."""
 
     def __init__(self, spec: TensorSpec, data, grad, counted: bool, decay: bool,
-                 kv_replicated: bool, master=None):
+                 kv_replicated: bool, master=None, tp_partial: bool = False):
         super().__init__(data, grad, spec.name, decay, counted, master)
         self.spec = spec
         self.kv_replicated = kv_replicated
+        self.tp_partial = tp_partial     # a per-head norm's weight: summed over tp
 
 
-def kv_replicas(cfg: LlamaConfig, tp_size: int) -> int:
+def kv_replicas(cfg: ModelConfig, tp_size: int) -> int:
     """How many tp ranks hold each KV head (1 unless kv_heads < tp): the core's unit rule."""
     return unit_replicas(cfg.num_key_value_heads, tp_size)
 
 
-def make_param(spec: TensorSpec, master, xp, cfg: LlamaConfig, tp_rank: int, tp_size: int,
+def make_param(spec: TensorSpec, master, xp, cfg: ModelConfig, tp_rank: int, tp_size: int,
                last_stage_tied_copy: bool = False, dtype=None) -> Param:
     """A param of float32 ``master`` weights, computing in ``dtype`` (default: float32)."""
     split = split_of(spec)
@@ -56,10 +59,10 @@ def make_param(spec: TensorSpec, master, xp, cfg: LlamaConfig, tp_rank: int, tp_
         counted = False
     data = master if dtype is None or master.dtype == dtype else master.astype(dtype)
     return Param(spec, data, xp.zeros_like(master), counted, len(spec.shape) == 2,
-                 replicas > 1, master)
+                 replicas > 1, master, spec.role in PER_HEAD_NORMS and tp_size > 1)
 
 
-def make_params(cfg: LlamaConfig, specs: list[TensorSpec], shards: dict, xp, tp_rank: int,
+def make_params(cfg: ModelConfig, specs: list[TensorSpec], shards: dict, xp, tp_rank: int,
                 tp_size: int, last_stage_tied_copy: bool = False,
                 dtype=None) -> dict[str, Param]:
     """Params for ``specs`` from this rank's shards (name -> xp array, already sliced)."""

@@ -17,14 +17,14 @@ from time import perf_counter
 
 import numpy as np
 
-from ..config import LlamaConfig, ParallelConfig
+from ..config import ModelConfig, ParallelConfig
 from ..mesh import by_stage
 from ..outputs import write_point, write_text, writing
 from ..pipeline.training_schedules import bubble_formula
 from ..tensors import EMBED, model_tensors
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """6 N + 12 L d S for one training token (forward and backward)."""
     n = sum(s.numel for s in model_tensors(cfg)
             if len(s.shape) == 2 and (s.name != EMBED or cfg.tie_word_embeddings))

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 
 def cuda_ops(xp):
-    from .. import CrossEntropy, Linear, Ops, TopK
+    from .. import CrossEntropy, GeGLU, Linear, Ops, TopK
     from .attention import CudnnAttention
     from .kv_write import KVWriteCuda
     from .rms_norm import RMSNormCuda
     from .rotary import RotaryCuda
     from .swiglu import SwiGLUCuda
     return Ops(xp, Linear(xp), RMSNormCuda(xp), RotaryCuda(xp), SwiGLUCuda(xp),
-               CudnnAttention(xp), KVWriteCuda(xp), CrossEntropy(xp), TopK(xp), device=True)
+               CudnnAttention(xp), KVWriteCuda(xp), CrossEntropy(xp), TopK(xp), GeGLU(xp),
+               device=True)

@@ -1,65 +1,104 @@
-"""The Llama decoder as one pipeline stage on one tensor-parallel rank, for generation and
-training alike.
+"""The decoder every family runs, as one pipeline stage on one tensor-parallel rank, for
+generation and training alike.
 
-    x = embed(ids)                                    first stage only
+    x = embed(ids) * embed_scale                      first stage only
     for each layer of this stage:
-        x = x + o_proj(attention(rope(q, k), v))      over rms_norm(x)
-        x = x + down_proj(silu(gate_proj(h)) * up_proj(h)),  h = rms_norm(x)
+        x = x + o_proj(attention(rope(q, k), v))      over rms_norm(x); q, k each through
+                                                      a per-head rms_norm first (qk_norm)
+        x = x + down_proj(act(gate_proj(h)) * up_proj(h)),  h = rms_norm(x)
     logits = lm_head(rms_norm(x))                     last stage only
 
-This is Hugging Face's ``LlamaForCausalLM`` exactly, split by ``hpcpar.sharding``: two
-AllReduces per layer over tp (o_proj, down_proj), one for the embedding, none for the head.
-With tied embeddings the last stage's head is the embedding's weight.
+rms_norm scales by (norm_offset + w); act is silu (SwiGLU) or the tanh GELU (GeGLU). With
+the config's features at Llama's values this is Hugging Face's ``LlamaForCausalLM``
+exactly, and with each family's, that family's class (``hpcpar.models``). Split by
+``hpcpar.sharding``: two AllReduces per layer over tp (o_proj, down_proj), one for the
+embedding, none for the head. With tied embeddings the last stage's head is the embedding's
+weight.
 
-Generation builds a stage from loaded tensors (``LlamaStage.from_tensors``: frozen weights,
+Generation builds a stage from loaded tensors (``DecoderStage.from_tensors``: frozen weights,
 projections merged) and runs ``forward`` over a KV cache. Training builds it from its
-``Param``s (``LlamaStage.from_params``) and runs the same layers with ``train=True``, each
+``Param``s (``DecoderStage.from_params``) and runs the same layers with ``train=True``, each
 keeping what its ``backward`` needs (``train.chunk`` drives them and adds the loss).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..comm import Communicator
-from ..config import LlamaConfig
+from ..config import ModelConfig
 from ..ops import AttentionRows, Ops
 from ..tensors import TensorSpec
 from .attention import Attention
-from .kv_cache import KVCache
+from .kv_cache import KVCache, kv_cache_bytes
 from ..parallel.layers import (ColumnParallelLinear, Frozen, ParallelLMHead, RowParallelLinear,
                               VocabParallelEmbedding, column_parallel, frozen_matrix,
                               row_parallel)
 from .rope import RotaryEmbedding
 
 
+class Norm:
+    """RMSNorm with the config's scale (w, or 1 + w for Gemma), over the last dimension of
+    any shape (a per-head norm reads (B, T, heads, head_dim))."""
+
+    def __init__(self, ops: Ops, weight, eps: float, offset: float = 0.0):
+        self.ops, self.weight, self.eps, self.offset = ops, weight, eps, offset
+
+    def scale(self):
+        w = self.weight.data
+        return w + self.offset if self.offset else w
+
+    def forward(self, x, train: bool = False):
+        """(y, ctx): ctx is what ``backward`` needs when ``train``, else None."""
+        if train:
+            return self.ops.rms_norm.forward_train(x, self.scale(), self.eps)
+        return self.ops.rms_norm.forward(x, self.scale(), self.eps), None
+
+    def add_forward(self, branch, x, train: bool = False):
+        """(rms_norm(x + branch), x + branch, ctx)."""
+        if train:
+            return self.ops.rms_norm.add_forward_train(branch, x, self.scale(), self.eps)
+        h, x = self.ops.rms_norm.add_forward(branch, x, self.scale(), self.eps)
+        return h, x, None
+
+    def backward(self, dy, ctx, sink):
+        """dx; adds dw (the offset's derivative is 1). Replicated over tp: no communication."""
+        dx, dw = self.ops.rms_norm.backward(dy, ctx, self.scale())
+        sink.add(self.weight, lambda: dw)
+        return dx
+
+
 def norm_backward(ops: Ops, dy, ctx, w, sink):
-    """The RMSNorm op's backward: returns dx, adds dw. Replicated over tp: no communication."""
-    dx, dw = ops.rms_norm.backward(dy, ctx, w.data)
-    sink.add(w, lambda: dw)
-    return dx
+    """The RMSNorm op's backward for a plain weight ``w``: returns dx, adds dw."""
+    return Norm(ops, w, 0.0).backward(dy, ctx, sink)
 
 
 class Mlp:
-    """down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel.
+    """down(act(gate(x)) * up(x)); gate/up column-parallel, down row-parallel; ``act`` the
+    gated activation op (SwiGLU's silu, GeGLU's tanh GELU).
     Communication: one AllReduce forward (in down), one backward (after gate/up)."""
 
-    def __init__(self, ops: Ops, gate_up: ColumnParallelLinear, down: RowParallelLinear):
+    def __init__(self, ops: Ops, gate_up: ColumnParallelLinear, down: RowParallelLinear,
+                 activation: str = "silu"):
         self.ops, self.gate_up, self.down = ops, gate_up, down
+        self.act = ops.gated(activation)
 
     @classmethod
-    def of(cls, ops: Ops, w: dict, tp: Communicator, merge: bool = False) -> "Mlp":
+    def of(cls, ops: Ops, w: dict, tp: Communicator, merge: bool = False,
+           activation: str = "silu") -> "Mlp":
         """From a layer's weights by role (gate, up, down and their biases)."""
         return cls(ops, column_parallel(ops, w, ("gate", "up"), tp, merge),
-                   row_parallel(ops, w, "down", tp, merge))
+                   row_parallel(ops, w, "down", tp, merge), activation)
 
     def forward(self, x, train: bool = False):
         gate, up = self.gate_up(x)
-        act = self.ops.swiglu.forward(gate, up)
+        act = self.act.forward(gate, up)
         return self.down(act), ((x, gate, up, act) if train else None)
 
     def backward(self, dy, ctx, sink):
         x, gate, up, act = ctx
         dact = self.down.backward(dy, act, sink)                      # g backward: identity
-        dgate, dup = self.ops.swiglu.backward(dact, gate, up)
+        dgate, dup = self.act.backward(dact, gate, up)
         return self.gate_up.backward([dgate, dup], x, sink)
 
 
@@ -71,11 +110,14 @@ class DecoderLayer:
     ``w`` maps the layer's roles (``tensors.layer_tensors``) to weights: ``Param``s, used as
     they are, or (``merge``) frozen arrays, whose projections are merged and transposed."""
 
-    def __init__(self, cfg: LlamaConfig, w: dict, tp: Communicator, ops: Ops, merge: bool):
-        self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge)
-        self.mlp = Mlp.of(ops, w, tp, merge)
-        self.input_norm, self.post_norm = w["input_norm"], w["post_attention_norm"]
-        self.eps = cfg.rms_norm_eps
+    def __init__(self, cfg: ModelConfig, w: dict, tp: Communicator, ops: Ops, merge: bool):
+        def norm(role: str) -> Norm:
+            return Norm(ops, w[role], cfg.rms_norm_eps, cfg.norm_offset)
+
+        qk_norms = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else None
+        self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms)
+        self.mlp = Mlp.of(ops, w, tp, merge, cfg.activation)
+        self.input_norm, self.post_norm = norm("input_norm"), norm("post_attention_norm")
         self.ops = ops
 
     def forward(self, x, pending, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
@@ -87,31 +129,24 @@ class DecoderLayer:
         m, mctx = self.mlp.forward(h, train)
         return x, m, ((n1, actx, n2, mctx) if train else None)
 
-    def _norm(self, branch, x, w, train: bool):
+    @staticmethod
+    def _norm(branch, x, norm: Norm, train: bool):
         """(rms_norm(x + branch), x + branch, ctx); no add when ``branch`` is None."""
-        norm = self.ops.rms_norm
         if branch is None:
-            if train:
-                h, ctx = norm.forward_train(x, w.data, self.eps)
-                return h, x, ctx
-            return norm.forward(x, w.data, self.eps), x, None
-        if train:
-            return norm.add_forward_train(branch, x, w.data, self.eps)
-        h, x = norm.add_forward(branch, x, w.data, self.eps)
-        return h, x, None
+            h, ctx = norm.forward(x, train)
+            return h, x, ctx
+        return norm.add_forward(branch, x, train)
 
     def backward(self, dy, ctx, sink):
         """The gradient of the layer's input residual (x + pending) from that of its output
         (x + pending after it)."""
         n1, actx, n2, mctx = ctx
-        ops = self.ops
-        dx1 = dy + norm_backward(ops, self.mlp.backward(dy, mctx, sink), n2, self.post_norm,
-                                 sink)
-        return dx1 + norm_backward(ops, self.attention.backward(dx1, actx, sink), n1,
-                                   self.input_norm, sink)
+        dx1 = dy + self.post_norm.backward(self.mlp.backward(dy, mctx, sink), n2, sink)
+        return dx1 + self.input_norm.backward(self.attention.backward(dx1, actx, sink), n1,
+                                              sink)
 
 
-class LlamaStage:
+class DecoderStage:
     """The layers ``layers`` of the model on this (pp, tp) rank, plus the embedding on the
     first stage and the final norm and head on the last.
 
@@ -121,7 +156,7 @@ class LlamaStage:
     the originals one layer at a time.
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: dict, layers: range, first: bool,
+    def __init__(self, cfg: ModelConfig, weights: dict, layers: range, first: bool,
                  last: bool, tp: Communicator, ops: Ops, dtype, merge: bool):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         xp = ops.xp
@@ -132,6 +167,7 @@ class LlamaStage:
         self.decoder = [DecoderLayer(cfg, weights.pop(i), tp, ops, merge) for i in layers]
         if last:
             self.final_norm = top["final_norm"]
+            self.norm = Norm(ops, self.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
             head = top["embed"] if cfg.tie_word_embeddings else top["head"]
             if merge and not (first and cfg.tie_word_embeddings):
                 # stored transposed; a tied head beside its embedding reads that table
@@ -142,9 +178,9 @@ class LlamaStage:
         self.weight_bytes = 0
 
     @classmethod
-    def from_tensors(cls, cfg: LlamaConfig, specs: list[TensorSpec], tensors: dict,
+    def from_tensors(cls, cfg: ModelConfig, specs: list[TensorSpec], tensors: dict,
                      layers: range, first: bool, last: bool, tp: Communicator, ops: Ops,
-                     dtype) -> "LlamaStage":
+                     dtype) -> "DecoderStage":
         """For generation, from this rank's loaded slices (``load_shard``'s tensors by Hugging
         Face name, taken out of ``tensors``): frozen, in ``dtype``, projections merged."""
         by_layer: dict = {}
@@ -157,8 +193,8 @@ class LlamaStage:
         return stage
 
     @classmethod
-    def from_params(cls, cfg: LlamaConfig, params: dict, layers: range, first: bool,
-                    last: bool, tp: Communicator, ops: Ops) -> "LlamaStage":
+    def from_params(cls, cfg: ModelConfig, params: dict, layers: range, first: bool,
+                    last: bool, tp: Communicator, ops: Ops) -> "DecoderStage":
         """For training, over ``Param``s by Hugging Face name (their ``data`` in the compute
         dtype, read at every call)."""
         by_layer: dict = {}
@@ -169,15 +205,31 @@ class LlamaStage:
         stage.weight_bytes = sum(p.data.nbytes for p in params.values())
         return stage
 
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads this rank holds (per layer)."""
+        return self.decoder[0].attention.kv_heads if self.decoder else 0
+
+    def kv_bytes_per_row(self, capacity: int) -> int:
+        """KV-cache bytes one row of ``capacity`` tokens takes on this stage."""
+        return kv_cache_bytes(len(self.decoder), 1, self.kv_heads, capacity, self.cfg.head_dim,
+                              np.dtype(self.dtype).itemsize)
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """This stage's KV cache for a micro-batch of ``batch`` rows and ``capacity`` slots."""
-        kv_heads = self.decoder[0].attention.kv_heads
-        return KVCache(self.ops, len(self.decoder), batch, kv_heads, capacity,
+        return KVCache(self.ops, len(self.decoder), batch, self.kv_heads, capacity,
                        self.cfg.head_dim, self.dtype)
 
     def embed(self, ids):
         """(B, T) token ids -> (B, T, hidden) (first stage)."""
-        return self.embedding.forward(ids)[0]
+        return self.scale_embedding(self.embedding.forward(ids)[0])
+
+    def scale_embedding(self, x):
+        """x times the config's ``embed_scale`` (Gemma: sqrt(hidden), rounded to x's dtype as
+        transformers does); the same for the gradient. Llama: x itself."""
+        if self.cfg.embed_scale == 1.0:
+            return x
+        return x * self.xp.asarray(self.cfg.embed_scale, dtype=x.dtype)
 
     def positions(self, rows: AttentionRows, T: int):
         """The rotary tables (cos, sin) of each row's T positions from its start."""
@@ -197,7 +249,7 @@ class LlamaStage:
 
     def final_hidden(self, x):
         """The final norm of x (B, T, hidden): what the head reads (last stage)."""
-        return self.ops.rms_norm.forward(x, self.final_norm.data, self.cfg.rms_norm_eps)
+        return self.norm.forward(x)[0]
 
     def logits(self, x):
         """(B, T, hidden) -> this rank's (B, T, vocab_per_partition) float32 logits (last)."""

@@ -1,0 +1,33 @@
+"""Model families, found by ``model_type`` in one registry.
+
+Each family module declares only how it differs from Llama (``family.Family``): the fields
+of its ``config.json`` it reads into the config's features, and its tensor names. The
+decoder (``hpcpar.model``), the split plan (``hpcpar.sharding``) and the programs follow the
+features and never name a family.
+
+    llama    the reference
+    qwen2    q/k/v biases
+    qwen3    per-head q/k RMSNorm, free head_dim
+    gemma    (1 + w) RMSNorm, embedding scale, GeGLU (tanh), tied head
+"""
+
+from __future__ import annotations
+
+from ..errors import HpcparError
+from . import gemma, llama, qwen2, qwen3
+from .family import Family
+
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, qwen3,
+                                                                      gemma)}
+
+
+def family_of(model_type: str, source: str = "config") -> Family:
+    """The family of ``model_type``, or one error naming the supported ones."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise HpcparError(f"{source}: model_type {model_type!r} is not supported; hpcpar runs "
+                          f"{', '.join(sorted(FAMILIES))}") from None
+
+
+__all__ = ["FAMILIES", "Family", "family_of"]
