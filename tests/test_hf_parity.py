@@ -82,3 +82,37 @@ def test_left_padded_batch_matches_transformers_with_an_attention_mask(hf_model)
     for b, p in enumerate(PROMPTS):
         np.testing.assert_allclose(ours.prompt_logits[b, :len(p)], theirs[b, width - len(p):],
                                    atol=1e-4, rtol=0)
+
+
+def test_every_eos_id_of_generation_config_ends_a_row_as_transformers_does(hf_model, tmp_path):
+    """generation_config.json lists stop ids config.json does not (as Llama 3 instruct
+    does): each ends a row, as transformers' generate with that list, and the row records
+    why it ended."""
+    import json
+    import shutil
+    from hpcpar.checkpoint import convert
+    model, path = hf_model
+    free = _hpcpar(path, PROMPTS, 8)                     # past any EOS
+    stops = [int(free.tokens[0, 2]), int(free.tokens[1, 4])]
+    hf = tmp_path / "hf"
+    shutil.copytree(path.parent / "hf", hf)
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    convert(hf, tmp_path / "stops.h5")
+    ours = run_generation(MPI.COMM_SELF, load_job(None, [
+        f"model.checkpoint='{tmp_path / 'stops.h5'}'", "generate.max_new_tokens=8",
+        f"output.path='{tmp_path / 'out.h5'}'"]), prompts=Prompts(PROMPTS), progress=False)
+    reasons = []
+    for b, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = model.generate(torch.tensor(prompt[None]), max_new_tokens=8, do_sample=False,
+                                 eos_token_id=stops, pad_token_id=stops[0],
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        theirs = out[0, len(prompt):].tolist()
+        ended = next((k + 1 for k, t in enumerate(theirs) if t in stops), None)
+        theirs = theirs[:ended]
+        assert ours.tokens[b, :ours.lengths[b]].tolist() == theirs, b
+        reasons.append("eos" if ended else "length")
+    assert ours.finish_reasons == reasons and reasons[:2] == ["eos", "eos"]
+    import h5py
+    with h5py.File(tmp_path / "out.h5") as f:
+        assert [r.decode() for r in f["finish_reason"][()]] == reasons

@@ -31,7 +31,7 @@ ATTR_CONFIG = "hf_config"
 ATTR_DTYPE = "dtype"
 TOKENIZER_GROUP = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 
 CHUNK_TP_SIZES = (1, 2, 4, 8)
 CHUNK_BYTES = 2 << 20  # ~2 MiB: large enough for fast reads, small enough to cut evenly

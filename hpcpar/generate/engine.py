@@ -30,10 +30,10 @@ from ..replicas import owners
 from ..pipeline.executor import PipelineExecutor
 from .schedule import generation
 from .batching import micro_batches, replica_rows
-from .output import PartialOutput, RunShape, unpad_into
+from .output import PartialOutput, RunShape, finish_reasons, unpad_into
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .program import GenerationProgram, GenerationSettings, any_rank
-from .setup import load_tokenizer, open_stage, resolve_checkpoint
+from .setup import eos_ids, load_tokenizer, open_stage, resolve_checkpoint
 from .stream import FinishedRows, save_interval
 from .progress import Progress
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
@@ -53,6 +53,7 @@ class GenerationResult:
     prompt_logits: np.ndarray | None      # (batch, max prompt length, vocab), NaN past the end
     texts: list[str] | None
     report: RunReport
+    finish_reasons: list[str]             # eos or length, by prompt
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Plan:
     tokenizer: object
     limits: np.ndarray                 # each prompt's max_new_tokens
     sampling: PromptSampling           # each prompt's sampling settings
+    eos: tuple[int, ...]               # every id that ends a row
 
 
 def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> _Plan:
@@ -79,6 +81,11 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     if gen.batching not in ("continuous", "static"):
         raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
                           f"{gen.batching!r}")
+    if gen.batching == "static" and gen.batch_size:
+        raise HpcparError(f"generate.batch_size {gen.batch_size} applies to continuous "
+                          "batching; static batching runs every prompt of a micro-batch at "
+                          "once: bound it with --micro-batches or --wave-size instead, or "
+                          "drop --batching static")
     settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
                                   gen.save_logits, gen.batching, gen.batch_size)
     tokenizer = load_tokenizer(ckpt)
@@ -98,7 +105,8 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
         check_output(job.output.path, inputs, kind="generation")
     return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
-                 prompts.limits(settings.max_new_tokens), prompts.sampling_for(sampling))
+                 prompts.limits(settings.max_new_tokens), prompts.sampling_for(sampling),
+                 eos_ids(ckpt))
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,
@@ -120,7 +128,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         # from here a SIGTERM / SIGUSR1 asks to stop: the first stages retire every
         # micro-batch at their next forward, the finished prompts are saved, exit 3
         with StopRequest() as stop:
-            eos = cfg.eos_token_id
+            eos = plan.eos
             pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
             n_prompts = len(plan.prompts)
             out = None
@@ -216,14 +224,16 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
             new_tokens = int(sum(lengths[r] for w in todo for r in w))
             report = RunReport.build(table, layout, micro, ran, ran_tokens, new_tokens)
+            reasons = finish_reasons(tokens, lengths, plan.eos, settings.stop_at_eos)
             result = GenerationResult(tokens, lengths,
                                       np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
-                                      texts, report)
+                                      texts, report, reasons)
 
         def write():
             if out is not None:
                 attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind)
-                out.complete(attrs | result.report.attrs(), result.texts)
+                out.complete(attrs | result.report.attrs(), result.texts,
+                             result.finish_reasons)
 
         with phase("writing the output file"):
             everyone(comm, write)     # the other ranks wait for rank 0's verdict

@@ -3,6 +3,8 @@ place when complete.
 
     tokens         int64 [batch, max_new_tokens]   new tokens only; pad id after a row's EOS
     lengths        int64 [batch]                   new tokens up to and including EOS
+    finish_reason  utf-8 [batch]                   why the row ended: eos, or length (its
+                                                   max_new_tokens)
     prompt_lengths int64 [batch]
     prompt_logits  float32 [batch, seq, vocab]     with --save-logits: position t of prompt b
                                                    at [b, t], NaN past the prompt's end
@@ -23,6 +25,15 @@ import numpy as np
 from ..errors import HpcparError
 from ..outputs import (OUTPUT_KIND, WriteError, check_space, quiet_deallocation,
                        remove_stale_temporaries, reserve, write_point, writing)
+
+
+def finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...],
+                   stop_at_eos: bool) -> list[str]:
+    """Why each row ended: ``eos`` when its last new token is an EOS id it stopped at,
+    ``length`` when it reached its max_new_tokens."""
+    last = tokens[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
+    ended = stop_at_eos & (lengths > 0) & np.isin(last, np.asarray(eos, dtype=np.int64))
+    return ["eos" if e else "length" for e in ended]
 
 
 def unpad_into(logits, mb, full: np.ndarray) -> None:
@@ -266,15 +277,18 @@ class PartialOutput:
         """Every prompt's tokens and lengths, this run's and the earlier runs' alike."""
         return self.file["tokens"][()], self.file["lengths"][()]
 
-    def complete(self, attrs: dict, texts: list[str] | None) -> None:
-        """Add the text and the run's attributes, then rename the file into place. What
-        needs room is written first, while the file can still be resumed."""
+    def complete(self, attrs: dict, texts: list[str] | None, reasons: list[str]) -> None:
+        """Add the text, each row's finish reason and the run's attributes, then rename the
+        file into place. What needs room is written first, while the file can still be
+        resumed."""
         def fill():
             f = self.file
-            if "text" in f:                 # a partial file from before text came last
-                del f["text"]
+            for name in ("text", "finish_reason"):   # a partial file from before they came last
+                if name in f:
+                    del f[name]
             if texts is not None:
                 f.create_dataset("text", data=texts, dtype=h5py.string_dtype("utf-8"))
+            f.create_dataset("finish_reason", data=reasons, dtype=h5py.string_dtype("utf-8"))
             for key, value in (attrs | {OUTPUT_KIND: "generation"}).items():
                 f.attrs[key] = value
             write_point(self.partial)

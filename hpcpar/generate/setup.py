@@ -5,6 +5,7 @@ slices of the checkpoint. Training finds its checkpoint and tokenizer here too."
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ import numpy as np
 from ..checkpoint import Checkpoint, init_checkpoint, load_shard
 from ..comm import CommStats
 from ..config import ParallelConfig
+from ..errors import HpcparError
 from ..faults import fault_point
 from ..jobs import PRESET_PREFIX, Job
 from ..launch import everyone, phase
@@ -48,6 +50,26 @@ def resolve_checkpoint(comm, spec: str) -> Path:
     with phase(f"creating the {name} checkpoint in {path.parent}"):
         everyone(comm, create)
     return path
+
+
+def eos_ids(ckpt: Checkpoint) -> tuple[int, ...]:
+    """Every id that ends a row, as transformers' ``generate`` takes them: config.json's
+    ``eos_token_id`` and generation_config.json's (Llama 3 instruct lists three), in order,
+    each once."""
+    ids = list(ckpt.config.eos_token_id)
+    raw = ckpt.tokenizer_files().get("generation_config.json")
+    if raw:
+        try:
+            extra = json.loads(raw).get("eos_token_id")
+        except (ValueError, AttributeError):
+            raise HpcparError(f"{ckpt.path}: its generation_config.json is not a JSON object; "
+                              "convert the model again from a folder with a valid one") from None
+        extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
+            raise HpcparError(f"{ckpt.path}: generation_config.json's eos_token_id {extra} is "
+                              "not a list of token ids")
+        ids += [t for t in extra if t not in ids]
+    return tuple(ids)
 
 
 def load_tokenizer(ckpt: Checkpoint):
