@@ -96,7 +96,7 @@ def test_each_prompt_stops_at_its_own_max_new_tokens(workdir):
     ('{"ids": [5, 250, 7]}', "token id 250, outside the model's vocabulary [0, 250)"),
     ("", "the prompt file is empty"),
     ('{"ids": []}', "the prompt is empty"),
-    ('{"nope": 1}', 'each line needs exactly one of "ids" or "text"'),
+    ('{"nope": 1}', 'each line needs exactly one of "ids", "text" or "messages"'),
     ('{"ids": [5, 6], "max_new_tokens": -1}', 'max_new_tokens must be >= 1, got -1'),
     ('{"ids": [5, 6], "max_new_tokens": 2.5}', '"max_new_tokens" must be an integer, got 2.5'),
     ('{"ids": [5, 6], "max_new_tokens": true}', '"max_new_tokens" must be an integer'),

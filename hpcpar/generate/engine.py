@@ -36,6 +36,7 @@ from .program import GenerationProgram, GenerationSettings, any_rank
 from .setup import eos_ids, load_tokenizer, open_stage, resolve_checkpoint
 from .stream import FinishedRows, save_interval
 from .progress import Progress
+from .chat import ChatTemplate
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
 from .sampling import PromptSampling, SamplingParams
@@ -99,7 +100,8 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
             prompts = random_prompts(job.data.random_count, (lengths[0], lengths[1]),
                                      cfg.vocab_size, job.data.random_seed)
         else:
-            prompts = load_prompts(source, tokenizer)
+            prompts = load_prompts(source, tokenizer,
+                                   ChatTemplate.from_files(ckpt.tokenizer_files()))
     check_prompts(prompts, cfg, settings.max_new_tokens, source)
     if job.output.path:
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}

@@ -12,6 +12,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import HpcparError
 from ..settings import problem
+from .chat import check_messages
 from .sampling import PromptSampling, SamplingParams
 
 
@@ -21,7 +22,9 @@ class PromptError(HpcparError):
 
 # the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
-PROMPT_KEYS = ("ids", "text", "max_new_tokens", *SAMPLING_KEYS)
+SOURCE_KEYS = ("ids", "text", "messages")          # what a line's prompt is given as
+PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", *SAMPLING_KEYS)
+CHAT_FOR_GENERATION = "for generation"   # ``chat`` of a reader whose lines may not be chats
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,11 @@ class Prompts:
         return [len(p) for p in self.ids]
 
 
-def load_prompts(path: str | Path, tokenizer=None) -> Prompts:
+def load_prompts(path: str | Path, tokenizer=None, chat=CHAT_FOR_GENERATION) -> Prompts:
     """Prompts from ``path``: ``.npy`` int array (batch, seq), or ``.jsonl`` whose lines are
-    ``{"ids": [...]}`` or ``{"text": "..."}`` (text needs ``tokenizer``)."""
+    ``{"ids": [...]}``, ``{"text": "..."}`` (text needs ``tokenizer``) or, for generation,
+    ``{"messages": [...]}`` rendered with ``chat`` (the checkpoint's ``ChatTemplate``, None
+    when it has none); other readers leave ``chat`` out and refuse conversations."""
     path = Path(path)
     if not path.is_file():
         raise PromptError(f"{path}: no such prompt file; pass a .npy of token ids or a .jsonl "
@@ -58,7 +63,7 @@ def load_prompts(path: str | Path, tokenizer=None) -> Prompts:
     if path.suffix == ".npy":
         return _load_npy(path)
     if path.suffix in (".jsonl", ".json"):
-        return _load_jsonl(path, tokenizer)
+        return _load_jsonl(path, tokenizer, chat)
     raise PromptError(f"{path}: prompts must be a .npy or .jsonl file, not {path.suffix or 'a file without suffix'}")
 
 
@@ -77,7 +82,7 @@ def _load_npy(path: Path) -> Prompts:
     return Prompts([row.astype(np.int64) for row in array])
 
 
-def _load_jsonl(path: Path, tokenizer) -> Prompts:
+def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
     ids, texts, limits, sampling = [], [], [], []
     try:
         text = path.read_text(encoding="utf-8")
@@ -91,8 +96,9 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise PromptError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or ("ids" in record) == ("text" in record):
-            raise PromptError(f"{path}:{n}: each line needs exactly one of \"ids\" or \"text\"")
+        if not isinstance(record, dict) or sum(k in record for k in SOURCE_KEYS) != 1:
+            raise PromptError(f"{path}:{n}: each line needs exactly one of \"ids\", \"text\" "
+                              "or \"messages\"")
         unknown = sorted(set(record) - set(PROMPT_KEYS))
         if unknown:
             raise PromptError(f"{path}:{n}: unknown key {unknown[0]!r}; a prompt line holds "
@@ -106,24 +112,9 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
             raise PromptError(f"{path}:{n}: {wrong.removeprefix('generate.')}")
         limits.append(limit)
         sampling.append(_own_sampling(record, f"{path}:{n}"))
-        if "ids" in record:
-            row = record["ids"]
-            if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                    for t in row):
-                raise PromptError(f"{path}:{n}: \"ids\" must be a list of integers")
-            if any(not -2 ** 63 <= t < 2 ** 63 for t in row):
-                raise PromptError(f"{path}:{n}: token id {max(row, key=abs)} is out of range")
-            ids.append(np.asarray(row, dtype=np.int64))
-            texts.append(None)
-        else:
-            if tokenizer is None:
-                raise PromptError(f"{path}:{n}: text prompts need the tokenizer, and this "
-                                  "checkpoint has none; convert the model from a Hugging Face "
-                                  "folder that holds tokenizer.json, or give token ids")
-            if not isinstance(record["text"], str):
-                raise PromptError(f"{path}:{n}: \"text\" must be a string")
-            ids.append(np.asarray(tokenizer.encode(record["text"]).ids, dtype=np.int64))
-            texts.append(record["text"])
+        row, text = _line_ids(record, tokenizer, chat, f"{path}:{n}")
+        ids.append(row)
+        texts.append(text)
         if len(ids[-1]) == 0:
             raise PromptError(f"{path}:{n}: the prompt is empty (no tokens)")
     if not ids:
@@ -131,6 +122,37 @@ def _load_jsonl(path: Path, tokenizer) -> Prompts:
     return Prompts(ids, texts if any(t is not None for t in texts) else None,
                    limits if any(k is not None for k in limits) else None,
                    sampling if any(sampling) else None)
+
+
+def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, str | None]:
+    """A line's prompt ids, and its text when it was given as text or a conversation."""
+    if "ids" in record:
+        row = record["ids"]
+        if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in row):
+            raise PromptError(f"{where}: \"ids\" must be a list of integers")
+        if any(not -2 ** 63 <= t < 2 ** 63 for t in row):
+            raise PromptError(f"{where}: token id {max(row, key=abs)} is out of range")
+        return np.asarray(row, dtype=np.int64), None
+    if tokenizer is None:
+        raise PromptError(f"{where}: text and conversations need the tokenizer, and this "
+                          "checkpoint has none; convert the model from a Hugging Face folder "
+                          "that holds tokenizer.json, or give token ids")
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise PromptError(f"{where}: \"text\" must be a string")
+        return np.asarray(tokenizer.encode(record["text"]).ids, dtype=np.int64), record["text"]
+    if chat is CHAT_FOR_GENERATION:
+        raise PromptError(f"{where}: \"messages\" lines are conversations for generation; "
+                          "give \"ids\" or \"text\" here")
+    if chat is None:
+        raise PromptError(f"{where}: a \"messages\" line is rendered with the checkpoint's chat "
+                          "template, and this checkpoint has none; convert from a Hugging Face "
+                          "folder whose tokenizer_config.json or chat_template.jinja holds one, "
+                          "or give the prompt as \"text\"")
+    text = chat.render(check_messages(record["messages"], where), where)
+    # the template writes the special tokens itself, as apply_chat_template's tokenizing does
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int64), text
 
 
 def _own_sampling(record: dict, where: str) -> dict:
