@@ -22,6 +22,7 @@ blocks are reserved once it exists (``reserve``); later writes go into reserved 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import socket
@@ -38,6 +39,10 @@ from .launch import everyone
 EMPTY_LOCK_SECONDS = 10.0             # an empty lock older than this is a dead writer's
 OUTPUT_KIND = "hpcpar_output"          # attribute of every HDF5 output: its kind
 OUTPUT_SUFFIXES = (".h5", ".hdf5")
+JSONL_KINDS = ("generation",)         # kinds that also write JSON lines (.jsonl)
+# the keys of every line of a generation's .jsonl output, in order
+JSONL_KEYS = ("index", "text", "token_ids", "finish_reason", "prompt_tokens",
+              "completion_tokens")
 # kind -> a dataset only that kind of file holds (files written before OUTPUT_KIND existed)
 _KIND_MARKS = {"generation": "tokens", "scores": "token_logprobs"}
 _ADVICE = {errno.ENOSPC: "free space or write elsewhere",
@@ -179,6 +184,13 @@ def output_kind(path: str | Path) -> str | None:
     None for any other file."""
     import h5py
     from .checkpoint.format import ATTR_VERSION
+    if Path(path).suffix.lower() == ".jsonl":
+        try:
+            with open(path, encoding="utf-8") as f:
+                first = json.loads(f.readline() or "{}")
+        except (OSError, ValueError):
+            return None
+        return "generation" if isinstance(first, dict) and tuple(first) == JSONL_KEYS else None
     try:
         with h5py.File(path, "r") as f:
             if OUTPUT_KIND in f.attrs:
@@ -215,9 +227,11 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
             where = "is" if source == target else "lies inside"
             raise HpcparError(f"the {what} {source} {where} the output {path}; writing there "
                               "would destroy it; choose another output")
-    if kind is not None and path.suffix.lower() not in OUTPUT_SUFFIXES:
-        raise HpcparError(f"output {path}: this command writes HDF5; give a name ending in "
-                          f"{' or '.join(OUTPUT_SUFFIXES)}, such as {path.with_suffix('.h5')}")
+    suffixes = OUTPUT_SUFFIXES + ((".jsonl",) if kind in JSONL_KINDS else ())
+    if kind is not None and path.suffix.lower() not in suffixes:
+        written = "HDF5 or JSON lines" if kind in JSONL_KINDS else "HDF5"
+        raise HpcparError(f"output {path}: this command writes {written}; give a name ending "
+                          f"in {', '.join(suffixes)}, such as {path.with_suffix('.h5')}")
     if kind is not None and path.is_file() and output_kind(path) != kind:
         found = output_kind(path)
         what = f"an hpcpar {found} file" if found else "not an hpcpar output"
@@ -242,7 +256,11 @@ def _owner_alive(text: str) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:                 # a writer that died but is not yet reaped (a zombie) is gone too
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
 
 
 class OutputLock:

@@ -101,7 +101,7 @@ def test_a_bad_set_key_is_blamed_on_the_set_not_the_job_file(tmp_path):
     (TRAIN + ["--out", "nan-run", "--lr", "nan"], "--lr: train.lr must be >= 0, got nan"),
     (GENERATE + ["--out", "w.h5", "--wave-size", "-1"], "generate.wave_size must be >= 0"),
     (GENERATE + ["--out", "w.h5", "--timeout", "-1"], "parallel.timeout must be >= 0"),
-    (GENERATE + ["--out", "x.txt"], "give a name ending in .h5 or .hdf5"),
+    (GENERATE + ["--out", "x.txt"], "writes HDF5 or JSON lines; give a name ending in .h5, .hdf5, .jsonl"),
     (TRAIN + ["--out", "long", "--data", "synthetic", "--seq-len", "97"],
      "exceed the model's max_position_embeddings 96; lower --seq-len to at most 96"),
     (TRAIN + ["--out", "odd", "--data", "odd.bin", "--seq-len", "4"],

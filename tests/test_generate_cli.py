@@ -179,3 +179,68 @@ def test_plan_prints_memory_communication_bubble_and_schedule(workdir):
     proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--preset", "llama3-8b", "--tp", "8",
                          "--dtype", "bfloat16"], workdir)
     assert proc.returncode == 0 and "8030.3 M parameters" in proc.stdout, proc.stderr
+
+
+def _lines(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_jsonl_results_hold_what_the_hdf5_output_holds_in_input_order(workdir):
+    """--out NAME.jsonl: a line per prompt, in input order, with the text, token ids,
+    finish reason and counts the HDF5 output of the same run holds."""
+    (workdir / "texts.jsonl").write_text("".join(
+        json.dumps({"text": f"w{i} w{i + 1} w{i + 2}"}) + "\n" for i in range(3, 40, 3)))
+    assert _generate(workdir, 4, "texts.jsonl", "many.h5", "--dp", "2", "--tp", "2"
+                     ).returncode == 0
+    proc = _generate(workdir, 4, "texts.jsonl", "many.jsonl", "--dp", "2", "--tp", "2",
+                     "--batch-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    lines = _lines(workdir / "many.jsonl")
+    with h5py.File(workdir / "many.h5") as f:
+        tokens, lengths = f["tokens"][()], f["lengths"][()]
+        texts = [t.decode() for t in f["text"][()]]
+        reasons = [r.decode() for r in f["finish_reason"][()]]
+        prompt_lengths = f["prompt_lengths"][()]
+    assert [line["index"] for line in lines] == list(range(len(tokens)))
+    for r, line in enumerate(lines):
+        assert list(line) == ["index", "text", "token_ids", "finish_reason", "prompt_tokens",
+                              "completion_tokens"]
+        assert line["token_ids"] == tokens[r, :lengths[r]].tolist()
+        assert line["text"] == texts[r] and line["finish_reason"] == reasons[r]
+        assert line["prompt_tokens"] == prompt_lengths[r]
+        assert line["completion_tokens"] == lengths[r]
+    assert not [p for p in workdir.iterdir() if p.name.startswith(".many.jsonl")]
+
+
+def test_jsonl_results_resume_as_the_hdf5_output_does(workdir):
+    """A run that fails mid-way leaves the finished prompts' lines and its partial record;
+    --resume auto ends with the lines of an uninterrupted run."""
+    import os
+    (workdir / "resume.jsonl").write_text("".join(json.dumps({"ids": [5 + i, 6, 7]}) + "\n" for i in range(30)))
+    args = ["--ignore-eos", "--batch-size", "2"]
+    assert _generate(workdir, 2, "resume.jsonl", "whole.jsonl", *args).returncode == 0
+    os.environ.update(HPCPAR_FAULT="rank=1,phase=decode,step=25,kind=raise",
+                      HPCPAR_SAVE_SECONDS="0")
+    try:
+        proc = _generate(workdir, 2, "resume.jsonl", "cut.jsonl", "--pp", "2", *args)
+    finally:
+        del os.environ["HPCPAR_FAULT"], os.environ["HPCPAR_SAVE_SECONDS"]
+    assert proc.returncode == 1, proc.stderr
+    assert not (workdir / "cut.jsonl").exists()
+    written = _lines(workdir / ".cut.jsonl.lines")
+    assert 0 < len(written) < 30                        # a prefix, written as rows finished
+    assert written == _lines(workdir / "whole.jsonl")[:len(written)]
+    proc = _generate(workdir, 2, "resume.jsonl", "cut.jsonl", "--dp", "2", "--resume", "auto",
+                     *args)
+    assert proc.returncode == 0, proc.stderr
+    assert _lines(workdir / "cut.jsonl") == _lines(workdir / "whole.jsonl")
+    assert not [p for p in workdir.iterdir() if p.name.startswith(".cut.jsonl")]
+
+
+def test_a_jsonl_output_is_refused_for_prompt_logits_and_over_other_files(workdir):
+    proc = _generate(workdir, 2, "ids.jsonl", "logits.jsonl", "--save-logits")
+    _assert_one_error(proc, "--save-logits stores the prompt logits in HDF5")
+    (workdir / "notes.jsonl").write_text('{"note": 1}\n')
+    proc = _generate(workdir, 2, "ids.jsonl", "notes.jsonl")
+    _assert_one_error(proc, "notes.jsonl exists and is not an hpcpar output")
+    assert (workdir / "notes.jsonl").read_text() == '{"note": 1}\n'

@@ -30,7 +30,7 @@ from ..replicas import owners
 from ..pipeline.executor import PipelineExecutor
 from .schedule import generation
 from .batching import micro_batches, replica_rows
-from .output import PartialOutput, RunShape, finish_reasons, unpad_into
+from .output import JsonLines, PartialOutput, RunShape, finish_reasons, unpad_into
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .program import GenerationProgram, GenerationSettings, any_rank
 from .setup import eos_ids, load_tokenizer, open_stage, resolve_checkpoint
@@ -106,6 +106,9 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     if job.output.path:
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
         check_output(job.output.path, inputs, kind="generation")
+        if settings.save_logits and Path(job.output.path).suffix.lower() == ".jsonl":
+            raise HpcparError(f"--save-logits stores the prompt logits in HDF5, and "
+                              f"{job.output.path} is JSON lines; write an .h5 output for them")
     return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
                  prompts.limits(settings.max_new_tokens), prompts.sampling_for(sampling),
                  eos_ids(ckpt))
@@ -141,8 +144,13 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                     shape = RunShape(_fingerprint(job, ckpt, plan), settings.max_new_tokens,
                                      np.asarray(plan.prompts.lengths, np.int64), plan.limits,
                                      cfg.vocab_size, settings.save_logits)
+                    lines = None
+                    if Path(job.output.path).suffix.lower() == ".jsonl":
+                        lines = JsonLines(Path(job.output.path), plan.tokenizer, lambda t, n:
+                                          finish_reasons(t[None], np.array([n]), plan.eos,
+                                                         settings.stop_at_eos)[0])
                     out = PartialOutput(job.output.path, shape, plan.prompts,
-                                        job.generate.resume)
+                                        job.generate.resume, lines)
 
             with phase("opening the output file"):
                 everyone(comm, open_output)

@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from ..errors import HpcparError
-from ..outputs import (OUTPUT_KIND, WriteError, check_space, quiet_deallocation,
+from ..outputs import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_space, quiet_deallocation,
                        remove_stale_temporaries, reserve, write_point, writing)
 
 
@@ -157,6 +157,56 @@ def check_partial(path: Path, shape: RunShape) -> None:
                           "start over")
 
 
+class JsonLines:
+    """A generation's results as JSON lines (``--out NAME.jsonl``), one per prompt in input
+    order: its index, text, token ids, finish reason and token counts. Lines are appended to
+    a hidden ``.NAME.jsonl.lines`` as the finished prompts form a longer prefix, and renamed
+    into place at the end. The partial HDF5 file stays the resumable record: a resumed run
+    writes the lines again from it."""
+
+    def __init__(self, path: Path, tokenizer, reason):
+        """``reason(tokens_row, length)``: why a row ended (``finish_reasons``)."""
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.lines")
+        self.tokenizer, self.reason = tokenizer, reason
+        self.written = 0
+        self.file = None
+
+    def start(self) -> None:
+        self.file = open(self.tmp, "w", encoding="utf-8")
+        self.written = 0
+
+    def extend(self, tokens: np.ndarray, lengths: np.ndarray, done: np.ndarray,
+               prompt_lengths: np.ndarray) -> None:
+        """Write the lines of the finished prompts that now follow the written ones."""
+        end = self.written
+        while end < len(done) and done[end]:
+            end += 1
+        for r in range(self.written, end):
+            ids = tokens[r, :lengths[r]].tolist()
+            text = (self.tokenizer.decode(ids, skip_special_tokens=True)
+                    if self.tokenizer is not None else None)
+            line = dict(zip(JSONL_KEYS, (r, text, ids, self.reason(tokens[r], lengths[r]),
+                                         int(prompt_lengths[r]), int(lengths[r]))))
+            self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        if end > self.written:
+            write_point(self.tmp)
+            self.file.flush()
+            self.written = end
+
+    def commit(self) -> None:
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        if self.file is not None and not self.file.closed:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+        self.tmp.unlink(missing_ok=True)
+
+
 class PartialOutput:
     """The output file while a generation runs (rank 0 only): a hidden sibling
     ``.NAME.partial`` that holds every dataset from the start, receives the finished
@@ -166,16 +216,22 @@ class PartialOutput:
     stopped early leaves it for ``resume="auto"``, which keeps the prompts it finished. The
     output path itself only ever holds a complete file.
 
+    With ``lines`` (a ``.jsonl`` output) the results go out as ``JsonLines`` as they
+    finish, and the partial file is removed once they are complete.
+
     A write that fails (a full disk, a quota, a failing file system) is kept in ``failed``
     and ends the writing: the job then stops and reports it. The partial file is left only
     if it can still be resumed, and removed otherwise."""
 
-    def __init__(self, path: str | Path, shape: RunShape, prompts, resume: str | None):
+    def __init__(self, path: str | Path, shape: RunShape, prompts, resume: str | None,
+                 lines: JsonLines | None = None):
         self.path = Path(path)
         self.partial = self.path.with_name(f".{self.path.name}.partial")
         self.shape = shape
         self.failed: WriteError | None = None
         self.file: h5py.File | None = None
+        self.lines = lines
+        self.mirror = None          # (tokens, lengths, done) in memory, for the lines
         remove_stale_temporaries(self.path)
         if resume not in (None, "auto"):
             raise HpcparError(f"generate.resume must be 'auto' or absent, got {resume!r}")
@@ -184,8 +240,15 @@ class PartialOutput:
             self._write(lambda: self._open("r+"))
         else:
             self._write(self._create)
+        if lines is not None and not self.failed:
+            f = self.file
+            self.mirror = (f["tokens"][()], f["lengths"][()], f["done"][()])
+            self._write(lambda: (lines.start(), self._extend_lines()))
         if self.failed:
             raise self.failed
+
+    def _extend_lines(self) -> None:
+        self.lines.extend(*self.mirror, self.shape.prompt_lengths)
 
     def _open(self, mode: str) -> None:
         self.file = h5py.File(self.partial, mode)
@@ -226,6 +289,8 @@ class PartialOutput:
             self.failed = WriteError(f"{e}; {self._salvage()}")
 
     def _salvage(self) -> str:
+        if self.lines is not None:          # written again from the partial file on resume
+            self.lines.discard()
         if self.file is not None:
             with quiet_deallocation():
                 try:
@@ -266,6 +331,12 @@ class PartialOutput:
             f.flush()
             f["done"][rows] = True
             f.flush()
+            if self.mirror is not None:
+                m_tokens, m_lengths, m_done = self.mirror
+                m_tokens[rows], m_lengths[rows] = np.asarray(tokens)[order], np.asarray(
+                    lengths)[order]
+                m_done[rows] = True
+                self._extend_lines()
 
         self._write(work)
 
@@ -302,10 +373,21 @@ class PartialOutput:
             self.file = None
             os.replace(self.partial, self.path)
 
-        if texts is not None:
-            self._write(lambda: check_space(self.partial, sum(len(t.encode()) + 16
-                                                              for t in texts)))
-        self._write(fill)
-        self._write(seal)
+        if self.lines is not None:
+            self._write(self._extend_lines)
+            self._write(self._seal_lines)
+        else:
+            if texts is not None:
+                self._write(lambda: check_space(self.partial, sum(len(t.encode()) + 16
+                                                                  for t in texts)))
+            self._write(fill)
+            self._write(seal)
         if self.failed:
             raise self.failed
+
+    def _seal_lines(self) -> None:
+        """The JSON lines into place; the partial file, their record, is then done with."""
+        self.lines.commit()
+        self.file.close()
+        self.file = None
+        self.partial.unlink()
