@@ -58,7 +58,8 @@ def weight_map(hf_dir: Path) -> dict[str, Path]:
 
 
 def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> ModelConfig:
-    """Convert a Hugging Face Llama folder; ``dtype`` defaults to the weights' own."""
+    """Convert a Hugging Face folder of a supported family; ``dtype`` defaults to the weights'
+    own."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise HpcparError(f"{hf_dir}: not a folder; pass the Hugging Face model folder "
@@ -77,7 +78,8 @@ def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> Mo
                   and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if unexpected:
         raise HpcparError(f"{hf_dir}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) "
-                          "is not part of a Llama model; is this really a Llama checkpoint?")
+                          f"is not part of a {cfg.model_type} model; does config.json's "
+                          "model_type match these weights?")
 
     shards = sorted(set(files[n] for n in expected))
     absent = [p for p in shards if not p.is_file()]
