@@ -64,6 +64,7 @@ class ModelConfig:
     embed_scale: float = 1.0             # the embedding's output times this (Gemma: sqrt(h))
     activation: str = "silu"             # the gated MLP's: silu (SwiGLU), gelu_tanh (GeGLU)
     sliding_window: int | None = None    # attention to the last W keys only (Mistral)
+    mixed_windows: bool = False          # a window on some layers only (Qwen2's, refused)
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -170,9 +171,13 @@ class ModelConfig:
         if self.activation not in ACTIVATIONS:
             out.append(f"activation {self.activation!r} is not supported (supported: "
                        f"{', '.join(ACTIVATIONS)})")
-        if self.sliding_window is not None:
-            out.append(f"sliding-window attention (window {self.sliding_window}) is not "
-                       "supported yet; only full causal attention runs exactly")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            out.append(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.mixed_windows:
+            out.append("a sliding window on some layers only (use_sliding_window with "
+                       "max_window_layers) is not supported yet; only full causal attention, "
+                       "or one window on every layer, runs exactly")
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
             out.append(f"rope type {self.rope_scaling.rope_type!r} is not supported "
                        f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")

@@ -121,6 +121,9 @@ GEMMA = dict(TINY, model_type="gemma", architectures=["GemmaForCausalLM"], vocab
              num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128,
              num_hidden_layers=4, tie_word_embeddings=True, eos_token_id=1,
              hidden_activation="gelu_pytorch_tanh")
+# Mistral: a window of 5 keys, shorter than the tests' prompts and generations
+MISTRAL = dict(GQA, model_type="mistral", architectures=["MistralForCausalLM"],
+               sliding_window=5, rope_scaling=None, num_hidden_layers=4)
 TIED = dict(TINY, vocab_size=251, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
             head_dim=16, intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True,
             attention_bias=True, mlp_bias=True, rope_theta=500.0, eos_token_id=[3, 4])
@@ -200,7 +203,12 @@ HF_CONFIGS = {
                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                           max_position_embeddings=128, tie_word_embeddings=True,
                           attention_bias=True, mlp_bias=True),
-    # the other families, each where it differs from Llama (hpcpar.models)
+    # the other families, each where it differs from Llama (hpcpar.models): Mistral's window
+    # is shorter than the longer prompts, and than prompt plus new tokens
+    "mistral": dict(model_type="mistral", vocab_size=250, hidden_size=64,
+                    intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                    sliding_window=6),
     "qwen2": dict(model_type="qwen2", vocab_size=250, hidden_size=64, intermediate_size=176,
                   num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
                   max_position_embeddings=128, rope_theta=1000000.0),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import GEMMA, GQA, QWEN3, TIED, losses, make_checkpoint, realistic_tensors
+from helpers import GEMMA, GQA, MISTRAL, QWEN3, TIED, losses, make_checkpoint, realistic_tensors
 from hpcpar.jobs import load_job
 from hpcpar.train.engine import run_training
 
@@ -22,7 +22,8 @@ LAYOUTS = {
     8: [(2, 2, 2, 2, "1f1b", 1), (1, 4, 2, 4, "zb-h1", 1), (1, 2, 4, 2, "interleaved", 2),
         (4, 2, 1, 1, "gpipe", 1), (1, 8, 1, 8, "1f1b", 1)],
 }
-CONFIGS = {"gqa": dict(GQA, num_hidden_layers=8), "tied": TIED, "qwen3": QWEN3, "gemma": GEMMA}
+CONFIGS = {"gqa": dict(GQA, num_hidden_layers=8), "tied": TIED, "qwen3": QWEN3, "gemma": GEMMA,
+           "mistral": MISTRAL}
 GLOBAL_BATCH, STEPS = 8, 2
 
 

@@ -12,6 +12,8 @@ whose gradients are therefore partial too and summed over tp (``Param.tp_partial
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..ops import AttentionRows, Ops
 from .kv_cache import KVCache
 from ..comm import Communicator
@@ -22,20 +24,22 @@ class Attention:
     """o_proj(softmax(rope(Q) rope(K)^T / sqrt(d) + mask) V) over this rank's heads."""
 
     def __init__(self, ops: Ops, heads: int, kv_heads: int, head_dim: int,
-                 qkv: ColumnParallelLinear, o: RowParallelLinear, qk_norms=None):
+                 qkv: ColumnParallelLinear, o: RowParallelLinear, qk_norms=None,
+                 window: int | None = None):
         self.ops = ops
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim  # per partition
         self.qkv, self.o = qkv, o
         self.qk_norms = qk_norms        # (q's, k's) per-head ``decoder.Norm``s, or None
+        self.window = window            # a sliding window over the keys (Mistral), or None
 
     @classmethod
     def of(cls, ops: Ops, w: dict, head_dim: int, tp: Communicator,
-           merge: bool = False, qk_norms=None) -> "Attention":
+           merge: bool = False, qk_norms=None, window: int | None = None) -> "Attention":
         """From a layer's weights by role (q, k, v, o and their biases)."""
         heads, kv_heads = (w[r].data.shape[0] // head_dim for r in ("q", "k"))
         return cls(ops, heads, kv_heads, head_dim,
                    column_parallel(ops, w, ("q", "k", "v"), tp, merge),
-                   row_parallel(ops, w, "o", tp, merge), qk_norms)
+                   row_parallel(ops, w, "o", tp, merge), qk_norms, window)
 
     def forward(self, x, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
                 layer: int = 0, train: bool = False):
@@ -44,6 +48,8 @@ class Attention:
         reads every cached one; without (training) the keys are this step's own."""
         B, T, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        if self.window is not None:
+            rows = replace(rows, window=self.window)
         q, k, v = self.qkv(x)
         q = q.reshape(B, T, nh, hd)                                   # (B, T, nh, hd)
         k = k.reshape(B, T, nkv, hd)                                  # (B, T, nkv, hd)

@@ -115,7 +115,8 @@ class DecoderLayer:
             return Norm(ops, w[role], cfg.rms_norm_eps, cfg.norm_offset)
 
         qk_norms = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else None
-        self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms)
+        self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms,
+                                      cfg.sliding_window)
         self.mlp = Mlp.of(ops, w, tp, merge, cfg.activation)
         self.input_norm, self.post_norm = norm("input_norm"), norm("post_attention_norm")
         self.ops = ops

@@ -6,6 +6,7 @@ decoder (``hpcpar.model``), the split plan (``hpcpar.sharding``) and the program
 features and never name a family.
 
     llama    the reference
+    mistral  sliding-window attention
     qwen2    q/k/v biases
     qwen3    per-head q/k RMSNorm, free head_dim
     gemma    (1 + w) RMSNorm, embedding scale, GeGLU (tanh), tied head
@@ -14,11 +15,11 @@ features and never name a family.
 from __future__ import annotations
 
 from ..errors import HpcparError
-from . import gemma, llama, qwen2, qwen3
+from . import gemma, llama, mistral, qwen2, qwen3
 from .family import Family
 
-FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (llama, qwen2, qwen3,
-                                                                      gemma)}
+FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY
+                               for m in (llama, mistral, qwen2, qwen3, gemma)}
 
 
 def family_of(model_type: str, source: str = "config") -> Family:

@@ -2,13 +2,13 @@
 need not be hidden / heads."""
 
 from .family import Family
-from .qwen2 import _window
+from .qwen2 import windows
 
 
 def _features(hf) -> dict:
     bias = bool(hf.get("attention_bias", False))
     return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True,
-            "sliding_window": _window(hf)}
+            **windows(hf)}
 
 
 FAMILY = Family("qwen3", "Qwen3ForCausalLM", "per-head RMSNorm of q and k before rotary "

@@ -4,7 +4,8 @@
 
 Each row's valid tokens come first (no left padding): row b has ``q_lengths[b]`` queries and
 ``kv_lengths[b]`` keys, and query t sits at position kv_lengths[b] - q_lengths[b] + t, seeing
-the keys at positions [0, that position] (causal, bottom-right aligned). Prefill is
+the keys at positions [0, that position] (causal, bottom-right aligned), or with a sliding
+``window`` W only the last W of them, (position - W, position] (Mistral's). Prefill is
 q_lengths = kv_lengths; a decode step is q_lengths = 1 over a cache of kv_lengths keys. This is
 the interface fused kernels take (cuDNN's padding mask: per-row sequence lengths), and it lets
 rows of one batch sit at different points of their sequences.
@@ -36,6 +37,7 @@ class AttentionRows:
     kv_lengths: object         # (B,) int32: valid keys of each row (first), this step's included
     max_kv: int                # keys to read: max(kv_lengths), host int
     from_start: bool           # every row's queries start at position 0 (q_lengths = kv_lengths)
+    window: int | None = None  # a query sees its last ``window`` keys only (sliding window)
 
     @staticmethod
     def build(xp, q_lengths, kv_lengths, from_start: bool) -> "AttentionRows":
@@ -54,12 +56,14 @@ class AttentionRows:
 
 def attention_mask(xp, rows: AttentionRows, T: int, S: int):
     """Which keys each query sees, (B, 1, 1, T, S) boolean: key s <= the query's position and
-    s < kv_length. A padding query (t >= q_length) sees key 0 alone, so its softmax stays
-    finite."""
+    s < kv_length (and s > position - window with a sliding window). A padding query
+    (t >= q_length) sees key 0 alone, so its softmax stays finite."""
     t = xp.arange(T)[None, :, None]                               # (1, T, 1)
     s = xp.arange(S)[None, None, :]                               # (1, 1, S)
     position = rows.starts().astype(xp.int64)[:, None, None] + t  # (B, T, 1)
     allowed = (s <= position) & (s < rows.kv_lengths[:, None, None])
+    if rows.window is not None:
+        allowed &= s > position - rows.window
     padding = t >= rows.q_lengths[:, None, None]                  # (B, T, 1)
     allowed = xp.where(padding, s == 0, allowed)                  # (B, T, S)
     return allowed[:, None, None]                                 # (B, 1, 1, T, S)
