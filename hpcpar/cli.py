@@ -38,7 +38,7 @@ JOB_FLAGS = {
     "top_p": ("generate", "top_p"), "seed": ("generate", "seed"),
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
     "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
-    "batch_size": ("generate", "batch_size"),
+    "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
     "out": ("output", "path"),
 }
 # training flags -> (job section, key); --seed goes to [train] when the job trains
@@ -110,6 +110,9 @@ def _job_flags(p, required: bool) -> None:
                    help="store the logits of every prompt position")
     p.add_argument("--ignore-eos", dest="stop_at_eos", action="store_const", const=False,
                    help="always generate max-new-tokens, past EOS")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="a stop string: a row ends once its text holds it, the string itself "
+                        "left out (repeatable)")
     p.add_argument("--batching", choices=["continuous", "static"],
                    help="continuous (default): a finished row's slot takes the next prompt; "
                         "static: each micro-batch runs until its longest row is done")

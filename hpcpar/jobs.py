@@ -8,7 +8,8 @@
                                              random_lengths = [min, max], random_seed)
                 dataset = "tokens.bin"      training data (.npy rows, .bin, .jsonl, or
                                              "synthetic", generated)
-    [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, save_logits,
+    [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, stop (strings),
+                save_logits,
                 batching ("continuous" or "static"), batch_size (rows in flight per
                 micro-batch; 0: what fits)
     [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
@@ -93,6 +94,7 @@ class GenerateSection:
     save_logits: bool = False
     batching: str = "continuous"    # or "static": every micro-batch runs to its longest row
     batch_size: int = 0             # rows in flight per micro-batch (0: what fits)
+    stop: tuple[str, ...] = ()      # stop strings: a row ends once its text holds one
     wave_size: int = 0              # prompts per wave (0: all at once); the output is
                                     # saved and a stop is possible after each wave
     resume: str | None = None       # "auto": skip the prompts a stopped run finished

@@ -244,3 +244,58 @@ def test_a_jsonl_output_is_refused_for_prompt_logits_and_over_other_files(workdi
     proc = _generate(workdir, 2, "ids.jsonl", "notes.jsonl")
     _assert_one_error(proc, "notes.jsonl exists and is not an hpcpar output")
     assert (workdir / "notes.jsonl").read_text() == '{"note": 1}\n'
+
+
+@pytest.mark.parametrize("flags", [["--batching", "static"], ["--pp", "2", "--tp", "2"]])
+def test_stop_strings_end_rows_where_their_text_first_holds_one(workdir, flags):
+    """A row ends at the token that completes one of its stop strings (the job's, or its
+    line's own); its tokens are those of an unstopped run up to there, its text is cut before
+    the string, and its finish reason is "stop". Checked against the unstopped run's tokens
+    decoded here with the tokenizer itself."""
+    from tokenizers import Tokenizer
+    from hpcpar.checkpoint import open_checkpoint
+    tok = Tokenizer.from_str(open_checkpoint(workdir / "model.h5").tokenizer_files()[
+        "tokenizer.json"].decode())
+    prompts = [[5 + 3 * i, 6, 7] for i in range(8)]
+    (workdir / "free.jsonl").write_text("".join(json.dumps({"ids": p}) + "\n" for p in prompts))
+    assert _generate(workdir, 4, "free.jsonl", "free.h5", "--ignore-eos", "--pp", "2",
+                     "--set", "generate.max_new_tokens=8").returncode == 0
+    with h5py.File(workdir / "free.h5") as f:
+        free = f["tokens"][()]
+    words = [tok.decode(row.tolist(), skip_special_tokens=True).split() for row in free]
+    job_stop = words[0][2]                            # row 0's third word, as a stop string
+    own = {3: [words[3][1] + " " + words[3][2]], 5: "nowhere-in-the-vocabulary"}
+    lines = [json.dumps({"ids": p} | ({"stop": own[i]} if i in own else {})) + "\n"
+             for i, p in enumerate(prompts)]
+    (workdir / "stops.jsonl").write_text("".join(lines))
+    out = f"stops-{'-'.join(flags)}.jsonl"
+    proc = _generate(workdir, 4, "stops.jsonl", out, "--ignore-eos", "--stop", job_stop,
+                     *flags)
+    assert proc.returncode == 0, proc.stderr
+    got = _lines(workdir / out)
+    for r, line in enumerate(got):
+        stops = own.get(r, [job_stop])
+        stops = [stops] if isinstance(stops, str) else stops
+        first = next((k for k in range(1, 6) if any(
+            s in tok.decode(free[r, :k].tolist(), skip_special_tokens=True) for s in stops)),
+            None)
+        if first is None:
+            assert line["finish_reason"] == "length" and line["completion_tokens"] == 5
+            continue
+        assert line["finish_reason"] == "stop", r
+        assert line["token_ids"] == free[r, :first].tolist(), r
+        text = tok.decode(free[r, :first].tolist(), skip_special_tokens=True)
+        assert line["text"] == text[:min(text.find(s) for s in stops if s in text)], r
+    assert got[0]["finish_reason"] == "stop" and got[3]["finish_reason"] == "stop"
+    assert got[5]["finish_reason"] == "length"
+
+
+def test_bad_stop_strings_are_one_error(workdir):
+    (workdir / "badstop.jsonl").write_text(json.dumps({"ids": [5, 6], "stop": [""]}) + "\n")
+    _assert_one_error(_generate(workdir, 2, "badstop.jsonl", "badstop.h5"),
+                      'badstop.jsonl:1: "stop" must be a non-empty string or a list of them')
+    _assert_one_error(_generate(workdir, 2, "ids.jsonl", "badstop.h5", "--stop", ""),
+                      "generate.stop holds an empty string")
+    _assert_one_error(_generate(workdir, 2, "ids.jsonl", "badstop.h5", "--batching", "static",
+                                "--batch-size", "2"),
+                      "generate.batch_size 2 applies to continuous batching")

@@ -37,6 +37,7 @@ from .schedule import generation
 from .batching import MicroBatch
 from .program import GenerationSettings, ReplicaProgram
 from .sampling import PromptSampling, next_tokens
+from .stopping import StopStrings
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
@@ -72,9 +73,9 @@ class ContinuousProgram(ReplicaProgram):
                  steps: int, limits: np.ndarray | None = None,
                  on_rows: Callable[[int, int], None] | None = None,
                  stop_requested: Callable[[], bool] | None = None,
-                 sampling: PromptSampling | None = None):
+                 sampling: PromptSampling | None = None, stops: StopStrings | None = None):
         super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
-                         stop_requested, sampling)
+                         stop_requested, sampling, stops)
         self.steps = steps
         rows = len(self.done)
         self.prompt_ids = [mb.ids[j, :mb.lengths[j]] for mb in mbs for j in range(mb.size)]
@@ -256,7 +257,8 @@ class ContinuousProgram(ReplicaProgram):
             k = int(self.generated[p])
             self.tokens[p, k] = tokens[slot]
             self.generated[p] = k + 1
-            if tokens[slot] in self.eos or k + 1 >= self.limit[p]:
+            if (tokens[slot] in self.eos or k + 1 >= self.limit[p]
+                    or self.met_stop_string(p, k + 1)):
                 self.done[p] = True
                 self.lengths[p] = k + 1
                 finished += 1

@@ -11,6 +11,7 @@ import hashlib
 import json
 import resource
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from time import perf_counter
 
@@ -30,7 +31,8 @@ from ..replicas import owners
 from ..pipeline.executor import PipelineExecutor
 from .schedule import generation
 from .batching import micro_batches, replica_rows
-from .output import JsonLines, PartialOutput, RunShape, finish_reasons, unpad_into
+from .output import JsonLines, PartialOutput, RunShape, unpad_into
+from .stopping import StopStrings, decode_rows, finish_reasons
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .program import GenerationProgram, GenerationSettings, any_rank
 from .setup import eos_ids, load_tokenizer, open_stage, resolve_checkpoint
@@ -67,6 +69,7 @@ class _Plan:
     limits: np.ndarray                 # each prompt's max_new_tokens
     sampling: PromptSampling           # each prompt's sampling settings
     eos: tuple[int, ...]               # every id that ends a row
+    stops: StopStrings | None          # each prompt's stop strings (None: no prompt has any)
 
 
 def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> _Plan:
@@ -109,9 +112,17 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
         if settings.save_logits and Path(job.output.path).suffix.lower() == ".jsonl":
             raise HpcparError(f"--save-logits stores the prompt logits in HDF5, and "
                               f"{job.output.path} is JSON lines; write an .h5 output for them")
+    stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer)
+    if stops is not None and tokenizer is None:
+        raise HpcparError("stop strings are matched in the decoded text, and this checkpoint "
+                          "has no tokenizer; convert the model from a folder that holds "
+                          "tokenizer.json, or drop the stop strings")
+    if any(s == "" for s in gen.stop):
+        raise HpcparError("generate.stop holds an empty string, which every text contains; "
+                          "give non-empty stop strings")
     return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
                  prompts.limits(settings.max_new_tokens), prompts.sampling_for(sampling),
-                 eos_ids(ckpt))
+                 eos_ids(ckpt), stops)
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,
@@ -146,9 +157,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                                      cfg.vocab_size, settings.save_logits)
                     lines = None
                     if Path(job.output.path).suffix.lower() == ".jsonl":
-                        lines = JsonLines(Path(job.output.path), plan.tokenizer, lambda t, n:
-                                          finish_reasons(t[None], np.array([n]), plan.eos,
-                                                         settings.stop_at_eos)[0])
+                        lines = JsonLines(Path(job.output.path), partial(_describe, plan))
                     out = PartialOutput(job.output.path, shape, plan.prompts,
                                         job.generate.resume, lines)
 
@@ -229,12 +238,12 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
         if rank == 0:
             if out is not None:      # with the prompts earlier runs finished
                 tokens, lengths = out.results()
-            texts = _decode(plan.tokenizer, tokens, lengths)
+            texts, stopped = decode_rows(plan.tokenizer, tokens, lengths, plan.stops)
             ran = sum(len(w) for w in todo)
             ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
             new_tokens = int(sum(lengths[r] for w in todo for r in w))
             report = RunReport.build(table, layout, micro, ran, ran_tokens, new_tokens)
-            reasons = finish_reasons(tokens, lengths, plan.eos, settings.stop_at_eos)
+            reasons = finish_reasons(tokens, lengths, plan.eos, settings.stop_at_eos, stopped)
             result = GenerationResult(tokens, lengths,
                                       np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
                                       texts, report, reasons)
@@ -283,13 +292,15 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
         width = rows_in_flight(settings, stage, mbs, limits, backend, world)
         program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
                                     segment_steps(layout.pp), limits, on_rows,
-                                    stop_requested=lambda: stop.requested, sampling=sampling)
+                                    stop_requested=lambda: stop.requested, sampling=sampling,
+                                    stops=plan.stops)
         pp_host = pp.on_host()
         actions = program.start_segment(pp_host)
     else:
         program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
                                     on_rows=on_rows, limits=limits,
-                                    stop_requested=lambda: stop.requested, sampling=sampling)
+                                    stop_requested=lambda: stop.requested, sampling=sampling,
+                                    stops=plan.stops)
         actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank]
                    if mbs else [])
     stream = FinishedRows(world, layout, board, program, settings.max_new_tokens,
@@ -330,6 +341,8 @@ def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> dict:
         digest.update(json.dumps(plan.prompts.max_new_tokens).encode())
     if plan.prompts.sampling:
         digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
+    if plan.prompts.stops:
+        digest.update(json.dumps(plan.prompts.stops).encode())
     s = plan.settings
     return {
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
@@ -337,14 +350,17 @@ def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> dict:
         "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
         "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
+        "stop": list(job.generate.stop),
         "dtype": dtype_name(plan.dtype)}
 
 
-def _decode(tokenizer, tokens, lengths) -> list[str] | None:
-    if tokenizer is None:
-        return None
-    return [tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
-            for row, n in zip(tokens, lengths)]
+def _describe(plan: _Plan, prompt: int, row: np.ndarray, length: int):
+    """A finished row's text and why it ended (for the JSON lines, row by row)."""
+    texts, stopped = decode_rows(plan.tokenizer, row[None], np.array([length]), plan.stops,
+                                 [prompt])
+    reason = finish_reasons(row[None], np.array([length]), plan.eos,
+                            plan.settings.stop_at_eos, stopped)[0]
+    return (texts[0] if texts is not None else None), reason
 
 
 def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:

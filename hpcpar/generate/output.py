@@ -3,8 +3,8 @@ place when complete.
 
     tokens         int64 [batch, max_new_tokens]   new tokens only; pad id after a row's EOS
     lengths        int64 [batch]                   new tokens up to and including EOS
-    finish_reason  utf-8 [batch]                   why the row ended: eos, or length (its
-                                                   max_new_tokens)
+    finish_reason  utf-8 [batch]                   why the row ended: eos, stop (a stop
+                                                   string), or length (its max_new_tokens)
     prompt_lengths int64 [batch]
     prompt_logits  float32 [batch, seq, vocab]     with --save-logits: position t of prompt b
                                                    at [b, t], NaN past the prompt's end
@@ -25,15 +25,6 @@ import numpy as np
 from ..errors import HpcparError
 from ..outputs import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_space, quiet_deallocation,
                        remove_stale_temporaries, reserve, write_point, writing)
-
-
-def finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...],
-                   stop_at_eos: bool) -> list[str]:
-    """Why each row ended: ``eos`` when its last new token is an EOS id it stopped at,
-    ``length`` when it reached its max_new_tokens."""
-    last = tokens[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
-    ended = stop_at_eos & (lengths > 0) & np.isin(last, np.asarray(eos, dtype=np.int64))
-    return ["eos" if e else "length" for e in ended]
 
 
 def unpad_into(logits, mb, full: np.ndarray) -> None:
@@ -164,11 +155,12 @@ class JsonLines:
     into place at the end. The partial HDF5 file stays the resumable record: a resumed run
     writes the lines again from it."""
 
-    def __init__(self, path: Path, tokenizer, reason):
-        """``reason(tokens_row, length)``: why a row ended (``finish_reasons``)."""
+    def __init__(self, path: Path, describe):
+        """``describe(prompt, tokens_row, length)``: the row's text (None without a
+        tokenizer) and why it ended."""
         self.path = path
         self.tmp = path.with_name(f".{path.name}.lines")
-        self.tokenizer, self.reason = tokenizer, reason
+        self.describe = describe
         self.written = 0
         self.file = None
 
@@ -183,10 +175,8 @@ class JsonLines:
         while end < len(done) and done[end]:
             end += 1
         for r in range(self.written, end):
-            ids = tokens[r, :lengths[r]].tolist()
-            text = (self.tokenizer.decode(ids, skip_special_tokens=True)
-                    if self.tokenizer is not None else None)
-            line = dict(zip(JSONL_KEYS, (r, text, ids, self.reason(tokens[r], lengths[r]),
+            text, reason = self.describe(r, tokens[r], lengths[r])
+            line = dict(zip(JSONL_KEYS, (r, text, tokens[r, :lengths[r]].tolist(), reason,
                                          int(prompt_lengths[r]), int(lengths[r]))))
             self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
         if end > self.written:

@@ -22,6 +22,7 @@ from ..ops import AttentionRows
 from ..pipeline.schedule import Action, Op
 from .batching import MicroBatch, replica_order
 from .sampling import PromptSampling, SamplingParams, next_tokens
+from .stopping import StopStrings
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,11 @@ class ReplicaProgram(ABC):
     def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
                  eos_ids: tuple[int, ...], pad_id: int, backend, limits: np.ndarray | None,
                  on_rows: Callable[[int, int], None] | None,
-                 stop_requested: Callable[[], bool] | None, sampling: PromptSampling | None):
+                 stop_requested: Callable[[], bool] | None, sampling: PromptSampling | None,
+                 stops: StopStrings | None = None):
         """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
-        job's for every prompt); ``sampling`` likewise (default: the job's settings).
+        job's for every prompt); ``sampling`` likewise (default: the job's settings);
+        ``stops`` each prompt's stop strings (None: no prompt has any).
         ``stop_requested``: polled by the first stage before each forward; once its tp ranks
         agree on a stop, every micro-batch is retired there (the STOP reaches the other
         stages with the activations) and only finished rows count. ``on_rows(finished,
@@ -93,6 +96,13 @@ class ReplicaProgram(ABC):
         self.on_rows = on_rows
         self.stopping = AgreedStop(stop_requested, stage.tp)
         self.sampling = sampling if sampling is not None else settings.sampling
+        self.stops = stops
+
+    def met_stop_string(self, row: int, generated: int) -> bool:
+        """Whether row ``row``'s first ``generated`` new tokens hold one of its stop
+        strings (a pure function of them: every stage that keeps the books agrees)."""
+        return self.stops is not None and self.stops.hit(int(self.global_rows[row]),
+                                                         self.tokens[row, :generated])
 
     @abstractmethod
     def prefill_seconds(self, times, start: float) -> float:
@@ -105,11 +115,11 @@ class GenerationProgram(ReplicaProgram):
                  on_rows: Callable[[int, int], None] | None = None,
                  limits: np.ndarray | None = None,
                  stop_requested: Callable[[], bool] | None = None,
-                 sampling: PromptSampling | None = None):
+                 sampling: PromptSampling | None = None, stops: StopStrings | None = None):
         """Static batching: every row of a micro-batch from its prefill to its longest row's
         end (``ReplicaProgram`` says what the arguments are)."""
         super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
-                         stop_requested, sampling)
+                         stop_requested, sampling, stops)
         n = settings.max_new_tokens
         self.caches = [stage.new_cache(mb.size, mb.length + n) for mb in mbs]
         self.last_index = [self.xp.asarray(mb.lengths - 1) for mb in mbs]  # prefill's last
@@ -203,6 +213,10 @@ class GenerationProgram(ReplicaProgram):
         tokens = np.where(done, self.pad_id, tokens)
         self.tokens[rows, step] = tokens
         hit = ~done & (np.isin(tokens, self.eos) | (step + 1 >= self.limit[rows]))
+        if self.stops is not None:
+            first = rows.start
+            hit |= ~done & np.array([self.met_stop_string(first + j, step + 1)
+                                     for j in range(len(tokens))], dtype=bool)
         self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
         self.done[rows] = done | hit
         if self.on_rows is not None:

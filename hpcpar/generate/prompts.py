@@ -23,7 +23,7 @@ class PromptError(HpcparError):
 # the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
 SOURCE_KEYS = ("ids", "text", "messages")          # what a line's prompt is given as
-PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", *SAMPLING_KEYS)
+PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "stop", *SAMPLING_KEYS)
 CHAT_FOR_GENERATION = "for generation"   # ``chat`` of a reader whose lines may not be chats
 
 
@@ -33,6 +33,7 @@ class Prompts:
     texts: list[str] | None = None      # the source text, when prompts were given as text
     max_new_tokens: list[int | None] | None = None   # a prompt's own limit (None: the job's)
     sampling: list[dict] | None = None  # a prompt's own sampling settings (absent: the job's)
+    stops: list[tuple[str, ...] | None] | None = None  # a prompt's own stop strings
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -83,7 +84,7 @@ def _load_npy(path: Path) -> Prompts:
 
 
 def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
-    ids, texts, limits, sampling = [], [], [], []
+    ids, texts, limits, sampling, stops = [], [], [], [], []
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -112,6 +113,7 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
             raise PromptError(f"{path}:{n}: {wrong.removeprefix('generate.')}")
         limits.append(limit)
         sampling.append(_own_sampling(record, f"{path}:{n}"))
+        stops.append(_own_stops(record, f"{path}:{n}"))
         row, text = _line_ids(record, tokenizer, chat, f"{path}:{n}")
         ids.append(row)
         texts.append(text)
@@ -121,7 +123,8 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
         raise PromptError(f"{path}: the prompt file is empty; add one JSON object per line")
     return Prompts(ids, texts if any(t is not None for t in texts) else None,
                    limits if any(k is not None for k in limits) else None,
-                   sampling if any(sampling) else None)
+                   sampling if any(sampling) else None,
+                   stops if any(s is not None for s in stops) else None)
 
 
 def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, str | None]:
@@ -153,6 +156,18 @@ def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, st
     text = chat.render(check_messages(record["messages"], where), where)
     # the template writes the special tokens itself, as apply_chat_template's tokenizing does
     return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int64), text
+
+
+def _own_stops(record: dict, where: str) -> tuple[str, ...] | None:
+    """A line's own stop strings: a string or a list of them, none empty."""
+    if "stop" not in record:
+        return None
+    value = record["stop"]
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise PromptError(f"{where}: \"stop\" must be a non-empty string or a list of them, "
+                          f"got {json.dumps(record['stop'])[:80]}")
+    return tuple(value)
 
 
 def _own_sampling(record: dict, where: str) -> dict:
