@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .comm import COMM_KINDS
     from .dtypes import FLOAT_DTYPES
 
-    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3 and Gemma models across "
+    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma models across "
                                             "ranks with MPI.")
     p.add_argument("--version", action="version", version=f"hpcpar {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)

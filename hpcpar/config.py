@@ -65,6 +65,7 @@ class ModelConfig:
     activation: str = "silu"             # the gated MLP's: silu (SwiGLU), gelu_tanh (GeGLU)
     sliding_window: int | None = None    # attention to the last W keys only (Mistral)
     mixed_windows: bool = False          # a window on some layers only (Qwen2's, refused)
+    partial_rotary: float = 1.0          # the share of head_dim rotary turns (Phi-3.5/4 < 1)
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -174,6 +175,10 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             out.append(f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.partial_rotary != 1.0:
+            out.append(f"partial rotary embeddings (partial_rotary_factor "
+                       f"{self.partial_rotary}) are not supported yet; only rotary over the "
+                       "whole head runs exactly")
         if self.mixed_windows:
             out.append("a sliding window on some layers only (use_sliding_window with "
                        "max_window_layers) is not supported yet; only full causal attention, "

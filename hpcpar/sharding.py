@@ -44,6 +44,7 @@ SPLIT_OF_ROLE = {
     "o_bias": Split.REPLICATED, "down_bias": Split.REPLICATED,
     "input_norm": Split.REPLICATED, "post_attention_norm": Split.REPLICATED,
     "q_norm": Split.REPLICATED, "k_norm": Split.REPLICATED,      # one weight for every head
+    "fused": Split.COLUMN,      # a stored fused tensor, whole (its parts are split each)
     "final_norm": Split.REPLICATED,
 }
 

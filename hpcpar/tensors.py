@@ -19,10 +19,18 @@ LM_HEAD = "lm_head.weight"
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One tensor the model computes with. Most are stored as themselves; a part of a fused
+    tensor (Phi-3's q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``) is rows
+    [offset, offset + shape[0]) of the stored tensor ``stored`` of shape ``stored_shape``:
+    each tp rank reads and writes its own slices of each part there."""
+
     name: str
     shape: tuple[int, ...]
     role: str            # "embed", "q", "k", "v", "o", "gate", "up", "down", "*_bias", norms, "head"
     layer: int | None    # decoder layer index, None for embedding / final norm / head
+    stored: str | None = None                  # the fused tensor this is rows of
+    offset: int = 0                            # its first row there
+    stored_shape: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -30,6 +38,31 @@ class TensorSpec:
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def file_name(self) -> str:
+        """The dataset that holds this tensor's values in a checkpoint."""
+        return self.stored or self.name
+
+    def file_region(self, region: tuple[slice, ...]) -> tuple[slice, ...]:
+        """A region of this tensor as a region of its dataset (rows shifted by ``offset``)."""
+        if not self.offset:
+            return region
+        rows = region[0]
+        return (slice(rows.start + self.offset, rows.stop + self.offset),) + tuple(region[1:])
+
+
+def stored_tensors(cfg: ModelConfig) -> list[TensorSpec]:
+    """The tensors a checkpoint of ``cfg`` stores: each fused tensor once, whole (role
+    "fused", a column split for chunking), the others as themselves."""
+    out, seen = [], set()
+    for spec in model_tensors(cfg):
+        if spec.stored is None:
+            out.append(spec)
+        elif spec.stored not in seen:
+            seen.add(spec.stored)
+            out.append(TensorSpec(spec.stored, spec.stored_shape, "fused", spec.layer))
+    return out
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -52,11 +85,28 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
-    """The tensors of decoder layer ``i``, named as the model's family names them."""
+    """The tensors of decoder layer ``i``, named as the model's family names them; the parts
+    of a fused tensor are named ``FUSED[role]``."""
     from .models import family_of
     family = family_of(cfg.model_type)
-    return [TensorSpec(family.layer_name(role, i), shape, role, i)
-            for role, shape in layer_shapes(cfg).items()]
+    shapes = layer_shapes(cfg)
+    out, fused_done = [], set()
+    for role, shape in shapes.items():
+        group = next((g for g in family.fused.values() if role in g), None)
+        if group is None:
+            out.append(TensorSpec(family.layer_name(role, i), shape, role, i))
+            continue
+        if group in fused_done:
+            continue
+        fused_done.add(group)
+        stored = family.fused_name(group, i)
+        rows = sum(shapes[r][0] for r in group)
+        offset = 0
+        for part in group:
+            out.append(TensorSpec(f"{stored}[{part}]", shapes[part], part, i, stored, offset,
+                                  (rows,) + shapes[part][1:]))
+            offset += shapes[part][0]
+    return out
 
 
 def stage_tensors(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[TensorSpec]:

@@ -50,6 +50,11 @@ def hf_tensor_shapes(cfg: dict) -> dict[str, tuple]:
         if family == "qwen3":
             shapes.update({p + "self_attn.q_norm.weight": (hd,),
                            p + "self_attn.k_norm.weight": (hd,)})
+        if family == "phi3":                          # fused, as Phi3ForCausalLM stores them
+            for part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+                del shapes[p + ("self_attn." if part[0] in "qkv" else "mlp.") + part + ".weight"]
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
         if cfg.get("mlp_bias"):
             shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,),
                            p + "mlp.down_proj.bias": (h,)})
@@ -124,6 +129,9 @@ GEMMA = dict(TINY, model_type="gemma", architectures=["GemmaForCausalLM"], vocab
 # Mistral: a window of 5 keys, shorter than the tests' prompts and generations
 MISTRAL = dict(GQA, model_type="mistral", architectures=["MistralForCausalLM"],
                sliding_window=5, rope_scaling=None, num_hidden_layers=4)
+# Phi-3: q/k/v and gate/up fused in the checkpoint; tp splits each part of them
+PHI3 = dict(GQA, model_type="phi3", architectures=["Phi3ForCausalLM"], rope_scaling=None,
+            num_hidden_layers=4)
 TIED = dict(TINY, vocab_size=251, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
             head_dim=16, intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True,
             attention_bias=True, mlp_bias=True, rope_theta=500.0, eos_token_id=[3, 4])
@@ -215,6 +223,9 @@ HF_CONFIGS = {
     "qwen3": dict(model_type="qwen3", vocab_size=250, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=24, max_position_embeddings=128, tie_word_embeddings=True),
+    "phi3": dict(model_type="phi3", vocab_size=250, hidden_size=64, intermediate_size=176,
+                 num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                 max_position_embeddings=128, rope_theta=10000.0),
     "gemma": dict(model_type="gemma", vocab_size=251, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                   head_dim=16, max_position_embeddings=128,

@@ -52,9 +52,9 @@ def test_convert_sharded_index_and_dtypes(tmp_path, source, target):
 
 
 def test_convert_refuses_other_architectures(tmp_path):
-    write_hf_checkpoint(tmp_path / "hf", dict(TINY, model_type="mistral",
-                                              architectures=["MistralForCausalLM"]))
-    with pytest.raises(HpcparError, match="'mistral'.*not supported"):
+    write_hf_checkpoint(tmp_path / "hf", dict(TINY, model_type="gpt_neox",
+                                              architectures=["GPTNeoXForCausalLM"]))
+    with pytest.raises(HpcparError, match="'gpt_neox'.*not supported"):
         convert(tmp_path / "hf", tmp_path / "m.h5")
     assert not (tmp_path / "m.h5").exists()
 

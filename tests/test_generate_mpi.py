@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import GEMMA, GQA, MISTRAL, PROMPTS, QWEN3, TIED, make_checkpoint
+from helpers import GEMMA, GQA, MISTRAL, PHI3, PROMPTS, QWEN3, TIED, make_checkpoint
 from hpcpar.generate import Prompts, run_generation
 from hpcpar.jobs import load_job
 
@@ -17,7 +17,8 @@ LAYOUTS = {
     4: [(1, 2, 2, 3), (2, 1, 2, 2), (1, 1, 4, 1), (1, 4, 1, 4), (2, 2, 1, 2)],
     8: [(1, 4, 2, 4), (2, 2, 2, 2), (1, 8, 1, 3), (1, 1, 8, 1), (4, 1, 2, 1)],
 }
-CONFIGS = {"gqa": GQA, "tied": TIED, "qwen3": QWEN3, "gemma": GEMMA, "mistral": MISTRAL}
+CONFIGS = {"gqa": GQA, "tied": TIED, "qwen3": QWEN3, "gemma": GEMMA, "mistral": MISTRAL,
+           "phi3": PHI3}
 
 
 def _fits(cfg, pp, tp):

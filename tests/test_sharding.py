@@ -89,3 +89,35 @@ def test_stage_tensors_give_embedding_and_head_to_the_end_stages():
         assert ("lm_head.weight" in last) != tied
         assert ("model.embed_tokens.weight" in last) == tied  # the tied head reads it
         assert not any(".layers.2." in n for n in first)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_each_rank_reads_its_slices_of_each_part_of_a_fused_tensor(tp):
+    """Phi-3's qkv_proj and gate_up_proj stay fused in the file: each part's slice for a tp
+    rank is rows of the fused tensor, the rows Megatron's split of the part alone gives
+    (written out here from the fused layout, apart from hpcpar's plan)."""
+    from helpers import PHI3
+    cfg = ModelConfig.from_hf(PHI3)
+    h, hd = PHI3["hidden_size"], PHI3["head_dim"]
+    q, kv, inter = PHI3["num_attention_heads"] * hd, PHI3["num_key_value_heads"] * hd, \
+        PHI3["intermediate_size"]
+    rng = np.random.default_rng(0)
+    fused = {"self_attn.qkv_proj.weight": rng.standard_normal((q + 2 * kv, h)),
+             "mlp.gate_up_proj.weight": rng.standard_normal((2 * inter, h))}
+    parts = {"q": ("self_attn.qkv_proj.weight", 0, q), "k": ("self_attn.qkv_proj.weight", q, kv),
+             "v": ("self_attn.qkv_proj.weight", q + kv, kv),
+             "gate": ("mlp.gate_up_proj.weight", 0, inter),
+             "up": ("mlp.gate_up_proj.weight", inter, inter)}
+    layer = [s for s in model_tensors(cfg) if s.layer == 1 and s.stored is not None]
+    assert sorted(s.role for s in layer) == sorted(parts)
+    for spec in layer:
+        name, start, rows = parts[spec.role]
+        assert spec.file_name == f"model.layers.1.{name}" and spec.offset == start
+        hf_name = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj",
+                   "up": "up_proj"}[spec.role]
+        alone = fused[name][start:start + rows]
+        for r in range(tp):
+            shard = shard_of(spec, cfg, r, tp)
+            got = fused[name][spec.file_region(shard.source)]
+            want = expected_slice(f"model.layers.1.x.{hf_name}.weight", alone, PHI3, r, tp)
+            np.testing.assert_array_equal(got, want, err_msg=f"{spec.role} tp {r}/{tp}")

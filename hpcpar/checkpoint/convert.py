@@ -17,7 +17,7 @@ from ..config import ModelConfig
 from ..dtypes import float_dtype
 from ..errors import HpcparError
 from ..outputs import OutputLock, check_output
-from ..tensors import model_tensors
+from ..tensors import stored_tensors
 from .format import TOKENIZER_FILES
 from .writer import CheckpointWriter
 
@@ -68,7 +68,7 @@ def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> Mo
     cfg = ModelConfig.from_json_file(config_path)
     hf_config = json.loads(config_path.read_text())
     files = weight_map(hf_dir)
-    specs = model_tensors(cfg)
+    specs = stored_tensors(cfg)
     expected = {s.name for s in specs}
     missing = [s.name for s in specs if s.name not in files]
     if missing:

@@ -23,7 +23,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..dtypes import bfloat16
 from ..sharding import ShardingError, Split, shard_of, split_of
-from ..tensors import TensorSpec
+from ..tensors import TensorSpec, model_tensors
 
 FORMAT_VERSION = 1
 ATTR_VERSION = "hpcpar_format_version"
@@ -64,7 +64,14 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 def split_boundaries(spec: TensorSpec, cfg: ModelConfig,
                      tp_sizes=CHUNK_TP_SIZES) -> tuple[int | None, list[int]]:
     """(split axis, every offset where some rank's slice starts or ends for ``tp_sizes``);
-    tp sizes the model cannot use are skipped. Axis None: the tensor is never split."""
+    tp sizes the model cannot use are skipped. Axis None: the tensor is never split. A fused
+    tensor's offsets are its parts', each shifted to where the part starts."""
+    if spec.role == "fused":
+        edges = {0, spec.shape[0]}
+        for part in model_tensors(cfg):
+            if part.stored == spec.name:
+                edges.update(part.offset + e for e in split_boundaries(part, cfg, tp_sizes)[1])
+        return 0, sorted(edges)
     split = split_of(spec)
     if split is Split.REPLICATED:
         return None, []

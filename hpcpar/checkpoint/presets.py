@@ -15,7 +15,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import HpcparError
 from ..outputs import OutputLock, check_output
-from ..tensors import TensorSpec, model_tensors
+from ..tensors import TensorSpec, stored_tensors
 from .writer import CheckpointWriter
 
 
@@ -79,6 +79,6 @@ def init_checkpoint(out: str | Path, preset: str | dict, seed: int = 0,
     label = f"hpcpar init --preset {preset} --seed {seed}" if isinstance(preset, str) else "init"
     check_output(out, kind="checkpoint")
     with OutputLock(out), CheckpointWriter(out, hf, dtype, source=label) as w:
-        for spec in model_tensors(w.config):
+        for spec in stored_tensors(w.config):
             w.write(spec, random_tensor(spec, seed, hf.get("initializer_range", 0.02)))
     return w.config

@@ -22,7 +22,7 @@ from ..config import ConfigError, ModelConfig
 from ..dtypes import FLOAT_DTYPES, dtype_name, nonfinite
 from ..errors import HpcparError
 from ..sharding import shard_of
-from ..tensors import TensorSpec, model_tensors
+from ..tensors import TensorSpec, stored_tensors
 from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
                      logical_dtype, storage_dtype)
 
@@ -86,7 +86,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             raise CheckpointError(f"{path}: unreadable '{ATTR_CONFIG}' attribute ({e})") from None
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
-        specs = {s.name: s for s in model_tensors(config)}
+        specs = {s.name: s for s in stored_tensors(config)}
         dtypes = set()
         for name, spec in specs.items():
             dset = f.get(name)
@@ -134,11 +134,13 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
         for spec in specs:
             shard = shard_of(spec, ckpt.config, tp_rank, tp_size)
             raw = np.zeros(shard.shape, dtype=stored)
+            # the weights of a fused tensor's part are rows of it; optimizer state is per part
+            name, source = ((spec.file_name, spec.file_region(shard.source)) if dataset == "{}"
+                            else (dataset.format(spec.name), shard.source))
             try:
-                f[dataset.format(spec.name)].read_direct(raw, source_sel=shard.source,
-                                                         dest_sel=shard.dest)
+                f[name].read_direct(raw, source_sel=source, dest_sel=shard.dest)
             except (OSError, KeyError) as e:
-                raise CheckpointError(f"{ckpt.path}: reading {dataset.format(spec.name)} failed, the "
+                raise CheckpointError(f"{ckpt.path}: reading {name} failed, the "
                                       f"file is truncated or corrupt ({_first_line(e)})") from None
             out.bytes_read += shard.source_numel * stored.itemsize
             host = raw.view(ckpt.dtype) if stored != ckpt.dtype else raw

@@ -20,7 +20,7 @@ from ..dtypes import dtype_name
 from ..errors import HpcparError
 from ..outputs import (WriteError, check_space, is_write_failure, quiet_deallocation,
                        remove_stale_temporaries, write_failure, write_point, writing)
-from ..tensors import TensorSpec, model_tensors
+from ..tensors import TensorSpec, stored_tensors
 from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
                      chunk_shape, storage_dtype, to_storage)
 
@@ -56,7 +56,7 @@ class CheckpointWriter:
         self.hf_config = dict(hf_config)
         self.dtype = np.dtype(dtype)
         self.source = source
-        self.expected = {s.name: s for s in model_tensors(self.config)}
+        self.expected = {s.name: s for s in stored_tensors(self.config)}
         self.written: set[str] = set()
         self._out = AtomicPath(path)
         self._file: h5py.File | None = None

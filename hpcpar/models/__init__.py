@@ -9,17 +9,18 @@ features and never name a family.
     mistral  sliding-window attention
     qwen2    q/k/v biases
     qwen3    per-head q/k RMSNorm, free head_dim
+    phi3     fused qkv_proj and gate_up_proj
     gemma    (1 + w) RMSNorm, embedding scale, GeGLU (tanh), tied head
 """
 
 from __future__ import annotations
 
 from ..errors import HpcparError
-from . import gemma, llama, mistral, qwen2, qwen3
+from . import gemma, llama, mistral, phi3, qwen2, qwen3
 from .family import Family
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY
-                               for m in (llama, mistral, qwen2, qwen3, gemma)}
+                               for m in (llama, mistral, qwen2, qwen3, phi3, gemma)}
 
 
 def family_of(model_type: str, source: str = "config") -> Family:

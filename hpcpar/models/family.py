@@ -33,6 +33,13 @@ class Family:
     differs: str
     features: Callable[[Mapping[str, Any]], dict] = lambda hf: {}
     names: dict[str, str] = field(default_factory=lambda: dict(LLAMA_NAMES))
+    # a stored tensor holding several roles' rows, in order (Phi-3's qkv_proj): its name
+    # inside "model.layers.{i}." -> the roles
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def layer_name(self, role: str, layer: int) -> str:
         return f"model.layers.{layer}.{self.names[role]}"
+
+    def fused_name(self, roles: tuple[str, ...], layer: int) -> str:
+        name = next(n for n, group in self.fused.items() if group == roles)
+        return f"model.layers.{layer}.{name}"

@@ -28,7 +28,7 @@ from ..checkpoint.format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_V
 from ..errors import HpcparError
 from ..outputs import check_space, reserve, write_point, write_text, writing
 from ..sharding import shard_of
-from ..tensors import model_tensors
+from ..tensors import model_tensors, stored_tensors
 from .params import Param
 
 TRAIN_GROUP = "train"
@@ -49,7 +49,7 @@ def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
     """Rank 0: every dataset of the checkpoint, empty, in the temporary file."""
     cfg = source.config
     tokenizer = source.tokenizer_files()
-    specs = model_tensors(cfg)
+    specs = model_tensors(cfg)           # the computation's tensors: optimizer state each
     values = sum(int(np.prod(spec.shape)) for spec in specs) * (1 + len(state_names))
     check_space(path, values * 4 + sum(len(data) for data in tokenizer.values()))
     # every dataset's space assigned now (not filled), then reserved below: the ranks'
@@ -62,11 +62,13 @@ def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
         f.attrs[ATTR_CONFIG] = json.dumps(source.hf_config, sort_keys=True)
         f.attrs[ATTR_DTYPE] = "float32"
         f.attrs["source"] = f"hpcpar train, step {train_attrs['step']}"
+        for spec in stored_tensors(cfg):        # the weights, fused tensors whole
+            f.create_dataset(spec.name, spec.shape, dtype=np.float32,
+                             chunks=chunk_shape(spec, cfg, 4), dcpl=early.copy())
         for spec in specs:
-            chunks = chunk_shape(spec, cfg, 4)
-            for name in (spec.name, *(f"{OPTIMIZER_GROUP}/{spec.name}/{state}"
-                                      for state in state_names)):
-                f.create_dataset(name, spec.shape, dtype=np.float32, chunks=chunks,
+            for state in state_names:
+                f.create_dataset(f"{OPTIMIZER_GROUP}/{spec.name}/{state}", spec.shape,
+                                 dtype=np.float32, chunks=chunk_shape(spec, cfg, 4),
                                  dcpl=early.copy())
         group = f.create_group(TRAIN_GROUP)
         for k, v in train_attrs.items():
@@ -88,7 +90,7 @@ def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, 
             if not p.counted:
                 continue
             shard = shard_of(p.spec, cfg, tp_rank, tp_size)
-            f[p.name][shard.source] = to_host(p.master)[shard.dest]
+            f[p.spec.file_name][p.spec.file_region(shard.source)] = to_host(p.master)[shard.dest]
             for state, value in states.get(p.name, {}).items():
                 f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][shard.source] = \
                     to_host(value)[shard.dest]
