@@ -123,6 +123,7 @@ def test_bad_prompts_are_one_error_and_no_output(workdir, prompts, words):
     (["--pp", "2", "--stage-layers", "4,4"], "stage_layers [4, 4] sum to 8, not num_hidden_layers 9"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--set", "generate.top_k=x"], "generate.top_k = 'x': expected int"),
+    (["--top-k", "5"], "every prompt is greedy (temperature 0), so they would do nothing"),
 ])
 def test_bad_layouts_and_settings_are_one_error_and_no_output(workdir, flags, words):
     proc = _generate(workdir, 4, "ids.jsonl", "bad_out.h5", *flags)

@@ -120,9 +120,13 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     if any(s == "" for s in gen.stop):
         raise HpcparError("generate.stop holds an empty string, which every text contains; "
                           "give non-empty stop strings")
+    per_prompt = prompts.sampling_for(sampling)
+    if (per_prompt.temperature == 0).all() and (gen.top_k or gen.top_p != 1.0):
+        raise HpcparError("top_k / top_p cut the candidates of sampling, and every prompt is "
+                          "greedy (temperature 0), so they would do nothing: set "
+                          "--temperature above 0, or drop them")
     return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
-                 prompts.limits(settings.max_new_tokens), prompts.sampling_for(sampling),
-                 eos_ids(ckpt), stops)
+                 prompts.limits(settings.max_new_tokens), per_prompt, eos_ids(ckpt), stops)
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,
