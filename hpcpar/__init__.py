@@ -1,4 +1,5 @@
-"""hpcpar: run Llama-family models across GPUs and nodes with MPI (dp × pp × tp).
+"""hpcpar: run Llama, Mistral, Qwen, Phi-3 and Gemma models across GPUs and nodes with MPI
+(dp × pp × tp).
 
     mpiexec -n 8 python -m hpcpar            # the demo job
     python -m hpcpar --help                  # every command

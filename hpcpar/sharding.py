@@ -1,4 +1,4 @@
-"""How every tensor of a Llama checkpoint is split over a tensor-parallel group (pure math).
+"""How every tensor of a checkpoint is split over a tensor-parallel group (pure math).
 
 Megatron's plan, on Hugging Face ``[out, in]`` weights:
 

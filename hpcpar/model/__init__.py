@@ -1,4 +1,5 @@
-"""The Llama model as tensor-parallel pipeline stages (NumPy or CuPy through ``xp``)."""
+"""The decoder every model family runs, as tensor-parallel pipeline stages (NumPy or CuPy
+through ``xp``); the families themselves are in ``hpcpar.models``."""
 
 from .kv_cache import CacheRows, KVCache, kv_cache_bytes
 from .decoder import DecoderStage

@@ -1,4 +1,4 @@
-"""The Llama math, one operation per module, each written once.
+"""The decoder's math, one operation per module, each written once.
 
 Every op is a class whose methods are the NumPy reference (they run on any array module:
 NumPy, the strict test backend, CuPy); a device subclass in ``ops/cuda/`` overrides the

@@ -1,6 +1,6 @@
 """Gradients after the backward: the data-parallel reduction in buckets and the global norm
 are the core's (``hpcpar.parallel.data_parallel``); here the sums over the ranks that hold
-the same Llama tensor.
+the same model tensor.
 
 Three sums make replicated tensors' gradients whole:
 - a KV head replicated on tp/kv ranks (kv_heads < tp) got a partial gradient on each of them
