@@ -162,8 +162,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
                     lines = None
                     if Path(job.output.path).suffix.lower() == ".jsonl":
                         lines = JsonLines(Path(job.output.path), partial(_describe, plan))
-                    out = PartialOutput(job.output.path, shape, plan.prompts,
-                                        job.generate.resume, lines)
+                    out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
 
             with phase("opening the output file"):
                 everyone(comm, open_output)

@@ -213,7 +213,7 @@ class PartialOutput:
     and ends the writing: the job then stops and reports it. The partial file is left only
     if it can still be resumed, and removed otherwise."""
 
-    def __init__(self, path: str | Path, shape: RunShape, prompts, resume: str | None,
+    def __init__(self, path: str | Path, shape: RunShape, resume: str | None,
                  lines: JsonLines | None = None):
         self.path = Path(path)
         self.partial = self.path.with_name(f".{self.path.name}.partial")

@@ -70,7 +70,7 @@ class Norm:
 
 def norm_backward(ops: Ops, dy, ctx, w, sink):
     """The RMSNorm op's backward for a plain weight ``w``: returns dx, adds dw."""
-    return Norm(ops, w, 0.0).backward(dy, ctx, sink)
+    return Norm(ops, w, eps=0.0).backward(dy, ctx, sink)      # eps is the forward's only
 
 
 class Mlp:
