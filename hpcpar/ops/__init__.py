@@ -12,7 +12,8 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
     swiglu       silu(gate) * up, and its backward
     geglu        gelu_tanh(gate) * up, and its backward (Gemma)
     attention    causal GQA softmax attention over per-row lengths (prefill, decode over a
-                 KV cache, training with backward)
+                 KV cache, training with backward): in tiles with an online softmax
+                 (``tiled_attention``); the full-matrix version stays as the reference
     embedding    the vocab-parallel lookup and its scatter backward
     kv_write     a step's keys and values into the KV cache, each row at its own slots
     cross_entropy  the vocab-parallel cross-entropy's local pieces, and its backward
@@ -68,9 +69,11 @@ def ops_for(backend) -> Ops:
 
 
 def native_ops(xp) -> Ops:
-    """The NumPy references, on any array module."""
-    return Ops(xp, Linear(xp), RMSNorm(xp), Rotary(xp), SwiGLU(xp), Attention(xp), KVWrite(xp),
-               CrossEntropy(xp), TopK(xp), GeGLU(xp))
+    """The NumPy references, on any array module (attention in tiles: the full-matrix
+    ``Attention`` is its test oracle)."""
+    from .tiled_attention import TiledAttention
+    return Ops(xp, Linear(xp), RMSNorm(xp), Rotary(xp), SwiGLU(xp), TiledAttention(xp),
+               KVWrite(xp), CrossEntropy(xp), TopK(xp), GeGLU(xp))
 
 
 __all__ = ["Attention", "AttentionRows", "CrossEntropy", "GeGLU", "KVWrite", "Linear", "Ops",

@@ -4,9 +4,10 @@ forward pass keeps for its backward, and the weights, gradients and optimizer st
 The activation count mirrors what the model's layers keep in training with the ops' NumPy references
 (float32, per tp rank), for one micro-batch of B rows of T tokens:
 
-    per layer   B T (4 h + 2 + 2 q + 2 kv + 3 I) + B nh T^2        (nh, q, kv, I per rank)
+    per layer   B T (4 h + 2 + 3 q + 2 kv + 3 I) + B nh T          (nh, q, kv, I per rank)
                 - with recompute, only the layer's input: B T h
-                (fused attention keeps softmax statistics B nh T instead of B nh T^2)
+                (tiled attention keeps its output and the softmax statistics, lse, B nh T,
+                not the B nh T^2 probabilities)
     per chunk   rotary tables 2 B T d
     first       ids and their owner mask: 9 B T bytes
     last        final norm B T (h + 1), head input B T h, loss B T V/p (+ 21 B T bytes of
@@ -38,8 +39,8 @@ def activation_bytes(cfg: ModelConfig, tp: int, num_layers: int, rows: int, seq_
     if recompute:
         per_layer = B * T * h * itemsize
     else:
-        per_layer = (B * T * (4 * h + 2 + 2 * q + 2 * kv + 3 * inter)
-                     + B * heads * T * T) * itemsize
+        per_layer = (B * T * (4 * h + 2 + 3 * q + 2 * kv + 3 * inter)
+                     + B * heads * T) * itemsize
     total = num_layers * per_layer + 2 * B * T * cfg.head_dim * itemsize
     if first:
         total += 9 * B * T
