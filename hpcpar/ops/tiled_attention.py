@@ -36,7 +36,11 @@ class TiledAttention(Attention):
 
     def _key_blocks(self, rows: AttentionRows, t0: int, t1: int, S: int):
         """(s0, s1, masked) for the key blocks some query of [t0, t1) of some row sees;
-        ``masked`` when a mask cuts into the block for some query."""
+        ``masked`` when a mask cuts into the block for some query. Keys that fit one block
+        are one masked block, without reading the rows on the host (decode steps, short
+        sequences)."""
+        if t0 == 0 and t1 <= self.block and S <= self.block:
+            return [(0, S, True)]
         xp = self.xp
         starts = _host(xp, rows.starts())
         q_len = _host(xp, rows.q_lengths)
@@ -91,14 +95,15 @@ class TiledAttention(Attention):
             t1 = min(t0 + self.block, T)
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
+            blocks = self._key_blocks(rows, t0, t1, S)
+            if len(blocks) == 1:          # one block: its softmax needs no running statistics
+                self._one_block(qb, keys, values, rows, (t0, t1), blocks[0], out, lse)
+                continue
             m = xp.full((B, nkv, g, tq), -xp.inf, dtype=acc_dtype)
             l = xp.zeros((B, nkv, g, tq), dtype=acc_dtype)
             acc = xp.zeros((B, nkv, g, tq, hd), dtype=acc_dtype)
-            for s0, s1, masked in self._key_blocks(rows, t0, t1, S):
-                scores = at_least_float32(xp, qb @ keys[:, :, s0:s1].transpose(0, 1, 3, 2))
-                scores = scores.reshape(B, nkv, g, tq, s1 - s0)
-                if masked:
-                    scores = xp.where(self._block_mask(rows, t0, t1, s0, s1), scores, -xp.inf)
+            for s0, s1, masked in blocks:
+                scores = self._scores(qb, keys, rows, (t0, t1), (s0, s1), masked)
                 m_new = xp.maximum(m, scores.max(axis=-1))
                 safe = xp.where(xp.isfinite(m_new), m_new, 0.0)          # rows seeing nothing
                 p = xp.exp(scores - safe[..., None])
@@ -113,6 +118,32 @@ class TiledAttention(Attention):
             lse[:, :, :, t0:t1] = m + xp.log(l)
         result = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
         return result, (qs, keys, values, out, lse, rows)
+
+    def _scores(self, qb, keys, rows: AttentionRows, queries, block, masked: bool):
+        """(B, kv, g, tq, sk) scores of query block ``queries`` against key block ``block``,
+        at least float32, -inf where the mask hides a key."""
+        xp = self.xp
+        (t0, t1), (s0, s1) = queries, block
+        B, nkv = qb.shape[:2]
+        scores = at_least_float32(xp, qb @ keys[:, :, s0:s1].transpose(0, 1, 3, 2))
+        scores = scores.reshape(B, nkv, -1, t1 - t0, s1 - s0)
+        if masked:
+            scores = xp.where(self._block_mask(rows, t0, t1, s0, s1), scores, -xp.inf)
+        return scores
+
+    def _one_block(self, qb, keys, values, rows, queries, block, out, lse) -> None:
+        """A query block whose keys are one block: the plain softmax (the reference's
+        arithmetic), its output and lse written into ``out`` and ``lse``."""
+        xp = self.xp
+        (t0, t1), (s0, s1, masked) = queries, block
+        scores = self._scores(qb, keys, rows, queries, (s0, s1), masked)
+        m = scores.max(axis=-1)
+        p = xp.exp(scores - m[..., None])
+        total = p.sum(axis=-1)
+        B, nkv, g, tq, sk = p.shape
+        probs = (p / total[..., None]).astype(out.dtype, copy=False).reshape(B, nkv, g * tq, sk)
+        out[:, :, :, t0:t1] = (probs @ values[:, :, s0:s1]).reshape(B, nkv, g, tq, -1)
+        lse[:, :, :, t0:t1] = m + xp.log(total)
 
     def forward(self, q, keys, values, rows: AttentionRows):
         return self.forward_train(q, keys, values, rows)[0]
@@ -141,11 +172,8 @@ class TiledAttention(Attention):
             dob = do[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
             for s0, s1, masked in self._key_blocks(rows, t0, t1, S):
                 kb, vb = keys[:, :, s0:s1], values[:, :, s0:s1]
-                scores = at_least_float32(xp, qb @ kb.transpose(0, 1, 3, 2))
-                scores = scores.reshape(B, nkv, g, tq, s1 - s0)
-                p = xp.exp(scores - lse[:, :, :, t0:t1, None])
-                if masked:
-                    p = xp.where(self._block_mask(rows, t0, t1, s0, s1), p, 0.0)
+                scores = self._scores(qb, keys, rows, (t0, t1), (s0, s1), masked)
+                p = xp.exp(scores - lse[:, :, :, t0:t1, None])          # exp(-inf) = 0
                 p16 = p.astype(dtype, copy=False).reshape(B, nkv, g * tq, s1 - s0)
                 dv[:, :, s0:s1] += at_least_float32(xp, p16.transpose(0, 1, 3, 2) @ dob)
                 dp = at_least_float32(xp, dob @ vb.transpose(0, 1, 3, 2)).reshape(
