@@ -54,12 +54,13 @@ class AttentionRows:
 
 
 
-def attention_mask(xp, rows: AttentionRows, T: int, S: int):
-    """Which keys each query sees, (B, 1, 1, T, S) boolean: key s <= the query's position and
-    s < kv_length (and s > position - window with a sliding window). A padding query
-    (t >= q_length) sees key 0 alone, so its softmax stays finite."""
-    t = xp.arange(T)[None, :, None]                               # (1, T, 1)
-    s = xp.arange(S)[None, None, :]                               # (1, 1, S)
+def attention_mask(xp, rows: AttentionRows, T: int, S: int, t0: int = 0, s0: int = 0):
+    """Which keys each query sees, (B, 1, 1, T, S) boolean, for queries [t0, t0 + T) and
+    keys [s0, s0 + S): key s <= the query's position and s < kv_length (and s > position -
+    window with a sliding window). A padding query (t >= q_length) sees key 0 alone, so its
+    softmax stays finite."""
+    t = xp.arange(t0, t0 + T)[None, :, None]                      # (1, T, 1)
+    s = xp.arange(s0, s0 + S)[None, None, :]                      # (1, 1, S)
     position = rows.starts().astype(xp.int64)[:, None, None] + t  # (B, T, 1)
     allowed = (s <= position) & (s < rows.kv_lengths[:, None, None])
     if rows.window is not None:
@@ -67,6 +68,17 @@ def attention_mask(xp, rows: AttentionRows, T: int, S: int):
     padding = t >= rows.q_lengths[:, None, None]                  # (B, T, 1)
     allowed = xp.where(padding, s == 0, allowed)                  # (B, T, S)
     return allowed[:, None, None]                                 # (B, 1, 1, T, S)
+
+
+def grouped(q, keys, values, rows: AttentionRows):
+    """(qs, keys, values): the queries scaled by 1/sqrt(d) with the g query heads that share
+    a KV head stacked as rows, (B, kv, g T, d), so each (row, KV head) is a single GEMM against
+    its keys with no broadcast copies; the keys and values cut to the ``max_kv`` read."""
+    B, T, nh, hd = q.shape
+    keys, values = keys[:, :, :rows.max_kv], values[:, :, :rows.max_kv]
+    nkv = keys.shape[1]
+    qs = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3).reshape(B, nkv, nh // nkv * T, hd)
+    return qs, keys, values
 
 
 class Attention:
@@ -80,14 +92,10 @@ class Attention:
     def forward_train(self, q, keys, values, rows: AttentionRows):
         """(out, ctx) where ctx is what ``backward`` needs."""
         xp = self.xp
+        qs, keys, values = grouped(q, keys, values, rows)
         B, T, nh, hd = q.shape
-        keys, values = keys[:, :, :rows.max_kv], values[:, :, :rows.max_kv]
         nkv, S = keys.shape[1], keys.shape[2]
         g = nh // nkv
-        scale = 1.0 / math.sqrt(hd)
-        # The g query heads that share a KV head are stacked as rows of one product, so each
-        # (row, KV head) is a single GEMM against its keys, with no broadcast copies.
-        qs = (q * scale).transpose(0, 2, 1, 3).reshape(B, nkv, g * T, hd)   # (B, nkv, g*T, d)
         scores = qs @ keys.transpose(0, 1, 3, 2)                            # (B, nkv, g*T, S)
         scores = at_least_float32(xp, scores).reshape(B, nkv, g, T, S)
         scores = xp.where(attention_mask(xp, rows, T, S), scores, -xp.inf)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 
 from ..dtypes import at_least_float32
-from .attention import Attention, AttentionRows
+from .attention import Attention, AttentionRows, attention_mask, grouped
 
 BLOCK = 128                    # queries and keys per tile
 
@@ -64,31 +64,19 @@ class TiledAttention(Attention):
         return out
 
     def _block_mask(self, rows: AttentionRows, t0: int, t1: int, s0: int, s1: int):
-        """(B, 1, 1, tq, sk) which keys [s0, s1) the queries [t0, t1) see (the reference's
-        rule, on the block)."""
-        xp = self.xp
-        t = xp.arange(t0, t1)[None, :, None]
-        s = xp.arange(s0, s1)[None, None, :]
-        position = rows.starts().astype(xp.int64)[:, None, None] + t
-        allowed = (s <= position) & (s < rows.kv_lengths[:, None, None])
-        if rows.window is not None:
-            allowed &= s > position - rows.window
-        padding = t >= rows.q_lengths[:, None, None]
-        allowed = xp.where(padding, s == 0, allowed)
-        return allowed[:, None, None]
+        """(B, 1, 1, tq, sk) which keys [s0, s1) the queries [t0, t1) see."""
+        return attention_mask(self.xp, rows, t1 - t0, s1 - s0, t0, s0)
 
     # ---- forward ---------------------------------------------------------------------------
 
     def forward_train(self, q, keys, values, rows: AttentionRows):
         """(out (B, T, heads, d), ctx): ctx keeps q, k, v, the output and lse, not P."""
-        xp = self.xp
-        B, T, nh, hd = q.shape
-        keys, values = keys[:, :, :rows.max_kv], values[:, :, :rows.max_kv]
+        xp, (B, T, nh, hd) = self.xp, q.shape
+        acc_dtype = _accumulator(xp, q.dtype)
+        qs, keys, values = grouped(q, keys, values, rows)
         nkv, S = keys.shape[1], keys.shape[2]
         g = nh // nkv
-        scale = 1.0 / math.sqrt(hd)
-        qs = (q * scale).transpose(0, 2, 1, 3).reshape(B, nkv, g, T, hd)      # (B, kv, g, T, d)
-        acc_dtype = _accumulator(xp, q.dtype)
+        qs = qs.reshape(B, nkv, g, T, hd)                                     # (B, kv, g, T, d)
         out = xp.zeros((B, nkv, g, T, hd), dtype=q.dtype)
         lse = xp.zeros((B, nkv, g, T), dtype=acc_dtype)
         for t0 in range(0, T, self.block):
