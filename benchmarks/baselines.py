@@ -1,5 +1,6 @@
-"""The Hugging Face baseline the benchmarks time: transformers' ``LlamaForCausalLM`` holding the
-weights of an hpcpar checkpoint, in float32 (as the runs it is compared with)."""
+"""The Hugging Face baseline the benchmarks time: transformers' own class of the checkpoint's
+family (``LlamaForCausalLM`` for Llama, by ``model_type``) holding the weights of an hpcpar
+checkpoint, in float32 (as the runs it is compared with)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def transformers_llama(checkpoint: Path, threads: int):
     from hpcpar.checkpoint import open_checkpoint, read_tensor
     torch.set_num_threads(threads)
     ckpt = open_checkpoint(checkpoint)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**ckpt.hf_config)).float()
+    settings = dict(ckpt.hf_config)
+    config = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
     state = {name: torch.from_numpy(read_tensor(ckpt, name).astype(np.float32))
              for name in ckpt.tensors}
     model.load_state_dict(state, strict=False)

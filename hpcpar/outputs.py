@@ -165,18 +165,35 @@ def _megabytes(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+class AtomicPath:
+    """A temporary sibling of ``path`` that replaces it on ``commit`` and vanishes on
+    ``discard``. Use for every output file, so none is ever left half-written. Temporaries
+    that crashed writers on this host left beside ``path`` are removed first."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        remove_stale_temporaries(self.path)
+        self.tmp = self.path.with_name(
+            f".{self.path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+
+    def commit(self) -> None:
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
 def write_text(path: str | Path, text: str) -> None:
-    """Replace the small text file ``path`` with ``text`` at once (a hidden sibling, then
-    a rename): a failed write leaves the old file, and no temporary."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    """Replace the small text file ``path`` with ``text`` at once (``AtomicPath``): a failed
+    write leaves the old file, and no temporary."""
+    target = AtomicPath(path)
     try:
         with writing(path):
             write_point(path)
-            tmp.write_text(text)
-            os.replace(tmp, path)
+            target.tmp.write_text(text)
+            target.commit()
     finally:
-        tmp.unlink(missing_ok=True)
+        target.discard()
 
 
 def output_kind(path: str | Path) -> str | None:
@@ -232,8 +249,8 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
         written = "HDF5 or JSON lines" if kind in JSONL_KINDS else "HDF5"
         raise HpcparError(f"output {path}: this command writes {written}; give a name ending "
                           f"in {', '.join(suffixes)}, such as {path.with_suffix('.h5')}")
-    if kind is not None and path.is_file() and output_kind(path) != kind:
-        found = output_kind(path)
+    found = output_kind(path) if kind is not None and path.is_file() else kind
+    if found != kind:
         what = f"an hpcpar {found} file" if found else "not an hpcpar output"
         raise HpcparError(f"output {path} exists and is {what}; this command writes a {kind} "
                           "file and will not replace it: remove it or choose another name")

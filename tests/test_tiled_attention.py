@@ -68,8 +68,10 @@ def test_blocks_above_the_diagonal_are_skipped_and_inside_blocks_unmasked():
     """Prefill of one 16-token row in blocks of 4: the query block at rows [4, 8) reads key
     blocks [0, 4) (whole, no mask) and [4, 8) (the diagonal, masked), none beyond."""
     rows = AttentionRows.build(np, [16], [16], from_start=True)
-    blocks = TiledAttention(np, block=4)._key_blocks(rows, 4, 8, 16)
-    assert blocks == [(0, 4, False), (4, 8, True)]
+    tiles = TiledAttention(np, block=4)._tiles(rows, 16, 16)
+    assert [t[:2] for t in tiles] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    assert tiles[1][2] == [(0, 4, False), (4, 8, True)]
+    assert len(tiles[3][2]) == 4                    # the last query block reads every key
     windowed = AttentionRows(rows.q_lengths, rows.kv_lengths, 16, True, window=3)
-    assert [b[:2] for b in TiledAttention(np, block=4)._key_blocks(windowed, 12, 16, 16)] == [
+    assert [b[:2] for b in TiledAttention(np, block=4)._tiles(windowed, 16, 16)[3][2]] == [
         (8, 12), (12, 16)]                          # keys before position 10 never seen

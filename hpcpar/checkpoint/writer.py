@@ -7,8 +7,6 @@ every tensor is written, so a crash or a bad tensor never leaves a half-written 
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -18,29 +16,11 @@ import numpy as np
 from ..config import ModelConfig
 from ..dtypes import dtype_name
 from ..errors import HpcparError
-from ..outputs import (WriteError, check_space, is_write_failure, quiet_deallocation,
-                       remove_stale_temporaries, write_failure, write_point, writing)
+from ..outputs import (AtomicPath, WriteError, check_space, is_write_failure,
+                       quiet_deallocation, write_failure, write_point, writing)
 from ..tensors import TensorSpec, stored_tensors
 from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
                      chunk_shape, storage_dtype, to_storage)
-
-
-class AtomicPath:
-    """A temporary sibling of ``path`` that replaces it on ``commit`` and vanishes on
-    ``discard``. Use for every output file, so none is ever left half-written. Temporaries
-    that crashed writers on this host left beside ``path`` are removed first."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        remove_stale_temporaries(self.path)
-        self.tmp = self.path.with_name(
-            f".{self.path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-
-    def commit(self) -> None:
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        self.tmp.unlink(missing_ok=True)
 
 
 class CheckpointWriter:

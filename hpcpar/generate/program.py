@@ -213,10 +213,9 @@ class GenerationProgram(ReplicaProgram):
         tokens = np.where(done, self.pad_id, tokens)
         self.tokens[rows, step] = tokens
         hit = ~done & (np.isin(tokens, self.eos) | (step + 1 >= self.limit[rows]))
-        if self.stops is not None:
-            first = rows.start
-            hit |= ~done & np.array([self.met_stop_string(first + j, step + 1)
-                                     for j in range(len(tokens))], dtype=bool)
+        if self.stops is not None:                   # rows still going, not yet ending
+            for j in np.flatnonzero(~done & ~hit):
+                hit[j] = self.met_stop_string(rows.start + int(j), step + 1)
         self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
         self.done[rows] = done | hit
         if self.on_rows is not None:

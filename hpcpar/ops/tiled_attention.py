@@ -34,34 +34,37 @@ class TiledAttention(Attention):
 
     # ---- the tiles a query block reads -----------------------------------------------------
 
-    def _key_blocks(self, rows: AttentionRows, t0: int, t1: int, S: int):
-        """(s0, s1, masked) for the key blocks some query of [t0, t1) of some row sees;
-        ``masked`` when a mask cuts into the block for some query. Keys that fit one block
-        are one masked block, without reading the rows on the host (decode steps, short
-        sequences)."""
-        if t0 == 0 and t1 <= self.block and S <= self.block:
-            return [(0, S, True)]
+    def _tiles(self, rows: AttentionRows, T: int, S: int) -> list[tuple[int, int, list]]:
+        """(t0, t1, key blocks) for each query block [t0, t1): the key blocks (s0, s1,
+        masked) some query of the block of some row sees, ``masked`` when a mask cuts into
+        the block for some query. The rows are read on the host once per call, and not at
+        all when queries and keys fit one block (decode steps, short sequences)."""
+        if T <= self.block and S <= self.block:
+            return [(0, T, [(0, S, True)])]
         xp = self.xp
         starts = _host(xp, rows.starts())
+        lo, hi = int(starts.min()), int(starts.max())
         q_len = _host(xp, rows.q_lengths)
         kv_len = _host(xp, rows.kv_lengths)
-        first = int(min(starts)) + t0                     # the block's earliest position
-        last = int(max(starts)) + t1 - 1                  # and its latest
-        top = min(S, last + 1, int(max(kv_len)))          # keys past it: none sees them
-        bottom = 0
-        if rows.window is not None:                       # keys before every window
-            bottom = max(0, first - rows.window + 1)
-        padded = bool((q_len < t1).any())                 # padding queries see key 0
-        if padded:
-            bottom = 0
-        out = []
-        for s0 in range(bottom - bottom % self.block, top, self.block):
-            s1 = min(s0 + self.block, S)
-            # whole block visible to every query of every row of the block?
-            inside = (s1 - 1 <= first and s1 <= int(min(kv_len)) and not padded
-                      and (rows.window is None or s0 > last - rows.window))
-            out.append((s0, s1, not inside))
-        return out
+        kv_min, kv_max = int(kv_len.min()), int(kv_len.max())
+        tiles = []
+        for t0 in range(0, T, self.block):
+            t1 = min(t0 + self.block, T)
+            first, last = lo + t0, hi + t1 - 1            # the block's earliest, latest position
+            top = min(S, last + 1, kv_max)                # keys past it: none sees them
+            padded = bool((q_len < t1).any())             # padding queries see key 0
+            bottom = 0                                    # keys before every window: unseen
+            if rows.window is not None and not padded:
+                bottom = max(0, first - rows.window + 1)
+            blocks = []
+            for s0 in range(bottom - bottom % self.block, top, self.block):
+                s1 = min(s0 + self.block, S)
+                # whole block visible to every query of every row of the block?
+                inside = (s1 - 1 <= first and s1 <= kv_min and not padded
+                          and (rows.window is None or s0 > last - rows.window))
+                blocks.append((s0, s1, not inside))
+            tiles.append((t0, t1, blocks))
+        return tiles
 
     def _block_mask(self, rows: AttentionRows, t0: int, t1: int, s0: int, s1: int):
         """(B, 1, 1, tq, sk) which keys [s0, s1) the queries [t0, t1) see."""
@@ -79,11 +82,9 @@ class TiledAttention(Attention):
         qs = qs.reshape(B, nkv, g, T, hd)                                     # (B, kv, g, T, d)
         out = xp.zeros((B, nkv, g, T, hd), dtype=q.dtype)
         lse = xp.zeros((B, nkv, g, T), dtype=acc_dtype)
-        for t0 in range(0, T, self.block):
-            t1 = min(t0 + self.block, T)
+        for t0, t1, blocks in self._tiles(rows, T, S):
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
-            blocks = self._key_blocks(rows, t0, t1, S)
             if len(blocks) == 1:          # one block: its softmax needs no running statistics
                 self._one_block(qb, keys, values, rows, (t0, t1), blocks[0], out, lse)
                 continue
@@ -153,12 +154,11 @@ class TiledAttention(Attention):
         dq = xp.zeros((B, nkv, g, T, hd), dtype=acc_dtype)
         dk = xp.zeros((B, nkv, S, hd), dtype=acc_dtype)
         dv = xp.zeros((B, nkv, S, hd), dtype=acc_dtype)
-        for t0 in range(0, T, self.block):
-            t1 = min(t0 + self.block, T)
+        for t0, t1, blocks in self._tiles(rows, T, S):
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
             dob = do[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
-            for s0, s1, masked in self._key_blocks(rows, t0, t1, S):
+            for s0, s1, masked in blocks:
                 kb, vb = keys[:, :, s0:s1], values[:, :, s0:s1]
                 scores = self._scores(qb, keys, rows, (t0, t1), (s0, s1), masked)
                 p = xp.exp(scores - lse[:, :, :, t0:t1, None])          # exp(-inf) = 0

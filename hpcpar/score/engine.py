@@ -23,7 +23,6 @@ import numpy as np
 
 from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..checkpoint.writer import AtomicPath
 from ..config import ParallelConfig
 from ..dtypes import dtype_name, float_dtype
 from ..errors import HpcparError
@@ -32,7 +31,7 @@ from ..generate.setup import load_tokenizer, open_stage, resolve_checkpoint
 from ..jobs import Job
 from ..launch import everyone, phase, set_timeout
 from ..mesh import Mesh
-from ..outputs import (OUTPUT_KIND, check_output, check_space, claimed, write_point,
+from ..outputs import (OUTPUT_KIND, AtomicPath, check_output, check_space, claimed, write_point,
                        writing)
 from ..pipeline.executor import PipelineExecutor
 from ..generate.schedule import generation

@@ -77,7 +77,7 @@ class Metrics:
         self.records: list[StepRecord] = []
         if enabled and path.exists():
             keep = [line for line in path.read_text().splitlines()
-                    if _step_of(line) is not None and _step_of(line) <= resumed_at]
+                    if (step := _step_of(line)) is not None and step <= resumed_at]
             write_text(path, "".join(line + "\n" for line in keep))
 
     def write(self, record: StepRecord) -> None:
