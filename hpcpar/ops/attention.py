@@ -38,6 +38,8 @@ class AttentionRows:
     max_kv: int                # keys to read: max(kv_lengths), host int
     from_start: bool           # every row's queries start at position 0 (q_lengths = kv_lengths)
     window: int | None = None  # a query sees its last ``window`` keys only (sliding window)
+    context: object = None     # ``parallel.context.ContextShard``: this rank holds a part of
+                               # each sequence (context parallelism; ring attention)
 
     @staticmethod
     def build(xp, q_lengths, kv_lengths, from_start: bool) -> "AttentionRows":

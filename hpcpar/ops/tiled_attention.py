@@ -15,6 +15,11 @@ probabilities: it recomputes each block's from the saved log-sum-exp, lse = m + 
 Memory: the output, lse and one block of scores, O(B heads T d + block^2) per block row,
 against the reference's O(B heads T S). The reference (``ops.attention.Attention``) stays
 the test oracle.
+
+``attend`` and ``attend_backward`` take a segment of queries and a segment of keys anywhere
+in the sequence (their first positions ``q_at`` and ``k_at``) and give a partial output with
+its lse; ``merge`` combines partial outputs over disjoint key sets. The whole-sequence op is
+one segment of each; ring attention (``parallel.context``) is many.
 """
 
 from __future__ import annotations
@@ -27,6 +32,19 @@ from .attention import Attention, AttentionRows, attention_mask, grouped
 BLOCK = 128                    # queries and keys per tile
 
 
+def merge(xp, out, lse, part, part_lse) -> None:
+    """out, lse <- the softmax attention over the union of two disjoint key sets, from each
+    set's normalized output and log-sum-exp (in place; -inf lse: a query saw no key):
+
+        lse' = log(e^lse + e^part_lse),  out' = out e^(lse - lse') + part e^(part_lse - lse')
+    """
+    new = xp.logaddexp(lse, part_lse)
+    safe = xp.where(xp.isfinite(new), new, 0.0)
+    out *= xp.exp(lse - safe)[..., None]
+    out += part * xp.exp(part_lse - safe)[..., None]
+    lse[...] = new
+
+
 class TiledAttention(Attention):
     def __init__(self, xp, block: int = BLOCK):
         super().__init__(xp)
@@ -34,12 +52,14 @@ class TiledAttention(Attention):
 
     # ---- the tiles a query block reads -----------------------------------------------------
 
-    def _tiles(self, rows: AttentionRows, T: int, S: int) -> list[tuple[int, int, list]]:
-        """(t0, t1, key blocks) for each query block [t0, t1): the key blocks (s0, s1,
-        masked) some query of the block of some row sees, ``masked`` when a mask cuts into
-        the block for some query. The rows are read on the host once per call, and not at
-        all when queries and keys fit one block (decode steps, short sequences)."""
-        if T <= self.block and S <= self.block:
+    def _tiles(self, rows: AttentionRows, T: int, S: int, q_at: int = 0,
+               k_at: int = 0) -> list[tuple[int, int, list]]:
+        """(t0, t1, key blocks) for each query block [t0, t1) of T queries from ``q_at``: the
+        key blocks (s0, s1, masked) of S keys from ``k_at`` that some query of the block of
+        some row sees, ``masked`` when a mask cuts into the block for some query (indices
+        local to the segments). The rows are read on the host once per call, and not at all
+        for one whole-sequence block (decode steps, short sequences)."""
+        if T <= self.block and S <= self.block and q_at == k_at == 0:
             return [(0, T, [(0, S, True)])]
         xp = self.xp
         starts = _host(xp, rows.starts())
@@ -50,89 +70,118 @@ class TiledAttention(Attention):
         tiles = []
         for t0 in range(0, T, self.block):
             t1 = min(t0 + self.block, T)
-            first, last = lo + t0, hi + t1 - 1            # the block's earliest, latest position
-            top = min(S, last + 1, kv_max)                # keys past it: none sees them
-            padded = bool((q_len < t1).any())             # padding queries see key 0
+            first, last = lo + q_at + t0, hi + q_at + t1 - 1  # the block's earliest, latest
+            padded = bool((q_len < q_at + t1).any())      # padding queries see key 0
+            top = min(S, last + 1 - k_at, kv_max - k_at)
             bottom = 0                                    # keys before every window: unseen
             if rows.window is not None and not padded:
-                bottom = max(0, first - rows.window + 1)
+                bottom = max(0, first - rows.window + 1 - k_at)
             blocks = []
             for s0 in range(bottom - bottom % self.block, top, self.block):
                 s1 = min(s0 + self.block, S)
                 # whole block visible to every query of every row of the block?
-                inside = (s1 - 1 <= first and s1 <= kv_min and not padded
-                          and (rows.window is None or s0 > last - rows.window))
+                inside = (k_at + s1 - 1 <= first and k_at + s1 <= kv_min and not padded
+                          and (rows.window is None or k_at + s0 > last - rows.window))
                 blocks.append((s0, s1, not inside))
             tiles.append((t0, t1, blocks))
         return tiles
 
     def _block_mask(self, rows: AttentionRows, t0: int, t1: int, s0: int, s1: int):
-        """(B, 1, 1, tq, sk) which keys [s0, s1) the queries [t0, t1) see."""
+        """(B, 1, 1, tq, sk) which keys [s0, s1) the queries [t0, t1) see (positions)."""
         return attention_mask(self.xp, rows, t1 - t0, s1 - s0, t0, s0)
 
     # ---- forward ---------------------------------------------------------------------------
 
     def forward_train(self, q, keys, values, rows: AttentionRows):
         """(out (B, T, heads, d), ctx): ctx keeps q, k, v, the output and lse, not P."""
-        xp, (B, T, nh, hd) = self.xp, q.shape
-        acc_dtype = _accumulator(xp, q.dtype)
+        B, T, nh, hd = q.shape
         qs, keys, values = grouped(q, keys, values, rows)
-        nkv, S = keys.shape[1], keys.shape[2]
-        g = nh // nkv
-        qs = qs.reshape(B, nkv, g, T, hd)                                     # (B, kv, g, T, d)
-        out = xp.zeros((B, nkv, g, T, hd), dtype=q.dtype)
-        lse = xp.zeros((B, nkv, g, T), dtype=acc_dtype)
-        for t0, t1, blocks in self._tiles(rows, T, S):
+        nkv = keys.shape[1]
+        qs = qs.reshape(B, nkv, nh // nkv, T, hd)                             # (B, kv, g, T, d)
+        out, lse = self.attend(qs, keys, values, rows, out_dtype=q.dtype)
+        result = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
+        return result, (qs, keys, values, out, lse, rows)
+
+    def attend(self, qs, keys, values, rows: AttentionRows, q_at: int = 0, k_at: int = 0,
+               out_dtype=None):
+        """(out (B, kv, g, T, d) in ``out_dtype`` (default: the accumulator's), lse (B, kv,
+        g, T)) of the grouped, scaled queries ``qs`` at positions starts + q_at + t against
+        the keys and values (B, kv, S, d) at positions k_at + s. A query that sees none of
+        these keys gets out 0 and lse -inf (only possible away from the sequence's start)."""
+        xp, (B, nkv, g, T, hd) = self.xp, qs.shape
+        S = keys.shape[2]
+        acc_dtype = _accumulator(xp, qs.dtype)
+        out_dtype = acc_dtype if out_dtype is None else out_dtype
+        empty_rows = bool(q_at or k_at)            # may some query see no key at all?
+        out = xp.zeros((B, nkv, g, T, hd), dtype=out_dtype)
+        lse = xp.full((B, nkv, g, T), -xp.inf, dtype=acc_dtype)
+        for t0, t1, blocks in self._tiles(rows, T, S, q_at, k_at):
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
+            at = (q_at + t0, q_at + t1)
             if len(blocks) == 1:          # one block: its softmax needs no running statistics
-                self._one_block(qb, keys, values, rows, (t0, t1), blocks[0], out, lse)
+                o, lse[:, :, :, t0:t1] = self._one_block(qb, keys, values, rows, at, k_at,
+                                                         blocks[0], empty_rows)
+                out[:, :, :, t0:t1] = o.astype(out_dtype, copy=False)
+                continue
+            if not blocks:
                 continue
             m = xp.full((B, nkv, g, tq), -xp.inf, dtype=acc_dtype)
             l = xp.zeros((B, nkv, g, tq), dtype=acc_dtype)
             acc = xp.zeros((B, nkv, g, tq, hd), dtype=acc_dtype)
             for s0, s1, masked in blocks:
-                scores = self._scores(qb, keys, rows, (t0, t1), (s0, s1), masked)
+                scores = self._scores(qb, keys, rows, at, k_at, (s0, s1), masked)
                 m_new = xp.maximum(m, scores.max(axis=-1))
                 safe = xp.where(xp.isfinite(m_new), m_new, 0.0)          # rows seeing nothing
                 p = xp.exp(scores - safe[..., None])
                 rescale = xp.exp(xp.where(xp.isfinite(m), m, safe) - safe)
                 l = l * rescale + p.sum(axis=-1)
-                pv = (p.astype(q.dtype, copy=False).reshape(B, nkv, g * tq, s1 - s0)
+                pv = (p.astype(qs.dtype, copy=False).reshape(B, nkv, g * tq, s1 - s0)
                       @ values[:, :, s0:s1])
                 acc = acc * rescale[..., None] + at_least_float32(xp, pv).reshape(
                     B, nkv, g, tq, hd)
                 m = m_new
-            out[:, :, :, t0:t1] = (acc / l[..., None]).astype(q.dtype, copy=False)
+            if empty_rows:
+                seen = l > 0
+                l = xp.where(seen, l, 1.0)
+                m = xp.where(seen, m, -xp.inf)
+            out[:, :, :, t0:t1] = (acc / l[..., None]).astype(out_dtype, copy=False)
             lse[:, :, :, t0:t1] = m + xp.log(l)
-        result = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
-        return result, (qs, keys, values, out, lse, rows)
+        return out, lse
 
-    def _scores(self, qb, keys, rows: AttentionRows, queries, block, masked: bool):
-        """(B, kv, g, tq, sk) scores of query block ``queries`` against key block ``block``,
-        at least float32, -inf where the mask hides a key."""
+    def _scores(self, qb, keys, rows: AttentionRows, queries, k_at: int, block,
+                masked: bool):
+        """(B, kv, g, tq, sk) scores of the queries at positions ``queries`` against the key
+        block ``block`` (local, keys from ``k_at``), at least float32, -inf where masked."""
         xp = self.xp
         (t0, t1), (s0, s1) = queries, block
         B, nkv = qb.shape[:2]
         scores = at_least_float32(xp, qb @ keys[:, :, s0:s1].transpose(0, 1, 3, 2))
         scores = scores.reshape(B, nkv, -1, t1 - t0, s1 - s0)
         if masked:
-            scores = xp.where(self._block_mask(rows, t0, t1, s0, s1), scores, -xp.inf)
+            scores = xp.where(self._block_mask(rows, t0, t1, k_at + s0, k_at + s1), scores,
+                              -xp.inf)
         return scores
 
-    def _one_block(self, qb, keys, values, rows, queries, block, out, lse) -> None:
-        """A query block whose keys are one block: the plain softmax (the reference's
-        arithmetic), its output and lse written into ``out`` and ``lse``."""
+    def _one_block(self, qb, keys, values, rows, queries, k_at, block, empty_rows: bool):
+        """(out, lse) of a query block whose keys are one block: the plain softmax (the
+        reference's arithmetic), out in the queries' dtype."""
         xp = self.xp
-        (t0, t1), (s0, s1, masked) = queries, block
-        scores = self._scores(qb, keys, rows, queries, (s0, s1), masked)
+        s0, s1, masked = block
+        scores = self._scores(qb, keys, rows, queries, k_at, (s0, s1), masked)
         m = scores.max(axis=-1)
+        if empty_rows:
+            m = xp.where(xp.isfinite(m), m, 0.0)
         p = xp.exp(scores - m[..., None])
         total = p.sum(axis=-1)
+        if empty_rows:
+            seen = total > 0
+            total = xp.where(seen, total, 1.0)
+            m = xp.where(seen, m, -xp.inf)
         B, nkv, g, tq, sk = p.shape
-        probs = (p / total[..., None]).astype(out.dtype, copy=False).reshape(B, nkv, g * tq, sk)
-        out[:, :, :, t0:t1] = (probs @ values[:, :, s0:s1]).reshape(B, nkv, g, tq, -1)
-        lse[:, :, :, t0:t1] = m + xp.log(total)
+        probs = (p / total[..., None]).astype(qb.dtype, copy=False).reshape(B, nkv, g * tq, sk)
+        out = (probs @ values[:, :, s0:s1]).reshape(B, nkv, g, tq, -1)
+        return out, m + xp.log(total)
 
     def forward(self, q, keys, values, rows: AttentionRows):
         return self.forward_train(q, keys, values, rows)[0]
@@ -144,23 +193,35 @@ class TiledAttention(Attention):
         xp = self.xp
         qs, keys, values, out, lse, rows = ctx
         B, T, nh, hd = dout.shape
-        nkv, S = keys.shape[1], keys.shape[2]
-        g = nh // nkv
+        nkv = keys.shape[1]
         dtype = keys.dtype
-        scale = 1.0 / math.sqrt(hd)
-        do = dout.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)           # (B, kv, g, T, d)
+        do = dout.reshape(B, T, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4)  # (B, kv, g, T, d)
         D = (at_least_float32(xp, do) * at_least_float32(xp, out)).sum(axis=-1)  # (B, kv, g, T)
+        dq, dk, dv = self.attend_backward(do, qs, keys, values, lse, D, rows)
+        dq = (dq * (1.0 / math.sqrt(hd))).astype(dtype, copy=False)
+        dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
+        return dq, dk.astype(dtype, copy=False), dv.astype(dtype, copy=False)
+
+    def attend_backward(self, do, qs, keys, values, lse, D, rows: AttentionRows,
+                        q_at: int = 0, k_at: int = 0):
+        """(dq (B, kv, g, T, d) before the 1/sqrt(d), dk, dv (B, kv, S, d)) in the accumulator
+        dtype: one segment pair's part of the gradients, from the output gradient ``do``
+        (B, kv, g, T, d), the final lse and D = rowsum(dO * O) of the whole attention."""
+        xp, (B, nkv, g, T, hd) = self.xp, qs.shape
+        S = keys.shape[2]
+        dtype = keys.dtype
         acc_dtype = _accumulator(xp, dtype)
         dq = xp.zeros((B, nkv, g, T, hd), dtype=acc_dtype)
         dk = xp.zeros((B, nkv, S, hd), dtype=acc_dtype)
         dv = xp.zeros((B, nkv, S, hd), dtype=acc_dtype)
-        for t0, t1, blocks in self._tiles(rows, T, S):
+        for t0, t1, blocks in self._tiles(rows, T, S, q_at, k_at):
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
             dob = do[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
             for s0, s1, masked in blocks:
                 kb, vb = keys[:, :, s0:s1], values[:, :, s0:s1]
-                scores = self._scores(qb, keys, rows, (t0, t1), (s0, s1), masked)
+                scores = self._scores(qb, keys, rows, (q_at + t0, q_at + t1), k_at, (s0, s1),
+                                      masked)
                 p = xp.exp(scores - lse[:, :, :, t0:t1, None])          # exp(-inf) = 0
                 p16 = p.astype(dtype, copy=False).reshape(B, nkv, g * tq, s1 - s0)
                 dv[:, :, s0:s1] += at_least_float32(xp, p16.transpose(0, 1, 3, 2) @ dob)
@@ -170,8 +231,7 @@ class TiledAttention(Attention):
                 ds = ds.reshape(B, nkv, g * tq, s1 - s0)
                 dq[:, :, :, t0:t1] += at_least_float32(xp, ds @ kb).reshape(B, nkv, g, tq, hd)
                 dk[:, :, s0:s1] += at_least_float32(xp, ds.transpose(0, 1, 3, 2) @ qb)
-        dq = (dq * scale).astype(dtype, copy=False).transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
-        return dq, dk.astype(dtype, copy=False), dv.astype(dtype, copy=False)
+        return dq, dk, dv
 
 
 def _accumulator(xp, dtype):

@@ -1,0 +1,227 @@
+"""Context parallelism: every sequence split over the ranks of a ``cp`` group, attention as
+ring attention (Liu et al., 2023; Megatron-Core's and torchtitan's context parallelism).
+
+The split, balanced for causal attention: a sequence of L positions is cut into 2n chunks,
+and rank r of n holds chunks r and 2n-1-r, so every rank holds one early and one late piece
+and does about the same attention work. The chunks are L // 2n long; of the L % 2n left
+over, the early chunks take one each from rank 0 on, then the late ones from rank 0 on, so
+that no rank holds two positions more than another. 11 positions over cp 2 (3, 3, 2, 3):
+
+    position  0 1 2 | 3 4 5 | 6 7 | 8 9 10
+    rank      0 0 0 | 1 1 1 | 1 1 | 0 0 0         rank 0 holds 0-2 and 8-10, rank 1 3-7
+
+Each rank embeds, projects, normalizes and scores only its own positions; attention alone
+needs the others' keys and values. ``RingAttention`` passes the K/V blocks around the group,
+each step's non-blocking send and receive overlapping that step's tiles, and merges the
+partial outputs by their log-sum-exp (``ops.tiled_attention.merge``); pairs of segments with
+no visible key (a key chunk after every query of a query chunk) are skipped. The backward
+sends K/V around the ring the other way, each block travelling with the dK/dV summed so far,
+which reaches the block's owner after a last hop. The weights' gradients of a cp group are
+partial (each rank saw some tokens): they are summed over cp with those of dp.
+
+Any attention written over ``AttentionRows`` gets the ring by swapping the op: the rows'
+``context`` says which positions this rank holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..comm import Communicator, Request
+from ..errors import HpcparError
+from ..ops.attention import AttentionRows, grouped
+from ..ops.tiled_attention import TiledAttention, _accumulator, merge
+
+_KV, _DKV = 11, 12              # message tags of the ring's K/V blocks and their gradients
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Positions [at, at + length) of the sequence, at [local, local + length) on the rank."""
+
+    local: int
+    length: int
+    at: int
+
+    @property
+    def span(self) -> slice:
+        return slice(self.local, self.local + self.length)
+
+    @property
+    def last(self) -> int:
+        return self.at + self.length - 1
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """Rank ``rank`` of ``size``'s part of a sequence of ``length`` positions."""
+
+    length: int
+    size: int
+    rank: int
+
+    def __post_init__(self):
+        if self.length < self.size:
+            raise HpcparError(f"a sequence of {self.length} positions cannot be split over cp "
+                              f"{self.size}: every rank needs at least one; use a smaller cp")
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """The 2 size chunks [start, stop) of the sequence, in order."""
+        n = self.size
+        base, extra = divmod(self.length, 2 * n)
+        sizes = [base] * (2 * n)
+        for r in range(min(extra, n)):
+            sizes[r] += 1
+        for r in range(extra - n):
+            sizes[2 * n - 1 - r] += 1
+        starts = np.cumsum([0] + sizes)
+        return [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+
+    def segments(self, rank: int | None = None) -> list[Segment]:
+        """The non-empty segments ``rank`` (default: this one) holds, in local order."""
+        r = self.rank if rank is None else rank
+        chunks = self.chunks()
+        out, local = [], 0
+        for start, stop in (chunks[r], chunks[2 * self.size - 1 - r]):
+            if stop > start:
+                out.append(Segment(local, stop - start, start))
+                local += stop - start
+        return out
+
+    def local_length(self, rank: int | None = None) -> int:
+        return sum(s.length for s in self.segments(rank))
+
+    @property
+    def max_local(self) -> int:
+        """The most positions any rank holds (the ring's block size)."""
+        return max(self.local_length(r) for r in range(self.size))
+
+    @property
+    def positions(self) -> np.ndarray:
+        """The sequence positions this rank holds, in local order (int64)."""
+        return np.concatenate([np.arange(s.at, s.at + s.length) for s in self.segments()])
+
+    def take(self, a, axis: int = 1):
+        """This rank's columns of ``a`` (whole sequences along ``axis``)."""
+        parts = [np.take(a, range(s.at, s.at + s.length), axis=axis) for s in self.segments()]
+        return np.concatenate(parts, axis=axis)
+
+
+def _visible(q: Segment, k: Segment, rows: AttentionRows) -> bool:
+    """Whether any query of segment q may see a key of segment k (rows from position 0)."""
+    if k.at > q.last:                                  # keys after every query: causal
+        return False
+    return rows.window is None or k.last > q.at - rows.window or k.at == 0   # k 0: padding
+
+
+class RingAttention:
+    """The attention op (``forward``, ``forward_train``, ``backward``) over sequences split
+    over the cp group ``cp`` (see the module's text); ``local`` computes each block pair's
+    tiles. Takes rows with a ``context`` shard, every row from position 0 (whole sequences:
+    training, scoring, prefill)."""
+
+    def __init__(self, local: TiledAttention, cp: Communicator):
+        self.local, self.cp, self.xp = local, cp, local.xp
+
+    def forward(self, q, keys, values, rows: AttentionRows):
+        return self.forward_train(q, keys, values, rows)[0]
+
+    def forward_train(self, q, keys, values, rows: AttentionRows):
+        """(out (B, T, heads, d), ctx) for this rank's T queries against every rank's keys."""
+        xp, shard = self.xp, _shard(rows, self.cp)
+        B, T, nh, hd = q.shape
+        qs, keys, values = grouped(q, keys, values, rows)
+        nkv = keys.shape[1]
+        qs = qs.reshape(B, nkv, nh // nkv, T, hd)
+        acc = _accumulator(xp, q.dtype)
+        out = xp.zeros(qs.shape, dtype=acc)
+        lse = xp.full(qs.shape[:-1], -xp.inf, dtype=acc)
+        for owner, kv in self._pass_around(_pack(xp, keys, values, shard.max_local), +1):
+            for qseg in shard.segments():
+                for kseg in shard.segments(owner):
+                    if not _visible(qseg, kseg, rows):
+                        continue
+                    part, part_lse = self.local.attend(
+                        qs[:, :, :, qseg.span], kv[0][:, :, kseg.span], kv[1][:, :, kseg.span],
+                        rows, qseg.at, kseg.at)
+                    merge(xp, out[:, :, :, qseg.span], lse[:, :, :, qseg.span], part, part_lse)
+        result = out.astype(q.dtype, copy=False).transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
+        return result, (qs, keys, values, out, lse, rows)
+
+    def _pass_around(self, block, direction: int):
+        """Yield (owner, block) for every rank's block in turn, starting with this rank's,
+        each received from the neighbour behind while the previous one is in use."""
+        cp, xp = self.cp, self.xp
+        n, r = cp.size, cp.rank
+        spare = xp.empty_like(block)
+        for step in range(n):
+            pending = []
+            if step < n - 1:
+                pending = [cp.irecv(spare, (r - direction) % n, _KV),
+                           cp.isend(block, (r + direction) % n, _KV)]
+            yield (r - direction * step) % n, block
+            Request.wait_all(pending)
+            block, spare = spare, block
+
+    def backward(self, dout, ctx):
+        """(dq (B, T, heads, d), dk, dv (B, kv_heads, T, d)) of this rank's positions: K/V go
+        round the ring the other way, each with its dK/dV so far, which end at the owner."""
+        xp, cp = self.xp, self.cp
+        qs, keys, values, out, lse, rows = ctx
+        shard = _shard(rows, cp)
+        B, T, nh, hd = dout.shape
+        nkv, g = qs.shape[1], qs.shape[2]
+        dtype, acc = keys.dtype, out.dtype
+        do = dout.reshape(B, T, nkv, g, hd).transpose(0, 2, 3, 1, 4)          # (B, kv, g, T, d)
+        D = (do.astype(acc, copy=False) * out).sum(axis=-1)
+        dq = xp.zeros(qs.shape, dtype=acc)
+        n, r = cp.size, cp.rank
+        sends: list[Request] = []
+        incoming = None                          # the dK/dV so far of the block now held
+        packed = _pack(xp, keys, values, shard.max_local)
+        for step, (owner, kv) in enumerate(self._pass_around(packed, -1)):
+            grads = xp.zeros((2,) + kv.shape[1:], dtype=acc)                  # dk, dv
+            for qseg in shard.segments():
+                for kseg in shard.segments(owner):
+                    if not _visible(qseg, kseg, rows):
+                        continue
+                    dq_part, dk_part, dv_part = self.local.attend_backward(
+                        do[:, :, :, qseg.span], qs[:, :, :, qseg.span], kv[0][:, :, kseg.span],
+                        kv[1][:, :, kseg.span], lse[:, :, :, qseg.span],
+                        D[:, :, :, qseg.span], rows, qseg.at, kseg.at)
+                    dq[:, :, :, qseg.span] += dq_part
+                    grads[0][:, :, kseg.span] += dk_part
+                    grads[1][:, :, kseg.span] += dv_part
+            if incoming is not None:
+                incoming[1].wait()
+                grads += incoming[0]
+            sends.append(cp.isend(grads, (r - 1) % n, _DKV))
+            buffer = xp.empty_like(grads)
+            incoming = (buffer, cp.irecv(buffer, (r + 1) % n, _DKV))
+        incoming[1].wait()                       # this rank's own block, every rank's part in
+        Request.wait_all(sends)
+        mine = incoming[0][:, :, :, :T].astype(dtype, copy=False)
+        dq = (dq * (1.0 / math.sqrt(hd))).astype(dtype, copy=False)
+        return dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd), mine[0], mine[1]
+
+
+def _shard(rows: AttentionRows, cp: Communicator) -> ContextShard:
+    shard = rows.context
+    if shard is None or shard.size != cp.size or shard.rank != cp.rank:
+        raise ValueError(f"ring attention over cp {cp.size} needs rows whose context is this "
+                         f"rank's shard (cp rank {cp.rank}), got {shard}")
+    if not rows.from_start:
+        raise ValueError("ring attention takes whole sequences (rows from position 0)")
+    return shard
+
+
+def _pack(xp, keys, values, width: int):
+    """(2, B, kv, width, d) contiguous: this rank's keys and values, zero past its length."""
+    B, nkv, T, hd = keys.shape
+    block = xp.zeros((2, B, nkv, width, hd), dtype=keys.dtype)
+    block[0, :, :, :T] = keys
+    block[1, :, :, :T] = values
+    return block

@@ -1,0 +1,120 @@
+"""Context parallelism's core (``hpcpar.parallel.context``): the load-balanced split of a
+sequence, the log-sum-exp merge of partial attentions, and ring attention over the whole
+world (mpiexec -n 2, 4, 8) against the full-matrix reference attention of the whole sequence,
+forward and dq/dk/dv, on sequences longer than one tile and not divisible by the cp size,
+with padded rows, GQA, sliding windows, in float32 and bfloat16."""
+
+import os
+import zlib
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from hpcpar.backend import select_backend
+from hpcpar.dtypes import bfloat16
+from hpcpar.errors import HpcparError
+from hpcpar.ops import AttentionRows
+from hpcpar.ops.attention import Attention
+from hpcpar.ops.tiled_attention import TiledAttention, merge
+from hpcpar.parallel.context import ContextShard, RingAttention
+
+TOL = {np.float32: 2e-6, bfloat16: 2e-2}
+
+
+def test_the_split_covers_each_position_once_and_balances_causal_work():
+    for length, size in [(11, 2), (37, 4), (8, 8), (9, 8), (100, 3), (5, 2), (4099, 8),
+                         (32768, 4), (2049, 2)]:
+        shards = [ContextShard(length, size, r) for r in range(size)]
+        held = np.concatenate([s.positions for s in shards])
+        assert sorted(held.tolist()) == list(range(length)), (length, size)
+        counts = [len(s.positions) for s in shards]
+        assert max(counts) - min(counts) <= 1, (length, size, counts)
+        # causal work of a rank: the keys its queries see; mirrored chunks even it out
+        work = [int((s.positions + 1).sum()) for s in shards]
+        if length >= 100 * size:
+            assert max(work) / min(work) < 1.01, (length, size, work)
+        ids = np.arange(3 * length).reshape(3, length)
+        for s in shards:
+            assert (s.take(ids) == ids[:, s.positions]).all()
+    assert ContextShard(11, 2, 0).positions.tolist() == [0, 1, 2, 8, 9, 10]
+    assert ContextShard(11, 2, 1).positions.tolist() == [3, 4, 5, 6, 7]
+
+
+def test_a_sequence_shorter_than_cp_is_one_clear_error():
+    with pytest.raises(HpcparError, match="3 positions cannot be split over cp 4"):
+        ContextShard(3, 4, 0)
+
+
+def test_merging_partials_over_key_sets_is_attention_over_their_union():
+    """Queries 10..19 of a 20-token row attend keys [0, 7) and [7, 20) apart, merged, and
+    equal the whole attention (and its lse)."""
+    rng = np.random.default_rng(0)
+    B, T, nh, nkv, hd = 2, 20, 4, 2, 8
+    q = rng.standard_normal((B, T, nh, hd)).astype(np.float32)
+    k = rng.standard_normal((B, nkv, T, hd)).astype(np.float32)
+    v = rng.standard_normal((B, nkv, T, hd)).astype(np.float32)
+    rows = AttentionRows.build(np, [T, 14], [T, 14], from_start=True)
+    tiled = TiledAttention(np, block=4)
+    want, (qs, _, _, _, want_lse, _) = tiled.forward_train(q, k, v, rows)
+    qs = qs[:, :, :, 10:]
+    out, lse = tiled.attend(qs, k[:, :, :7], v[:, :, :7], rows, q_at=10, k_at=0)
+    part, part_lse = tiled.attend(qs, k[:, :, 7:], v[:, :, 7:], rows, q_at=10, k_at=7)
+    merge(np, out, lse, part, part_lse)
+    got = out.transpose(0, 3, 1, 2, 4).reshape(B, 10, nh, hd)
+    np.testing.assert_allclose(got, want[:, 10:], atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse[:, :, :, 10:], atol=1e-5)
+
+
+CASES = {
+    # name: (rows, length, heads, kv heads, row lengths, window)
+    "gqa, padded rows": (3, 37, 4, 2, [37, 23, 2], None),
+    "mqa": (2, 29, 4, 1, [29, 29], None),
+    "window 6, padded": (2, 31, 4, 2, [31, 17], 6),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ring_attention_gives_the_whole_sequences_attention_and_gradients(comm, name, dtype):
+    import hpcpar.parallel as hp
+    backend = select_backend(os.environ.get("HPCPAR_BACKEND", "numpy"))
+    xp = backend.xp
+    mesh = hp.Mesh(comm, {"cp": comm.Get_size()}, backend=backend, timeout=60)
+    cp = mesh.group("cp")
+    B, T, nh, nkv, lengths, window = CASES[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()))     # the same on every rank
+    q = rng.standard_normal((B, T, nh, 8)).astype(dtype)
+    k = rng.standard_normal((B, T, nkv, 8)).astype(dtype)
+    v = rng.standard_normal((B, T, nkv, 8)).astype(dtype)
+    dout = rng.standard_normal((B, T, nh, 8)).astype(dtype)
+    rows = replace(AttentionRows.build(np, lengths, lengths, from_start=True), window=window)
+    ref = Attention(np)
+    want, wctx = ref.forward_train(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), rows)
+    wdq, wdk, wdv = ref.backward(dout, wctx)
+
+    shard = ContextShard(T, cp.size, cp.rank)
+    mine = shard.positions
+    local_rows = replace(AttentionRows.build(xp, lengths, lengths, from_start=True),
+                         window=window, context=shard)
+    ring = RingAttention(TiledAttention(xp, block=4), cp)       # several tiles per chunk
+    put = backend.asarray
+    got, ctx = ring.forward_train(put(q[:, mine]), put(k[:, mine]).transpose(0, 2, 1, 3),
+                                  put(v[:, mine]).transpose(0, 2, 1, 3), local_rows)
+    dq, dk, dv = (backend.to_host(a) for a in ring.backward(put(dout[:, mine]), ctx))
+    got = backend.to_host(got)
+
+    tol = TOL[dtype]
+    real = mine[None, :] < np.asarray(lengths)[:, None]                  # (B, local)
+
+    def close(a, b, what, scale_floor=0.0):
+        a, b = a.astype(np.float32), b.astype(np.float32)
+        np.testing.assert_allclose(a, b, atol=tol * 4 * max(np.abs(b).max(), scale_floor),
+                                   rtol=0, err_msg=f"{what} on cp rank {cp.rank}")
+
+    close(got[real], want[:, mine][real], "output")
+    close(dq[real], wdq[:, mine][real], "dq", 1.0)
+    close(dk, wdk[:, :, mine], "dk", 1.0)
+    close(dv, wdv[:, :, mine], "dv", 1.0)
+    mesh.free()
