@@ -30,6 +30,7 @@ JOB_FLAGS = {
     "checkpoint": ("model", "checkpoint"), "dtype": ("model", "dtype"),
     "prompts": ("data", "prompts"),
     "dp": ("parallel", "dp"), "pp": ("parallel", "pp"), "tp": ("parallel", "tp"),
+    "cp": ("parallel", "cp"),
     "micro_batches": ("parallel", "micro_batches"), "stage_layers": ("parallel", "stage_layers"),
     "backend": ("parallel", "backend"), "comm": ("parallel", "comm"),
     "timeout": ("parallel", "timeout"),
@@ -79,6 +80,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 def _layout_flags(p, stage_layers: bool = True) -> None:
     for axis in ("dp", "pp", "tp"):
         p.add_argument(f"--{axis}", type=int, help=f"{axis} size (default: inferred)")
+    p.add_argument("--cp", type=int, help="context-parallel size: each sequence split over cp "
+                                          "ranks, attention as ring attention (default 1)")
     p.add_argument("--micro-batches", type=int, help="micro-batches per replica")
     if stage_layers:
         p.add_argument("--stage-layers", type=_int_list, metavar="N,N,...",
@@ -410,7 +413,8 @@ def _plan_text(args) -> str:
     from .jobs import PRESET_PREFIX, load_job
 
     flags = {("parallel", k): getattr(args, k) for k in
-             ("dp", "pp", "tp", "micro_batches", "stage_layers", "schedule", "virtual_stages")}
+             ("dp", "pp", "tp", "cp", "micro_batches", "stage_layers", "schedule",
+              "virtual_stages")}
     flags.update({("train", k): getattr(args, k) for k in
                   ("global_batch", "seq_len", "optimizer", "recompute", "zero")})
     flags[("model", "dtype")] = args.dtype

@@ -229,7 +229,10 @@ def tp_problems(model: ModelConfig, tp: int) -> list[str]:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The dp × pp × tp layout and how the pipeline runs.
+    """The dp × pp × cp × tp layout and how the pipeline runs.
+
+    ``cp`` splits every sequence over its ranks (context parallelism: ring attention, see
+    ``parallel.context``); it is 1 unless asked for, never inferred.
 
     ``stage_layers`` optionally fixes how many decoder layers each pipeline stage holds;
     without it the layers are split evenly with the remainder on the first stages.
@@ -239,20 +242,22 @@ class ParallelConfig:
     pp: int = 1
     tp: int = 1
     micro_batches: int = 1
+    cp: int = 1
     schedule: str = "gpipe"
     stage_layers: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @classmethod
     def infer(cls, world_size: int, dp: int | None = None, pp: int | None = None,
-              tp: int | None = None, **rest) -> "ParallelConfig":
+              tp: int | None = None, cp: int | None = None, **rest) -> "ParallelConfig":
         """Fill in absent factors from the world size.
 
         An absent tp or pp is 1, unless it is the only factor missing, and an absent dp takes
-        whatever the world size leaves (Megatron's convention). A world size the given factors
+        whatever the world size leaves (Megatron's convention); cp is 1 unless given. A world
+        size the given factors
         do not divide is left for ``check`` to report with the numbers.
         """
         given = {"dp": dp, "pp": pp, "tp": tp}
@@ -263,25 +268,27 @@ class ParallelConfig:
             fill = "tp" if "tp" in missing else None
         for k in missing:
             given[k] = 1
+        cp = 1 if cp is None else cp
         if fill is not None:
             others = [v for k, v in given.items() if k != fill]
-            product = others[0] * others[1]
+            product = others[0] * others[1] * cp
             if product > 0 and world_size % product == 0:
                 given[fill] = world_size // product
-        return cls(dp=given["dp"], pp=given["pp"], tp=given["tp"], **rest)
+        return cls(dp=given["dp"], pp=given["pp"], tp=given["tp"], cp=cp, **rest)
 
     def problems(self, model: ModelConfig | None = None,
                  world_size: int | None = None) -> list[str]:
         """Every reason this layout cannot run ``model`` on ``world_size`` ranks."""
-        sizes = {name: getattr(self, name) for name in ("dp", "pp", "tp", "micro_batches")}
+        sizes = {name: getattr(self, name) for name in ("dp", "pp", "cp", "tp",
+                                                          "micro_batches")}
         out = [f"{name} must be an integer, got {value!r}" for name, value in sizes.items()
                if not isinstance(value, int) or isinstance(value, bool)]
         out += settings.problems("parallel", sizes)
         if out:
             return out
         if world_size is not None and self.world_size != world_size:
-            out.append(f"dp({self.dp}) * pp({self.pp}) * tp({self.tp}) = {self.world_size} "
-                       f"!= world size {world_size}; change the layout or the number of ranks")
+            out.append(f"{self.product_text()} = {self.world_size} != world size "
+                       f"{world_size}; change the layout or the number of ranks")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if model is None:
@@ -305,6 +312,16 @@ class ParallelConfig:
             if any(c < 1 for c in counts):
                 out.append(f"stage_layers {counts}: every stage needs at least one layer")
         return out
+
+    def product_text(self) -> str:
+        """'dp(2) * pp(2) * tp(2)', with cp where it is > 1."""
+        cp = f" * cp({self.cp})" if self.cp > 1 else ""
+        return f"dp({self.dp}) * pp({self.pp}){cp} * tp({self.tp})"
+
+    def describe(self) -> str:
+        """'dp 2 x pp 2 x tp 2', with cp where it is > 1 (reports, checkpoints)."""
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return f"dp {self.dp} x pp {self.pp}{cp} x tp {self.tp}"
 
     def check(self, model: ModelConfig | None = None, world_size: int | None = None) -> None:
         problems = self.problems(model, world_size)

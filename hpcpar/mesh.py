@@ -1,6 +1,11 @@
-"""The 3-D rank mesh: world rank <-> (dp, pp, tp) coordinates and the sub-communicators.
+"""The rank mesh: world rank <-> (dp, pp, cp, tp) coordinates and the sub-communicators.
 
-    rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank          (tp varies fastest)
+    rank = ((dp_rank * pp_size + pp_rank) * cp_size + cp_rank) * tp_size + tp_rank
+
+tp varies fastest, then cp: a context-parallel group passes K/V blocks around its ring in
+every layer, the heaviest traffic after tp's, so it sits on neighbouring ranks (one node when
+tp * cp fits one), as in Megatron's tp-cp-dp-pp order. cp is 1 unless asked for; with cp 1
+the mesh is the 3-D one below.
 
 Worked example, 8 ranks as dp=2 × pp=2 × tp=2:
 
@@ -36,7 +41,7 @@ from .parallel.mesh import Mesh as CoreMesh, group_members, mesh_coords, mesh_ra
 if TYPE_CHECKING:  # mpi4py is only needed to build a Mesh, not for the math
     from mpi4py import MPI
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -44,22 +49,32 @@ class MeshCoords:
     dp_rank: int
     pp_rank: int
     tp_rank: int
+    cp_rank: int = 0
 
 
-def _sizes(layout: ParallelConfig) -> tuple[int, int, int]:
-    return layout.dp, layout.pp, layout.tp
+def _sizes(layout: ParallelConfig) -> tuple[int, int, int, int]:
+    return layout.dp, layout.pp, layout.cp, layout.tp
 
 
 def coords_of(rank: int, layout: ParallelConfig) -> MeshCoords:
-    """The (dp, pp, tp) coordinates of world rank ``rank``."""
+    """The (dp, pp, cp, tp) coordinates of world rank ``rank``."""
     if not 0 <= rank < layout.world_size:
         raise ValueError(f"rank {rank} outside a world of {layout.world_size}")
-    return MeshCoords(*mesh_coords(rank, _sizes(layout)))
+    dp, pp, cp, tp = mesh_coords(rank, _sizes(layout))
+    return MeshCoords(dp, pp, tp, cp)
 
 
 def rank_of(coords: MeshCoords, layout: ParallelConfig) -> int:
     """The world rank at ``coords`` (inverse of ``coords_of``)."""
-    return mesh_rank((coords.dp_rank, coords.pp_rank, coords.tp_rank), _sizes(layout))
+    return mesh_rank((coords.dp_rank, coords.pp_rank, coords.cp_rank, coords.tp_rank),
+                     _sizes(layout))
+
+
+def describe_rank(rank: int, layout: ParallelConfig) -> str:
+    """'rank 5 (dp 1, pp 0, tp 1)', with cp where the layout has it."""
+    c = coords_of(rank, layout)
+    cp = f", cp {c.cp_rank}" if layout.cp > 1 else ""
+    return f"rank {rank} (dp {c.dp_rank}, pp {c.pp_rank}{cp}, tp {c.tp_rank})"
 
 
 def by_stage(per_rank: list, layout: ParallelConfig) -> list[list]:
@@ -71,7 +86,7 @@ def by_stage(per_rank: list, layout: ParallelConfig) -> list[list]:
 
 
 def group_ranks(layout: ParallelConfig, axis: str) -> list[list[int]]:
-    """Every group along ``axis`` ('dp', 'pp' or 'tp'), each listed in group-rank order."""
+    """Every group along ``axis`` ('dp', 'pp', 'cp' or 'tp'), each in group-rank order."""
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -82,7 +97,9 @@ def group_ranks(layout: ParallelConfig, axis: str) -> list[list[int]]:
 
 
 class Mesh:
-    """This rank's place in the mesh and its tp / pp / dp communicators (mpi4py Intracomms).
+    """This rank's place in the mesh and its tp / pp / dp / cp communicators (mpi4py
+    Intracomms), and ``grad_comm``: the ranks that hold the same weights (dp and cp), over
+    which gradients are summed.
 
     Built once per job from the world communicator; pass it (or the communicators it holds)
     explicitly to whatever needs them. Group ranks equal the coordinate on that axis:
@@ -97,7 +114,10 @@ class Mesh:
         self.rank = world.Get_rank()
         self.coords = coords_of(self.rank, layout)
         self.core = CoreMesh(world, dict(zip(AXES, _sizes(layout))))
-        self.dp_comm, self.pp_comm, self.tp_comm = (self.core.group(a).mpi_comm for a in AXES)
+        self.dp_comm, self.pp_comm, self.cp_comm, self.tp_comm = (
+            self.core.group(a).mpi_comm for a in AXES)
+        self.grad_comm = (self.core.group(("dp", "cp")).mpi_comm if layout.cp > 1
+                          else self.dp_comm)
 
     @property
     def dp_rank(self) -> int:
@@ -110,6 +130,15 @@ class Mesh:
     @property
     def tp_rank(self) -> int:
         return self.coords.tp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp_rank
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's place among the ranks that hold its weights (dp and cp)."""
+        return self.dp_rank * self.layout.cp + self.cp_rank
 
     @property
     def is_first_stage(self) -> bool:
@@ -130,8 +159,7 @@ class Mesh:
         return None if self.is_last_stage else self.pp_rank + 1
 
     def describe(self) -> str:
-        c = self.coords
-        return f"rank {self.rank} (dp {c.dp_rank}, pp {c.pp_rank}, tp {c.tp_rank})"
+        return describe_rank(self.rank, self.layout)
 
     def free(self) -> None:
         self.core.free()

@@ -37,14 +37,14 @@ HEARTBEAT_SECONDS = 1.0     # at least this often (and 4 times per --timeout) a 
 
 
 def owners(layout: ParallelConfig) -> list[int]:
-    """The world rank holding each replica's results: its last stage's tp rank 0."""
+    """The world rank holding each replica's results: its last stage's cp and tp rank 0."""
     return [rank_of(MeshCoords(d, layout.pp - 1, 0), layout) for d in range(layout.dp)]
 
 
 def replica_ranks(layout: ParallelConfig, dp_rank: int) -> list[int]:
     """The world ranks of replica ``dp_rank``."""
-    return [rank_of(MeshCoords(dp_rank, p, t), layout)
-            for p in range(layout.pp) for t in range(layout.tp)]
+    return [rank_of(MeshCoords(dp_rank, p, t, c), layout)
+            for p in range(layout.pp) for c in range(layout.cp) for t in range(layout.tp)]
 
 
 class ReplicaChannel:

@@ -2,8 +2,11 @@
 scoring and training: the mesh, the device, the communicators and the watchdog's board.
 
 The tensor-parallel and data-parallel groups use the job's communicator choice (MPI or
-NCCL); pipeline messages stay on MPI (NCCL point-to-point on one stream would queue compute
-behind receives posted ahead); ``world`` carries host metadata over MPI.
+NCCL); pipeline and context-parallel (ring) messages stay on MPI (NCCL point-to-point on one
+stream would queue compute behind receives posted ahead, and a ring's sends and receives
+would wait on each other); ``world`` carries host metadata over MPI. Gradients are summed
+over dp and cp together: the ranks of a cp group hold the same weights and saw different
+tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class Runtime:
     stats: CommStats
     tp: Communicator
     pp: Communicator
-    dp: Communicator | None     # only where the job reduces over replicas (training)
+    dp: Communicator | None     # dp x cp: only where the job reduces gradients (training)
+    cp: Communicator | None     # the context-parallel ring, where cp > 1
     world: Communicator         # every rank, host arrays (MPI)
     board: ActionBoard
 
@@ -42,9 +46,11 @@ def open_runtime(comm, job: Job, layout: ParallelConfig, dtype: np.dtype,
     stats, timeout, kind = CommStats(), job.parallel.timeout, job.parallel.comm
     tp = create_communicator(mesh.tp_comm, kind, backend, stats, "tp", timeout)
     pp = create_communicator(mesh.pp_comm, "mpi", backend, stats, "pp", timeout)
-    dp = (create_communicator(mesh.dp_comm, kind, backend, stats, "dp", timeout)
+    dp = (create_communicator(mesh.grad_comm, kind, backend, stats, "dp", timeout)
           if data_parallel else None)
+    cp = (create_communicator(mesh.cp_comm, "mpi", backend, stats, "cp", timeout)
+          if layout.cp > 1 else None)
     world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout)
     board = ActionBoard(comm, layout)
     set_board(board)
-    return Runtime(mesh, backend, stats, tp, pp, dp, world, board)
+    return Runtime(mesh, backend, stats, tp, pp, dp, cp, world, board)

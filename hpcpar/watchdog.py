@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .mesh import coords_of
+from .mesh import describe_rank
 from .pipeline.schedule import Action, Op
 
 FIELDS = 9      # world rank, op code (-1: none), mb, step, peer (-1), chunk, since (ms), state
@@ -131,8 +131,7 @@ class ActionBoard:
         lines = []
         for row in self.table.copy():
             rank = int(row[0])
-            c = coords_of(rank, self.layout)
-            where = f"rank {rank} (dp {c.dp_rank}, pp {c.pp_rank}, tp {c.tp_rank})"
+            where = describe_rank(rank, self.layout)
             where += _process_state(int(row[8]))
             since = f"for {(now - int(row[6])) / 1000:.1f} s"
             if row[7] == WAITING:

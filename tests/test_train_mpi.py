@@ -246,3 +246,54 @@ def test_zero1_steps_and_its_checkpoints_equal_the_single_rank_run(setup):
     if comm.Get_rank() == 0:
         assert_matches_single(folder, out)
     comm.Barrier()
+
+
+# ---- context parallelism: sequences longer than one tile, split over cp ------------------
+
+# (dp, pp, cp, tp, micro_batches, schedule, virtual_stages), by world size
+CP_LAYOUTS = {
+    2: [(1, 1, 2, 1, 1, "1f1b", 1)],
+    4: [(1, 1, 4, 1, 1, "1f1b", 1), (1, 2, 2, 1, 2, "1f1b", 1), (2, 1, 2, 1, 1, "gpipe", 1),
+        (1, 1, 2, 2, 2, "1f1b", 1)],
+    8: [(1, 1, 8, 1, 1, "1f1b", 1), (2, 2, 2, 1, 2, "zb-h1", 1), (1, 2, 2, 2, 2, "interleaved", 2),
+        (2, 1, 2, 2, 1, "gpipe", 1)],
+}
+CP_CONFIGS = {"gqa": dict(GQA, num_hidden_layers=4, max_position_embeddings=256),
+              "mistral": dict(MISTRAL, max_position_embeddings=256)}
+
+
+@pytest.fixture(scope="module", params=sorted(CP_CONFIGS))
+def long_setup(request, tmp_path_factory):
+    """Rows of 141 tokens (140 positions: longer than one 128-position tile, not divisible
+    by 3 or 8, nor into 2 cp chunks per rank evenly at cp 8), two of them left-padded, and
+    the single-rank run."""
+    comm = MPI.COMM_WORLD
+    cfg = CP_CONFIGS[request.param]
+    folder = _shared_dir(tmp_path_factory, "long-" + request.param)
+    if comm.Get_rank() == 0:
+        from pathlib import Path
+        make_checkpoint(Path(folder), cfg)
+        rng = np.random.default_rng(2)
+        rows = rng.integers(0, cfg["vocab_size"], (8, 141))
+        rows[3, :50] = -1
+        rows[6, :137] = -1                     # 3 real positions: fewer than the cp chunks
+        np.save(f"{folder}/data.npy", rows)
+        run_training(MPI.COMM_SELF, _job(folder, "single", (1, 1, 1, 1, "1f1b", 1)),
+                     progress=False)
+    comm.Barrier()
+    return cfg, folder
+
+
+@pytest.mark.mpi(min_size=2)
+def test_context_parallel_layouts_reproduce_the_single_rank_steps(long_setup):
+    """cp alone and with dp (and ZeRO-1), pp under every kind of schedule, and tp: the
+    single rank's losses, weights and optimizer state."""
+    comm = MPI.COMM_WORLD
+    cfg, folder = long_setup
+    for i, (dp, pp, cp, tp, m, kind, V) in enumerate(CP_LAYOUTS[comm.Get_size()]):
+        out = f"cp{comm.Get_size()}-{i}"
+        extra = [f"parallel.cp={cp}"] + (["train.zero=1"] if dp > 1 and kind == "gpipe" else [])
+        run_training(comm, _job(folder, out, (dp, pp, tp, m, kind, V), *extra), progress=False)
+        if comm.Get_rank() == 0:
+            assert_matches_single(folder, out, str((dp, pp, cp, tp, m, kind, V)))
+        comm.Barrier()

@@ -96,7 +96,7 @@ class RunReport:
         compute_p = [mean([f.compute_prefill for f in g]) for g in stages]
         compute_d = [mean([f.compute_decode for f in g]) for g in stages]
         return cls(
-            layout=f"dp {layout.dp} x pp {layout.pp} x tp {layout.tp}",
+            layout=layout.describe(),
             micro_batches=micro_batches, prompts=prompts, prompt_tokens=prompt_tokens,
             new_tokens=new_tokens, prefill_seconds=prefill, decode_seconds=decode,
             prefill_tokens_per_s=prompt_tokens / prefill if prefill else 0.0,

@@ -57,11 +57,19 @@ class Ops:
         return self.geglu if activation == "gelu_tanh" else self.swiglu
 
 
-def ops_for(backend) -> Ops:
+def ops_for(backend, cp=None) -> Ops:
     """NumPy references everywhere, except on a CUDA backend, where each op that has a kernel
-    in ``ops/cuda`` runs it (``HPCPAR_OPS=native`` keeps the references there, for checks)."""
+    in ``ops/cuda`` runs it (``HPCPAR_OPS=native`` keeps the references there, for checks).
+    With a context-parallel group ``cp`` (a ``Communicator`` of more than one rank) attention
+    is ring attention over it (``parallel.context``), its tiles the NumPy reference's."""
     import os
+    from dataclasses import replace
     xp = backend.xp
+    if cp is not None and cp.size > 1:
+        from ..parallel.context import RingAttention
+        local = native_ops(xp)
+        ops = ops_for(backend)
+        return replace(ops, attention=RingAttention(local.attention, cp))
     if backend.is_gpu and os.environ.get("HPCPAR_OPS", "auto") != "native":
         from .cuda import cuda_ops
         return cuda_ops(xp)

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..comm import Communicator, Request
 from ..errors import HpcparError
 from ..ops.attention import AttentionRows, grouped
 from ..ops.tiled_attention import TiledAttention, _accumulator, merge
+
+if TYPE_CHECKING:       # the split is pure (``plan`` reads it without MPI); the ring is not
+    from ..comm import Communicator
 
 _KV, _DKV = 11, 12              # message tags of the ring's K/V blocks and their gradients
 
@@ -123,7 +126,7 @@ class RingAttention:
     tiles. Takes rows with a ``context`` shard, every row from position 0 (whole sequences:
     training, scoring, prefill)."""
 
-    def __init__(self, local: TiledAttention, cp: Communicator):
+    def __init__(self, local: TiledAttention, cp: "Communicator"):
         self.local, self.cp, self.xp = local, cp, local.xp
 
     def forward(self, q, keys, values, rows: AttentionRows):
@@ -163,7 +166,8 @@ class RingAttention:
                 pending = [cp.irecv(spare, (r - direction) % n, _KV),
                            cp.isend(block, (r + direction) % n, _KV)]
             yield (r - direction * step) % n, block
-            Request.wait_all(pending)
+            for request in pending:
+                request.wait()
             block, spare = spare, block
 
     def backward(self, dout, ctx):
@@ -179,7 +183,7 @@ class RingAttention:
         D = (do.astype(acc, copy=False) * out).sum(axis=-1)
         dq = xp.zeros(qs.shape, dtype=acc)
         n, r = cp.size, cp.rank
-        sends: list[Request] = []
+        sends = []
         incoming = None                          # the dK/dV so far of the block now held
         packed = _pack(xp, keys, values, shard.max_local)
         for step, (owner, kv) in enumerate(self._pass_around(packed, -1)):
@@ -202,13 +206,14 @@ class RingAttention:
             buffer = xp.empty_like(grads)
             incoming = (buffer, cp.irecv(buffer, (r + 1) % n, _DKV))
         incoming[1].wait()                       # this rank's own block, every rank's part in
-        Request.wait_all(sends)
+        for request in sends:
+            request.wait()
         mine = incoming[0][:, :, :, :T].astype(dtype, copy=False)
         dq = (dq * (1.0 / math.sqrt(hd))).astype(dtype, copy=False)
         return dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd), mine[0], mine[1]
 
 
-def _shard(rows: AttentionRows, cp: Communicator) -> ContextShard:
+def _shard(rows: AttentionRows, cp: "Communicator") -> ContextShard:
     shard = rows.context
     if shard is None or shard.size != cp.size or shard.rank != cp.rank:
         raise ValueError(f"ring attention over cp {cp.size} needs rows whose context is this "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..comm import Communicator
 from ..config import ModelConfig
 from ..model import DecoderStage
+from ..parallel.context import ContextShard
 from ..parallel.layers import VocabParallelCrossEntropy
 from ..ops import AttentionRows, Ops
 from .memory import activation_bytes
@@ -30,12 +31,14 @@ class Batch:
     ``ids`` (B, T), each row's real tokens first and 0 after them, ``lengths`` (B,) int32
     the real tokens of each row, ``labels`` (B*T,) the next token (-1: ignored), ``weights``
     (B*T,) each label's share of the global loss (1 / labels in the global batch, 0 when
-    ignored)."""
+    ignored). Under context parallelism ids, labels and weights are this rank's positions
+    of each row (``shard``: which ones), the lengths the whole rows'."""
 
     ids: object
     lengths: object
     labels: object
     weights: object
+    shard: ContextShard | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -94,9 +97,11 @@ class ModelChunk:
         if self.first:
             x, ctx["embed"] = stage.embedding.forward(batch.ids)
             x = stage.scale_embedding(x)
-        positions = xp.broadcast_to(xp.arange(T)[None, :], (B, T))              # (B, T)
-        cos, sin = stage.rope.tables(positions)
-        rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True)
+        shard = batch.shard
+        where = xp.arange(T) if shard is None else xp.asarray(shard.positions)
+        cos, sin = stage.rope.tables(xp.broadcast_to(where[None, :], (B, T)))     # (B, T)
+        rows = AttentionRows(batch.lengths, batch.lengths, T if shard is None else shard.length,
+                             from_start=True, context=shard)
         ctx["rope"] = (cos, sin, rows)
         saved = []
         for layer in stage.decoder:

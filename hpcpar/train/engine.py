@@ -27,6 +27,7 @@ from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, ever
 from ..mesh import Mesh
 from ..ops import ops_for
 from ..outputs import claimed
+from ..parallel.context import ContextShard
 from ..parallel.data_parallel import GradientReducer, local_sq_norm
 from ..parallel.optim import (STATE_NAMES, LossScaler, Optimizer, clip_coefficient,
                               learning_rate)
@@ -67,20 +68,21 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
             tc.remove_partial(plan.out_dir)
         rt = open_runtime(comm, job, layout, plan.dtype, data_parallel=True)
         mesh, backend, stats = rt.mesh, rt.backend, rt.stats
-        tp, pp, dp, world, board = rt.tp, rt.pp, rt.dp, rt.world, rt.board
+        tp, pp, dp, cp, world, board = rt.tp, rt.pp, rt.dp, rt.cp, rt.world, rt.board
         xp, timeout = backend.xp, job.parallel.timeout
         kv_comm = _kv_group(mesh, cfg, backend, stats, timeout)
 
         with phase("loading the checkpoint"):
             chunks, params, states = _load(comm, mesh, plan, ckpt, tp, backend,
-                                           recompute=tr.recompute == "full")
+                                           recompute=tr.recompute == "full", cp=cp)
         tied_peer = None
         holds_embedding = mesh.is_first_stage or mesh.is_last_stage
         if cfg.tie_word_embeddings and layout.pp > 1 and holds_embedding:
             tied_peer = (pp, layout.pp - 1 if mesh.is_first_stage else 0)
         groups = [g for chunk in reversed(chunks) for g in chunk.groups]
+        # gradients are summed over every rank that holds the same weights: dp x cp
         reducer = (GradientReducer(dp, groups, xp, bucket_bytes=int(tr.bucket_mb * (1 << 20)))
-                   if layout.dp > 1 else None)
+                   if dp.size > 1 else None)
         zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
         updated = zero.segments if zero else params         # what the optimizer steps
         optimizer = Optimizer(plan.optimizer, updated, xp)
@@ -103,7 +105,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         T = plan.dataset.seq_len
         mb_rows = B // (layout.dp * M)
         actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.pp_rank]
-        shape_only = [Batch(np.zeros((mb_rows, T), np.int64), None, None, None)] * M
+        T_here = _shard(T, mesh).local_length() if layout.cp > 1 else T     # this rank's
+        shape_only = [Batch(np.zeros((mb_rows, T_here), np.int64), None, None, None)] * M
         executor = PipelineExecutor(pp, mesh.pp_rank, TrainingProgram(
             chunks, shape_only, layout.pp, mesh.pp_rank, cfg.hidden_size, plan.dtype, xp),
             backend, in_flight=M * V, board=board)
@@ -150,7 +153,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 figures.reduce += perf_counter() - t_reduce
                 counts_loss = chunks[-1].last and mesh.tp_rank == 0
                 agreed = np.array([program.loss if counts_loss else 0.0,
-                                   local_sq_norm(updated, xp) if zero or mesh.dp_rank == 0 else 0.0,
+                                   local_sq_norm(updated, xp) if zero or mesh.grad_rank == 0 else 0.0,
                                    1.0 if stop.requested else 0.0])
                 world.all_reduce(agreed)
                 loss, norm = float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale
@@ -208,12 +211,13 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
         return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
 
 
-def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool):
+def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool,
+          cp=None):
     """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
     being resumed) and, when resuming, the optimizer state of those parameters."""
     cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
     source = plan.resume[0] if plan.resume else ckpt
-    ops = ops_for(backend)
+    ops = ops_for(backend, cp)
     chunks, params, all_specs = [], [], []
     for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.pp_rank, V)):
         v = c * layout.pp + mesh.pp_rank
@@ -239,15 +243,28 @@ def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, reco
 def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr, xp,
                      loss_scale: float = 1.0):
     """This replica's micro-batches of the global batch starting at ``first_sample``, each
-    label weighted by loss_scale / (labels in the whole global batch)."""
+    label weighted by loss_scale / (labels in the whole global batch); under context
+    parallelism, this rank's positions of each row."""
     dp = plan.layout.dp
     rows = np.asarray(plan.dataset.samples[sample_indices(first_sample, B, len(plan.dataset),
                                                           tr.shuffle, tr.seed)], np.int64)
     mine = rows[mesh.dp_rank * B // dp:(mesh.dp_rank + 1) * B // dp]
-    return [Batch(xp.asarray(b.ids), xp.asarray(b.lengths.astype(np.int32)),
-                  xp.asarray(b.labels), xp.asarray(b.weights * np.float32(loss_scale)))
-            for b in make_batches(mine, plan.layout.micro_batches, label_count(rows),
-                                  np.float32)]
+    batches = []
+    for b in make_batches(mine, plan.layout.micro_batches, label_count(rows), np.float32):
+        ids, labels, weights = b.ids, b.labels, b.weights * np.float32(loss_scale)
+        shard = _shard(ids.shape[1], mesh) if plan.layout.cp > 1 else None
+        if shard is not None:
+            rows_of = ids.shape
+            ids, labels, weights = (shard.take(a.reshape(rows_of)) for a in (ids, labels, weights))
+            labels, weights = labels.reshape(-1), weights.reshape(-1)
+        batches.append(Batch(xp.asarray(ids), xp.asarray(b.lengths.astype(np.int32)),
+                             xp.asarray(labels), xp.asarray(weights), shard))
+    return batches
+
+
+def _shard(length: int, mesh: Mesh) -> ContextShard:
+    """This rank's part of sequences of ``length`` positions."""
+    return ContextShard(length, mesh.layout.cp, mesh.cp_rank)
 
 
 def _kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):
@@ -277,7 +294,7 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
     attrs = {"step": step, "samples": samples, "optimizer": plan.optimizer.optimizer,
              "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
              "seq_len": plan.dataset.seq_len, "data": str(plan.dataset.source),
-             "layout": f"dp {plan.layout.dp} x pp {plan.layout.pp} x tp {plan.layout.tp}",
+             "layout": plan.layout.describe(),
              "schedule": plan.layout.schedule, "lr": tr.lr,
              "optimizer_steps": optimizer.steps, "compute_dtype": job.model.dtype}
     if scaler is not None:
@@ -295,7 +312,7 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
     tp_rank, tp_size = mesh.tp_rank, mesh.layout.tp
 
     def write_mine():
-        if mesh.dp_rank == 0:
+        if mesh.grad_rank == 0:
             tc.write_slices(path, params, {} if zero else states, ckpt.config, tp_rank,
                             tp_size, to_host)
         if zero:

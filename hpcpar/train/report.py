@@ -186,7 +186,7 @@ class TrainReport:
         seconds = max(f.seconds for f in ranks)
         recs = metrics.records
         return cls(
-            layout=f"dp {layout.dp} x pp {layout.pp} x tp {layout.tp}"
+            layout=layout.describe()
                    + (f", {virtual_stages} chunks per stage" if virtual_stages > 1 else ""),
             schedule=f"{layout.schedule}, {layout.micro_batches} micro-batch(es)",
             steps=end_step - start_step,
