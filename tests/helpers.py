@@ -233,15 +233,16 @@ HF_CONFIGS = {
 }
 
 
-def build_hf_model(name: str, folder):
+def build_hf_model(name: str, folder, **changes):
     """A random transformers causal LM of ``HF_CONFIGS[name]`` (its own family's class, by
     ``model_type``; norms away from their neutral value and non-zero biases, so each one is
-    tested), saved under folder/hf and converted to folder/model.h5."""
+    tested), with ``changes`` to the config, saved under folder/hf and converted to
+    folder/model.h5."""
     import torch
     import transformers
     from hpcpar.checkpoint import convert
     torch.manual_seed(0)
-    settings = dict(HF_CONFIGS[name])
+    settings = dict(HF_CONFIGS[name], **changes)
     cfg = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings,
                                             eos_token_id=None, bos_token_id=None,
                                             pad_token_id=None)

@@ -35,11 +35,11 @@ def _padded(prompts) -> np.ndarray:
     return out
 
 
-def _score(comm, checkpoint, data, out, layout=(1, 1, 1, 1)):
+def _score(comm, checkpoint, data, out, layout=(1, 1, 1, 1), cp=1):
     dp, pp, tp, mbs = layout
     sets = [f"model.checkpoint='{checkpoint}'", f"score.data='{data}'",
             f"output.path='{out}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
-            f"parallel.tp={tp}", f"parallel.micro_batches={mbs}"]
+            f"parallel.tp={tp}", f"parallel.micro_batches={mbs}", f"parallel.cp={cp}"]
     return run_scoring(comm, load_job(None, sets))
 
 
@@ -117,6 +117,37 @@ def test_every_layout_scores_as_transformers(tmp_path_factory, family):
             _check_against(result, model, PROMPTS, offsets)
         else:
             assert result is None
+
+
+# (dp, pp, cp, tp, micro_batches), keyed by world size
+CP_LAYOUTS = {
+    2: [(1, 1, 2, 1, 1)],
+    4: [(1, 1, 4, 1, 2), (1, 2, 2, 1, 2), (2, 1, 2, 1, 1)],
+    8: [(1, 1, 8, 1, 1), (2, 2, 2, 1, 2), (1, 2, 2, 2, 1)],
+}
+# 150 positions (more than one 128-position tile, divisible by no cp size), a left-padded
+# row of 131, and rows shorter than the cp group (a micro-batch of them alone is padded)
+LONG_PROMPTS = [np.random.default_rng(7).integers(0, 250, n) for n in (150, 131, 3, 2)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("family", ["gqa-llama3", "qwen3"])
+def test_context_parallel_layouts_score_long_rows_as_transformers(tmp_path_factory, family):
+    comm = MPI.COMM_WORLD
+    model, folder = None, None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp("score-cp")
+        model, _ = build_hf_model(family, folder, max_position_embeddings=256)
+        np.save(folder / "rows.npy", _padded(LONG_PROMPTS))
+    folder = comm.bcast(str(folder) if folder else None, root=0)
+    offsets = [max(len(p) for p in LONG_PROMPTS) - len(p) for p in LONG_PROMPTS]
+    for dp, pp, cp, tp, mbs in CP_LAYOUTS[comm.Get_size()]:
+        result = _score(comm, f"{folder}/model.h5", f"{folder}/rows.npy",
+                        f"{folder}/scores-{dp}{pp}{cp}{tp}{mbs}.h5", (dp, pp, tp, mbs), cp=cp)
+        if comm.Get_rank() == 0:
+            _check_against(result, model, LONG_PROMPTS, offsets)
+            with h5py.File(f"{folder}/scores-{dp}{pp}{cp}{tp}{mbs}.h5") as f:
+                assert f.attrs["cp"] == cp
 
 
 @pytest.mark.parametrize("rows,message", [

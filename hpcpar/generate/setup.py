@@ -91,6 +91,7 @@ class InferenceRank:
     board: ActionBoard
     stage: DecoderStage
     shard: object               # the loaded slices' figures (seconds, bytes read)
+    cp: object = None           # the context-parallel ring group, where cp > 1
 
 
 def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
@@ -106,6 +107,7 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
         shard = everyone(comm, load_shard, ckpt, specs, mesh.tp_rank, layout.tp, dtype=dtype,
                          backend=backend)
     stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first_stage,
-                                    mesh.is_last_stage, tp, ops_for(backend), dtype)
+                                    mesh.is_last_stage, tp, ops_for(backend, rt.cp), dtype)
     backend.release_unused_device_memory()
-    return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard)
+    return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard,
+                         rt.cp)

@@ -233,9 +233,11 @@ class DecoderStage:
         return x * self.xp.asarray(self.cfg.embed_scale, dtype=x.dtype)
 
     def positions(self, rows: AttentionRows, T: int):
-        """The rotary tables (cos, sin) of each row's T positions from its start."""
+        """The rotary tables (cos, sin) of each row's T positions from its start (this rank's
+        positions of the rows, under context parallelism)."""
         xp = self.xp
-        positions = rows.starts().astype(xp.int64)[:, None] + xp.arange(T)[None, :]  # (B, T)
+        steps = xp.arange(T) if rows.context is None else xp.asarray(rows.context.positions)
+        positions = rows.starts().astype(xp.int64)[:, None] + steps[None, :]          # (B, T)
         return self.rope.tables(positions)
 
     def forward(self, x, rows: AttentionRows, cache: KVCache | None):

@@ -102,7 +102,7 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
         rows = replica_rows(len(plan.data), layout.dp, mesh.dp_rank)
         mbs = micro_batches(plan.data.ids, rows, _micro_batch_count(plan.data, layout))
         channel = ReplicaChannel(world, layout, board)     # replicas may end minutes apart
-        program = ScoringProgram(stage, mbs, backend, after_batch=channel.pump)
+        program = ScoringProgram(stage, mbs, backend, after_batch=channel.pump, cp=ranks.cp)
         actions = generation(layout.pp, len(mbs), 1)[mesh.pp_rank] if mbs else []
         executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                     board=board)
@@ -113,6 +113,7 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
         with phase("scoring"):
             executor.run(actions)
             backend.synchronize()
+            program.gather_over_cp()
         elapsed = perf_counter() - start
         channel.close()
         seconds = world.all_reduce(np.array([elapsed]), op="max")[0]
@@ -144,7 +145,7 @@ def _micro_batch_count(data: ScoreData, layout: ParallelConfig) -> int:
     """The layout's micro-batches, or more so that each holds about
     ``SCORE_TOKENS_PER_MICRO_BATCH`` tokens (the same on every replica)."""
     rows = -(-len(data) // layout.dp)
-    longest = max(len(r) for r in data.ids)
+    longest = -(-max(len(r) for r in data.ids) // layout.cp)      # positions per rank
     return max(layout.micro_batches, -(-rows * longest // SCORE_TOKENS_PER_MICRO_BATCH))
 
 
@@ -205,5 +206,5 @@ def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, 
                comm_kind: str) -> dict:
     return {"hpcpar_version": __version__, "checkpoint": str(Path(ckpt.path)),
             "data": job.score.data, "dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
-            "micro_batches": layout.micro_batches, "compute_dtype": dtype_name(plan.dtype),
+            "cp": layout.cp, "micro_batches": layout.micro_batches, "compute_dtype": dtype_name(plan.dtype),
             "backend": backend, "tp_comm": comm_kind}
