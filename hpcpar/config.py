@@ -286,7 +286,10 @@ class ParallelConfig:
         out += settings.problems("parallel", sizes)
         if out:
             return out
-        if world_size is not None and self.world_size != world_size:
+        if world_size is not None and world_size % self.cp:
+            out.append(f"cp {self.cp} does not divide the world of {world_size} ranks; choose "
+                       f"a cp among {', '.join(map(str, _divisors(world_size)))}")
+        elif world_size is not None and self.world_size != world_size:
             out.append(f"{self.product_text()} = {self.world_size} != world size "
                        f"{world_size}; change the layout or the number of ranks")
         if self.schedule not in SCHEDULES:
@@ -328,3 +331,6 @@ class ParallelConfig:
         if problems:
             raise ConfigError("invalid parallel layout", problems)
 
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -118,3 +118,36 @@ def test_ring_attention_gives_the_whole_sequences_attention_and_gradients(comm, 
     close(dk, wdk[:, :, mine], "dk", 1.0)
     close(dv, wdv[:, :, mine], "dv", 1.0)
     mesh.free()
+
+
+# ---- the axis's bad input: one line from one rank, exit 2, no output ---------------------
+
+BAD_CP = {
+    # name: (ranks, command and flags, rows of the data file, what the line says)
+    "sequence shorter than cp": (4, ["train", "--cp", "4", "--global-batch", "2",
+                                     "--out", "run"], (4, 4), "sequences have 3 positions"),
+    "cp not dividing the world": (4, ["train", "--cp", "3", "--global-batch", "2",
+                                      "--out", "run"], (4, 20), "cp 3 does not divide the "
+                                                                "world of 4 ranks"),
+    "rows shorter than cp": (4, ["score", "--cp", "4", "--out", "s.h5"], (4, 3),
+                             "longest row of data.npy has 3 tokens"),
+    "generation under cp": (2, ["generate", "--cp", "2", "--max-new-tokens", "2",
+                                "--prompts", "random", "--out", "g.h5"], (4, 9),
+                            "generation does not split its sequences"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CP))
+def test_bad_use_of_the_cp_axis_is_one_clear_error(tmp_path, name):
+    from helpers import TINY, make_checkpoint, mpirun
+    ranks, command, shape, message = BAD_CP[name]
+    make_checkpoint(tmp_path, TINY)
+    np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 250, shape))
+    data = ["--data", "data.npy"] if command[0] != "generate" else []
+    proc, _ = mpirun(ranks, ["-m", "hpcpar", command[0], "--checkpoint", "model.h5", *data,
+                             *command[1:]], tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists() and not list(tmp_path.glob("*.h5.*"))
+    assert not (tmp_path / "s.h5").exists() and not (tmp_path / "g.h5").exists()

@@ -79,6 +79,10 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     if layout.schedule != "gpipe":
         raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
                           "runs the 'gpipe' forward schedule")
+    if layout.cp > 1:
+        raise HpcparError(f"cp {layout.cp}: context parallelism runs training and scoring; "
+                          "generation does not split its sequences over cp yet: drop --cp "
+                          "(use the ranks as dp, pp or tp)")
     gen = job.generate
     sampling = SamplingParams(gen.temperature, gen.top_k, gen.top_p, gen.seed)
     sampling.check()

@@ -80,6 +80,11 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> _Plan:
                           "with negative ids, or .jsonl of {\"ids\"} / {\"text\"})")
     data = load_score_data(source, load_tokenizer(ckpt))
     check_score_data(data, ckpt.config, source)
+    longest = max(len(row) for row in data.ids)
+    if longest < layout.cp:
+        raise HpcparError(f"cp {layout.cp} splits each row over {layout.cp} ranks, but the "
+                          f"longest row of {source} has {longest} tokens: every rank needs at "
+                          f"least one; use a cp of at most {longest}")
     if not job.output.path:
         raise HpcparError("scoring needs an output file: --out OUT.h5")
     check_output(job.output.path, {"checkpoint": ckpt.path, "data": source}, kind="scores")

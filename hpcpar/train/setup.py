@@ -71,6 +71,11 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
     if problems:
         raise HpcparError("invalid training job: " + "; ".join(problems))
     dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt))
+    if dataset.seq_len < layout.cp:
+        raise HpcparError(f"cp {layout.cp} splits each sequence over {layout.cp} ranks, but the "
+                          f"sequences have {dataset.seq_len} positions: every rank needs at "
+                          f"least one; use a cp of at most {dataset.seq_len} or longer "
+                          "sequences (--seq-len)")
     out_dir = Path(job.output.path)
     check_output(out_dir, {"checkpoint": ckpt.path, "data": dataset.source}, folder=True)
     resume = None
