@@ -430,7 +430,7 @@ def _plan_text(args) -> str:
         name = spec
         cfg = open_checkpoint(spec).config
     par = job.parallel
-    world_size = args.world or (par.dp or 1) * (par.pp or 1) * (par.tp or 1)
+    world_size = args.world or (par.dp or 1) * (par.pp or 1) * par.cp * (par.tp or 1)
     training = args.train or _is_training(args.job, args)
     layout = par.layout(world_size, "1f1b" if training else "gpipe")
     layout.check(cfg, world_size)
@@ -440,6 +440,9 @@ def _plan_text(args) -> str:
         return format_train_plan(cfg, layout, par.virtual_stages, tr.global_batch,
                                  tr.seq_len or 64, tr.optimizer, tr.recompute == "full", name,
                                  tr.zero)
+    if layout.cp > 1:
+        raise HpcparError(f"cp {layout.cp}: context parallelism plans training (--train); "
+                          "generation does not split its sequences over cp yet")
     from .plan import format_plan
     return format_plan(cfg, layout, args.batch or job.data.random_count,
                        args.prompt_length or max(job.data.random_lengths),

@@ -13,6 +13,7 @@ import numpy as np
 
 from .config import ModelConfig, ParallelConfig
 from .model import kv_cache_bytes
+from .parallel.context import ContextShard
 from .pipeline.partition import stage_layers
 from .pipeline.schedule import bubble_fraction, draw, gpipe_forward
 from .sharding import shard_of
@@ -105,14 +106,19 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
     p, M, V = layout.pp, layout.micro_batches, virtual_stages
     kind = layout.schedule
     rows = global_batch // (layout.dp * M)
+    # under context parallelism a rank keeps the activations of its own positions, and the
+    # optimizer state is split over dp x cp (the ranks that hold the same weights)
+    here = ContextShard(seq_len, layout.cp, 0).max_local if layout.cp > 1 else seq_len
+    holders = layout.dp * layout.cp
     lines = [
         f"model: {model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"vocab {cfg.vocab_size}",
-        f"layout: dp {layout.dp} x pp {p} x tp {layout.tp} = {layout.world_size} ranks; "
+        f"layout: {layout.describe()} = {layout.world_size} ranks; "
         f"{kind} with {M} micro-batch(es) of {rows} x {seq_len} tokens per replica"
+        + (f" ({here} positions per rank of cp {layout.cp})" if layout.cp > 1 else "")
         + (f", {V} chunks per stage" if V > 1 else "")
         + f"; {optimizer}; recompute {'full' if recompute else 'none'}"
-        + (f"; ZeRO-1 over dp {layout.dp}" if zero and layout.dp > 1 else ""),
+        + (f"; ZeRO-1 over dp x cp {holders}" if zero and holders > 1 else ""),
         "",
         f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
         f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
@@ -125,13 +131,13 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
             first, last = v == 0, v == p * V - 1
             count += sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
                          for spec in stage_tensors(cfg, layers, first, last))
-            act += activation_bytes(cfg, layout.tp, len(layers), rows, seq_len, first, last,
+            act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
                                     recompute)
         per_mb = act // len(chunks)
         peak = peak_activations_formula(kind, p, M, s, V) * per_mb
         st = state_bytes(count, optimizer)
         if zero:
-            st["optimizer"] = -(-st["optimizer"] // layout.dp)
+            st["optimizer"] = -(-st["optimizer"] // holders)
         span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
         lines.append(f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
                      f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "

@@ -297,3 +297,25 @@ def test_context_parallel_layouts_reproduce_the_single_rank_steps(long_setup):
         if comm.Get_rank() == 0:
             assert_matches_single(folder, out, str((dp, pp, cp, tp, m, kind, V)))
         comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_plan_predicts_the_activations_each_cp_rank_keeps(long_setup):
+    """cp over the whole world: each rank's peak activation bytes, measured by the run, are
+    ``plan``'s formula at its own positions per row (the plan prints the largest)."""
+    from hpcpar.config import ModelConfig
+    from hpcpar.parallel.context import ContextShard
+    from hpcpar.train.memory import activation_bytes
+    comm = MPI.COMM_WORLD
+    cfg, folder = long_setup
+    n = comm.Get_size()
+    report = run_training(comm, _job(folder, f"cp-plan{n}", (1, 1, 1, 1, "1f1b", 1),
+                                     f"parallel.cp={n}"), progress=False)
+    if comm.Get_rank() == 0:
+        model = ModelConfig.from_hf(cfg)
+        for r in range(n):
+            here = ContextShard(140, n, r).local_length()
+            planned = activation_bytes(model, 1, cfg["num_hidden_layers"], GLOBAL_BATCH, here,
+                                       True, True, False)
+            assert report.peak_activation_mb[r] == pytest.approx(planned / 1e6, rel=1e-9), r
+    comm.Barrier()
