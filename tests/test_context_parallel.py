@@ -131,17 +131,20 @@ BAD_CP = {
                                                                 "world of 4 ranks"),
     "rows shorter than cp": (4, ["score", "--cp", "4", "--out", "s.h5"], (4, 3),
                              "longest row of data.npy has 3 tokens"),
-    "generation under cp": (2, ["generate", "--cp", "2", "--max-new-tokens", "2",
-                                "--prompts", "random", "--out", "g.h5"], (4, 9),
-                            "generation does not split its sequences"),
+    "prompt logits under cp": (2, ["generate", "--cp", "2", "--max-new-tokens", "2",
+                                   "--prompts", "random", "--save-logits", "--out", "g.h5"],
+                               (4, 9), "--save-logits: the prompt logits of a prompt split"),
+    "a window under cp": (2, ["generate", "--cp", "2", "--max-new-tokens", "2", "--prompts",
+                              "random", "--out", "g.h5"], (4, 9), "sliding window of 5"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(BAD_CP))
 def test_bad_use_of_the_cp_axis_is_one_clear_error(tmp_path, name):
     from helpers import TINY, make_checkpoint, mpirun
+    from helpers import MISTRAL
     ranks, command, shape, message = BAD_CP[name]
-    make_checkpoint(tmp_path, TINY)
+    make_checkpoint(tmp_path, MISTRAL if "window" in name else TINY)
     np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, 250, shape))
     data = ["--data", "data.npy"] if command[0] != "generate" else []
     proc, _ = mpirun(ranks, ["-m", "hpcpar", command[0], "--checkpoint", "model.h5", *data,
@@ -151,3 +154,48 @@ def test_bad_use_of_the_cp_axis_is_one_clear_error(tmp_path, name):
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob("*.h5.*"))
     assert not (tmp_path / "s.h5").exists() and not (tmp_path / "g.h5").exists()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=str)
+def test_a_decode_step_over_a_cache_split_over_cp_is_the_whole_caches_attention(comm, dtype):
+    """Rows of 37, 20 and 1 prompt tokens, then decode steps: each rank's cache holds its
+    prefill positions and every decoded position p with p mod cp == its rank (``SplitKV``);
+    the merged attention of each step's query equals the reference over the whole cache."""
+    import hpcpar.parallel as hp
+    from hpcpar.parallel.context import SplitKV
+    backend = select_backend(os.environ.get("HPCPAR_BACKEND", "numpy"))
+    xp, put = backend.xp, backend.asarray
+    mesh = hp.Mesh(comm, {"cp": comm.Get_size()}, backend=backend, timeout=60)
+    cp = mesh.group("cp")
+    lengths, steps, nh, nkv, hd = np.array([37, 20, 1]), 5, 4, 2, 8
+    B, S = len(lengths), 37 + steps
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((B, nkv, S, hd)).astype(dtype)
+    v = rng.standard_normal((B, nkv, S, hd)).astype(dtype)
+    q = rng.standard_normal((steps, B, 1, nh, hd)).astype(dtype)
+    shard = ContextShard(37, cp.size, cp.rank)
+    split = SplitKV(B, cp.size, cp.rank, SplitKV.local_capacity(S, cp.size))
+    split.prefilled(shard, lengths)
+    ring = RingAttention(TiledAttention(xp, block=4), cp)
+    for step in range(steps):
+        at = lengths + step                                    # each row's new token
+        rows = split.decode_rows(xp, at)
+        held = []                                              # positions in local slots
+        for b in range(B):
+            mine = [p for p in shard.positions if p < lengths[b]]
+            mine += [p for p in range(lengths[b], at[b] + 1) if p % cp.size == cp.rank]
+            held.append(mine)
+        cache_k = np.zeros((B, nkv, split.capacity, hd), dtype)
+        cache_v = np.zeros_like(cache_k)
+        for b, mine in enumerate(held):
+            cache_k[b, :, :len(mine)], cache_v[b, :, :len(mine)] = k[b][:, mine], v[b][:, mine]
+            assert len(mine) == int(backend.to_host(rows.kv_lengths)[b]), (step, b)
+        got = backend.to_host(ring.forward(put(q[step]), put(cache_k), put(cache_v), rows))
+        split.decoded(at)
+        whole = AttentionRows.build(np, np.ones(B, np.int64), at + 1, from_start=False)
+        want = Attention(np).forward(q[step], k, v, whole)
+        np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32),
+                                   atol=TOL[dtype] * 4 * np.abs(want.astype(np.float32)).max(),
+                                   rtol=0, err_msg=f"step {step}, cp rank {cp.rank}")
+    mesh.free()

@@ -207,3 +207,49 @@ def test_a_wrong_schedule_is_an_error_on_every_rank_before_any_step():
         bad = good
     with pytest.raises(HpcparError, match="never received|deadlock"):
         executor.preflight(bad)
+
+
+# ---- context parallelism: prompts and KV cache split over cp ------------------------------
+
+# (dp, pp, cp, tp, micro_batches), keyed by world size
+CP_LAYOUTS = {
+    2: [(1, 1, 2, 1, 1)],
+    4: [(1, 1, 4, 1, 2), (1, 2, 2, 1, 2), (2, 1, 2, 1, 1), (1, 1, 2, 2, 1)],
+    8: [(1, 1, 8, 1, 1), (2, 2, 2, 1, 2), (1, 2, 2, 2, 2)],
+}
+CP_CONFIGS = {"gqa": dict(GQA, max_position_embeddings=256),
+              "qwen3": dict(QWEN3, max_position_embeddings=256)}
+# prompts longer than one 128-position tile, of no length cp divides, and shorter than cp
+LONG = [np.random.default_rng(3).integers(3, 240, n) for n in (150, 7, 1, 60, 131, 2)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("family", sorted(CP_CONFIGS))
+def test_generation_under_cp_gives_the_single_ranks_tokens(tmp_path_factory, family):
+    """Prefill split over cp (ring attention), decode over the KV cache split over cp (the
+    partial attentions merged): greedy and seeded tokens of one rank, static and continuous
+    batching with refills, with dp, pp and tp."""
+    comm = MPI.COMM_WORLD
+    folder = None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp("cp-" + family)
+        make_checkpoint(folder, CP_CONFIGS[family])
+    path = comm.bcast(str(folder) if folder else None, root=0) + "/model.h5"
+    sampling = [{}, {"temperature": 0.9, "top_k": 20, "seed": 5}]
+    prompts = Prompts(LONG, sampling=[sampling[i % 2] for i in range(len(LONG))])
+
+    def generate(comm, layout, **gen):
+        dp, pp, cp, tp, mbs = layout
+        sets = [f"model.checkpoint='{path}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
+                f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.micro_batches={mbs}",
+                "generate.max_new_tokens=8", "generate.stop_at_eos=false"]
+        sets += [f"generate.{k}={v}" for k, v in gen.items()]
+        return run_generation(comm, load_job(None, sets), prompts=prompts, progress=False)
+
+    single = generate(MPI.COMM_SELF, (1, 1, 1, 1, 1)) if comm.Get_rank() == 0 else None
+    for layout in CP_LAYOUTS[comm.Get_size()]:
+        static = generate(comm, layout, batching="'static'")
+        refilled = generate(comm, layout, batch_size=2)
+        if comm.Get_rank() == 0:
+            assert static.tokens.tolist() == single.tokens.tolist(), layout
+            assert refilled.tokens.tolist() == single.tokens.tolist(), layout

@@ -32,6 +32,7 @@ import numpy as np
 from ..faults import fault_point
 from ..model import CacheRows, DecoderStage
 from ..ops import AttentionRows
+from ..parallel.context import SplitKV, last_states, split_batch
 from ..pipeline.schedule import Action, Op
 from .schedule import generation
 from .batching import MicroBatch
@@ -73,9 +74,10 @@ class ContinuousProgram(ReplicaProgram):
                  steps: int, limits: np.ndarray | None = None,
                  on_rows: Callable[[int, int], None] | None = None,
                  stop_requested: Callable[[], bool] | None = None,
-                 sampling: PromptSampling | None = None, stops: StopStrings | None = None):
+                 sampling: PromptSampling | None = None, stops: StopStrings | None = None,
+                 cp=None):
         super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
-                         stop_requested, sampling, stops)
+                         stop_requested, sampling, stops, cp)
         self.steps = steps
         rows = len(self.done)
         self.prompt_ids = [mb.ids[j, :mb.lengths[j]] for mb in mbs for j in range(mb.size)]
@@ -84,7 +86,10 @@ class ContinuousProgram(ReplicaProgram):
         # last slot (its cache is no longer read)
         self.capacity = max((len(p) + k for p, k in zip(self.prompt_ids, self.limit)),
                             default=1)
-        self.caches = [stage.new_cache(w, self.capacity) for w in self.width]
+        local = self.cache_capacity(self.capacity)
+        self.caches = [stage.new_cache(w, local) for w in self.width]
+        self.split = [self.split_kv(w, local) for w in self.width]     # under cp
+        self.shards: dict[int, object] = {}                 # mb -> its refill's ContextShard
         self.slots = [_Slots(np.full(w, -1, np.int64), np.zeros(w, np.int64),
                              list(range(int(self.offsets[i]), int(self.offsets[i + 1]))))
                       for i, w in enumerate(self.width)]
@@ -158,7 +163,8 @@ class ContinuousProgram(ReplicaProgram):
     def payload(self, a: Action):
         if a.op in (Op.SEND, Op.RECV):
             if self._refill(a.mb, a.step):
-                shape = self._prefill_ids(a.mb).shape
+                rows, width = self._prefill_ids(a.mb).shape
+                shape = (rows, self.prefill_width(width))
             else:
                 shape = (self.width[a.mb], 1)
             return shape + (self.stage.hidden_size,), self.stage.dtype
@@ -190,21 +196,30 @@ class ContinuousProgram(ReplicaProgram):
             fault_point("decode", self.decoded[a.mb])
         stage, xp, s = self.stage, self.xp, self.slots[a.mb]
         cache = self.caches[a.mb]
+        split = self.split[a.mb]
         if self._refill(a.mb, a.step):
-            ids = self._prefill_ids(a.mb)
             lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[s.new]], np.int64)
-            rows = AttentionRows.build(xp, lengths, lengths, from_start=True)
+            ids, rows, shard = split_batch(xp, self._prefill_ids(a.mb), lengths, self.cp)
             x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
             y = stage.forward(x, rows, CacheRows(cache, xp.asarray(s.new)))
             s.position[s.new] = lengths
+            if split is not None:
+                split.prefilled(shard, lengths, s.new)
+                self.shards[a.mb] = shard
         else:
-            rows = AttentionRows.build(xp, np.ones(len(s.prompt), np.int64), s.position + 1,
-                                       from_start=False)
+            held = s.prompt >= 0
+            if split is None:
+                rows = AttentionRows.build(xp, np.ones(len(s.prompt), np.int64),
+                                           s.position + 1, from_start=False)
+            else:
+                rows = split.decode_rows(xp, s.position, held)
             x = (stage.embed(xp.asarray(self.step_tokens[a.mb][:, None])) if stage.first
                  else self.inputs.pop(a.mb))
             y = stage.forward(x, rows, cache)
+            if split is not None:
+                split.decoded(s.position, held)
             # every stage alike (slots change at refills only); a finished row stays in bounds
-            s.position = np.minimum(s.position + (s.prompt >= 0), self.capacity - 1)
+            s.position = np.minimum(s.position + held, self.capacity - 1)
         if stage.last:
             self._sample(a.mb, a.step, y)
         else:
@@ -230,7 +245,7 @@ class ContinuousProgram(ReplicaProgram):
                 full = self.backend.to_host(stage.head.full_logits(stage.logits(y)))
                 for j, p in enumerate(s.prompt[slots]):
                     self.logits_of[int(p)] = full[j, :lengths[j]]
-            last = stage.logits(y[xp.arange(len(slots)), xp.asarray(lengths - 1)][:, None])
+            last = stage.logits(last_states(xp, y, lengths, self.shards.pop(mb, None), self.cp))
         else:
             slots = np.arange(len(s.prompt))
             last = stage.logits(y)
@@ -279,7 +294,8 @@ class ContinuousProgram(ReplicaProgram):
             self.prompt_logits[mb.index] = full
 
 
-def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world) -> int:
+def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world,
+                   cp=None) -> int:
     """Rows in flight per micro-batch: --batch-size, or what fits: the rows whose KV cache
     (for the longest prompt and limit, every micro-batch) takes at most ``KV_SHARE`` of the
     free memory of the fullest rank (collective over the world)."""
@@ -289,6 +305,8 @@ def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, wo
     free = backend.free_memory_bytes()
     if free is not None and mbs:
         capacity = max(int(n + limits[r]) for mb in mbs for r, n in zip(mb.rows, mb.lengths))
+        if cp is not None:                     # a rank holds its part of each row's cache
+            capacity = SplitKV.local_capacity(capacity, cp.size)
         per_row = len(mbs) * stage.kv_bytes_per_row(capacity)
         fit = max(1, int(KV_SHARE * free // max(per_row, 1)))
     fit = -int(world.all_reduce(np.array([-fit], dtype=np.int64), op="max")[0])

@@ -79,11 +79,14 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     if layout.schedule != "gpipe":
         raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
                           "runs the 'gpipe' forward schedule")
-    if layout.cp > 1:
-        raise HpcparError(f"cp {layout.cp}: context parallelism runs training and scoring; "
-                          "generation does not split its sequences over cp yet: drop --cp "
-                          "(use the ranks as dp, pp or tp)")
     gen = job.generate
+    if layout.cp > 1 and gen.save_logits:
+        raise HpcparError(f"cp {layout.cp} with --save-logits: the prompt logits of a prompt "
+                          "split over cp are not gathered; drop one of them")
+    if layout.cp > 1 and cfg.sliding_window is not None:
+        raise HpcparError(f"cp {layout.cp}: a KV cache split over cp holds no window of "
+                          f"positions, and this model attends a sliding window of "
+                          f"{cfg.sliding_window}; generate it without --cp")
     sampling = SamplingParams(gen.temperature, gen.top_k, gen.top_p, gen.seed)
     sampling.check()
     if gen.batching not in ("continuous", "static"):
@@ -203,7 +206,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
             for i, wave in enumerate(todo):
                 figures, micro_w = _run_wave(
                     comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-                    backend, pp, stats, bar, out, logits, board, stop, received)
+                    backend, pp, stats, bar, out, logits, board, stop, received, ranks.cp)
                 micro = max(micro, micro_w)
                 totals = figures if totals is None else totals.combine(figures)
                 unfinished = 0
@@ -279,12 +282,13 @@ def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
 
 
 def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-              backend, pp, stats, bar, out, logits, board, stop, received):
+              backend, pp, stats, bar, out, logits, board, stop, received, cp):
     """Generate for the prompts of ``wave``; returns this rank's figures and the
     micro-batches a replica ran, once every replica has finished. Finished rows go to
     ``received`` on rank 0 (about every second, and all by the end; a stop request ends the
     wave early: the rows not finished by then are not). Prompt logits go micro-batch by
-    micro-batch to the output file, or into ``logits`` (rank 0)."""
+    micro-batch to the output file, or into ``logits`` (rank 0). ``cp``: the context-parallel
+    group, or None."""
     rows = _wave_rows(wave, layout.dp, mesh.dp_rank)
     mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
     limits, sampling = plan.limits, plan.sampling
@@ -296,18 +300,18 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
 
     continuous = settings.batching == "continuous"
     if continuous:
-        width = rows_in_flight(settings, stage, mbs, limits, backend, world)
+        width = rows_in_flight(settings, stage, mbs, limits, backend, world, cp)
         program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
                                     segment_steps(layout.pp), limits, on_rows,
                                     stop_requested=lambda: stop.requested, sampling=sampling,
-                                    stops=plan.stops)
+                                    stops=plan.stops, cp=cp)
         pp_host = pp.on_host()
         actions = program.start_segment(pp_host)
     else:
         program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
                                     on_rows=on_rows, limits=limits,
                                     stop_requested=lambda: stop.requested, sampling=sampling,
-                                    stops=plan.stops)
+                                    stops=plan.stops, cp=cp)
         actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.pp_rank]
                    if mbs else [])
     stream = FinishedRows(world, layout, board, program, settings.max_new_tokens,
@@ -323,7 +327,8 @@ def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_i
     with phase("generating"):
         executor.run(actions)
         if continuous:
-            while not any_rank(stop.requested, stage.tp, pp_host):
+            groups = [g for g in (stage.tp, cp, pp_host) if g is not None]
+            while not any_rank(stop.requested, *groups):
                 actions = program.start_segment(pp_host)
                 if not actions:
                     break

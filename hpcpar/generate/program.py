@@ -19,6 +19,7 @@ import numpy as np
 from ..faults import fault_point
 from ..model import DecoderStage
 from ..ops import AttentionRows
+from ..parallel.context import ContextShard, SplitKV, last_states, split_batch
 from ..pipeline.schedule import Action, Op
 from .batching import MicroBatch, replica_order
 from .sampling import PromptSampling, SamplingParams, next_tokens
@@ -47,16 +48,16 @@ def any_rank(flag: bool, *groups) -> bool:
 
 class AgreedStop:
     """A stop request (SIGTERM / SIGUSR1) polled by the first stage before each forward:
-    true once any of its tp ranks saw one, for all of them at the same forward (they retire
-    the same micro-batches at the same step); final once true."""
+    true once any of its tp (and cp) ranks saw one, for all of them at the same forward (they
+    retire the same micro-batches at the same step); final once true."""
 
-    def __init__(self, requested: Callable[[], bool] | None, tp):
-        self.requested, self.tp = requested, tp
+    def __init__(self, requested: Callable[[], bool] | None, *groups):
+        self.requested, self.groups = requested, [g for g in groups if g is not None]
         self.stopped = False
 
     def __call__(self) -> bool:
         if not self.stopped and self.requested is not None:
-            self.stopped = any_rank(self.requested(), self.tp)
+            self.stopped = any_rank(self.requested(), *self.groups)
         return self.stopped
 
 
@@ -69,14 +70,16 @@ class ReplicaProgram(ABC):
                  eos_ids: tuple[int, ...], pad_id: int, backend, limits: np.ndarray | None,
                  on_rows: Callable[[int, int], None] | None,
                  stop_requested: Callable[[], bool] | None, sampling: PromptSampling | None,
-                 stops: StopStrings | None = None):
+                 stops: StopStrings | None = None, cp=None):
         """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
         job's for every prompt); ``sampling`` likewise (default: the job's settings);
         ``stops`` each prompt's stop strings (None: no prompt has any).
         ``stop_requested``: polled by the first stage before each forward; once its tp ranks
         agree on a stop, every micro-batch is retired there (the STOP reaches the other
         stages with the activations) and only finished rows count. ``on_rows(finished,
-        tokens)`` hears of each step's new tokens and finished rows."""
+        tokens)`` hears of each step's new tokens and finished rows. ``cp``: the
+        context-parallel group (a ``Communicator``) the prompts and KV cache are split over
+        (``parallel.context``), or None."""
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
@@ -94,9 +97,25 @@ class ReplicaProgram(ABC):
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
         self.on_rows = on_rows
-        self.stopping = AgreedStop(stop_requested, stage.tp)
+        self.stopping = AgreedStop(stop_requested, stage.tp, cp)
         self.sampling = sampling if sampling is not None else settings.sampling
         self.stops = stops
+        self.cp = cp
+
+    def cache_capacity(self, positions: int) -> int:
+        """KV-cache slots per row on this rank for rows of up to ``positions`` tokens."""
+        if self.cp is None:
+            return positions
+        return SplitKV.local_capacity(positions, self.cp.size)
+
+    def prefill_width(self, length: int) -> int:
+        """Positions of prompts ``length`` wide this rank runs (its own under cp)."""
+        if self.cp is None:
+            return length
+        return ContextShard(max(length, self.cp.size), self.cp.size, self.cp.rank).local_length()
+
+    def split_kv(self, rows: int, capacity: int) -> SplitKV | None:
+        return None if self.cp is None else SplitKV(rows, self.cp.size, self.cp.rank, capacity)
 
     def met_stop_string(self, row: int, generated: int) -> bool:
         """Whether row ``row``'s first ``generated`` new tokens hold one of its stop
@@ -115,14 +134,17 @@ class GenerationProgram(ReplicaProgram):
                  on_rows: Callable[[int, int], None] | None = None,
                  limits: np.ndarray | None = None,
                  stop_requested: Callable[[], bool] | None = None,
-                 sampling: PromptSampling | None = None, stops: StopStrings | None = None):
+                 sampling: PromptSampling | None = None, stops: StopStrings | None = None,
+                 cp=None):
         """Static batching: every row of a micro-batch from its prefill to its longest row's
         end (``ReplicaProgram`` says what the arguments are)."""
         super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
-                         stop_requested, sampling, stops)
+                         stop_requested, sampling, stops, cp)
         n = settings.max_new_tokens
-        self.caches = [stage.new_cache(mb.size, mb.length + n) for mb in mbs]
-        self.last_index = [self.xp.asarray(mb.lengths - 1) for mb in mbs]  # prefill's last
+        capacity = [self.cache_capacity(mb.length + n) for mb in mbs]
+        self.caches = [stage.new_cache(mb.size, c) for mb, c in zip(mbs, capacity)]
+        self.split = [self.split_kv(mb.size, c) for mb, c in zip(mbs, capacity)]
+        self.shards: dict[int, object] = {}                  # mb -> its prefill's ContextShard
         self.prefill_done_at: float | None = None
 
     def prefill_seconds(self, times, start: float) -> float:
@@ -138,7 +160,7 @@ class GenerationProgram(ReplicaProgram):
     def payload(self, a: Action):
         batch = self.mbs[a.mb]
         if a.op in (Op.SEND, Op.RECV):
-            length = batch.length if a.step == 0 else 1
+            length = self.prefill_width(batch.length) if a.step == 0 else 1
             return (batch.size, length, self.stage.hidden_size), self.stage.dtype
         return (batch.size,), np.dtype(np.int64)
 
@@ -165,12 +187,19 @@ class GenerationProgram(ReplicaProgram):
 
     def forward(self, mb: int, step: int) -> None:
         stage, batch, xp = self.stage, self.mbs[mb], self.xp
-        if stage.first:
-            ids = batch.ids if step == 0 else self.tokens[self._local(batch), step - 1][:, None]
-            x = stage.embed(xp.asarray(ids))
+        split = self.split[mb]
+        if step == 0:
+            ids, rows, self.shards[mb] = split_batch(xp, batch.ids, batch.lengths, self.cp)
         else:
-            x = self.inputs.pop(mb)
-        y = stage.forward(x, self.rows(batch, step), self.caches[mb])
+            ids = self.tokens[self._local(batch), step - 1][:, None]
+            rows = self.rows(batch, step)
+        x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(mb)
+        y = stage.forward(x, rows, self.caches[mb])
+        if split is not None:                            # the KV cache split over cp
+            if step == 0:
+                split.prefilled(self.shards[mb], batch.lengths)
+            else:
+                split.decoded(batch.lengths + step - 1)
         if not stage.last:
             self.outputs[mb] = y
         else:
@@ -182,7 +211,9 @@ class GenerationProgram(ReplicaProgram):
         """Step ``step``'s rows: the prompts from position 0 (prefill), or one token per row
         over a cache that holds the prompt and the tokens of the steps before."""
         if step == 0:
-            return AttentionRows.build(self.xp, batch.lengths, batch.lengths, from_start=True)
+            return split_batch(self.xp, batch.ids, batch.lengths, self.cp)[1]
+        if self.split[batch.index] is not None:
+            return self.split[batch.index].decode_rows(self.xp, batch.lengths + step - 1)
         return AttentionRows.build(self.xp, np.ones(batch.size, np.int64),
                                    batch.lengths + step, from_start=False)
 
@@ -191,14 +222,15 @@ class GenerationProgram(ReplicaProgram):
     def _sample(self, batch: MicroBatch, step: int, y) -> None:
         stage = self.stage
         if step == 0:
-            at = self.last_index[batch.index]                         # each row's last token
-            if self.settings.save_logits:
+            if self.settings.save_logits:                # (no cp: the engine refuses it)
                 local = stage.logits(y)                               # (b, L, vocab_i)
                 full = self.backend.to_host(stage.head.full_logits(local))
                 self.prompt_logits[batch.index] = full
-                last = local[self.xp.arange(batch.size), at]
+                last = local[self.xp.arange(batch.size), self.xp.asarray(batch.lengths - 1)]
             else:
-                last = stage.logits(y[self.xp.arange(batch.size), at][:, None])[:, 0]
+                h = last_states(self.xp, y, batch.lengths, self.shards.pop(batch.index),
+                                self.cp)                              # each row's last token
+                last = stage.logits(h)[:, 0]
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)
         tokens = next_tokens(stage.head, last, self.sampling, batch.rows, step,

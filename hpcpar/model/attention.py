@@ -62,7 +62,7 @@ class Attention:
         if cache is None:
             keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         else:
-            keys, values = cache.write(layer, k, v, rows.starts(), rows.from_start,
+            keys, values = cache.write(layer, k, v, rows.cache_slots(), rows.from_start,
                                        rows.max_kv)
         if train:
             out, actx = self.ops.attention.forward_train(q, keys, values, rows)

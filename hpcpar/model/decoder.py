@@ -235,10 +235,7 @@ class DecoderStage:
     def positions(self, rows: AttentionRows, T: int):
         """The rotary tables (cos, sin) of each row's T positions from its start (this rank's
         positions of the rows, under context parallelism)."""
-        xp = self.xp
-        steps = xp.arange(T) if rows.context is None else xp.asarray(rows.context.positions)
-        positions = rows.starts().astype(xp.int64)[:, None] + steps[None, :]          # (B, T)
-        return self.rope.tables(positions)
+        return self.rope.tables(rows.positions(self.xp, T))
 
     def forward(self, x, rows: AttentionRows, cache: KVCache | None):
         """Run this stage's layers on x (B, T, hidden): row b's T tokens sit at positions

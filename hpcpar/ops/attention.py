@@ -54,6 +54,17 @@ class AttentionRows:
         """(B,) the position of each row's first query: kv_lengths - q_lengths."""
         return self.kv_lengths - self.q_lengths
 
+    def cache_slots(self):
+        """(B,) the KV-cache slot of each row's first query's key: its position, or where a
+        context-parallel rank keeps it (``context.cache_slots``)."""
+        return self.starts() if self.context is None else self.context.cache_slots(self)
+
+    def positions(self, xp, T: int):
+        """(B, T) the sequence position of each row's T queries (rotary's input)."""
+        if self.context is not None:
+            return self.context.query_positions(xp, self, T)
+        return self.starts().astype(xp.int64)[:, None] + xp.arange(T)[None, :]
+
 
 
 def attention_mask(xp, rows: AttentionRows, T: int, S: int, t0: int = 0, s0: int = 0):

@@ -103,18 +103,21 @@ class TiledAttention(Attention):
         return result, (qs, keys, values, out, lse, rows)
 
     def attend(self, qs, keys, values, rows: AttentionRows, q_at: int = 0, k_at: int = 0,
-               out_dtype=None):
+               out_dtype=None, partial: bool = False):
         """(out (B, kv, g, T, d) in ``out_dtype`` (default: the accumulator's), lse (B, kv,
         g, T)) of the grouped, scaled queries ``qs`` at positions starts + q_at + t against
         the keys and values (B, kv, S, d) at positions k_at + s. A query that sees none of
-        these keys gets out 0 and lse -inf (only possible away from the sequence's start)."""
+        these keys gets out 0 and lse -inf: possible away from the sequence's start, or
+        where the keys are a ``partial`` set of the sequence's (a KV cache split over ranks)."""
         xp, (B, nkv, g, T, hd) = self.xp, qs.shape
         S = keys.shape[2]
         acc_dtype = _accumulator(xp, qs.dtype)
         out_dtype = acc_dtype if out_dtype is None else out_dtype
-        empty_rows = bool(q_at or k_at)            # may some query see no key at all?
+        empty_rows = partial or bool(q_at or k_at)     # may some query see no key at all?
         out = xp.zeros((B, nkv, g, T, hd), dtype=out_dtype)
         lse = xp.full((B, nkv, g, T), -xp.inf, dtype=acc_dtype)
+        if S == 0:
+            return out, lse
         for t0, t1, blocks in self._tiles(rows, T, S, q_at, k_at):
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)

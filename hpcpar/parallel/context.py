@@ -19,6 +19,13 @@ sends K/V around the ring the other way, each block travelling with the dK/dV su
 which reaches the block's owner after a last hop. The weights' gradients of a cp group are
 partial (each rank saw some tokens): they are summed over cp with those of dp.
 
+Generation keeps the KV cache split the same way: a prefill leaves each rank the keys of
+its own positions (a prefix of its cache slots: its positions increase), and each decoded
+token's key goes to one rank, position p to rank p mod n (``SplitKV`` keeps the books). A
+decode step runs the new token of every row on every rank of the group; attention reads the
+rank's own slots (``SplitCache``) and the partial outputs are merged over the group by their
+log-sum-exp (one all-gather of out and lse per layer), the same merge on every rank.
+
 Any attention written over ``AttentionRows`` gets the ring by swapping the op: the rows'
 ``context`` says which positions this rank holds.
 """
@@ -26,7 +33,7 @@ Any attention written over ``AttentionRows`` gets the ring by swapping the op: t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -112,6 +119,80 @@ class ContextShard:
         parts = [np.take(a, range(s.at, s.at + s.length), axis=axis) for s in self.segments()]
         return np.concatenate(parts, axis=axis)
 
+    def held(self, lengths) -> np.ndarray:
+        """(B,) how many of this rank's positions fall inside each row of ``lengths``."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        return sum(np.clip(lengths - s.at, 0, s.length) for s in self.segments())
+
+    # ---- what ``AttentionRows`` asks of its context ------------------------------------------
+
+    def query_positions(self, xp, rows: AttentionRows, T: int):
+        return rows.starts().astype(xp.int64)[:, None] + xp.asarray(self.positions)[None, :]
+
+    def cache_slots(self, rows: AttentionRows):
+        return rows.starts()                       # from slot 0: the positions in local order
+
+
+@dataclass(frozen=True)
+class SplitCache:
+    """The context of one decode step over a KV cache split over the cp group: each row's
+    new token sits at ``positions`` (B,) of its sequence and its key goes to cache slot
+    ``slots`` (B,) of this rank (counted in the rows' kv_lengths on the rank that keeps it
+    only; the slot is past the others' lengths, never read there)."""
+
+    positions: object
+    slots: object
+
+    def query_positions(self, xp, rows: AttentionRows, T: int):
+        return self.positions.astype(xp.int64)[:, None] + xp.arange(T)[None, :]
+
+    def cache_slots(self, rows: AttentionRows):
+        return self.slots
+
+
+class SplitKV:
+    """The books of one micro-batch's KV cache split over cp: how many slots of each row this
+    rank fills (``held``), from its prefill's positions and then every decoded position p
+    with p mod size == rank. The same rule on every rank and stage: nothing is exchanged."""
+
+    def __init__(self, rows: int, size: int, rank: int, capacity: int):
+        self.held = np.zeros(rows, dtype=np.int64)
+        self.size, self.rank, self.capacity = size, rank, capacity
+
+    @staticmethod
+    def local_capacity(positions: int, size: int) -> int:
+        """Cache slots a rank needs for rows of up to ``positions`` tokens (prompt and new
+        ones): at most ceil(prompt / n) + ceil(new / n) + 1 of them fall to one rank."""
+        return -(-max(positions, size) // size) + 2
+
+    def prefilled(self, shard: ContextShard, lengths, slots=None) -> None:
+        """Rows ``slots`` (default: all) were prefilled with ``lengths`` tokens."""
+        held = shard.held(lengths)
+        if slots is None:
+            self.held[:] = held
+        else:
+            self.held[np.asarray(slots)] = held
+
+    def decode_rows(self, xp, positions, going=None) -> AttentionRows:
+        """The rows of a decode step whose new tokens sit at ``positions`` (B,) host ints;
+        ``going``: the rows whose token counts (default all; a finished row is still fed)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        mine = self._mine(positions, going)
+        slots = np.minimum(self.held, self.capacity - 1)
+        rows = AttentionRows.build(xp, np.ones(len(positions), np.int64), slots + mine,
+                                   from_start=False)
+        return replace(rows, context=SplitCache(xp.asarray(positions),
+                                                xp.asarray(slots.astype(np.int32))))
+
+    def decoded(self, positions, going=None) -> None:
+        """The step at ``positions`` ran: this rank keeps the keys of its own positions."""
+        mine = self._mine(np.asarray(positions, dtype=np.int64), going)
+        self.held = np.minimum(self.held + mine, self.capacity - 1)
+
+    def _mine(self, positions: np.ndarray, going) -> np.ndarray:
+        mine = (positions % self.size == self.rank).astype(np.int64)
+        return mine if going is None else mine * np.asarray(going, dtype=np.int64)
+
 
 def _visible(q: Segment, k: Segment, rows: AttentionRows) -> bool:
     """Whether any query of segment q may see a key of segment k (rows from position 0)."""
@@ -130,13 +211,31 @@ class RingAttention:
         self.local, self.cp, self.xp = local, cp, local.xp
 
     def forward(self, q, keys, values, rows: AttentionRows):
+        if isinstance(rows.context, SplitCache):
+            return self._decode(q, keys, values, rows)
         return self.forward_train(q, keys, values, rows)[0]
+
+    def _decode(self, q, keys, values, rows: AttentionRows):
+        """A decode step: this rank's cached keys, the partial outputs merged over cp."""
+        xp = self.xp
+        B, T, nh, hd = q.shape
+        qs, keys, values = grouped(q, keys, values, rows)
+        nkv = keys.shape[1]
+        qs = qs.reshape(B, nkv, nh // nkv, T, hd)
+        out, lse = self.local.attend(qs, keys, values, rows, partial=True)
+        mine = xp.concatenate([out, lse[..., None]], axis=-1)          # (B, kv, g, T, d + 1)
+        every = self.cp.all_gather(xp.ascontiguousarray(mine[None]), axis=0)
+        out, lse = every[0, ..., :hd].copy(), every[0, ..., hd].copy()
+        for part in every[1:]:                   # in rank order: the same sums on every rank
+            merge(xp, out, lse, part[..., :hd], part[..., hd])
+        return out.astype(q.dtype, copy=False).transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
 
     def forward_train(self, q, keys, values, rows: AttentionRows):
         """(out (B, T, heads, d), ctx) for this rank's T queries against every rank's keys."""
         xp, shard = self.xp, _shard(rows, self.cp)
         B, T, nh, hd = q.shape
         qs, keys, values = grouped(q, keys, values, rows)
+        keys, values = keys[:, :, :T], values[:, :, :T]          # this rank's (a cache: more)
         nkv = keys.shape[1]
         qs = qs.reshape(B, nkv, nh // nkv, T, hd)
         acc = _accumulator(xp, q.dtype)
@@ -230,3 +329,31 @@ def _pack(xp, keys, values, width: int):
     block[0, :, :, :T] = keys
     block[1, :, :, :T] = values
     return block
+
+
+def split_batch(xp, ids: np.ndarray, lengths, cp: "Communicator | None"):
+    """(ids, rows, shard) of whole rows (B, L) from position 0: under context parallelism
+    this rank's positions of them (rows shorter than the group padded to it) and rows that
+    say so; without (``cp`` None), the rows as they are and shard None."""
+    rows = AttentionRows.build(xp, lengths, lengths, from_start=True)
+    if cp is None:
+        return ids, rows, None
+    shard = ContextShard(max(ids.shape[1], cp.size), cp.size, cp.rank)
+    ids = shard.take(np.pad(ids, ((0, 0), (0, shard.length - ids.shape[1]))))
+    return ids, replace(rows, context=shard, max_kv=ids.shape[1]), shard
+
+
+def last_states(xp, y, lengths, shard: ContextShard | None, cp: "Communicator | None"):
+    """(B, 1, hidden) each row's states at its last position (lengths - 1) from y (B, T,
+    hidden): under context parallelism the rank holding that position gives them, summed
+    over the group (the others add zeros), so every rank of the group has every row's."""
+    at = np.asarray(lengths, dtype=np.int64) - 1
+    if shard is None:
+        return y[xp.arange(len(at)), xp.asarray(at)][:, None]
+    local = np.searchsorted(shard.positions, at)
+    local = np.minimum(local, len(shard.positions) - 1)
+    mine = np.flatnonzero(shard.positions[local] == at)
+    out = xp.zeros((len(at), 1, y.shape[-1]), dtype=y.dtype)
+    if len(mine):
+        out[xp.asarray(mine), 0] = y[xp.asarray(mine), xp.asarray(local[mine])]
+    return cp.all_reduce(out)

@@ -13,7 +13,6 @@ those positions; ``gather_over_cp`` then gives every rank of the last stage the 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -22,8 +21,7 @@ from ..faults import fault_point
 from ..generate.batching import MicroBatch
 from ..model import DecoderStage
 from ..parallel.layers import VocabParallelCrossEntropy
-from ..ops import AttentionRows
-from ..parallel.context import ContextShard
+from ..parallel.context import ContextShard, split_batch
 from ..pipeline.schedule import Action
 
 # float32 logits of one block of positions, per rank (the head's output is [rows, block,
@@ -74,13 +72,8 @@ class ScoringProgram:
     def compute(self, a: Action) -> None:
         fault_point("score", a.mb + 1)
         stage, batch, xp = self.stage, self.mbs[a.mb], self.xp
-        shard = self._shard(batch)
-        rows = AttentionRows.build(xp, batch.lengths, batch.lengths, from_start=True)
-        ids, positions = batch.ids, np.arange(batch.length)
-        if shard is not None:
-            rows = replace(rows, context=shard)
-            ids = shard.take(np.pad(ids, ((0, 0), (0, shard.length - batch.length))))
-            positions = shard.positions
+        ids, rows, shard = split_batch(xp, batch.ids, batch.lengths, self.cp)
+        positions = np.arange(batch.length) if shard is None else shard.positions
         x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
         y = stage.forward(x, rows, None)
         if stage.last:

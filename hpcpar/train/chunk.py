@@ -97,11 +97,9 @@ class ModelChunk:
         if self.first:
             x, ctx["embed"] = stage.embedding.forward(batch.ids)
             x = stage.scale_embedding(x)
-        shard = batch.shard
-        where = xp.arange(T) if shard is None else xp.asarray(shard.positions)
-        cos, sin = stage.rope.tables(xp.broadcast_to(where[None, :], (B, T)))     # (B, T)
-        rows = AttentionRows(batch.lengths, batch.lengths, T if shard is None else shard.length,
-                             from_start=True, context=shard)
+        rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True,
+                             context=batch.shard)
+        cos, sin = stage.rope.tables(rows.positions(xp, T))                    # (B, T)
         ctx["rope"] = (cos, sin, rows)
         saved = []
         for layer in stage.decoder:
