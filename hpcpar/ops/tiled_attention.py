@@ -136,7 +136,8 @@ class TiledAttention(Attention):
                 scores = self._scores(qb, keys, rows, at, k_at, (s0, s1), masked)
                 m_new = xp.maximum(m, scores.max(axis=-1))
                 safe = xp.where(xp.isfinite(m_new), m_new, 0.0)          # rows seeing nothing
-                p = xp.exp(scores - safe[..., None])
+                scores -= safe[..., None]               # in place: the block's one big pass
+                p = xp.exp(scores, out=scores)
                 rescale = xp.exp(xp.where(xp.isfinite(m), m, safe) - safe)
                 l = l * rescale + p.sum(axis=-1)
                 pv = (p.astype(qs.dtype, copy=False).reshape(B, nkv, g * tq, s1 - s0)
