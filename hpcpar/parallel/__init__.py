@@ -11,7 +11,8 @@ same program). See the README's "Use it as a library" and its reference section.
 The pieces, one module each: ``mesh`` (named axes, groups), ``placement`` (Shard /
 Replicate / Partial), ``splits`` (the split rules), ``darray`` and ``redistribute``
 (distributed arrays), ``sharded_matmul`` and ``feedforward`` (sharded products under named
-policies), ``mappings`` (Megatron's f and g), ``layers`` (column-, row- and vocabulary-parallel
+policies), ``context`` (context parallelism: a sequence split over a cp group, ring
+attention), ``mappings`` (Megatron's f and g), ``layers`` (column-, row- and vocabulary-parallel
 layers), ``params``, ``data_parallel`` and ``optim`` (parameters, gradient buckets,
 SGD/AdamW), and ``hpcpar.pipeline`` (schedules as data, and the executor that runs stage
 functions).
@@ -29,6 +30,7 @@ _HOME = {
     "..pipeline.schedule": ("bubble_fraction", "draw"),
     "..pipeline.training_schedules": ("TRAINING_SCHEDULES", "bubble_formula",
                                       "training_schedule"),
+    ".context": ("ContextShard", "RingAttention", "SplitKV", "split_batch"),
     ".darray": ("DArray", "PlacementError"),
     ".data_parallel": ("GradientReducer", "grad_norm"),
     ".feedforward": ("ACTIVATIONS", "FFN_POLICIES", "FeedForward"),
