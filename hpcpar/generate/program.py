@@ -192,7 +192,7 @@ class GenerationProgram(ReplicaProgram):
             ids, rows, self.shards[mb] = split_batch(xp, batch.ids, batch.lengths, self.cp)
         else:
             ids = self.tokens[self._local(batch), step - 1][:, None]
-            rows = self.rows(batch, step)
+            rows = self.decode_rows(batch, step)
         x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(mb)
         y = stage.forward(x, rows, self.caches[mb])
         if split is not None:                            # the KV cache split over cp
@@ -207,11 +207,9 @@ class GenerationProgram(ReplicaProgram):
         if step == 0 and mb == len(self.mbs) - 1:
             self.prefill_done_at = perf_counter()
 
-    def rows(self, batch: MicroBatch, step: int) -> AttentionRows:
-        """Step ``step``'s rows: the prompts from position 0 (prefill), or one token per row
-        over a cache that holds the prompt and the tokens of the steps before."""
-        if step == 0:
-            return split_batch(self.xp, batch.ids, batch.lengths, self.cp)[1]
+    def decode_rows(self, batch: MicroBatch, step: int) -> AttentionRows:
+        """Decode step ``step``'s rows: one token per row over a cache that holds the prompt
+        and the tokens of the steps before (this rank's part of them under cp)."""
         if self.split[batch.index] is not None:
             return self.split[batch.index].decode_rows(self.xp, batch.lengths + step - 1)
         return AttentionRows.build(self.xp, np.ones(batch.size, np.int64),

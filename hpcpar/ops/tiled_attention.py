@@ -111,7 +111,7 @@ class TiledAttention(Attention):
         where the keys are a ``partial`` set of the sequence's (a KV cache split over ranks)."""
         xp, (B, nkv, g, T, hd) = self.xp, qs.shape
         S = keys.shape[2]
-        acc_dtype = _accumulator(xp, qs.dtype)
+        acc_dtype = accumulator(xp, qs.dtype)
         out_dtype = acc_dtype if out_dtype is None else out_dtype
         empty_rows = partial or bool(q_at or k_at)     # may some query see no key at all?
         out = xp.zeros((B, nkv, g, T, hd), dtype=out_dtype)
@@ -214,7 +214,7 @@ class TiledAttention(Attention):
         xp, (B, nkv, g, T, hd) = self.xp, qs.shape
         S = keys.shape[2]
         dtype = keys.dtype
-        acc_dtype = _accumulator(xp, dtype)
+        acc_dtype = accumulator(xp, dtype)
         dq = xp.zeros((B, nkv, g, T, hd), dtype=acc_dtype)
         dk = xp.zeros((B, nkv, S, hd), dtype=acc_dtype)
         dv = xp.zeros((B, nkv, S, hd), dtype=acc_dtype)
@@ -238,7 +238,7 @@ class TiledAttention(Attention):
         return dq, dk, dv
 
 
-def _accumulator(xp, dtype):
+def accumulator(xp, dtype):
     """Where sums and softmax statistics are kept: float32, or float64 for float64 work."""
     return xp.float64 if dtype == xp.float64 else xp.float32
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import HpcparError
 from ..ops.attention import AttentionRows, grouped
-from ..ops.tiled_attention import TiledAttention, _accumulator, merge
+from ..ops.tiled_attention import TiledAttention, accumulator, merge
 
 if TYPE_CHECKING:       # the split is pure (``plan`` reads it without MPI); the ring is not
     from ..comm import Communicator
@@ -238,7 +238,7 @@ class RingAttention:
         keys, values = keys[:, :, :T], values[:, :, :T]          # this rank's (a cache: more)
         nkv = keys.shape[1]
         qs = qs.reshape(B, nkv, nh // nkv, T, hd)
-        acc = _accumulator(xp, q.dtype)
+        acc = accumulator(xp, q.dtype)
         out = xp.zeros(qs.shape, dtype=acc)
         lse = xp.full(qs.shape[:-1], -xp.inf, dtype=acc)
         for owner, kv in self._pass_around(_pack(xp, keys, values, shard.max_local), +1):
