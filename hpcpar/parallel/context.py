@@ -119,6 +119,12 @@ class ContextShard:
         parts = [np.take(a, range(s.at, s.at + s.length), axis=axis) for s in self.segments()]
         return np.concatenate(parts, axis=axis)
 
+    def rows(self, xp, lengths) -> AttentionRows:
+        """The attention rows of whole sequences of ``lengths`` (B,) tokens (each at most
+        ``length``, the rest padding) as this rank holds them: what ``RingAttention`` takes."""
+        rows = AttentionRows.build(xp, lengths, lengths, from_start=True)
+        return replace(rows, context=self, max_kv=self.local_length())
+
     def held(self, lengths) -> np.ndarray:
         """(B,) how many of this rank's positions fall inside each row of ``lengths``."""
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -335,12 +341,11 @@ def split_batch(xp, ids: np.ndarray, lengths, cp: "Communicator | None"):
     """(ids, rows, shard) of whole rows (B, L) from position 0: under context parallelism
     this rank's positions of them (rows shorter than the group padded to it) and rows that
     say so; without (``cp`` None), the rows as they are and shard None."""
-    rows = AttentionRows.build(xp, lengths, lengths, from_start=True)
     if cp is None:
-        return ids, rows, None
+        return ids, AttentionRows.build(xp, lengths, lengths, from_start=True), None
     shard = ContextShard(max(ids.shape[1], cp.size), cp.size, cp.rank)
     ids = shard.take(np.pad(ids, ((0, 0), (0, shard.length - ids.shape[1]))))
-    return ids, replace(rows, context=shard, max_kv=ids.shape[1]), shard
+    return ids, shard.rows(xp, lengths), shard
 
 
 def last_states(xp, y, lengths, shard: ContextShard | None, cp: "Communicator | None"):
