@@ -36,6 +36,18 @@ class Runtime:
     world: Communicator         # every rank, host arrays (MPI)
     board: ActionBoard
 
+    def close(self) -> None:
+        """Free the job's communicators and its board (collective; at the job's end). A
+        process that runs many jobs (a library user, a test session) would otherwise run out
+        of MPI's few thousand communicators."""
+        close_runtime(self.mesh, self.board)
+
+
+def close_runtime(mesh: Mesh, board: ActionBoard) -> None:
+    set_board(None)
+    board.free()
+    mesh.free()
+
 
 def open_runtime(comm, job: Job, layout: ParallelConfig, dtype: np.dtype,
                  data_parallel: bool = False) -> Runtime:

@@ -266,6 +266,7 @@ def run_generation(comm, job: Job, prompts: Prompts | None = None,
 
         with phase("writing the output file"):
             everyone(comm, write)     # the other ranks wait for rank 0's verdict
+        ranks.close()
         return result
 
 

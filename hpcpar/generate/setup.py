@@ -23,7 +23,7 @@ from ..mesh import Mesh
 from ..model import DecoderStage
 from ..ops import ops_for
 from ..pipeline.partition import stage_layers
-from ..runtime import open_runtime
+from ..runtime import close_runtime, open_runtime
 from ..tensors import stage_tensors
 from ..watchdog import ActionBoard
 
@@ -92,6 +92,10 @@ class InferenceRank:
     stage: DecoderStage
     shard: object               # the loaded slices' figures (seconds, bytes read)
     cp: object = None           # the context-parallel ring group, where cp > 1
+
+    def close(self) -> None:
+        """Free the job's communicators and board (collective; at the job's end)."""
+        close_runtime(self.mesh, self.board)
 
 
 def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,

@@ -136,6 +136,7 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
 
         with phase("writing the output file"):
             everyone(comm, write)
+        ranks.close()
         return result
 
 

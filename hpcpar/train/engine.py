@@ -206,6 +206,9 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
             bar.close()
         figures.set_comm(stats, reducer)
         table = world.gather(figures.to_array()[None], root=0)               # (ranks, figures)
+        if kv_comm is not None:
+            kv_comm.mpi_comm.Free()
+        rt.close()
         if rank != 0:
             return None
         return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
