@@ -12,14 +12,14 @@ The model is the shape of SmolLM-135M (30 layers, hidden 576, 9 heads / 3 KV hea
 own process, one BLAS thread per rank: hpcpar under ``mpiexec -n cp``, transformers with
 ``torch.set_num_threads(cp)``, as its users run it at their best on a CPU: prefill with
 ``logits_to_keep=1`` and its KV cache, scoring as one forward and ``log_softmax`` over the
-logits, training as forward, ``loss.backward()`` and ``AdamW(fused=True)``. Generation does
-not split over cp yet, so prefill runs on one rank only.
+logits, training as forward, ``loss.backward()`` and ``AdamW(fused=True)``. Prefill is a
+generation job's (one new token), its prompt and KV cache split over cp.
 
 Memory: each process's peak resident set (``ru_maxrss``), less what the interpreter held
 before the model was loaded, against the bytes the run must hold: weights, the KV cache
 (prefill), the activations ``plan`` predicts for one micro-batch at the rank's positions
 (training; weights, gradients and AdamW state too), or one layer's O(T) activations and the
-logits (prefill, scoring).
+logits (prefill: the last position's; scoring: a block of positions, at most 256 MiB).
 """
 
 from __future__ import annotations
@@ -143,6 +143,9 @@ def needed_mb(mode: str, cfg: dict, tokens: int, cp: int) -> float:
     layer = here * (4 * h + 3 * q + 2 * kv + 3 * inter) * FLOAT
     cache = 2 * model.num_hidden_layers * here * kv * FLOAT if mode == "prefill" else 0
     logits = (1 if mode == "prefill" else here) * model.vocab_size * FLOAT
+    if mode == "score":                  # the head runs a block of positions at a time
+        from hpcpar.score.program import LOGITS_BLOCK_BYTES
+        logits = min(logits, LOGITS_BLOCK_BYTES)
     return (params * FLOAT + cache + layer + logits) / 1e6
 
 
@@ -177,8 +180,10 @@ def main() -> None:
                or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
                PYTHONPATH=str(REPO))
-    cfg = dict(SMOL, num_hidden_layers=args.layers)
     sizes = [int(t) for t in args.tokens.split(",")]
+    # room for the prompt and the one token a prefill generates
+    cfg = dict(SMOL, num_hidden_layers=args.layers,
+               max_position_embeddings=max(SMOL["max_position_embeddings"], max(sizes) + 1))
     cps = [int(c) for c in args.cp.split(",")]
     modes = args.modes.split(",")
     me = str(Path(__file__).resolve())
@@ -193,7 +198,7 @@ def main() -> None:
         init_checkpoint(checkpoint, cfg)
         for tokens in sizes:
             for mode in modes:
-                for n in (cps if mode != "prefill" else [1]):
+                for n in cps:
                     work = Path(tempfile.mkdtemp(dir=tmp))
                     base = None
                     if not args.no_transformers:
