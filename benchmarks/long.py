@@ -151,8 +151,13 @@ def needed_mb(mode: str, cfg: dict, tokens: int, cp: int) -> float:
 
 # ---- the driver ------------------------------------------------------------------------------
 
-def run(cmd: list[str], env: dict) -> dict:
+def run(cmd: list[str], env: dict, baseline: bool = False) -> dict | None:
+    """The worker's JSON line. A baseline killed by a signal (the out-of-memory killer at
+    long lengths) is a result, printed as such: None. Anything else that fails ends the run."""
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if baseline and proc.returncode < 0:
+        print(f"  (transformers was killed by signal {-proc.returncode}: out of memory?)")
+        return None
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -203,7 +208,8 @@ def main() -> None:
                     base = None
                     if not args.no_transformers:
                         base = run([sys.executable, me, "transformers", mode, str(checkpoint),
-                                    str(tokens), str(n)], dict(env, OMP_NUM_THREADS=str(n)))
+                                    str(tokens), str(n)], dict(env, OMP_NUM_THREADS=str(n)),
+                                   baseline=True)
                     got = run([mpiexec, "-n", str(n), sys.executable, me, "hpcpar", mode,
                                str(checkpoint), str(tokens), str(n), str(work)], env)
                     need = needed_mb(mode, cfg, tokens, n)
