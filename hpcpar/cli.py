@@ -441,8 +441,8 @@ def _plan_text(args) -> str:
                                  tr.seq_len or 64, tr.optimizer, tr.recompute == "full", name,
                                  tr.zero)
     if layout.cp > 1:
-        raise HpcparError(f"cp {layout.cp}: context parallelism plans training (--train); "
-                          "generation does not split its sequences over cp yet")
+        raise HpcparError(f"cp {layout.cp}: plan counts a cp split for training (--train); "
+                          "its generation plan (weights, KV cache) does not split over cp yet")
     from .plan import format_plan
     return format_plan(cfg, layout, args.batch or job.data.random_count,
                        args.prompt_length or max(job.data.random_lengths),
