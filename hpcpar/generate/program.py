@@ -110,9 +110,8 @@ class ReplicaProgram(ABC):
 
     def prefill_width(self, length: int) -> int:
         """Positions of prompts ``length`` wide this rank runs (its own under cp)."""
-        if self.cp is None:
-            return length
-        return ContextShard(max(length, self.cp.size), self.cp.size, self.cp.rank).local_length()
+        shard = ContextShard.of(length, self.cp)
+        return length if shard is None else shard.local_length()
 
     def split_kv(self, rows: int, capacity: int) -> SplitKV | None:
         return None if self.cp is None else SplitKV(rows, self.cp.size, self.cp.rank, capacity)

@@ -67,9 +67,8 @@ def ops_for(backend, cp=None) -> Ops:
     xp = backend.xp
     if cp is not None and cp.size > 1:
         from ..parallel.context import RingAttention
-        local = native_ops(xp)
-        ops = ops_for(backend)
-        return replace(ops, attention=RingAttention(local.attention, cp))
+        from .tiled_attention import TiledAttention
+        return replace(ops_for(backend), attention=RingAttention(TiledAttention(xp), cp))
     if backend.is_gpu and os.environ.get("HPCPAR_OPS", "auto") != "native":
         from .cuda import cuda_ops
         return cuda_ops(xp)

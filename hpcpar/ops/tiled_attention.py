@@ -45,6 +45,15 @@ def merge(xp, out, lse, part, part_lse) -> None:
     lse[...] = new
 
 
+def grouped_heads(q, keys, values, rows: AttentionRows):
+    """``ops.attention.grouped`` with the queries as (B, kv, g, T, d): the g query heads of
+    each KV head apart from their positions, as the tiles slice them."""
+    B, T, nh, hd = q.shape
+    qs, keys, values = grouped(q, keys, values, rows)
+    nkv = keys.shape[1]
+    return qs.reshape(B, nkv, nh // nkv, T, hd), keys, values
+
+
 class TiledAttention(Attention):
     def __init__(self, xp, block: int = BLOCK):
         super().__init__(xp)
@@ -95,9 +104,7 @@ class TiledAttention(Attention):
     def forward_train(self, q, keys, values, rows: AttentionRows):
         """(out (B, T, heads, d), ctx): ctx keeps q, k, v, the output and lse, not P."""
         B, T, nh, hd = q.shape
-        qs, keys, values = grouped(q, keys, values, rows)
-        nkv = keys.shape[1]
-        qs = qs.reshape(B, nkv, nh // nkv, T, hd)                             # (B, kv, g, T, d)
+        qs, keys, values = grouped_heads(q, keys, values, rows)
         out, lse = self.attend(qs, keys, values, rows, out_dtype=q.dtype)
         result = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
         return result, (qs, keys, values, out, lse, rows)

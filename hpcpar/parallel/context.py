@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import HpcparError
-from ..ops.attention import AttentionRows, grouped
-from ..ops.tiled_attention import TiledAttention, accumulator, merge
+from ..ops.attention import AttentionRows
+from ..ops.tiled_attention import TiledAttention, accumulator, grouped_heads, merge
 
 if TYPE_CHECKING:       # the split is pure (``plan`` reads it without MPI); the ring is not
     from ..comm import Communicator
@@ -72,6 +72,12 @@ class ContextShard:
     length: int
     size: int
     rank: int
+
+    @classmethod
+    def of(cls, length: int, cp: "Communicator | None") -> "ContextShard | None":
+        """This rank's part of rows ``length`` wide, padded to one position per rank of the
+        group when shorter; None without a cp group."""
+        return None if cp is None else cls(max(length, cp.size), cp.size, cp.rank)
 
     def __post_init__(self):
         if self.length < self.size:
@@ -207,6 +213,15 @@ def _visible(q: Segment, k: Segment, rows: AttentionRows) -> bool:
     return rows.window is None or k.last > q.at - rows.window or k.at == 0   # k 0: padding
 
 
+def _pairs(shard: ContextShard, owner: int, rows: AttentionRows):
+    """(query segment, key segment) of this rank's queries and ``owner``'s keys that may
+    see each other."""
+    for qseg in shard.segments():
+        for kseg in shard.segments(owner):
+            if _visible(qseg, kseg, rows):
+                yield qseg, kseg
+
+
 class RingAttention:
     """The attention op (``forward``, ``forward_train``, ``backward``) over sequences split
     over the cp group ``cp`` (see the module's text); ``local`` computes each block pair's
@@ -225,9 +240,7 @@ class RingAttention:
         """A decode step: this rank's cached keys, the partial outputs merged over cp."""
         xp = self.xp
         B, T, nh, hd = q.shape
-        qs, keys, values = grouped(q, keys, values, rows)
-        nkv = keys.shape[1]
-        qs = qs.reshape(B, nkv, nh // nkv, T, hd)
+        qs, keys, values = grouped_heads(q, keys, values, rows)
         out, lse = self.local.attend(qs, keys, values, rows, partial=True)
         mine = xp.concatenate([out, lse[..., None]], axis=-1)          # (B, kv, g, T, d + 1)
         every = self.cp.all_gather(xp.ascontiguousarray(mine[None]), axis=0)
@@ -240,22 +253,17 @@ class RingAttention:
         """(out (B, T, heads, d), ctx) for this rank's T queries against every rank's keys."""
         xp, shard = self.xp, _shard(rows, self.cp)
         B, T, nh, hd = q.shape
-        qs, keys, values = grouped(q, keys, values, rows)
+        qs, keys, values = grouped_heads(q, keys, values, rows)
         keys, values = keys[:, :, :T], values[:, :, :T]          # this rank's (a cache: more)
-        nkv = keys.shape[1]
-        qs = qs.reshape(B, nkv, nh // nkv, T, hd)
         acc = accumulator(xp, q.dtype)
         out = xp.zeros(qs.shape, dtype=acc)
         lse = xp.full(qs.shape[:-1], -xp.inf, dtype=acc)
         for owner, kv in self._pass_around(_pack(xp, keys, values, shard.max_local), +1):
-            for qseg in shard.segments():
-                for kseg in shard.segments(owner):
-                    if not _visible(qseg, kseg, rows):
-                        continue
-                    part, part_lse = self.local.attend(
-                        qs[:, :, :, qseg.span], kv[0][:, :, kseg.span], kv[1][:, :, kseg.span],
-                        rows, qseg.at, kseg.at)
-                    merge(xp, out[:, :, :, qseg.span], lse[:, :, :, qseg.span], part, part_lse)
+            for qseg, kseg in _pairs(shard, owner, rows):
+                part, part_lse = self.local.attend(
+                    qs[:, :, :, qseg.span], kv[0][:, :, kseg.span], kv[1][:, :, kseg.span],
+                    rows, qseg.at, kseg.at)
+                merge(xp, out[:, :, :, qseg.span], lse[:, :, :, qseg.span], part, part_lse)
         result = out.astype(q.dtype, copy=False).transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
         return result, (qs, keys, values, out, lse, rows)
 
@@ -293,17 +301,14 @@ class RingAttention:
         packed = _pack(xp, keys, values, shard.max_local)
         for step, (owner, kv) in enumerate(self._pass_around(packed, -1)):
             grads = xp.zeros((2,) + kv.shape[1:], dtype=acc)                  # dk, dv
-            for qseg in shard.segments():
-                for kseg in shard.segments(owner):
-                    if not _visible(qseg, kseg, rows):
-                        continue
-                    dq_part, dk_part, dv_part = self.local.attend_backward(
-                        do[:, :, :, qseg.span], qs[:, :, :, qseg.span], kv[0][:, :, kseg.span],
-                        kv[1][:, :, kseg.span], lse[:, :, :, qseg.span],
-                        D[:, :, :, qseg.span], rows, qseg.at, kseg.at)
-                    dq[:, :, :, qseg.span] += dq_part
-                    grads[0][:, :, kseg.span] += dk_part
-                    grads[1][:, :, kseg.span] += dv_part
+            for qseg, kseg in _pairs(shard, owner, rows):
+                dq_part, dk_part, dv_part = self.local.attend_backward(
+                    do[:, :, :, qseg.span], qs[:, :, :, qseg.span], kv[0][:, :, kseg.span],
+                    kv[1][:, :, kseg.span], lse[:, :, :, qseg.span], D[:, :, :, qseg.span],
+                    rows, qseg.at, kseg.at)
+                dq[:, :, :, qseg.span] += dq_part
+                grads[0][:, :, kseg.span] += dk_part
+                grads[1][:, :, kseg.span] += dv_part
             if incoming is not None:
                 incoming[1].wait()
                 grads += incoming[0]
@@ -341,9 +346,9 @@ def split_batch(xp, ids: np.ndarray, lengths, cp: "Communicator | None"):
     """(ids, rows, shard) of whole rows (B, L) from position 0: under context parallelism
     this rank's positions of them (rows shorter than the group padded to it) and rows that
     say so; without (``cp`` None), the rows as they are and shard None."""
-    if cp is None:
+    shard = ContextShard.of(ids.shape[1], cp)
+    if shard is None:
         return ids, AttentionRows.build(xp, lengths, lengths, from_start=True), None
-    shard = ContextShard(max(ids.shape[1], cp.size), cp.size, cp.rank)
     ids = shard.take(np.pad(ids, ((0, 0), (0, shard.length - ids.shape[1]))))
     return ids, shard.rows(xp, lengths), shard
 

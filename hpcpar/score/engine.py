@@ -212,5 +212,6 @@ def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, 
                comm_kind: str) -> dict:
     return {"hpcpar_version": __version__, "checkpoint": str(Path(ckpt.path)),
             "data": job.score.data, "dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
-            "cp": layout.cp, "micro_batches": layout.micro_batches, "compute_dtype": dtype_name(plan.dtype),
+            "cp": layout.cp, "micro_batches": layout.micro_batches,
+            "compute_dtype": dtype_name(plan.dtype),
             "backend": backend, "tp_comm": comm_kind}

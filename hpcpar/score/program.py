@@ -49,16 +49,9 @@ class ScoringProgram:
 
     def payload(self, a: Action):
         batch = self.mbs[a.mb]
-        shard = self._shard(batch)
+        shard = ContextShard.of(batch.length, self.cp)         # this rank's part, under cp
         here = batch.length if shard is None else shard.local_length()
         return (batch.size, here, self.stage.hidden_size), self.stage.dtype
-
-    def _shard(self, batch: MicroBatch) -> ContextShard | None:
-        """This rank's part of the micro-batch's rows (padded to at least one position per
-        rank of the cp group), or None without context parallelism."""
-        if self.cp is None:
-            return None
-        return ContextShard(max(batch.length, self.cp.size), self.cp.size, self.cp.rank)
 
     def finished(self, mb: int) -> bool:
         return False

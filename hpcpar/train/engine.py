@@ -153,7 +153,8 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                 figures.reduce += perf_counter() - t_reduce
                 counts_loss = chunks[-1].last and mesh.tp_rank == 0
                 agreed = np.array([program.loss if counts_loss else 0.0,
-                                   local_sq_norm(updated, xp) if zero or mesh.grad_rank == 0 else 0.0,
+                                   local_sq_norm(updated, xp)
+                                   if zero or mesh.grad_rank == 0 else 0.0,
                                    1.0 if stop.requested else 0.0])
                 world.all_reduce(agreed)
                 loss, norm = float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale
