@@ -75,3 +75,81 @@ def test_blocks_above_the_diagonal_are_skipped_and_inside_blocks_unmasked():
     windowed = AttentionRows(rows.q_lengths, rows.kv_lengths, 16, True, window=3)
     assert [b[:2] for b in TiledAttention(np, block=4)._tiles(windowed, 16, 16)[3][2]] == [
         (8, 12), (12, 16)]                          # keys before position 10 never seen
+
+
+def _dense_scores(q, k, rows):
+    """(B, heads, T, S) scaled scores in float64 with -inf where masked: the reference's."""
+    from hpcpar.ops.attention import attention_mask
+    B, T, nh, hd = q.shape
+    g = nh // k.shape[1]
+    scores = np.einsum("bthd,bhsd->bhts", q.astype(np.float64),
+                       np.repeat(k.astype(np.float64), g, axis=1)) / np.sqrt(hd)
+    mask = attention_mask(np, rows, T, k.shape[2])[:, 0]          # (B, 1, T, S)
+    return np.where(mask, scores, -np.inf)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_starting_shift_is_a_score_each_query_reaches(name):
+    """The known shift's premise: each query's starting c is one of its visible scores, so
+    at most its largest (padding queries included: they see key 0 alone)."""
+    from hpcpar.ops.tiled_attention import grouped_heads, reached_scores
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    B, T, S, nh, nkv, hd, q_len, kv_len, window = CASES[name]
+    q, k, v, rows, _ = _case(rng, B, T, S, nh, nkv, hd, q_len, kv_len, np.float64, window)
+    qs, keys, _ = grouped_heads(q * 3.0, k, v, rows)
+    start = reached_scores(np, qs, keys, rows).reshape(B, nh, T)
+    scores = _dense_scores(q * 3.0, k, rows)                       # (B, heads, T, S)
+    visible = np.isclose(scores, start[..., None], rtol=0, atol=1e-12).any(axis=-1)
+    assert visible.all()
+    assert (start <= scores.max(axis=-1) + 1e-12).all()
+
+
+def test_spans_of_large_scores_move_the_shift_and_keep_the_reference_output():
+    """A key of large norm (scores of ~100): the spans the bound cannot keep in range take
+    their maximum, the others do not, and the output equals the reference in float32 and
+    float64, its lse too."""
+    from hpcpar.ops.tiled_attention import KnownShift, grouped_heads, spans
+    rng = np.random.default_rng(7)
+    B, T, nh, nkv, hd = 2, 24, 4, 2, 8
+    for dtype in (np.float32, np.float64):
+        q, k, v, rows, _ = _case(rng, B, T, T, nh, nkv, hd, [24, 19], [24, 19], dtype)
+        k[0, :, 5] *= 60.0                     # row 0's key 5: scores of ~100 in span [0, 8)
+        qs, keys, values = grouped_heads(q, k, v, rows)
+        known = KnownShift.build(np, qs, keys, values, rows, 4, 0, 0, False)
+        tile = TiledAttention(np, block=4)._tiles(rows, T, T)[3]
+        joined = spans(tile[2], 8)
+        assert [s[:2] for s in joined] == [(0, 8), (8, 12), (12, 16)]
+        assert known.may_overflow(12, 16, joined) == [True, False, False]
+        assert known.may_overflow(0, 4, spans(TiledAttention(np, block=4)._tiles(
+            rows, T, T)[0][2], 8)) == [False]
+        ref = Attention(np)
+        want = ref.forward(q, k, v, rows)
+        tiled = TiledAttention(np, block=4)
+        got, ctx = tiled.forward_train(q, k, v, rows)
+        valid = np.arange(T)[None, :] < np.array([24, 19])[:, None]
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got[valid], want[valid], rtol=0,
+                                   atol=(2e-6 if dtype == np.float32 else 1e-13) * scale)
+        lse = ctx[4].reshape(B, nh, T)                            # (B, kv, g, T) -> heads
+        scores = _dense_scores(q, k, rows)
+        top = scores.max(axis=-1)
+        want_lse = top + np.log(np.exp(scores - top[..., None]).sum(axis=-1))
+        np.testing.assert_allclose(lse.transpose(0, 2, 1)[valid],
+                                   want_lse.transpose(0, 2, 1)[valid], rtol=0,
+                                   atol=(2e-6 if dtype == np.float32 else 1e-13)
+                                   * np.abs(want_lse).max())
+
+
+def test_the_known_shift_is_for_whole_sequences_in_float32_and_float64():
+    """Decode steps (fewer queries than a block), 16-bit inputs and segments of a ring keep
+    the online softmax."""
+    from hpcpar.ops.tiled_attention import KnownShift, grouped_heads
+    rng = np.random.default_rng(3)
+    q, k, v, rows, _ = _case(rng, 1, 8, 8, 2, 1, 4, [8], [8], np.float32)
+    build = KnownShift.build
+    assert build(np, *grouped_heads(q, k, v, rows), rows, 4, 0, 0, False) is not None
+    assert build(np, *grouped_heads(q, k, v, rows), rows, 16, 0, 0, False) is None
+    assert build(np, *grouped_heads(q, k, v, rows), rows, 4, 4, 0, False) is None
+    assert build(np, *grouped_heads(q, k, v, rows), rows, 4, 0, 0, True) is None
+    half = [a.astype(np.float16) for a in (q, k, v)]
+    assert build(np, *grouped_heads(*half, rows), rows, 4, 0, 0, False) is None

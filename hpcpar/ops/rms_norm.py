@@ -38,8 +38,13 @@ class RMSNorm:
         """(y, ctx) where ctx = (x, r) is what ``backward`` needs."""
         xp = self.xp
         xf = at_least_float32(xp, x)
-        r = 1.0 / xp.sqrt((xf * xf).mean(axis=-1, keepdims=True) + eps)   # (..., 1) float32
-        return w * (xf * r).astype(x.dtype, copy=False), (x, r)
+        squares = xp.einsum("...d,...d->...", xf, xf)[..., None]  # no x^2 temporary
+        r = 1.0 / xp.sqrt(squares * (1.0 / x.shape[-1]) + eps)    # (..., 1) float32
+        y = (xf * r).astype(x.dtype, copy=False)
+        if y.dtype != w.dtype:
+            return w * y, (x, r)
+        y *= w
+        return y, (x, r)
 
     def backward(self, dy, ctx, w):
         """(dx, dw) for y = forward(x, w); dw in float32 at least."""

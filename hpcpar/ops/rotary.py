@@ -10,9 +10,9 @@ R is orthogonal with R^T = -R, so the backward is dx = dy cos - R(dy sin).
 from __future__ import annotations
 
 
-def _rotate_half(xp, x):
+def _halves(x):
     half = x.shape[-1] // 2
-    return xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x[..., :half], x[..., half:]
 
 
 class Rotary:
@@ -20,17 +20,25 @@ class Rotary:
         self.xp = xp
 
     def apply(self, x, cos, sin):
-        """rope(x) for one tensor (new array)."""
-        return x * cos + _rotate_half(self.xp, x) * sin
+        """rope(x) for one tensor (new array): x cos, then R(x) sin added half by half, with
+        no rotated copy of x (x1 c - x2 s equals x1 c + (-x2) s bit for bit)."""
+        out = x * cos
+        (x1, x2), (s1, s2), (o1, o2) = _halves(x), _halves(sin), _halves(out)
+        o1 -= x2 * s1
+        o2 += x1 * s2
+        return out
 
     def forward(self, q, k, cos, sin):
         """(rope(q), rope(k)), new contiguous arrays."""
         return self.apply(q, cos, sin), self.apply(k, cos, sin)
 
     def backward_one(self, dy, cos, sin):
-        ds = dy * sin
-        half = dy.shape[-1] // 2
-        return dy * cos - self.xp.concatenate([-ds[..., half:], ds[..., :half]], axis=-1)
+        """dy cos - R(dy sin), half by half."""
+        dx = dy * cos
+        (d1, d2), (s1, s2), (o1, o2) = _halves(dy), _halves(sin), _halves(dx)
+        o1 += d2 * s2
+        o2 -= d1 * s1
+        return dx
 
     def backward(self, dq, dk, cos, sin):
         """(dq, dk) before the rotation."""

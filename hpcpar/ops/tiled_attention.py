@@ -12,7 +12,11 @@ probabilities: it recomputes each block's from the saved log-sum-exp, lse = m + 
     P = exp(S - lse),  dV += P^T dO,  dP = dO V^T,  dS = P (dP - D),  D = rowsum(dO * O),
     dQ += dS K / sqrt(d),  dK += dS^T Q / sqrt(d)
 
-Memory: the output, lse and one block of scores, O(B heads T d + block^2) per block row,
+A whole sequence in float32 or float64 (prefill, scoring, training's forward) needs no
+running maximum: each query's shift is known before its keys are read (``KnownShift``), so
+a span of keys costs two GEMMs and an exp2, the shift and the sum folded into the GEMMs.
+
+Memory: the output, lse and one span of scores, O(B heads T d + block^2) per block row,
 against the reference's O(B heads T S). The reference (``ops.attention.Attention``) stays
 the test oracle.
 
@@ -25,6 +29,7 @@ one segment of each; ring attention (``parallel.context``) is many.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..dtypes import at_least_float32
 from .attention import Attention, AttentionRows, attention_mask, grouped
@@ -125,6 +130,8 @@ class TiledAttention(Attention):
         lse = xp.full((B, nkv, g, T), -xp.inf, dtype=acc_dtype)
         if S == 0:
             return out, lse
+        shifted = KnownShift.build(xp, qs, keys, values, rows, self.block, q_at, k_at,
+                                   partial)
         for t0, t1, blocks in self._tiles(rows, T, S, q_at, k_at):
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
@@ -132,33 +139,73 @@ class TiledAttention(Attention):
             if len(blocks) == 1:          # one block: its softmax needs no running statistics
                 o, lse[:, :, :, t0:t1] = self._one_block(qb, keys, values, rows, at, k_at,
                                                          blocks[0], empty_rows)
-                out[:, :, :, t0:t1] = o.astype(out_dtype, copy=False)
+            elif shifted is not None and blocks:
+                o, lse[:, :, :, t0:t1] = self._shifted_tile(shifted, rows, (t0, t1), blocks)
+            elif blocks:
+                o, lse[:, :, :, t0:t1] = self._online_tile(qb, keys, values, rows, at, k_at,
+                                                           blocks, empty_rows)
+            else:
                 continue
-            if not blocks:
-                continue
-            m = xp.full((B, nkv, g, tq), -xp.inf, dtype=acc_dtype)
-            l = xp.zeros((B, nkv, g, tq), dtype=acc_dtype)
-            acc = xp.zeros((B, nkv, g, tq, hd), dtype=acc_dtype)
-            for s0, s1, masked in blocks:
-                scores = self._scores(qb, keys, rows, at, k_at, (s0, s1), masked)
-                m_new = xp.maximum(m, scores.max(axis=-1))
-                safe = xp.where(xp.isfinite(m_new), m_new, 0.0)          # rows seeing nothing
-                scores -= safe[..., None]               # in place: the block's one big pass
-                p = xp.exp(scores, out=scores)
-                rescale = xp.exp(xp.where(xp.isfinite(m), m, safe) - safe)
-                l = l * rescale + p.sum(axis=-1)
-                pv = (p.astype(qs.dtype, copy=False).reshape(B, nkv, g * tq, s1 - s0)
-                      @ values[:, :, s0:s1])
-                acc = acc * rescale[..., None] + at_least_float32(xp, pv).reshape(
-                    B, nkv, g, tq, hd)
-                m = m_new
-            if empty_rows:
-                seen = l > 0
-                l = xp.where(seen, l, 1.0)
-                m = xp.where(seen, m, -xp.inf)
-            out[:, :, :, t0:t1] = (acc / l[..., None]).astype(out_dtype, copy=False)
-            lse[:, :, :, t0:t1] = m + xp.log(l)
+            out[:, :, :, t0:t1] = o.astype(out_dtype, copy=False)
         return out, lse
+
+    def _online_tile(self, qb, keys, values, rows, queries, k_at, blocks, empty_rows: bool):
+        """(out, lse) of one query block over its key blocks: the online softmax, its running
+        maximum m and sum l rescaling the output accumulated so far when m grows."""
+        xp = self.xp
+        B, nkv, _, hd = qb.shape
+        tq = queries[1] - queries[0]
+        g = qb.shape[2] // tq
+        acc_dtype = accumulator(xp, qb.dtype)
+        m = xp.full((B, nkv, g, tq), -xp.inf, dtype=acc_dtype)
+        l = xp.zeros((B, nkv, g, tq), dtype=acc_dtype)
+        acc = xp.zeros((B, nkv, g, tq, hd), dtype=acc_dtype)
+        for s0, s1, masked in blocks:
+            scores = self._scores(qb, keys, rows, queries, k_at, (s0, s1), masked)
+            m_new = xp.maximum(m, scores.max(axis=-1))
+            safe = xp.where(xp.isfinite(m_new), m_new, 0.0)          # rows seeing nothing
+            scores -= safe[..., None]               # in place: the block's one big pass
+            p = xp.exp(scores, out=scores)
+            rescale = xp.exp(xp.where(xp.isfinite(m), m, safe) - safe)
+            l = l * rescale + p.sum(axis=-1)
+            pv = (p.astype(qb.dtype, copy=False).reshape(B, nkv, g * tq, s1 - s0)
+                  @ values[:, :, s0:s1])
+            acc = acc * rescale[..., None] + at_least_float32(xp, pv).reshape(
+                B, nkv, g, tq, hd)
+            m = m_new
+        if empty_rows:
+            seen = l > 0
+            l = xp.where(seen, l, 1.0)
+            m = xp.where(seen, m, -xp.inf)
+        return acc / l[..., None], m + xp.log(l)
+
+    def _shifted_tile(self, shifted: "KnownShift", rows, queries, blocks):
+        """(out, lse) of one query block over its key blocks with the shift known up front
+        (``KnownShift``): per span of keys two GEMMs, [q, -c] [k, 1]^T = S - c (base 2) and
+        p [v, 1] = (sum p v, sum p), and one exp2; a span whose scores the bound cannot keep
+        in range also takes its maximum and moves c up to it."""
+        xp = self.xp
+        t0, t1 = queries
+        qx = shifted.queries(t0, t1)                          # (B, kv, g tq, d + 1)
+        B, nkv, rows_q, width = qx.shape
+        acc = xp.zeros((B, nkv, rows_q, width), dtype=qx.dtype)
+        joined = spans(blocks, 2 * self.block)
+        for (s0, s1, masked), check in zip(joined, shifted.may_overflow(t0, t1, joined)):
+            p = qx @ shifted.keys[:, :, :, s0:s1]               # (S - c) log2 e
+            if masked:
+                view = p.reshape(B, nkv, -1, t1 - t0, s1 - s0)
+                xp.copyto(view, -xp.inf, where=~self._block_mask(rows, t0, t1, s0, s1))
+            if check:                     # c up to the span's maximum where that is above c
+                grow = xp.maximum(p.max(axis=-1), 0.0)
+                p -= grow[..., None]
+                acc *= xp.exp2(-grow)[..., None]
+                qx[..., -1] -= grow
+            xp.exp2(p, out=p)
+            acc += p @ shifted.values[:, :, s0:s1]
+        acc = acc.reshape(B, nkv, -1, t1 - t0, width)
+        total = acc[..., -1]
+        shift = -qx[..., -1].reshape(total.shape)                # c log2 e, the final c
+        return acc[..., :-1] / total[..., None], (shift + xp.log2(total)) * LN2
 
     def _scores(self, qb, keys, rows: AttentionRows, queries, k_at: int, block,
                 masked: bool):
@@ -243,6 +290,115 @@ class TiledAttention(Attention):
                 dq[:, :, :, t0:t1] += at_least_float32(xp, ds @ kb).reshape(B, nkv, g, tq, hd)
                 dk[:, :, s0:s1] += at_least_float32(xp, ds.transpose(0, 1, 3, 2) @ qb)
         return dq, dk, dv
+
+
+# exp2(S - c) stays at or below 2^HEADROOM (sums of a million such, times any sane value, stay
+# far below float32's largest number, 3.4e38 = 2^128)
+HEADROOM = 64.0
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class KnownShift:
+    """The softmax's shift c known before any key is read, so that a span of keys costs two
+    GEMMs and an exp2, with no maximum, no rescaling and no separate sum.
+
+    softmax is the same for any shift: p = exp(S - c) / sum exp(S - c). The online softmax
+    tracks the running maximum only to keep exp in range. Here each query starts from c = L,
+    a score it is known to reach (its own key's; key 0's too without a sliding window), so
+    the largest p is at least 1 and nothing underflows that matters; a span of keys whose
+    scores may exceed c by more than HEADROOM (by the bound U = |q| max |k| over the span:
+    Cauchy-Schwarz) takes its maximum and moves c up to it, so c never passes the query's
+    largest score. With scores of a few units no span needs that. Then c folds into the
+    scores' GEMM, [q, -c] [k, 1]^T = S - c, and the sum into the output's, exp(S - c) [v, 1]
+    = (sum p v, sum p); the scores are in base 2 (q and c times log2 e), as NumPy's float32
+    exp2 costs half of its exp.
+
+    For a whole sequence's queries in float32 or float64; segments of a ring, decode steps
+    (fewer queries than a block) and 16-bit work (a 16-bit [q, -c] would round c) keep the
+    online softmax."""
+
+    xp: object
+    qs: object              # (B, kv, g, T, d) the scaled queries
+    start: object           # (B, kv, g, T) L, each query's first c
+    key_limit: object       # (B, kv, g, T) the key norm past which a score may overflow
+    key_norms: object       # (B, kv, blocks) host: max |k| over each key block
+    keys: object            # (B, kv, d + 1, S) [k, 1]^T
+    values: object          # (B, kv, S, d + 1) [v, 1]
+    block: int
+
+    @staticmethod
+    def build(xp, qs, keys, values, rows: AttentionRows, block: int, q_at: int, k_at: int,
+              partial: bool) -> "KnownShift | None":
+        """For a whole sequence's queries against its keys (``attend``'s arguments), or None
+        where it does not apply."""
+        B, nkv, g, T, hd = qs.shape
+        exact = qs.dtype == keys.dtype == values.dtype == accumulator(xp, keys.dtype)
+        if q_at or k_at or partial or T < block or not exact:
+            return None
+        S, dtype = keys.shape[2], qs.dtype
+        norms = xp.zeros((B, nkv, -(-S // block) * block), dtype=dtype)
+        norms[..., :S] = xp.sqrt(xp.einsum("bksd,bksd->bks", keys, keys))
+        kx = xp.empty((B, nkv, hd + 1, S), dtype=dtype)
+        kx[:, :, :hd] = keys.transpose(0, 1, 3, 2)
+        kx[:, :, hd] = 1.0
+        vx = xp.empty((B, nkv, S, hd + 1), dtype=dtype)
+        vx[..., :hd] = values
+        vx[..., hd] = 1.0
+        start = reached_scores(xp, qs, keys, rows)
+        q_norms = xp.sqrt(xp.einsum("bkgtd,bkgtd->bkgt", qs, qs)) * LOG2E
+        key_limit = (HEADROOM + start * LOG2E) / xp.maximum(q_norms, xp.finfo(dtype).tiny)
+        return KnownShift(xp, qs, start, key_limit,
+                          _host(xp, norms.reshape(B, nkv, -1, block).max(axis=-1)),
+                          kx, vx, block)
+
+    def queries(self, t0: int, t1: int):
+        """(B, kv, g tq, d + 1) [q, -c] log2 e of the queries [t0, t1), c at its start."""
+        xp = self.xp
+        B, nkv, g, _, hd = self.qs.shape
+        qx = xp.empty((B, nkv, g, t1 - t0, hd + 1), dtype=self.qs.dtype)
+        xp.multiply(self.qs[:, :, :, t0:t1], LOG2E, out=qx[..., :hd])
+        xp.multiply(self.start[:, :, :, t0:t1], -LOG2E, out=qx[..., hd])
+        return qx.reshape(B, nkv, g * (t1 - t0), hd + 1)
+
+    def may_overflow(self, t0: int, t1: int, key_spans) -> list[bool]:
+        """For each key span (s0, s1, masked): may some query of [t0, t1) score more than
+        HEADROOM (base 2) above its starting c there, |q| log2 e max |k| - c log2 e >
+        HEADROOM, that is max |k| > ``key_limit``? (c only grows: a safe answer.)"""
+        limit = _host(self.xp, self.key_limit[:, :, :, t0:t1].min(axis=(2, 3)))    # (B, kv)
+        return [bool((self.key_norms[..., s0 // self.block:-(-s1 // self.block)].max(-1)
+                      > limit).any()) for s0, s1, _ in key_spans]
+
+
+def spans(blocks, most: int):
+    """Key blocks with runs of unmasked neighbours joined into spans of at most ``most``
+    keys: fewer, larger GEMMs where no mask needs the block boundaries."""
+    joined = []
+    for s0, s1, masked in blocks:
+        if (joined and not masked and not joined[-1][2] and joined[-1][1] == s0
+                and s1 - joined[-1][0] <= most):
+            joined[-1] = (joined[-1][0], s1, False)
+        else:
+            joined.append((s0, s1, masked))
+    return joined
+
+
+def reached_scores(xp, qs, keys, rows: AttentionRows):
+    """(B, kv, g, T) a score each query certainly reaches, at most its largest: its score
+    against its own position's key, and against key 0 without a sliding window (the sink a
+    trained model attends to); a padding query sees key 0 alone."""
+    B, nkv, g, T, hd = qs.shape
+    S = keys.shape[2]
+    t = xp.arange(T)
+    position = rows.starts().astype(xp.int64)[:, None] + t[None, :]           # (B, T)
+    padding = t[None, :] >= rows.q_lengths[:, None]
+    own = xp.where(padding, 0, xp.minimum(position, S - 1))
+    own_key = keys[xp.arange(B)[:, None], :, own]                          # (B, T, kv, d)
+    reached = xp.einsum("bkgtd,btkd->bkgt", qs, own_key)
+    if rows.window is None:
+        reached = xp.maximum(reached, xp.einsum("bkgtd,bkd->bkgt", qs, keys[:, :, 0]))
+    return reached
 
 
 def accumulator(xp, dtype):
