@@ -140,3 +140,81 @@ def test_the_report_splits_the_run_into_prefill_and_decode(tmp_path, batching):
         assert 0 <= bubble < 1, (report.bubble_prefill, report.bubble_decode)
     assert report.prefill_tokens_per_s == pytest.approx(
         sum(map(len, prompts)) / report.prefill_seconds)
+
+
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunks of 4"])
+@pytest.mark.parametrize("name", ["gqa", "tied", "mistral"])
+def test_a_prefill_computes_its_last_layer_at_each_rows_last_token_alone(tmp_path, name,
+                                                                          chunk):
+    """A prefill's head reads each row's last token: with ``keep`` the last layer's attention,
+    MLP and residual adds run there alone, and give those states (next-token logits as the
+    float64 reference's; a sliding window's as without ``keep``), while every position's keys
+    and values are cached as without it. A prefill in chunks of 4 positions (prompts of 3 to
+    12 tokens: rows that end in an earlier chunk than others) gives the same states."""
+    from helpers import MISTRAL
+    from hpcpar.backend import NUMPY
+    from hpcpar.checkpoint import load_shard, open_checkpoint
+    from hpcpar.comm import MpiCommunicator
+    from hpcpar.model.decoder import DecoderStage
+    from hpcpar.ops import AttentionRows, ops_for
+    from hpcpar.tensors import stage_tensors
+    cfg = {"gqa": GQA, "tied": TIED, "mistral": MISTRAL}[name]
+    path, tensors = make_checkpoint(tmp_path, cfg)
+    ckpt = open_checkpoint(path)
+    layers = range(ckpt.config.num_hidden_layers)
+    specs = stage_tensors(ckpt.config, layers, True, True)
+    stage = DecoderStage.from_tensors(ckpt.config, specs, load_shard(ckpt, specs).tensors,
+                                      layers, True, True, MpiCommunicator(MPI.COMM_SELF),
+                                      ops_for(NUMPY), np.dtype(np.float32))
+    whole = DecoderStage.from_tensors(ckpt.config, specs, load_shard(ckpt, specs).tensors,
+                                      layers, True, True, MpiCommunicator(MPI.COMM_SELF),
+                                      ops_for(NUMPY), np.dtype(np.float32))
+    if chunk is not None:
+        stage.prefill_chunk = chunk
+    lengths = np.array([len(p) for p in PROMPTS])
+    ids = np.zeros((len(PROMPTS), lengths.max()), dtype=np.int64)
+    for b, p in enumerate(PROMPTS):
+        ids[b, :len(p)] = p
+    rows = AttentionRows.build(np, lengths, lengths, from_start=True)
+    caches = [stage.new_cache(len(PROMPTS), 16) for _ in range(2)]
+    every = whole.forward(stage.embed(ids), rows, caches[0])
+    kept = stage.forward(stage.embed(ids), rows, caches[1], keep=lengths - 1)
+    assert kept.shape == (len(PROMPTS), 1, cfg["hidden_size"])
+    np.testing.assert_allclose(kept[:, 0], every[np.arange(len(PROMPTS)), lengths - 1],
+                               atol=2e-5, rtol=0)
+    for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+        for row, n in enumerate(lengths):                      # the slots a row holds
+            np.testing.assert_allclose(a[:, row, :, :n], b[:, row, :, :n], atol=2e-5, rtol=0)
+    if chunk is not None:                     # and every position's states, chunk by chunk
+        chunked = stage.forward(stage.embed(ids), rows, stage.new_cache(len(PROMPTS), 16))
+        valid = np.arange(lengths.max())[None, :] < lengths[:, None]
+        np.testing.assert_allclose(chunked[valid], every[valid], atol=2e-5, rtol=0)
+    if name == "mistral":              # the reference has no sliding window (test_hf_parity)
+        return
+    logits = stage.logits(kept)[:, 0]
+    for b, prompt in enumerate(PROMPTS):
+        want = llama_logits(tensors, cfg, prompt[None])[0, -1]
+        np.testing.assert_allclose(logits[b], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_generation_with_prompts_prefilled_in_chunks_equals_whole_prompts(tmp_path,
+                                                                           monkeypatch,
+                                                                           batching):
+    """Prompts longer than the prefill chunk (4 positions here) are prefilled a chunk at a
+    time, in both batching modes (continuous batching's refills write the chunks into their
+    rows of the cache): the same tokens and prompt logits as whole-prompt prefills, and the
+    same tokens again where only each row's last token is computed (no logits saved)."""
+    from hpcpar.model import decoder
+    path, _ = make_checkpoint(tmp_path, GQA)
+    whole = _run(path, PROMPTS, max_new_tokens=5, stop_at_eos=False, batching=f"'{batching}'")
+    monkeypatch.setattr(decoder, "PREFILL_CHUNK", 4)
+    chunked = _run(path, PROMPTS, max_new_tokens=5, stop_at_eos=False,
+                   batching=f"'{batching}'")
+    assert chunked.tokens.tolist() == whole.tokens.tolist()
+    np.testing.assert_allclose(chunked.prompt_logits, whole.prompt_logits, atol=1e-5, rtol=0)
+    sets = [f"model.checkpoint='{path}'", "parallel.dp=1", "generate.max_new_tokens=5",
+            "generate.stop_at_eos=false", f"generate.batching='{batching}'"]
+    last_only = run_generation(MPI.COMM_SELF, load_job(None, sets), prompts=Prompts(PROMPTS),
+                               progress=False)
+    assert last_only.tokens.tolist() == whole.tokens.tolist()

@@ -32,7 +32,7 @@ import numpy as np
 from ..faults import fault_point
 from ..model import CacheRows, DecoderStage
 from ..ops import AttentionRows
-from ..parallel.context import SplitKV, last_states, split_batch
+from ..parallel.context import SplitKV, split_batch
 from ..pipeline.schedule import Action, Op
 from .schedule import generation
 from .batching import MicroBatch
@@ -201,7 +201,8 @@ class ContinuousProgram(ReplicaProgram):
             lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[s.new]], np.int64)
             ids, rows, shard = split_batch(xp, self._prefill_ids(a.mb), lengths, self.cp)
             x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
-            y = stage.forward(x, rows, CacheRows(cache, xp.asarray(s.new)))
+            y = stage.forward(x, rows, CacheRows(cache, xp.asarray(s.new)),
+                              self.prefill_keep(lengths))
             s.position[s.new] = lengths
             if split is not None:
                 split.prefilled(shard, lengths, s.new)
@@ -237,7 +238,7 @@ class ContinuousProgram(ReplicaProgram):
     # ---- the last stage ----------------------------------------------------------------------
 
     def _sample(self, mb: int, step: int, y) -> None:
-        stage, s, xp = self.stage, self.slots[mb], self.xp
+        stage, s = self.stage, self.slots[mb]
         if self._refill(mb, step):
             slots = s.new
             lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[slots]], np.int64)
@@ -245,7 +246,8 @@ class ContinuousProgram(ReplicaProgram):
                 full = self.backend.to_host(stage.head.full_logits(stage.logits(y)))
                 for j, p in enumerate(s.prompt[slots]):
                     self.logits_of[int(p)] = full[j, :lengths[j]]
-            last = stage.logits(last_states(xp, y, lengths, self.shards.pop(mb, None), self.cp))
+            last = stage.logits(self.last_states(y, lengths, self.prefill_keep(lengths),
+                                                 self.shards.pop(mb, None)))
         else:
             slots = np.arange(len(s.prompt))
             last = stage.logits(y)

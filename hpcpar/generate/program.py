@@ -116,6 +116,20 @@ class ReplicaProgram(ABC):
     def split_kv(self, rows: int, capacity: int) -> SplitKV | None:
         return None if self.cp is None else SplitKV(rows, self.cp.size, self.cp.rank, capacity)
 
+    def prefill_keep(self, lengths: np.ndarray) -> np.ndarray | None:
+        """The positions a prefill's last stage computes its final states at: each row's last
+        token (all the head reads), or None (every position: the prompt logits are saved, or
+        the prompts are split over cp and the rank holding each last token is elsewhere)."""
+        if not self.stage.last or self.settings.save_logits or self.cp is not None:
+            return None
+        return np.asarray(lengths, dtype=np.int64) - 1
+
+    def last_states(self, y, lengths, keep, shard):
+        """(B, 1, hidden) each row's final states at its last token, from a prefill's y."""
+        if keep is not None:                         # the stage computed those alone
+            return y
+        return last_states(self.xp, y, lengths, shard, self.cp)
+
     def met_stop_string(self, row: int, generated: int) -> bool:
         """Whether row ``row``'s first ``generated`` new tokens hold one of its stop
         strings (a pure function of them: every stage that keeps the books agrees)."""
@@ -187,13 +201,15 @@ class GenerationProgram(ReplicaProgram):
     def forward(self, mb: int, step: int) -> None:
         stage, batch, xp = self.stage, self.mbs[mb], self.xp
         split = self.split[mb]
+        keep = None
         if step == 0:
             ids, rows, self.shards[mb] = split_batch(xp, batch.ids, batch.lengths, self.cp)
+            keep = self.prefill_keep(batch.lengths)
         else:
             ids = self.tokens[self._local(batch), step - 1][:, None]
             rows = self.decode_rows(batch, step)
         x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(mb)
-        y = stage.forward(x, rows, self.caches[mb])
+        y = stage.forward(x, rows, self.caches[mb], keep)
         if split is not None:                            # the KV cache split over cp
             if step == 0:
                 split.prefilled(self.shards[mb], batch.lengths)
@@ -225,8 +241,8 @@ class GenerationProgram(ReplicaProgram):
                 self.prompt_logits[batch.index] = full
                 last = local[self.xp.arange(batch.size), self.xp.asarray(batch.lengths - 1)]
             else:
-                h = last_states(self.xp, y, batch.lengths, self.shards.pop(batch.index),
-                                self.cp)                              # each row's last token
+                h = self.last_states(y, batch.lengths, self.prefill_keep(batch.lengths),
+                                     self.shards.pop(batch.index))    # each row's last token
                 last = stage.logits(h)[:, 0]
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)

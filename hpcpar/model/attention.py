@@ -20,6 +20,18 @@ from ..comm import Communicator
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel, row_parallel
 
 
+def kept_queries(xp, q, rows: AttentionRows, keep):
+    """(q (B, 1, heads, d), rows) of the queries at indices ``keep`` (B,) into T: one query
+    per row, which sees its sequence's keys up to its own position (a decode step's rows)."""
+    if rows.context is not None:
+        raise ValueError("kept queries need the whole sequence on this rank (no cp)")
+    at = xp.asarray(keep)
+    kv_lengths = (rows.starts() + at + 1).astype(xp.int32)
+    return (q[xp.arange(len(keep)), at][:, None],
+            replace(rows, q_lengths=xp.ones_like(kv_lengths), kv_lengths=kv_lengths,
+                    from_start=False))
+
+
 class Attention:
     """o_proj(softmax(rope(Q) rope(K)^T / sqrt(d) + mask) V) over this rank's heads."""
 
@@ -42,10 +54,12 @@ class Attention:
                    row_parallel(ops, w, "o", tp, merge), qk_norms, window)
 
     def forward(self, x, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
-                layer: int = 0, train: bool = False):
+                layer: int = 0, train: bool = False, keep=None):
         """(B, T, hidden) output, and what ``backward`` needs when ``train``. With a ``cache``
         (generation) this step's keys and values go to its layer ``layer`` and attention
-        reads every cached one; without (training) the keys are this step's own."""
+        reads every cached one; without (training) the keys are this step's own. With
+        ``keep`` (B,) host indices into T (inference), the output at those queries alone,
+        (B, 1, hidden), every position's keys and values still computed and cached."""
         B, T, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         if self.window is not None:
@@ -64,11 +78,13 @@ class Attention:
         else:
             keys, values = cache.write(layer, k, v, rows.cache_slots(), rows.from_start,
                                        rows.max_kv)
+        if keep is not None:
+            q, rows = kept_queries(self.ops.xp, q, rows, keep)
         if train:
             out, actx = self.ops.attention.forward_train(q, keys, values, rows)
         else:
             out, actx = self.ops.attention.forward(q, keys, values, rows), None
-        out = out.reshape(B, T, nh * hd)
+        out = out.reshape(B, q.shape[1], nh * hd)
         return self.o(out), ((x, cos, sin, actx, out, nctx) if train else None)
 
     def backward(self, dy, ctx, sink):

@@ -39,19 +39,26 @@ class KVCache:
 class CacheRows:
     """Some rows of a ``KVCache`` being filled from position 0 by a prefill of those rows
     alone (continuous batching gives a finished row's slot to the next prompt): the step's
-    keys and values go to the rows ``slots``, and attention reads the step's own."""
+    keys and values go to the rows ``slots``, and attention reads the step's own; a chunk of
+    a long prefill (``DecoderStage``) goes to slots [max_kv - T, max_kv) of every row (its
+    one start) and reads the keys before it from the cache too."""
 
     def __init__(self, cache: KVCache, slots):
         self.cache, self.slots = cache, slots
 
     def write(self, layer: int, k, v, starts, from_start: bool, max_kv: int):
         T = k.shape[1]
-        if T > self.cache.capacity:
-            raise IndexError(f"KV cache holds {self.cache.capacity} slots, step needs {T}")
+        if max(T, max_kv) > self.cache.capacity:
+            raise IndexError(f"KV cache holds {self.cache.capacity} slots, step needs "
+                             f"{max(T, max_kv)}")
         keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)   # (b, kv, T, d)
-        self.cache.k[layer][self.slots, :, :T] = keys
-        self.cache.v[layer][self.slots, :, :T] = values
-        return keys, values
+        start, stop = (0, T) if from_start else (max_kv - T, max_kv)
+        self.cache.k[layer][self.slots, :, start:stop] = keys
+        self.cache.v[layer][self.slots, :, start:stop] = values
+        if from_start:
+            return keys, values
+        return (self.cache.k[layer][self.slots, :, :stop],
+                self.cache.v[layer][self.slots, :, :stop])
 
 
 def kv_cache_bytes(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
