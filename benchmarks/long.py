@@ -23,7 +23,9 @@ Memory: each process's peak resident set (``ru_maxrss``), less what the interpre
 before the model was loaded, against the bytes the run must hold: weights, the KV cache
 (prefill), the activations ``plan`` predicts for one micro-batch at the rank's positions
 (training; weights, gradients and AdamW state too), or one layer's O(T) activations and the
-logits (prefill: the last position's; scoring: a block of positions, at most 256 MiB).
+logits (prefill: the last position's, and a long prompt's layer activations those of one
+prefill chunk plus the prompt's hidden states; scoring: a block of positions, at most
+256 MiB).
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ def needed_mb(mode: str, cfg: dict, tokens: int, cp: int) -> float:
     """Weights + KV cache + the O(T) activations of one layer (prefill, scoring), or the
     training plan's weights, gradients, AdamW state and activations (training), per rank."""
     from hpcpar.config import ModelConfig, ParallelConfig
+    from hpcpar.model.decoder import PREFILL_CHUNK
     from hpcpar.parallel.context import ContextShard
     from hpcpar.tensors import stage_tensors
     from hpcpar.train.memory import activation_bytes, state_bytes
@@ -145,6 +148,9 @@ def needed_mb(mode: str, cfg: dict, tokens: int, cp: int) -> float:
     h, kv = model.hidden_size, model.num_key_value_heads * model.head_dim
     q, inter = model.num_attention_heads * model.head_dim, model.intermediate_size
     layer = here * (4 * h + 3 * q + 2 * kv + 3 * inter) * FLOAT
+    if mode == "prefill" and cp == 1 and here > PREFILL_CHUNK:
+        # a chunk's layer activations, and the prompt's hidden states in and out
+        layer = (PREFILL_CHUNK * (4 * h + 3 * q + 2 * kv + 3 * inter) + 2 * here * h) * FLOAT
     cache = 2 * model.num_hidden_layers * here * kv * FLOAT if mode == "prefill" else 0
     logits = (1 if mode == "prefill" else here) * model.vocab_size * FLOAT
     if mode == "score":                  # the head runs a block of positions at a time
