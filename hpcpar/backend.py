@@ -22,6 +22,12 @@ from .waits import wait_event
 BACKENDS = ("auto", "numpy", "cupy", "strict")
 
 
+def host_array(a) -> np.ndarray:
+    """A (small) array on the host: a device array's copy, NumPy's as it is."""
+    get = getattr(a, "get", None)
+    return np.asarray(get() if get is not None else a)
+
+
 @dataclass(frozen=True)
 class ArrayBackend:
     name: str            # "numpy", "cupy", or "strict" (tests: a pretend device, see strict.py)

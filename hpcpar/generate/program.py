@@ -119,8 +119,10 @@ class ReplicaProgram(ABC):
     def prefill_keep(self, lengths: np.ndarray) -> np.ndarray | None:
         """The positions a prefill's last stage computes its final states at: each row's last
         token (all the head reads), or None (every position: the prompt logits are saved, or
-        the prompts are split over cp and the rank holding each last token is elsewhere)."""
-        if not self.stage.last or self.settings.save_logits or self.cp is not None:
+        the prompts are split over cp and the rank holding each last token is elsewhere;
+        with device kernels, where this has not run yet)."""
+        if (not self.stage.last or self.settings.save_logits or self.cp is not None
+                or self.stage.ops.device):
             return None
         return np.asarray(lengths, dtype=np.int64) - 1
 

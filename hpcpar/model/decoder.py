@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backend import host_array
 from ..comm import Communicator
 from ..config import ModelConfig
 from ..ops import AttentionRows, Ops
@@ -40,11 +41,6 @@ from .rope import RotaryEmbedding
 # Positions per pass of a long prefill: one chunk's activations stay in a CPU's caches (the
 # MLP's of 8192 positions are 150 MB), and GEMMs of 1024 rows still run at the BLAS's peak.
 PREFILL_CHUNK = 1024
-
-
-def _host(xp, a):
-    get = getattr(a, "get", None)
-    return np.asarray(get() if get is not None else a)
 
 
 def at_positions(xp, x, keep):
@@ -196,7 +192,8 @@ class DecoderStage:
         self.rope = RotaryEmbedding(cfg, xp, dtype)
         self.hidden_size = cfg.hidden_size
         self.weight_bytes = 0
-        self.prefill_chunk = PREFILL_CHUNK
+        # chunked prefill has not run on a GPU yet: there a prompt goes whole
+        self.prefill_chunk = None if ops.device else PREFILL_CHUNK
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, specs: list[TensorSpec], tensors: dict,
@@ -268,9 +265,9 @@ class DecoderStage:
         values, which the cache keeps, at every position.
 
         A prefill longer than ``prefill_chunk`` positions runs a chunk at a time
-        (``_prefill_in_chunks``)."""
+        (``_prefill_in_chunks``; on the CPU: None, whole, with device kernels)."""
         if (cache is not None and rows.from_start and rows.context is None
-                and x.shape[1] > self.prefill_chunk):
+                and self.prefill_chunk is not None and x.shape[1] > self.prefill_chunk):
             return self._prefill_in_chunks(x, rows, cache, keep)
         return self._forward(x, rows, cache, keep)
 
@@ -283,7 +280,7 @@ class DecoderStage:
         the same position; a row whose prompt ended before it has padding queries only."""
         xp = self.xp
         B, T = x.shape[:2]
-        lengths = _host(xp, rows.q_lengths).astype(np.int64)
+        lengths = host_array(rows.q_lengths).astype(np.int64)
         out = None
         for c0 in range(0, T, self.prefill_chunk):
             c1 = min(c0 + self.prefill_chunk, T)

@@ -12,8 +12,9 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
     swiglu       silu(gate) * up, and its backward
     geglu        gelu_tanh(gate) * up, and its backward (Gemma)
     attention    causal GQA softmax attention over per-row lengths (prefill, decode over a
-                 KV cache, training with backward): in tiles with an online softmax
-                 (``tiled_attention``); the full-matrix version stays as the reference
+                 KV cache, training with backward): in tiles with an online softmax, or
+                 a whole sequence's with its shift known up front (``tiled_attention``);
+                 the full-matrix version stays as the reference
     embedding    the vocab-parallel lookup and its scatter backward
     kv_write     a step's keys and values into the KV cache, each row at its own slots
     cross_entropy  the vocab-parallel cross-entropy's local pieces, and its backward

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..backend import host_array
 from ..dtypes import at_least_float32
 from .attention import Attention, AttentionRows, attention_mask, grouped
 
@@ -75,11 +76,10 @@ class TiledAttention(Attention):
         for one whole-sequence block (decode steps, short sequences)."""
         if T <= self.block and S <= self.block and q_at == k_at == 0:
             return [(0, T, [(0, S, True)])]
-        xp = self.xp
-        starts = _host(xp, rows.starts())
+        starts = host_array(rows.starts())
         lo, hi = int(starts.min()), int(starts.max())
-        q_len = _host(xp, rows.q_lengths)
-        kv_len = _host(xp, rows.kv_lengths)
+        q_len = host_array(rows.q_lengths)
+        kv_len = host_array(rows.kv_lengths)
         kv_min, kv_max = int(kv_len.min()), int(kv_len.max())
         tiles = []
         for t0 in range(0, T, self.block):
@@ -136,16 +136,16 @@ class TiledAttention(Attention):
             tq = t1 - t0
             qb = qs[:, :, :, t0:t1].reshape(B, nkv, g * tq, hd)
             at = (q_at + t0, q_at + t1)
+            if not blocks:
+                continue
             if len(blocks) == 1:          # one block: its softmax needs no running statistics
                 o, lse[:, :, :, t0:t1] = self._one_block(qb, keys, values, rows, at, k_at,
                                                          blocks[0], empty_rows)
-            elif shifted is not None and blocks:
+            elif shifted is not None:
                 o, lse[:, :, :, t0:t1] = self._shifted_tile(shifted, rows, (t0, t1), blocks)
-            elif blocks:
+            else:
                 o, lse[:, :, :, t0:t1] = self._online_tile(qb, keys, values, rows, at, k_at,
                                                            blocks, empty_rows)
-            else:
-                continue
             out[:, :, :, t0:t1] = o.astype(out_dtype, copy=False)
         return out, lse
 
@@ -350,7 +350,7 @@ class KnownShift:
         q_norms = xp.sqrt(xp.einsum("bkgtd,bkgtd->bkgt", qs, qs)) * LOG2E
         key_limit = (HEADROOM + start * LOG2E) / xp.maximum(q_norms, xp.finfo(dtype).tiny)
         return KnownShift(xp, qs, start, key_limit,
-                          _host(xp, norms.reshape(B, nkv, -1, block).max(axis=-1)),
+                          host_array(norms.reshape(B, nkv, -1, block).max(axis=-1)),
                           kx, vx, block)
 
     def queries(self, t0: int, t1: int):
@@ -366,7 +366,7 @@ class KnownShift:
         """For each key span (s0, s1, masked): may some query of [t0, t1) score more than
         HEADROOM (base 2) above its starting c there, |q| log2 e max |k| - c log2 e >
         HEADROOM, that is max |k| > ``key_limit``? (c only grows: a safe answer.)"""
-        limit = _host(self.xp, self.key_limit[:, :, :, t0:t1].min(axis=(2, 3)))    # (B, kv)
+        limit = host_array(self.key_limit[:, :, :, t0:t1].min(axis=(2, 3)))    # (B, kv)
         return [bool((self.key_norms[..., s0 // self.block:-(-s1 // self.block)].max(-1)
                       > limit).any()) for s0, s1, _ in key_spans]
 
@@ -405,9 +405,3 @@ def accumulator(xp, dtype):
     """Where sums and softmax statistics are kept: float32, or float64 for float64 work."""
     return xp.float64 if dtype == xp.float64 else xp.float32
 
-
-def _host(xp, a):
-    """A small device array on the host (NumPy passes through)."""
-    import numpy as np
-    get = getattr(a, "get", None)
-    return np.asarray(get() if get is not None else a)

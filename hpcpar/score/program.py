@@ -100,6 +100,7 @@ class ScoringProgram:
             lp = -self.backend.to_host(nll).reshape(b, len(cols)).astype(np.float32)
             r, c = np.nonzero(labels[:, cols] >= 0)
             self.logprobs[first + r, positions[cols[c]] + 1] = lp[r, c]
+            del logits, nll               # before the next block's: one block at a time
 
     def gather_over_cp(self) -> None:
         """Every rank of the cp group's scored positions in ``logprobs`` (last stage; each
