@@ -265,7 +265,7 @@ class DecoderStage:
         values, which the cache keeps, at every position.
 
         A prefill longer than ``prefill_chunk`` positions runs a chunk at a time
-        (``_prefill_in_chunks``; on the CPU: None, whole, with device kernels)."""
+        (``_prefill_in_chunks``); with device kernels, ``prefill_chunk`` is None: whole."""
         if (cache is not None and rows.from_start and rows.context is None
                 and self.prefill_chunk is not None and x.shape[1] > self.prefill_chunk):
             return self._prefill_in_chunks(x, rows, cache, keep)
