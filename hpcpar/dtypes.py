@@ -40,6 +40,11 @@ def at_least_float32(xp, a):
     return a if a.dtype.itemsize >= 4 else a.astype(xp.float32)
 
 
+def accumulator(xp, dtype):
+    """Where sums and softmax statistics are kept: float32, or float64 for float64 work."""
+    return xp.float64 if dtype == xp.float64 else xp.float32
+
+
 # a float is NaN or inf exactly when its exponent bits are all ones
 _EXPONENT_MASKS = {"float64": (np.uint64, 0x7FF0000000000000), "float32": (np.uint32, 0x7F800000),
                    "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..ops import AttentionRows, Ops
+from ..ops.attention import at_positions
 from .kv_cache import KVCache
 from ..comm import Communicator
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear, column_parallel, row_parallel
@@ -25,9 +26,8 @@ def kept_queries(xp, q, rows: AttentionRows, keep):
     per row, which sees its sequence's keys up to its own position (a decode step's rows)."""
     if rows.context is not None:
         raise ValueError("kept queries need the whole sequence on this rank (no cp)")
-    at = xp.asarray(keep)
-    kv_lengths = (rows.starts() + at + 1).astype(xp.int32)
-    return (q[xp.arange(len(keep)), at][:, None],
+    kv_lengths = (rows.starts() + xp.asarray(keep) + 1).astype(xp.int32)
+    return (at_positions(xp, q, keep),
             replace(rows, q_lengths=xp.ones_like(kv_lengths), kv_lengths=kv_lengths,
                     from_start=False))
 

@@ -29,6 +29,7 @@ from ..backend import host_array
 from ..comm import Communicator
 from ..config import ModelConfig
 from ..ops import AttentionRows, Ops
+from ..ops.attention import at_positions
 from ..tensors import TensorSpec
 from .attention import Attention
 from .kv_cache import KVCache, kv_cache_bytes
@@ -41,11 +42,6 @@ from .rope import RotaryEmbedding
 # Positions per pass of a long prefill: one chunk's activations stay in a CPU's caches (the
 # MLP's of 8192 positions are 150 MB), and GEMMs of 1024 rows still run at the BLAS's peak.
 PREFILL_CHUNK = 1024
-
-
-def at_positions(xp, x, keep):
-    """(B, 1, ...) row b's x at position keep[b] of x (B, T, ...)."""
-    return x[xp.arange(len(keep)), xp.asarray(keep)][:, None]
 
 
 class Norm:

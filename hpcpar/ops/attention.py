@@ -67,6 +67,11 @@ class AttentionRows:
 
 
 
+def at_positions(xp, x, at):
+    """(B, 1, ...) each row's x at its own index ``at[b]`` (host ints) of x (B, T, ...)."""
+    return x[xp.arange(len(at)), xp.asarray(at)][:, None]
+
+
 def attention_mask(xp, rows: AttentionRows, T: int, S: int, t0: int = 0, s0: int = 0):
     """Which keys each query sees, (B, 1, 1, T, S) boolean, for queries [t0, t0 + T) and
     keys [s0, s0 + S): key s <= the query's position and s < kv_length (and s > position -

@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import HpcparError
-from ..ops.attention import AttentionRows
-from ..ops.tiled_attention import TiledAttention, accumulator, grouped_heads, merge
+from ..dtypes import accumulator
+from ..ops.attention import AttentionRows, at_positions
+from ..ops.tiled_attention import TiledAttention, grouped_heads, merge
 
 if TYPE_CHECKING:       # the split is pure (``plan`` reads it without MPI); the ring is not
     from ..comm import Communicator
@@ -359,7 +360,7 @@ def last_states(xp, y, lengths, shard: ContextShard | None, cp: "Communicator | 
     over the group (the others add zeros), so every rank of the group has every row's."""
     at = np.asarray(lengths, dtype=np.int64) - 1
     if shard is None:
-        return y[xp.arange(len(at)), xp.asarray(at)][:, None]
+        return at_positions(xp, y, at)
     local = np.searchsorted(shard.positions, at)
     local = np.minimum(local, len(shard.positions) - 1)
     mine = np.flatnonzero(shard.positions[local] == at)
