@@ -454,5 +454,10 @@ def test_gradient_buckets_sum_over_replicas_and_the_norm(comm):
     for p in params:
         np.testing.assert_array_equal(host(mesh, p.grad), total)
     assert abs(hp.grad_norm(params) - np.sqrt(11) * total) < 1e-9
-    # counted once over a group that holds pieces: each rank's own
-    assert abs(hp.grad_norm(params, mesh.group("dp")) - np.sqrt(11 * n) * total) < 1e-9
+    # a norm over the replicas would count each gradient n times: refused
+    with pytest.raises(hp.HpcparError, match="data-parallel replicas"):
+        hp.grad_norm(params, mesh.group("dp"))
+    # over a group whose ranks hold different pieces, each rank's own pieces are counted
+    pieces = [hp.Parameter(xp.asarray(np.zeros(5)), grad=xp.asarray(np.full(5, r + 1.0)))]
+    want = np.sqrt(5 * sum((k + 1.0) ** 2 for k in range(n)))
+    assert abs(hp.grad_norm(pieces, mesh.group("dp")) - want) < 1e-9

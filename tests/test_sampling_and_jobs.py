@@ -7,7 +7,8 @@ from mpi4py import MPI
 from hpcpar.comm import create_communicator
 from hpcpar.generate.sampling import SamplingParams, sample_from_candidates
 from hpcpar.jobs import JobError, load_job, parse_set
-from hpcpar.parallel.layers import Frozen, ParallelLMHead
+from hpcpar.parallel.layers import Frozen
+from hpcpar.parallel.vocab import ParallelLMHead
 from hpcpar.ops import native_ops
 
 

@@ -22,7 +22,7 @@ from hpcpar.train.chunk import Batch, ModelChunk
 from hpcpar.train.data import label_count, make_batches
 from hpcpar.model.attention import Attention
 from hpcpar.model.decoder import Mlp, norm_backward
-from hpcpar.parallel.layers import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcpar.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from hpcpar.train.params import GradSink, make_params
 from reference import llama_logits
 

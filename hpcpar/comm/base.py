@@ -21,6 +21,7 @@ import numpy as np
 from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
 from ..parallel.splits import even_sizes as split_sizes
+from .agreement import agree
 from .stats import CommStats
 
 REDUCE_OPS = ("sum", "max")
@@ -83,6 +84,9 @@ class Communicator(ABC):
         self.stats = stats if stats is not None else CommStats()
         self.name = name
         self.timeout = timeout        # seconds any wait may take (0: forever)
+        # check that the ranks pass agreeing shapes, dtypes and sizes to every collective
+        # (``agreement``): a library user's groups do, the jobs' hot paths do not
+        self.check = False
         self._host_twin: Communicator | None = None
 
     def on_host(self) -> "Communicator":
@@ -96,6 +100,15 @@ class Communicator(ABC):
                                               self.timeout)
         return self._host_twin
 
+    def split(self, color: int, name: str) -> "Communicator":
+        """The ranks of this group passing the same ``color``, as a group of their own over
+        MPI, in this group's order (collective)."""
+        from . import create_communicator
+        sub = create_communicator(self.mpi_comm.Split(color, self.rank), "mpi", self.backend,
+                                  self.stats, f"{self.name}.{name}", self.timeout)
+        sub.check = self.check
+        return sub
+
     # ---- public API -----------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum"):
@@ -104,6 +117,7 @@ class Communicator(ABC):
             raise HpcparError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if self.size == 1:
             return x
+        self._agree("all_reduce", ("op", op), *_array_fields(x))
         return self._in_place("all_reduce", x, self._all_reduce, op)
 
     def iall_reduce(self, x) -> Request:
@@ -112,6 +126,7 @@ class Communicator(ABC):
         _require_contiguous(x, "iall_reduce")
         if self.size == 1:
             return Request(lambda: None)
+        self._agree("iall_reduce", *_array_fields(x))
         return self._run("all_reduce", x.nbytes, self._iall_reduce, x)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None, out=None):
@@ -120,29 +135,39 @@ class Communicator(ABC):
         Blocks may differ in length along ``axis``: pass every rank's length as ``sizes``
         (the other dimensions must agree). Returns a new array, or fills ``out`` (reused
         buffers save an allocation per call on hot paths)."""
-        axis = _normalize_axis(axis, x.ndim)
-        front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n_local, *rest)
-        sizes = self._block_sizes(sizes, front.shape[0], "all_gather")
-        gathered = self._result_buffer(out, axis, (sum(sizes),) + front.shape[1:], x.dtype)
+        try:
+            axis = _normalize_axis(axis, x.ndim)
+            front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n_local, *rest)
+            lengths = self._block_sizes(sizes, front.shape[0], "all_gather")
+            error = None
+        except HpcparError as e:
+            error = e
+        self._agree("all_gather", *_block_fields(x, axis, sizes), error=error)
+        gathered = self._result_buffer(out, axis, (sum(lengths),) + front.shape[1:], x.dtype)
         if self.size == 1:
             gathered[...] = front
         else:
-            self._run("all_gather", gathered.nbytes, self._all_gather, front, gathered,
-                      list(sizes))
+            self._run("all_gather", gathered.nbytes, self._all_gather, front, gathered, lengths)
         return self._place(gathered, axis, out)
 
     def reduce_scatter(self, x, axis: int = 0, out=None, sizes: Sequence[int] | None = None):
         """Sum ``x`` over the group and keep this rank's block along ``axis``: blocks of
         ``sizes`` (every rank's length), by default split like ``numpy.array_split``;
         returns a new array, or fills ``out``."""
-        axis = _normalize_axis(axis, x.ndim)
-        front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n, *rest)
-        if sizes is None:
-            sizes = split_sizes(front.shape[0], self.size)
-        elif len(sizes) != self.size or sum(sizes) != front.shape[0]:
-            raise HpcparError(f"reduce_scatter on {self.name}: sizes {list(sizes)} do not cut "
-                              f"a length of {front.shape[0]} into {self.size} blocks")
-        sizes = [int(s) for s in sizes]
+        try:
+            axis = _normalize_axis(axis, x.ndim)
+            front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n, *rest)
+            if sizes is None:
+                sizes = split_sizes(front.shape[0], self.size)
+            elif len(sizes) != self.size or sum(sizes) != front.shape[0]:
+                raise HpcparError(f"reduce_scatter on {self.name}: sizes {list(sizes)} do not "
+                                  f"cut a length of {front.shape[0]} into {self.size} blocks")
+            sizes = [int(s) for s in sizes]
+            error = None
+        except HpcparError as e:
+            error = e
+        self._agree("reduce_scatter", ("axis", axis), ("sizes", sizes), *_array_fields(x),
+                    error=error)
         block = self._result_buffer(out, axis, (sizes[self.rank],) + front.shape[1:], x.dtype)
         if self.size == 1:
             block[...] = front
@@ -158,25 +183,15 @@ class Communicator(ABC):
         ``concat_axis`` in rank order (rank j's block is ``concat_sizes[j]`` long there,
         default this rank's own length). Redistributes an array sharded along
         ``concat_axis`` into one sharded along ``split_axis``; returns a new array."""
-        split_axis = _normalize_axis(split_axis, x.ndim)
-        concat_axis = _normalize_axis(concat_axis, x.ndim)
-        if split_axis == concat_axis:
-            raise HpcparError("all_to_all: split_axis and concat_axis must differ")
-        n_split = x.shape[split_axis]
-        cut = [int(s) for s in split_sizes] if split_sizes is not None else None
-        if cut is None:
-            if n_split % self.size:
-                raise HpcparError(f"all_to_all on {self.name}: length {n_split} along axis "
-                                  f"{split_axis} does not split over {self.size} ranks; pass "
-                                  f"split_sizes")
-            cut = [n_split // self.size] * self.size
-        theirs = ([int(s) for s in concat_sizes] if concat_sizes is not None
-                  else [x.shape[concat_axis]] * self.size)
-        if len(cut) != self.size or sum(cut) != n_split or len(theirs) != self.size \
-                or theirs[self.rank] != x.shape[concat_axis]:
-            raise HpcparError(f"all_to_all on {self.name}: split_sizes {cut} / concat_sizes "
-                              f"{theirs} do not fit {self.size} ranks and local shape "
-                              f"{tuple(x.shape)}")
+        try:
+            split_axis, concat_axis, cut, theirs = self._all_to_all_blocks(
+                x, split_axis, concat_axis, split_sizes, concat_sizes)
+            error = None
+        except HpcparError as e:
+            error = e
+        self._agree("all_to_all", ("split_axis and concat_axis", (split_axis, concat_axis)),
+                    ("split_sizes", split_sizes and [int(n) for n in split_sizes]),
+                    *_block_fields(x, concat_axis, concat_sizes, "concat_sizes"), error=error)
         front = self.xp.ascontiguousarray(_to_front(x, split_axis))   # (n_split, *rest)
         rest = front.shape[1:]
         c = concat_axis + 1 if concat_axis < split_axis else concat_axis   # in front's axes
@@ -199,6 +214,30 @@ class Communicator(ABC):
             offset += count
         joined = self.xp.concatenate(blocks, axis=c)                   # (mine, *rest')
         return self.xp.ascontiguousarray(_from_front(joined, split_axis))
+
+    def _all_to_all_blocks(self, x, split_axis, concat_axis, split_sizes, concat_sizes):
+        """The axes (normalized), the lengths cut along the split axis and those coming
+        from each rank along the concat axis, or the bad input."""
+        split_axis = _normalize_axis(split_axis, x.ndim)
+        concat_axis = _normalize_axis(concat_axis, x.ndim)
+        if split_axis == concat_axis:
+            raise HpcparError("all_to_all: split_axis and concat_axis must differ")
+        n_split = x.shape[split_axis]
+        cut = [int(s) for s in split_sizes] if split_sizes is not None else None
+        if cut is None:
+            if n_split % self.size:
+                raise HpcparError(f"all_to_all on {self.name}: length {n_split} along axis "
+                                  f"{split_axis} does not split over {self.size} ranks; pass "
+                                  f"split_sizes")
+            cut = [n_split // self.size] * self.size
+        theirs = ([int(s) for s in concat_sizes] if concat_sizes is not None
+                  else [x.shape[concat_axis]] * self.size)
+        if len(cut) != self.size or sum(cut) != n_split or len(theirs) != self.size \
+                or theirs[self.rank] != x.shape[concat_axis]:
+            raise HpcparError(f"all_to_all on {self.name}: split_sizes {cut} / concat_sizes "
+                              f"{theirs} do not fit {self.size} ranks and local shape "
+                              f"{tuple(x.shape)}")
+        return split_axis, concat_axis, cut, theirs
 
     def _result_buffer(self, out, axis: int, front_shape: tuple, dtype):
         """Where a gather / scatter lands, axis first: ``out`` itself when it can be."""
@@ -223,17 +262,22 @@ class Communicator(ABC):
         """Every rank's ``x`` concatenated along ``axis`` in rank order, on ``root`` only
         (other ranks get None). Blocks may differ in length along ``axis``: pass every rank's
         length as ``sizes`` (0 for a rank with nothing to give)."""
-        axis = _normalize_axis(axis, x.ndim)
-        front = self.xp.ascontiguousarray(_to_front(x, axis))
-        sizes = self._block_sizes(sizes, front.shape[0], "gather")
+        try:
+            axis = _normalize_axis(axis, x.ndim)
+            front = self.xp.ascontiguousarray(_to_front(x, axis))
+            lengths = self._block_sizes(sizes, front.shape[0], "gather")
+            error = None
+        except HpcparError as e:
+            error = e
+        self._agree("gather", ("root", root), *_block_fields(x, axis, sizes), error=error)
         gathered = None
         if self.rank == root:
-            gathered = self.xp.empty((sum(sizes),) + front.shape[1:], dtype=x.dtype)
+            gathered = self.xp.empty((sum(lengths),) + front.shape[1:], dtype=x.dtype)
         if self.size == 1:
             gathered[...] = front
         else:
             nbytes = gathered.nbytes if gathered is not None else front.nbytes
-            self._run("gather", nbytes, self._gather, front, gathered, list(sizes), root)
+            self._run("gather", nbytes, self._gather, front, gathered, lengths, root)
         return None if gathered is None else self._place(gathered, axis, None)
 
     def scatter(self, x, out, root: int = 0, axis: int = 0):
@@ -273,6 +317,7 @@ class Communicator(ABC):
             raise HpcparError(f"reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if self.size == 1:
             return x
+        self._agree("reduce", ("root", root), ("op", op), *_array_fields(x))
         return self._in_place("reduce", x, self._reduce, root, op, result=self.rank == root)
 
     def _in_place(self, op: str, x, primitive, *args, result: bool = True):
@@ -303,6 +348,7 @@ class Communicator(ABC):
         """x <- root's x, in place; returns x."""
         if self.size == 1:
             return x
+        self._agree("broadcast", ("root", root), *_array_fields(x))
         return self._in_place("broadcast", x, self._broadcast, root)
 
     def isend(self, x, dest: int, tag: int = 0) -> Request:
@@ -333,6 +379,20 @@ class Communicator(ABC):
         self._run("barrier", 0, self._barrier)
 
     # ---- bookkeeping ------------------------------------------------------------------------
+
+    def _agree(self, op: str, *fields, error: HpcparError | None = None) -> None:
+        """Every rank passes the same ``fields`` to ``op`` (when this group checks), and
+        ``error``, this rank's bad input, is raised on every rank (or on this one)."""
+        if self.check:
+            agree(self, f"{op} on the {self.name} group", fields, error)
+        elif error is not None:
+            raise error
+
+    def agree(self, what: str, fields, error: Exception | None = None) -> None:
+        """Raise ``Disagreement`` on every rank unless all pass equal ``fields`` (labelled
+        values); one small all-reduce when this group checks, nothing otherwise. ``error``:
+        this rank's own bad input, raised on every rank."""
+        agree(self, what, fields, error)
 
     def _run(self, op: str, nbytes: int, primitive, *args):
         """Call ``primitive``, recording bytes and time, naming op and group if it fails."""
@@ -406,6 +466,25 @@ class Communicator(ABC):
 
     @abstractmethod
     def _barrier(self) -> None: ...
+
+
+def _array_fields(x, free_axis: int | None = None) -> tuple:
+    """An operand's shape and dtype as agreement fields; ``free_axis`` (an index as the
+    caller passed it) may differ in length between the ranks."""
+    shape: tuple = tuple(int(n) for n in x.shape)
+    if free_axis is not None and -len(shape) <= free_axis < len(shape):
+        i = free_axis % len(shape)
+        shape = shape[:i] + ("*",) + shape[i + 1:]
+    return ("shape", shape), ("dtype", str(x.dtype))
+
+
+def _block_fields(x, axis: int, sizes, name: str = "sizes") -> tuple:
+    """Fields of a collective over blocks along ``axis``: without ``sizes`` every rank's
+    array must be the same; with them, the same ``sizes``, and any length along the axis
+    (each rank's own is checked against its entry locally)."""
+    if sizes is None:
+        return ("axis", axis), *_array_fields(x)
+    return ("axis", axis), (name, [int(s) for s in sizes]), *_array_fields(x, axis)
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:

@@ -33,9 +33,9 @@ from ..ops.attention import at_positions
 from ..tensors import TensorSpec
 from .attention import Attention
 from .kv_cache import KVCache, kv_cache_bytes
-from ..parallel.layers import (ColumnParallelLinear, Frozen, ParallelLMHead, RowParallelLinear,
-                              VocabParallelEmbedding, column_parallel, frozen_matrix,
-                              row_parallel)
+from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear,
+                              column_parallel, frozen_matrix, row_parallel)
+from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 from .rope import RotaryEmbedding
 
 

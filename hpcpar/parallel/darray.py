@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..comm.agreement import trusted
 from ..errors import HpcparError
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard
@@ -74,12 +75,21 @@ class DArray:
     def __init__(self, local, shape: Sequence[int], mesh: Mesh, placements):
         self.shape = tuple(int(n) for n in shape)
         self.mesh = mesh
-        self.placements = normalize_placements(mesh, placements, len(self.shape))
-        expected = self.local_shape_at(mesh.coords)
-        if tuple(local.shape) != expected:
-            raise PlacementError(
-                f"{mesh.describe()}: local array of shape {tuple(local.shape)} is not the "
-                f"piece {expected} of a {self.shape} array placed {self.placement_text()}")
+        error = None
+        try:
+            self.placements = normalize_placements(mesh, placements, len(self.shape))
+            expected = self.local_shape_at(mesh.coords)
+            if tuple(local.shape) != expected:
+                raise PlacementError(
+                    f"{mesh.describe()}: local array of shape {tuple(local.shape)} is not the "
+                    f"piece {expected} of a {self.shape} array placed {self.placement_text()}")
+        except HpcparError as e:
+            error = e
+        if mesh.checking:
+            mesh.agree("DArray", _fields(self.shape, local.dtype,
+                                         getattr(self, "placements", placements)), error)
+        elif error is not None:
+            raise error
         self.local = local
 
     # ---- construction -------------------------------------------------------------------------
@@ -88,7 +98,8 @@ class DArray:
     def from_full(cls, full, mesh: Mesh, placements) -> "DArray":
         """Each rank keeps its piece of ``full`` (the same array on every rank). A ``Partial``
         axis keeps the whole on its coordinate 0 and zeros elsewhere, so the sum is ``full``."""
-        placements = normalize_placements(mesh, placements, full.ndim)
+        placements, error = attempt(placements, normalize_placements, mesh, placements, full.ndim)
+        mesh.agree("DArray.from_full", _fields(full.shape, full.dtype, placements), error)
         region = piece_bounds(full.shape, mesh.sizes, mesh.coords, placements)
         local = full[tuple(slice(a, b) for a, b in region)]
         backend = mesh.backend
@@ -98,7 +109,8 @@ class DArray:
             local = local.copy()
         if any(isinstance(p, Partial) and c != 0 for p, c in zip(placements, mesh.coords)):
             local[...] = 0
-        return cls(local, full.shape, mesh, placements)
+        with trusted():
+            return cls(local, full.shape, mesh, placements)
 
     @classmethod
     def from_local(cls, local, mesh: Mesh, placements,
@@ -107,14 +119,15 @@ class DArray:
         one all-gather of every rank's local shape (collective); an even ``Shard`` whose
         pieces differ in length becomes ``Shard(dim, sizes=...)``. Pieces that do not add up
         to one array are an error on every rank."""
-        placements = normalize_placements(mesh, placements, local.ndim)
         if shape is not None:
             return cls(local, shape, mesh, placements)
-        table = mesh.group(mesh.axis_names).on_host().all_gather(
-            np.asarray([list(mesh.coords) + list(local.shape)], dtype=np.int64))
-        ndim, naxes = local.ndim, len(mesh.sizes)
-        if table.shape[1] != naxes + ndim:
-            raise PlacementError("from_local: the ranks' local arrays differ in ndim")
+        placements, error = attempt(placements, normalize_placements, mesh, placements, local.ndim)
+        mesh.agree("DArray.from_local", [("ndim", local.ndim), ("dtype", str(local.dtype)),
+                                         ("placements", placements_text(placements))], error)
+        with trusted():
+            table = mesh.everyone.on_host().all_gather(
+                np.asarray([list(mesh.coords) + list(local.shape)], dtype=np.int64))
+        naxes = len(mesh.sizes)
         coords = [tuple(int(v) for v in row[:naxes]) for row in table]
         shapes = [tuple(int(v) for v in row[naxes:]) for row in table]
         placements = _infer_sizes(placements, coords, shapes, mesh.sizes)
@@ -126,7 +139,8 @@ class DArray:
                     f"from_local: rank {mesh.rank_of(**dict(zip(mesh.axis_names, c)))} holds "
                     f"{s}, which is not its piece {want} of {shape} placed "
                     f"{[repr(p) for p in placements]}")
-        return cls(local, shape, mesh, placements)
+        with trusted():
+            return cls(local, shape, mesh, placements)
 
     # ---- what it is ---------------------------------------------------------------------------
 
@@ -148,6 +162,10 @@ class DArray:
     def local_shape_at(self, coords: Sequence[int]) -> tuple[int, ...]:
         return tuple(b - a for a, b in piece_bounds(self.shape, self.mesh.sizes, coords,
                                                     self.placements))
+
+    def agreement_fields(self) -> list:
+        """What every rank must hold alike about this array (``Mesh.agree``)."""
+        return _fields(self.shape, self.dtype, self.placements)
 
     def placement_text(self) -> str:
         return "{" + ", ".join(f"{n}: {p!r}" for n, p in zip(self.mesh.axis_names,
@@ -173,6 +191,28 @@ class DArray:
         """Another array of this shape on this mesh (``placements`` default: this one's)."""
         return DArray(local, self.shape, self.mesh,
                       self.placements if placements is None else placements)
+
+
+def attempt(fallback, fn, *args):
+    """(fn(*args), None), or (``fallback``, the error) when it raises bad input: a rank's
+    error is then shared with the other ranks before any raises (``Mesh.agree``)."""
+    try:
+        return fn(*args), None
+    except HpcparError as e:
+        return fallback, e
+
+
+def placements_text(placements) -> str:
+    """Placements as the ranks compare them: a dict by axis name, or a list in axis order."""
+    if isinstance(placements, Mapping):
+        return repr(sorted((str(k), repr(v)) for k, v in placements.items()))
+    return repr([repr(p) for p in placements])
+
+
+def _fields(shape, dtype, placements) -> list:
+    """What the ranks must agree on about an array they make together."""
+    return [("global shape", tuple(int(n) for n in shape)), ("dtype", str(dtype)),
+            ("placements", placements_text(placements))]
 
 
 def _infer_sizes(placements, coords, shapes, sizes) -> tuple[Placement, ...]:

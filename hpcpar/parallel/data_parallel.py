@@ -1,5 +1,5 @@
 """Data parallelism over any model's parameters: gradients summed over replicas in buckets
-while the backward runs, and the global gradient norm.
+while the backward runs, replicas' partial gradients summed, and the global gradient norm.
 
 The gradients live in a few flat buffers (buckets), filled in the order the backward
 completes them (for a layered model: the last layer first). As soon as every gradient of a
@@ -7,6 +7,16 @@ bucket is complete (``grads_done``), a non-blocking AllReduce of the whole bucke
 the data-parallel group, so the reduction overlaps the rest of the backward; ``finish``
 starts what is left and waits, and says how long it had to wait (the part not hidden).
 Sums, as DDP's are before its division: divide the loss by the global batch to average.
+
+One step's lifecycle, which cannot go wrong quietly:
+
+    zero the gradients      reducer.zero_grad(), optimizer.zero_grad() or a param's zero_grad()
+    backward                (grads_done(params) as gradients complete: optional, for overlap)
+    reducer.finish()        every bucket summed over dp (reduce() is the same)
+    optimizer.step()        refused unless finish() ran since the previous step
+
+A second ``finish`` before the gradients are zeroed again is refused too: it would sum the
+sums. The replicas are checked, when the reducer is made, to hold the same parameters.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from time import perf_counter
 import numpy as np
 
 from ..comm import Communicator, Request
+from ..comm.agreement import trusted
+from ..errors import HpcparError
 from .params import Parameter
 
 BUCKET_BYTES = 25 << 20        # PyTorch DDP's default bucket size
@@ -32,6 +44,16 @@ class GradientReducer:
         self.buckets: list = []                             # each bucket's flat buffer
         self.bucket_params: list[list[Parameter]] = []      # each bucket's params, in order
         self.bucket_of: dict[int, int] = {}
+        self.views: dict[int, object] = {}                  # each param's grad, in its bucket
+        unique = list({id(p): p for group in groups for p in group}.values())
+        taken = next((p for p in unique if p.reducer is not None), None)
+        dp.agree("GradientReducer", [
+            ("parameters (shape, dtype)", [(tuple(p.grad.shape), str(p.grad.dtype))
+                                           for p in unique]),
+            ("parameters per group", [len(g) for g in groups]), ("bucket_bytes", bucket_bytes)],
+            None if taken is None else HpcparError(
+                f"GradientReducer: parameter {taken.name or tuple(taken.grad.shape)} already "
+                f"belongs to another GradientReducer; make one per set of parameters"))
         current: list[Parameter] = []
         size = 0
         seen: set[int] = set()
@@ -47,8 +69,13 @@ class GradientReducer:
                 current, size = [], 0
         if current:
             self._make_bucket(current)
+        for p in unique:
+            p.reducer = self
         self.pending: dict[int, set[int]] = {}
         self.requests: list[Request] = []
+        self.open = False          # a step's reduction under way (grads_done / finish)
+        self.summed = False        # finish() ran and the gradients were not zeroed since
+        self.fresh = False         # ... and no optimizer step has used them yet
         self.exposed_seconds = 0.0          # waited for after the backward, over the run
         self.started_early = self.started = 0   # buckets launched during the backward / all
 
@@ -59,19 +86,27 @@ class GradientReducer:
         for p in params:
             view = flat[offset:offset + p.grad.size].reshape(p.grad.shape)
             view[...] = p.grad
-            p.grad = view
+            p.grad = self.views[id(p)] = view
             offset += p.grad.size
             self.bucket_of[id(p)] = len(self.buckets)
         self.buckets.append(flat)
         self.bucket_params.append(list(params))
 
     def start_step(self) -> None:
+        """A new step's reduction begins (implied by ``grads_done`` and ``finish``)."""
         self.pending = {b: {id(p) for p in params}
                         for b, params in enumerate(self.bucket_params)}
         self.requests = []
+        self.open, self.summed = True, False
+
+    def step_begins(self) -> None:
+        """The gradients were zeroed: the next ``finish`` sums new ones."""
+        self.open = self.summed = False
 
     def grads_done(self, params: list[Parameter]) -> None:
         """These gradients are complete for this step: start any bucket now full."""
+        if not self.open:
+            self._begin("grads_done")
         for p in params:
             b = self.bucket_of[id(p)]
             waiting = self.pending.get(b)
@@ -83,27 +118,72 @@ class GradientReducer:
                 self._launch(b)
                 self.started_early += 1
 
+    def _begin(self, what: str) -> None:
+        if self.summed:
+            raise HpcparError(
+                f"GradientReducer.{what}: the gradients were already summed over dp and not "
+                f"zeroed since; summing them again would multiply them by the replicas. Zero "
+                f"them (optimizer.zero_grad() or reducer.zero_grad()) before the next backward")
+        self.start_step()
+
     def _launch(self, b: int) -> None:
-        self.requests.append(self.dp.iall_reduce(self.buckets[b]))
+        with trusted():                 # the buckets were agreed on when they were made
+            self.requests.append(self.dp.iall_reduce(self.buckets[b]))
         self.started += 1
 
     def finish(self) -> None:
-        """Start what the backward did not (a schedule without notifications), then wait."""
+        """Start what the backward did not (a schedule without notifications), then wait:
+        every gradient is then summed over dp, and an optimizer step may use it."""
+        if not self.open:
+            self._begin("finish")
+        self._check_views()
         for b in sorted(self.pending):
             self._launch(b)
         self.pending = {}
         start = perf_counter()
         Request.wait_all(self.requests)
         self.exposed_seconds += perf_counter() - start
+        self.open, self.summed, self.fresh = False, True, True
 
     def reduce(self) -> None:
         """Sum every bucket over the group now (after a backward without notifications)."""
-        self.start_step()
         self.finish()
 
     def zero_grad(self) -> None:
         for flat in self.buckets:
             flat[...] = 0
+        self.step_begins()
+
+    def use_for_step(self) -> None:
+        """An optimizer step is about to use the gradients: they must be this step's sums."""
+        if not self.fresh:
+            raise HpcparError(
+                "optimizer step on gradients that were not summed over the data-parallel "
+                "replicas since the last step: call reducer.finish() (or reducer.reduce()) "
+                "after the backward, before optimizer.step()")
+        self.fresh = False
+
+    def _check_views(self) -> None:
+        """Every gradient still lives in its bucket: one replaced by a new array would be
+        left out of the sum."""
+        for params in self.bucket_params:
+            for p in params:
+                if p.grad is not self.views[id(p)]:
+                    raise HpcparError(
+                        f"GradientReducer: the gradient of {p.name or tuple(p.grad.shape)} was "
+                        f"replaced by a new array, which the sum over dp would miss; add into "
+                        f"it in place (p.grad += ..., p.zero_grad())")
+
+
+def sum_partial_grads(params: list[Parameter]) -> None:
+    """Make replicated parameters' gradients whole: a parameter whose replicas each added
+    a part of the gradient (``partial_grad``: a KV head held by several tp ranks, each with
+    its own query heads) gets the sum over its ``replicas``. Run it after the backward, with
+    the data-parallel ``finish`` (either order)."""
+    with trusted():
+        for p in params:
+            if p.partial_grad and p.replicas is not None and p.replicas.size > 1:
+                p.replicas.all_reduce(p.grad)
 
 
 def local_sq_norm(params: list[Parameter], xp) -> float:
@@ -118,10 +198,51 @@ def local_sq_norm(params: list[Parameter], xp) -> float:
 
 def grad_norm(params: list[Parameter], group: Communicator | None = None) -> float:
     """The global L2 norm of the gradients, each element counted once: the counted elements
-    of this rank, summed over ``group`` (the ranks that hold different pieces: tp and pp;
-    never dp, whose replicas are equal after the reduction)."""
+    of this rank (``Parameter.counted``: a replica other than the first is not), summed over
+    ``group``, the ranks that hold different pieces of the model (tp, pp, cp's ranks hold
+    the same weights: leave cp out), never its data-parallel replicas, whose gradients are
+    equal after the reduction. A group that includes a parameter's dp replicas, or leaves
+    out its other replicas, is an error (each would count a wrong number of copies)."""
+    _check_norm_group(params, group)
     sq = np.array([local_sq_norm(params, group.xp if group is not None else np)
                    if params else 0.0])
     if group is not None and group.size > 1:
-        group.on_host().all_reduce(sq)
+        with trusted():
+            group.on_host().all_reduce(sq)
     return math.sqrt(float(sq[0]))
+
+
+def _check_norm_group(params: list[Parameter], group: Communicator | None) -> None:
+    """The norm's group holds every replica of each replicated parameter and no dp replica
+    of any (the same answer on every rank of a consistent program)."""
+    members = set(world_ranks(group)) if group is not None else set()
+    if not members:
+        from mpi4py import MPI
+        members = {MPI.COMM_WORLD.Get_rank()}
+    checked: set[int] = set()
+    for p in params:
+        for other, wanted, problem in ((p.reducer and p.reducer.dp, False, "its data-parallel "
+                                        "replicas, whose equal gradients would count "
+                                        "several times"),
+                                       (p.replicas, True, "not all of its replicas, so the "
+                                        "ranks would disagree on the norm")):
+            if other is None or other.size == 1 or (id(other), wanted) in checked:
+                continue
+            checked.add((id(other), wanted))
+            theirs = set(world_ranks(other))
+            if (theirs <= members) != wanted or (not wanted and len(theirs & members) > 1):
+                raise HpcparError(
+                    f"grad_norm: the group ({'ranks ' + str(sorted(members))}) holds "
+                    f"{problem} (ranks {sorted(theirs)}); pass the group of the ranks that "
+                    f"hold different pieces of the model, e.g. mesh.group(('pp', 'tp'))")
+
+
+def world_ranks(group: Communicator | None) -> list[int]:
+    """The world ranks of a group's members, in group order (cached on the group)."""
+    if group is None:
+        return []
+    cached = getattr(group, "_world_ranks", None)
+    if cached is None:
+        from ..comm.agreement import world_ranks_of
+        cached = group._world_ranks = world_ranks_of(group.mpi_comm)
+    return cached

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+from ..comm.agreement import trusted
 from ..errors import HpcparError
 from .darray import DArray
 from .sharded_matmul import matmul_backward, matmul_forward
@@ -65,13 +66,22 @@ class FeedForward:
 
     def __init__(self, w1: DArray, w2: DArray, policy: str = "megatron", axis: str | None = None,
                  activation="relu"):
+        self.policy, self.w1, self.w2 = policy, w1, w2
+        self.xp, self.axis = w1.mesh.backend.xp, axis
+        try:
+            self._validate(axis, activation)
+            error = None
+        except HpcparError as e:
+            error = e
+        self._agree("FeedForward", None, error, activation if isinstance(activation, str)
+                    else "a pair (f, df)")
+
+    def _validate(self, axis, activation) -> None:
+        policy, w1, w2 = self.policy, self.w1, self.w2
         if policy not in FFN_POLICIES:
             raise HpcparError(f"feed-forward policy {policy!r} is not one of "
                               f"{', '.join(FFN_POLICIES)}")
-        mesh = w1.mesh
-        self.axis = axis if axis is not None else _only_axis(mesh)
-        self.policy, self.w1, self.w2 = policy, w1, w2
-        self.xp = mesh.backend.xp
+        self.axis = axis if axis is not None else _only_axis(w1.mesh)
         fn = ACTIVATIONS.get(activation) if isinstance(activation, str) else activation
         if fn is None:
             raise HpcparError(f"activation {activation!r} is not one of "
@@ -86,8 +96,28 @@ class FeedForward:
                                   f"{want[self.axis]!r} along {self.axis!r}, got "
                                   f"{w.placement_of(self.axis)!r}")
 
+    def _agree(self, what: str, x: DArray | None, error=None, activation=None) -> None:
+        """The ranks pass the same block (and input): one check per call."""
+        mesh = self.w1.mesh
+        if not mesh.checking:
+            if error is not None:
+                raise error
+            return
+        arrays = (("X", x), ("W1", self.w1), ("W2", self.w2)) if x is not None \
+            else (("W1", self.w1), ("W2", self.w2))
+        mesh.agree(what, [("policy", self.policy), ("axis", self.axis),
+                          ("activation", activation)]
+                   + [(f"{name}'s {label}", v) for name, a in arrays
+                      for label, v in a.agreement_fields() + [("mesh", a.mesh.fingerprint)]],
+                   error)
+
     def forward(self, x: DArray) -> tuple[DArray, tuple]:
         """(Y, ctx). X is redistributed to the policy's placement first if it is not there."""
+        self._agree("FeedForward.forward", x)
+        with trusted():
+            return self._forward(x)
+
+    def _forward(self, x: DArray) -> tuple[DArray, tuple]:
         x = x.redistribute(self.x_pl)
         # sequence: AllGather the rows here; its backward is the ReduceScatter of dX below
         z, ctx1 = matmul_forward(x.redistribute({self.axis: Replicate()}), self.w1,
@@ -98,6 +128,11 @@ class FeedForward:
 
     def backward(self, dy: DArray, ctx) -> tuple[DArray, DArray, DArray]:
         """(dX, dW1, dW2), each placed like what it is the gradient of."""
+        self._agree("FeedForward.backward", dy)
+        with trusted():
+            return self._backward(dy, ctx)
+
+    def _backward(self, dy: DArray, ctx) -> tuple[DArray, DArray, DArray]:
         z, ctx1, ctx2 = ctx
         dh, dw2 = matmul_backward(dy, ctx2)
         dh = dh.redistribute(z.placements)

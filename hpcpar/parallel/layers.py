@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..comm import Communicator
-from ..dtypes import at_least_float32
-from ..ops import Ops, embedding_lookup, native_ops
+from ..errors import HpcparError
+from ..ops import Ops, native_ops
 from . import splits
 from .mappings import CopyToGroup, ReduceFromGroup
-from .params import GradSink, Parameter
+from .params import GradSink, Parameter, join
 
 
 @dataclass(eq=False)
@@ -53,12 +53,12 @@ def _rows(a):
     return a.reshape(-1, a.shape[-1])
 
 
-def _product(ops: Ops, x, w):
+def product(ops: Ops, x, w):
     """X W^T in the weight's dtype."""
     return ops.linear.forward(x, w.data.T).astype(w.data.dtype, copy=False)
 
 
-def _weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
+def weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
     """dW = dY^T X, db = sum of dY over rows; returns dX = dY W."""
     dy2 = _rows(dy)
     sink.outer(w, dy2, _rows(x))
@@ -67,28 +67,49 @@ def _weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
     return ops.linear.input_grad(dy, w.data.T).astype(x.dtype, copy=False)
 
 
-def _keep(tp: Communicator, piece, name: str) -> Parameter:
+def keep_slice(tp: Communicator, piece, name: str, replicas: Communicator | None = None,
+          partial_grad: bool = False) -> Parameter:
     """This rank's slice of a whole weight, as a Parameter on the group's backend."""
     backend = tp.backend
     if isinstance(piece, np.ndarray) and backend.on_device:
         data = backend.asarray(np.ascontiguousarray(piece))
     else:
         data = tp.xp.array(piece, copy=True)
-    return Parameter(data, name=name, decay=data.ndim > 1)
+    return Parameter(data, name=name, decay=data.ndim > 1, replicas=replicas,
+                     partial_grad=partial_grad)
 
 
-def _sink(sink, xp):
+def _my_cut(tp: Communicator, what: str, weight, bias, length: int, sizes, unit: int,
+            kind: str) -> tuple[int, int]:
+    """This rank's [start, stop) of the weight's split dimension, the ranks having agreed on
+    the weight's shape and the split (one check over tp)."""
+    try:
+        cut, error = splits.bounds(length, tp.size, sizes, unit, what=kind)[tp.rank], None
+    except HpcparError as e:
+        cut, error = (0, 0), e
+    tp.agree(what, [("weight's shape", tuple(weight.shape)), ("weight's dtype", str(weight.dtype)),
+                    ("bias's shape", None if bias is None else tuple(bias.shape)),
+                    ("sizes", None if sizes is None else [int(n) for n in sizes]),
+                    ("unit", unit)], error)
+    return cut
+
+
+def named_of(prefix: str, role: str, params: list) -> dict[str, Parameter]:
+    """``role`` (one parameter) or ``role.k`` (several), trainable ones only."""
+    if len(params) == 1:
+        return {join(prefix, role): params[0]} if isinstance(params[0], Parameter) else {}
+    return {join(prefix, f"{role}.{k}"): p for k, p in enumerate(params)
+            if isinstance(p, Parameter)}
+
+
+def _single(params: list, what: str):
+    if len(params) != 1:
+        raise HpcparError(f"this layer has {len(params)} {what}: use .{what}[k]")
+    return params[0]
+
+
+def sink_or_new(sink, xp):
     return GradSink(xp) if sink is None else sink
-
-
-def _vocab_rows(tp: Communicator, table, name: str) -> Parameter:
-    """This rank's vocabulary rows of ``table``, zero rows after the vocabulary's end."""
-    per = splits.padded_vocab_size(table.shape[0], tp.size) // tp.size
-    start, stop = splits.vocab_range(table.shape[0], tp.rank, tp.size)
-    rows = np.zeros((per,) + tuple(table.shape[1:]), dtype=table.dtype) \
-        if isinstance(table, np.ndarray) else tp.xp.zeros((per,) + table.shape[1:], table.dtype)
-    rows[:stop - start] = table[start:stop]
-    return _keep(tp, rows, name)
 
 
 class ColumnParallelLinear:
@@ -122,13 +143,38 @@ class ColumnParallelLinear:
 
     @classmethod
     def from_full(cls, tp: Communicator, weight, bias=None, sizes=None, ops: Ops | None = None,
-                  name: str = "") -> "ColumnParallelLinear":
+                  name: str = "", *, unit: int = 1) -> "ColumnParallelLinear":
         """From the whole ``weight`` [out, in] (and ``bias`` [out]), the same on every rank:
-        this rank keeps output features [start_i, stop_i) (even, or cut at ``sizes``)."""
-        a, b = splits.bounds(weight.shape[0], tp.size, sizes, what="output features")[tp.rank]
-        w = _keep(tp, weight[a:b], name)
-        bs = [_keep(tp, bias[a:b], name + ".bias")] if bias is not None else None
+        this rank keeps output features [start_i, stop_i): even, cut at ``sizes``, or by
+        whole units of ``unit`` features (heads). With fewer units than ranks each unit is
+        held by tp / units consecutive ranks (GQA's KV heads): those ranks are its
+        ``replicas``, each adding its own part of the gradient (``sum_partial_grads``)."""
+        a, b = _my_cut(tp, "ColumnParallelLinear.from_full", weight, bias, weight.shape[0],
+                       sizes, unit, "output features")
+        copies = splits.unit_replicas(weight.shape[0], tp.size, unit) if sizes is None else 1
+        replicas = tp.split(tp.rank // copies, "replicas") if copies > 1 else None
+        w = keep_slice(tp, weight[a:b], name, replicas, replicas is not None)
+        bs = ([keep_slice(tp, bias[a:b], join(name, "bias"), replicas, replicas is not None)]
+              if bias is not None else None)
         return cls(ops or native_ops(tp.xp), [w], bs, tp)
+
+    @property
+    def weight(self):
+        """The weight of a single-weight layer (``weights[0]``)."""
+        return _single(self.weights, "weights")
+
+    @property
+    def bias(self):
+        """The bias of a single-weight layer, or None."""
+        return _single(self.biases, "biases") if self.biases else None
+
+    def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
+        """``weight`` and ``bias`` (``weight.k`` / ``bias.k`` with several weights)."""
+        return named_of(prefix, "weight", self.weights) | named_of(prefix, "bias",
+                                                               self.biases or [])
+
+    def parameters(self) -> list[Parameter]:
+        return list(self.named_parameters().values())
 
     def forward(self, x):
         """(Y_i, ctx) of a single-weight layer (a list of Y's for several weights)."""
@@ -138,7 +184,7 @@ class ColumnParallelLinear:
     def __call__(self, x) -> list:
         ys = []
         for k, w in enumerate(self.weights):
-            y = _product(self.ops, x, w)
+            y = product(self.ops, x, w)
             if self.biases and self.biases[k] is not None:
                 y += self.biases[k].data
             ys.append(y)
@@ -148,11 +194,11 @@ class ColumnParallelLinear:
         """dX, AllReduced over tp, from the outputs' gradients (one weight per output; an
         array for one weight). Weight gradients go to ``sink`` (default: added at once)."""
         dys = dys if isinstance(dys, (list, tuple)) else [dys]
-        sink = _sink(sink, self.ops.xp)
+        sink = sink_or_new(sink, self.ops.xp)
         biases = self.biases or [None] * len(self.weights)
         dx = None
         for dy, w, b in zip(dys, self.weights, biases):
-            d = _weight_grads(self.ops, dy, x, w, b, sink)
+            d = weight_grads(self.ops, dy, x, w, b, sink)
             if dx is None:
                 dx = d
             else:
@@ -191,149 +237,34 @@ class RowParallelLinear:
     @classmethod
     def from_full(cls, tp: Communicator, weight, bias=None, sizes=None, ops: Ops | None = None,
                   name: str = "") -> "RowParallelLinear":
-        """From the whole ``weight`` [out, in] (and ``bias`` [out], replicated): this rank
-        keeps input features [start_i, stop_i) (even, or cut at ``sizes``)."""
-        a, b = splits.bounds(weight.shape[1], tp.size, sizes, what="input features")[tp.rank]
-        w = _keep(tp, weight[:, a:b], name)
-        bias = _keep(tp, bias, name + ".bias") if bias is not None else None
+        """From the whole ``weight`` [out, in] (and ``bias`` [out], replicated over tp: its
+        ``replicas``, counted once in the gradient norm): this rank keeps input features
+        [start_i, stop_i) (even, or cut at ``sizes``)."""
+        a, b = _my_cut(tp, "RowParallelLinear.from_full", weight, bias, weight.shape[1], sizes,
+                       1, "input features")
+        w = keep_slice(tp, weight[:, a:b], name)
+        bias = keep_slice(tp, bias, join(name, "bias"), tp if tp.size > 1 else None) \
+            if bias is not None else None
         return cls(ops or native_ops(tp.xp), w, bias, tp)
+
+    def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
+        """``weight`` and ``bias``."""
+        return named_of(prefix, "weight", [self.weight]) | (
+            named_of(prefix, "bias", [self.bias]) if self.bias is not None else {})
+
+    def parameters(self) -> list[Parameter]:
+        return list(self.named_parameters().values())
 
     def forward(self, x):
         """(Y, ctx)."""
         return self(x), x
 
     def __call__(self, x):
-        y = ReduceFromGroup.forward(_product(self.ops, x, self.weight), self.tp)
+        y = ReduceFromGroup.forward(product(self.ops, x, self.weight), self.tp)
         if self.bias is not None:
             y += self.bias.data
         return y
 
     def backward(self, dy, x, sink=None):
         """dX_i = dY A_i (g's backward: no communication); weight gradients to ``sink``."""
-        return _weight_grads(self.ops, dy, x, self.weight, self.bias, _sink(sink, self.ops.xp))
-
-
-class VocabParallelEmbedding:
-    """E[ids] with the table split by vocabulary rows: rank i holds rows [start_i, stop_i).
-
-    Forward: each rank looks up the ids it owns and writes zeros for the rest; an AllReduce
-    over tp sums the one non-zero contribution per token (g). Backward: each rank scatters
-    dY into its own rows only (repeated ids summed), no communication.
-    """
-
-    def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
-        self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
-        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
-
-    @classmethod
-    def from_full(cls, tp: Communicator, table, name: str = "") -> "VocabParallelEmbedding":
-        """From the whole table [vocab, hidden]: this rank keeps its vocabulary rows, padded
-        with zero rows to ceil(vocab / p) (``splits.vocab_range``)."""
-        return cls(tp.xp, _vocab_rows(tp, table, name), table.shape[0], tp)
-
-    def forward(self, ids):
-        """(B, T, hidden) and the ctx ``backward`` needs."""
-        out, local, owned = embedding_lookup(self.xp, self.weight.data, ids, self.start,
-                                             self.stop, zero_others=self.tp.size > 1)
-        if self.tp.size > 1:
-            ReduceFromGroup.forward(out, self.tp)
-        return out, (local, owned)
-
-    def backward(self, dy, ctx, sink=None) -> None:
-        """Adds dY's rows to the gradient of this rank's table rows (no communication)."""
-        local, owned = ctx
-        _sink(sink, self.xp).scatter_rows(self.weight, local[owned], dy[owned])
-
-
-class ParallelLMHead:
-    """Logits_i = H W_i^T with W split by vocabulary rows (column-parallel over the vocab).
-
-    Forward: each rank computes the logits of its own vocabulary block; nothing is gathered.
-    ``argmax`` and ``top_k`` reduce over tp by exchanging a few candidates per row, and only
-    ``full_logits`` AllGathers the whole vocabulary. Backward (from the vocab-parallel
-    cross-entropy): dH = sum_i dLogits_i W_i, an AllReduce over tp.
-    Padding rows (beyond ``vocab_size``) never win: their logits are -inf. A tied head is
-    the embedding's weight (generation: the first stage's own table, read transposed).
-    """
-
-    def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator):
-        self.ops, self.xp, self.weight, self.tp = ops, ops.xp, weight, tp
-        self.vocab_size = vocab_size
-        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
-
-    @classmethod
-    def from_full(cls, tp: Communicator, weight, ops: Ops | None = None,
-                  name: str = "") -> "ParallelLMHead":
-        """From the whole head [vocab, hidden]: this rank keeps its vocabulary rows."""
-        return cls(ops or native_ops(tp.xp), _vocab_rows(tp, weight, name), weight.shape[0], tp)
-
-    def local_logits(self, h):
-        """(..., vocab_per_partition) logits of this rank's block, float32 at least,
-        padding at -inf."""
-        logits = at_least_float32(self.xp, _product(self.ops, h, self.weight))
-        real = self.stop - self.start
-        if real < logits.shape[-1]:
-            logits[..., real:] = -self.xp.inf
-        return logits
-
-    def backward(self, dlogits, h, sink=None):
-        """dH, AllReduced over tp, from this block's logit gradients (in h's dtype)."""
-        dlogits = dlogits.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
-        dh = _weight_grads(self.ops, dlogits, h, self.weight, None, _sink(sink, self.xp))
-        return CopyToGroup.backward(dh, self.tp)
-
-    def full_logits(self, local):
-        """(..., vocab_size): every rank's block gathered along the vocabulary (AllGather)."""
-        return self.tp.all_gather(local, axis=-1)[..., :self.vocab_size]
-
-    def top_k(self, local, k: int):
-        """The k largest logits of each row over the whole vocabulary and their token ids,
-        exchanging only k candidates per rank. Returns (values, ids), each (rows, k * tp),
-        sorted by logit descending, ties by lower id (the order a single rank would give)."""
-        xp = self.xp
-        vals, idx = self.ops.top_k.local(local.reshape(-1, local.shape[-1]), k)
-        ids = (idx + self.start).astype(xp.float32)   # exact: vocab sizes are < 2**24
-        both = xp.ascontiguousarray(xp.stack([vals, ids]))                  # (2, rows, k)
-        gathered = self.tp.all_gather(both, axis=-1)                        # (2, rows, k*p)
-        return self.ops.top_k.merge(gathered[0], gathered[1].astype(xp.int64))
-
-    def argmax(self, local):
-        """The id of the largest logit of each row over the whole vocabulary (ties: lowest id),
-        as a distributed argmax: one (value, id) pair per rank and row is exchanged."""
-        vals, ids = self.top_k(local, 1)
-        return ids[:, 0]
-
-
-class VocabParallelCrossEntropy:
-    """Mean token cross-entropy of the column-parallel head's logits, never gathering the
-    vocabulary (Megatron's vocab-parallel cross-entropy; the math is ``ops.cross_entropy``):
-    one AllReduce(max) and one AllReduce(sum) of two numbers per row over tp, forward only."""
-
-    def __init__(self, ops: Ops | None, vocab_size: int, tp: Communicator):
-        self.ce, self.tp = (ops or native_ops(tp.xp)).cross_entropy, tp
-        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
-
-    def forward(self, logits, labels, weights):
-        """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
-        ``logits`` is overwritten (it becomes exp(z - m)), and ``backward`` reuses it."""
-        m, sums, ctx = self._reduced(logits, labels)
-        loss, _ = self.ce.loss(sums, m, weights)
-        return loss, (ctx, sums[0], weights)
-
-    def token_losses(self, logits, labels):
-        """-log p(label) of each row (N,) (scoring: log p = minus this); an ignored label's
-        value is meaningless. ``logits`` is overwritten."""
-        m, sums, _ = self._reduced(logits, labels)
-        return self.ce.row_losses(sums, m)
-
-    def _reduced(self, logits, labels):
-        """The row max and the sums [sum exp(z - m), z_t] over the whole vocabulary."""
-        m = self.ce.local_max(logits, self.stop - self.start)
-        self.tp.all_reduce(m, op="max")
-        sums, ctx = self.ce.local_sums(logits, m, labels, self.start, self.stop)
-        self.tp.all_reduce(sums)
-        return m, sums, ctx
-
-    def backward(self, ctx):
-        local_ctx, s, weights = ctx
-        return self.ce.backward(local_ctx, s, weights)
+        return weight_grads(self.ops, dy, x, self.weight, self.bias, sink_or_new(sink, self.ops.xp))

@@ -23,9 +23,14 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+from mpi4py import MPI
+
 from ..backend import NUMPY, ArrayBackend
 from ..comm import Communicator, CommStats, create_communicator
+from ..comm.agreement import active, agree_mpi
 from ..errors import HpcparError
+from ..waits import wait_bounded
 
 Axes = str | Sequence[str]
 
@@ -105,12 +110,25 @@ class Mesh:
     over ``comm_kind`` ("mpi", "nccl" or "auto"), and every wait gives up after ``timeout``
     seconds (0: never) with an error naming the operation, the group and the rank.
     Building a mesh, and the first ``group`` of a set of axes, are collective.
+
+    ``check`` (default on): the ranks are checked to agree on what they pass to every
+    collective operation (one all-reduce of two integers per call, ``comm.agreement``), so
+    that ranks that disagree get one error each instead of wrong numbers; the mesh itself
+    is checked to be built alike on every rank.
     """
+
+    _next_id = 0       # this process's meshes, numbered alike on every rank (``_agree_id``)
 
     def __init__(self, comm, shape: Mapping[str, int], *, backend: ArrayBackend = NUMPY,
                  comm_kind: str = "mpi", timeout: float = 600.0,
-                 stats: CommStats | None = None):
+                 stats: CommStats | None = None, check: bool = True):
         self.world = comm
+        self.check = check
+        asked = [(str(k), v if isinstance(v, int) else repr(v)) for k, v in shape.items()] \
+            if isinstance(shape, Mapping) else repr(shape)
+        agree_mpi(comm, "Mesh", [("axes", asked), ("backend", backend.name),
+                                 ("comm_kind", comm_kind), ("check", check)], timeout)
+        self.id = self._agree_id(comm, timeout)
         self.shape = resolve_shape(shape, comm.Get_size())
         self.axis_names = tuple(self.shape)
         self.sizes = tuple(self.shape.values())
@@ -125,6 +143,39 @@ class Mesh:
         self._groups: dict[tuple[int, ...], Communicator] = {}
         for axis in range(len(self.sizes)):
             self._group((axis,))
+
+    @classmethod
+    def _agree_id(cls, comm, timeout: float) -> int:
+        """A number every rank of ``comm`` gives this mesh, and no other mesh of this process
+        shares: the largest next number of the ranks (so a rank's numbers only grow)."""
+        number = np.array([cls._next_id], dtype=np.int64)
+        wait_bounded(comm.Iallreduce(MPI.IN_PLACE, number, op=MPI.MAX), timeout, "Mesh")
+        Mesh._next_id = int(number[0]) + 1
+        return int(number[0])
+
+    def agree(self, what: str, fields, error: Exception | None = None) -> None:
+        """Every rank of the mesh passes equal ``fields`` (and this same mesh) to ``what``,
+        or every rank raises ``Disagreement`` (one small all-reduce; none with
+        ``check=False``). ``error``: this rank's own bad input, raised on every rank."""
+        if self.checking:
+            self.everyone.agree(what, [("mesh", self.fingerprint)] + list(fields), error)
+        elif error is not None:
+            raise error
+
+    @property
+    def checking(self) -> bool:
+        """Whether ``agree`` checks now (off inside a call already checked)."""
+        return self.check and active(self.everyone)
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies this mesh on every rank: its number and its axes."""
+        return f"mesh {self.id} {_product_text(self.shape)}"
+
+    @property
+    def everyone(self) -> Communicator:
+        """The group of every rank of the mesh."""
+        return self._group(tuple(range(len(self.sizes))))
 
     # ---- coordinates --------------------------------------------------------------------------
 
@@ -179,6 +230,7 @@ class Mesh:
             name = "+".join(self.axis_names[i] for i in indices)
             group = create_communicator(self.cart.Sub(remain), self.comm_kind, self.backend,
                                         self.stats, name, self.timeout)
+            group.check = self.check
             self._groups[indices] = group
         return group
 

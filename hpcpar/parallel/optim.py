@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Mapping
 
 from .. import settings
 from ..errors import HpcparError
@@ -75,15 +76,26 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 
 class Optimizer:
-    """Per-parameter state (same shape as the shard) and the update of one step."""
+    """Per-parameter state (same shape as the shard) and the update of one step.
 
-    def __init__(self, settings: OptimizerSettings, params: list[Parameter], xp):
+    ``params``: a list of ``Parameter``s, or a dict name -> Parameter (``named_parameters``),
+    whose names ``state_dict`` uses (a list's parameters are named by their own ``name``).
+    The state of each parameter is its own, whatever the names; a parameter listed twice is
+    an error (a tied weight is one Parameter, stepped once)."""
+
+    def __init__(self, settings: OptimizerSettings, params, xp):
         problems = settings.problems()
         if problems:
             raise HpcparError("invalid optimizer settings: " + "; ".join(problems))
+        if isinstance(params, Mapping):
+            self.names, params = list(params), list(params.values())
+        else:
+            params = list(params)
+            self.names = [p.name for p in params]
+        _check_params(params)
         self.s, self.params, self.xp = settings, params, xp
         self.state_names = STATE_NAMES[settings.optimizer]
-        self.state: dict[str, dict[str, object]] = {}
+        self.state: dict[Parameter, dict[str, object]] = {}     # by the object itself
         self.steps = 0                      # optimizer steps taken (AdamW's bias correction)
         # On the CPU the update runs block by block through one cache-sized scratch buffer:
         # it allocates nothing, and its ten elementwise passes read memory about once. A GPU
@@ -93,18 +105,51 @@ class Optimizer:
         self._scratch = xp.empty(self.block, dtype=params[0].master.dtype) if params else None
 
     def state_of(self, p: Parameter) -> dict[str, object]:
-        st = self.state.get(p.name)
+        st = self.state.get(p)
         if st is None:
-            st = self.state[p.name] = {k: self.xp.zeros_like(p.master)
-                                            for k in self.state_names}
+            st = self.state[p] = {k: self.xp.zeros_like(p.master) for k in self.state_names}
         return st
+
+    def state_dict(self) -> dict[str, dict[str, object]]:
+        """Each parameter's state (``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``) by its
+        name, as a checkpoint stores it; the names must be unique and non-empty."""
+        _check_names(self.names)
+        return {name: self.state_of(p) for name, p in zip(self.names, self.params)}
+
+    def load_state_dict(self, states: Mapping[str, Mapping[str, object]]) -> None:
+        """The state of each named parameter (shapes checked), taken as it is where it is
+        already an array of this optimizer's module and dtype, else copied."""
+        _check_names(self.names)
+        missing = [n for n in self.names if n not in states]
+        if missing:
+            raise HpcparError(f"optimizer state: no state for {', '.join(missing[:5])}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        for name, p in zip(self.names, self.params):
+            st = {}
+            for key in self.state_names:
+                value = states[name][key]
+                if tuple(value.shape) != tuple(p.master.shape):
+                    raise HpcparError(f"optimizer state {name}/{key}: shape "
+                                      f"{tuple(value.shape)}, the parameter's is "
+                                      f"{tuple(p.master.shape)}")
+                st[key] = self.xp.asarray(value, dtype=p.master.dtype)
+            self.state[p] = st
+
+    def zero_grad(self) -> None:
+        """Zero every parameter's gradient (which begins a data-parallel step)."""
+        for p in self.params:
+            p.zero_grad()
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
         """Update every parameter's master weights from its ``grad`` (multiplied by
         ``grad_scale`` first: the clip coefficient, over the loss scale), at ``lr``
         (default: the settings' lr). A 16-bit compute copy is refreshed by
-        ``Parameter.refresh`` afterwards."""
+        ``Parameter.refresh`` afterwards. Parameters held by a ``GradientReducer`` must
+        have been summed over dp (its ``finish``) since the last step."""
         lr = self.s.lr if lr is None else lr
+        for reducer in {id(p.reducer): p.reducer for p in self.params
+                        if p.reducer is not None}.values():
+            reducer.use_for_step()
         self.steps += 1
         for p in self.params:
             g = p.grad
@@ -161,6 +206,26 @@ class Optimizer:
         w -= tmp
 
 
+def _check_params(params: list) -> None:
+    seen: dict[int, int] = {}
+    for i, p in enumerate(params):
+        if not isinstance(p, Parameter):
+            raise HpcparError(f"optimizer: item {i} is a {type(p).__name__}, not a Parameter "
+                              f"(layer.parameters() or hp.named_parameters(model) lists them)")
+        if id(p) in seen:
+            raise HpcparError(f"optimizer: parameter {p.name or i} is listed twice (items "
+                              f"{seen[id(p)]} and {i}); a tied weight is one Parameter, "
+                              f"list it once")
+        seen[id(p)] = i
+
+
+def _check_names(names: list[str]) -> None:
+    if any(not n for n in names) or len(set(names)) != len(names):
+        raise HpcparError("optimizer state by name needs unique, non-empty parameter names: "
+                          "build the optimizer from hp.named_parameters(model) (or "
+                          "layer.named_parameters())")
+
+
 def array_module(a):
     """The array module of ``a``: NumPy, CuPy, or the strict test backend's."""
     if hasattr(a, "__cuda_array_interface__"):
@@ -173,19 +238,31 @@ def array_module(a):
     return numpy
 
 
-def AdamW(params: list[Parameter], lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+def AdamW(params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
           weight_decay: float = 0.0, xp=None) -> Optimizer:
-    """torch.optim.AdamW over ``params`` (decay on the params whose ``decay`` is set)."""
+    """torch.optim.AdamW over ``params`` (a list, or a dict by name; decay on the params
+    whose ``decay`` is set)."""
     settings = OptimizerSettings("adamw", lr=lr, betas=tuple(betas), eps=eps,
                                  weight_decay=weight_decay)
-    return Optimizer(settings, params, xp or array_module(params[0].master))
+    params = params if isinstance(params, Mapping) else list(params)
+    return Optimizer(settings, params, xp or _module_of(params))
 
 
-def SGD(params: list[Parameter], lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+def SGD(params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
         xp=None) -> Optimizer:
-    """torch.optim.SGD over ``params`` (momentum without dampening)."""
+    """torch.optim.SGD over ``params`` (a list, or a dict by name; momentum without
+    dampening)."""
     settings = OptimizerSettings("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
-    return Optimizer(settings, params, xp or array_module(params[0].master))
+    params = params if isinstance(params, Mapping) else list(params)
+    return Optimizer(settings, params, xp or _module_of(params))
+
+
+def _module_of(params):
+    items = list(params.values()) if isinstance(params, Mapping) else list(params)
+    if not items:
+        raise HpcparError("optimizer: no parameters to optimize")
+    first = items[0]
+    return array_module(first.master if isinstance(first, Parameter) else first)
 
 
 @dataclass

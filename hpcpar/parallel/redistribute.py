@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .darray import DArray, normalize_placements, piece_bounds, shard_chain
+from ..comm.agreement import trusted
+from .darray import (DArray, attempt, normalize_placements, piece_bounds, placements_text,
+                     shard_chain)
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import is_partition
 
@@ -104,13 +106,19 @@ def _partitions(p: Shard, shape: Sequence[int], parts: int, placements, axis: in
 def redistribute(x: DArray, placements) -> DArray:
     """``x`` placed as ``placements`` (see the module docstring); collective over the mesh
     axes whose placement changes."""
-    dst = normalize_placements(x.mesh, placements, x.ndim)
+    dst, error = attempt(placements, normalize_placements, x.mesh, placements, x.ndim)
+    if x.mesh.checking:
+        x.mesh.agree("redistribute", x.agreement_fields()
+                     + [("target placements", placements_text(dst))], error)
+    elif error is not None:
+        raise error
     local, state = x.local, list(x.placements)
-    for step in plan(x.shape, x.mesh.sizes, x.placements, dst):
-        before = tuple(state)
-        state[step.axis] = step.dst
-        local = _run(step, local, x, before, tuple(state))
-    return DArray(local, x.shape, x.mesh, dst)
+    with trusted():
+        for step in plan(x.shape, x.mesh.sizes, x.placements, dst):
+            before = tuple(state)
+            state[step.axis] = step.dst
+            local = _run(step, local, x, before, tuple(state))
+        return DArray(local, x.shape, x.mesh, dst)
 
 
 def _run(step: Step, local, x: DArray, before, after):

@@ -36,12 +36,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..comm.agreement import trusted
 from ..errors import HpcparError
-from .darray import DArray, normalize_placements
+from .darray import DArray, normalize_placements, placements_text
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import even_sizes
 
 POLICIES = ("duplicated", "inner", "inner_gather", "outer", "full", "local")
+PLACEMENT_OPTIONS = ("out", "da_placements", "db_placements")
 R, P = Replicate(), Partial()
 
 
@@ -249,10 +251,27 @@ def _plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
                  normalize_placements(mesh, y_out, 2))
 
 
+def _agree(what: str, operands: dict[str, DArray], **options) -> None:
+    """The ranks pass the same operands (shapes, dtypes, placements, meshes) and options."""
+    mesh = next(iter(operands.values())).mesh
+    if mesh.checking:
+        fields = [(f"{name}'s {label}", v) for name, x in operands.items()
+                  for label, v in x.agreement_fields() + [("mesh", x.mesh.fingerprint)]]
+        fields += [(name, placements_text(v) if name in PLACEMENT_OPTIONS and v is not None
+                    else v) for name, v in options.items()]
+        mesh.agree(what, fields)
+
+
 def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
                    out=None) -> tuple[DArray, MatmulCtx]:
     """Y = A B under ``policy`` (default: the one the placements ask for, ``choose``),
     placed as ``out`` (default: the policy's), and the ctx ``matmul_backward`` needs."""
+    _agree("matmul", {"A": a, "B": b}, policy=policy, axis=axis, out=out)
+    with trusted():
+        return _matmul_forward(a, b, policy, axis, out)
+
+
+def _matmul_forward(a: DArray, b: DArray, policy, axis, out) -> tuple[DArray, MatmulCtx]:
     plan = _plan(a, b, policy, axis, out)
     a2, b2 = a.redistribute(plan.a_in), b.redistribute(plan.b_in)
     y = DArray(local_product(a.mesh.backend.xp, a2.local, b2.local), (a.shape[0], b.shape[1]),
@@ -276,6 +295,13 @@ def matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements=None,
     """(dA, dB) from dY (any placement): dA = dY B^T, dB = A^T dY, each in its operand's
     placement (``gradient_placements``) unless ``da_placements`` / ``db_placements`` say
     otherwise."""
+    _agree("matmul_backward", {"dY": dy, "A": ctx.a, "B": ctx.b}, policy=ctx.policy,
+           da_placements=da_placements, db_placements=db_placements)
+    with trusted():
+        return _matmul_backward(dy, ctx, da_placements, db_placements)
+
+
+def _matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements, db_placements):
     mesh, xp = ctx.a.mesh, ctx.a.mesh.backend.xp
     a, b = ctx.a, ctx.b
     dy = dy.redistribute(gradient_placements(ctx.y_placements))

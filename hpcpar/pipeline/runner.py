@@ -32,6 +32,7 @@ from ..comm import Communicator
 from ..errors import HpcparError, PeerFailed
 from .. import waits
 from ..parallel import splits
+from ..parallel.params import join, named_parameters
 from .executor import PipelineExecutor
 from .schedule import Action, Op, gpipe_forward
 from .training_schedules import (bubble_formula, micro_batch_problems, training_schedule)
@@ -102,13 +103,14 @@ class Pipeline:
         Returns the micro-batches' losses on the last stage, [] elsewhere. Gradients are
         left in the stages' parameters (summed over micro-batches)."""
         m = len(inputs)
+        error = None
         if len(targets) != m:
-            raise HpcparError(f"pipeline: {m} input micro-batches but {len(targets)} targets")
-        if self.loss is None:
-            raise HpcparError("pipeline: train_step needs loss(y, target) -> (value, dy)")
-        problems = micro_batch_problems(self.schedule, self.p, m, self.V)
-        if problems:
-            raise HpcparError("pipeline: " + "; ".join(problems))
+            error = HpcparError(f"pipeline: {m} input micro-batches but {len(targets)} targets")
+        elif self.loss is None:
+            error = HpcparError("pipeline: train_step needs loss(y, target) -> (value, dy)")
+        elif problems := micro_batch_problems(self.schedule, self.p, m, self.V):
+            error = HpcparError("pipeline: " + "; ".join(problems))
+        self._agree("Pipeline.train_step", m, error)
         actions = training_schedule(self.schedule, self.p, m, self.V)[self.rank]
         program = _UserProgram(self, inputs, targets)
         self._run(program, actions, ("train", m))
@@ -116,13 +118,32 @@ class Pipeline:
 
     def forward(self, inputs: Sequence) -> list:
         """The last stage's outputs of every micro-batch (GPipe forward; [] on other ranks)."""
-        if self.V != 1:
-            raise HpcparError("pipeline: forward runs one chunk per stage")
         m = len(inputs)
+        self._agree("Pipeline.forward", m, HpcparError("pipeline: forward runs one chunk per "
+                                                      "stage") if self.V != 1 else None)
         actions = gpipe_forward(self.p, m)[self.rank]
         program = _UserProgram(self, inputs, [None] * m, keep_outputs=True)
         self._run(program, actions, ("forward", m))
         return [program.results[i] for i in range(m)] if self.is_last else []
+
+    def _agree(self, what: str, m: int, error: HpcparError | None) -> None:
+        """Every stage runs the same number of micro-batches under the same schedule (one
+        check over the group; a rank's own error stops them all)."""
+        self.group.agree(what, [("micro-batch count (the length of inputs)", m),
+                                ("schedule", self.schedule), ("chunks per stage", self.V)],
+                         error)
+
+    def named_parameters(self, prefix: str = "") -> dict:
+        """This rank's stage parameters, under ``stage{v}.`` for virtual stage v (the
+        model's position of each chunk), so names are unique over the pipeline."""
+        out: dict = {}
+        for c, chunk in enumerate(self.chunks):
+            virtual = c * self.p + self.rank
+            out |= named_parameters(chunk, join(prefix, f"stage{virtual}"))
+        return out
+
+    def parameters(self) -> list:
+        return list(self.named_parameters().values())
 
     def _run(self, program, actions: list[Action], key: tuple) -> None:
         executor = PipelineExecutor(self.group, self.rank, program, self.group.backend,

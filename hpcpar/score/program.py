@@ -20,7 +20,7 @@ import numpy as np
 from ..faults import fault_point
 from ..generate.batching import MicroBatch
 from ..model import DecoderStage
-from ..parallel.layers import VocabParallelCrossEntropy
+from ..parallel.vocab import VocabParallelCrossEntropy
 from ..parallel.context import ContextShard, split_batch
 from ..pipeline.schedule import Action
 

@@ -18,7 +18,7 @@ from ..comm import Communicator
 from ..config import ModelConfig
 from ..model import DecoderStage
 from ..parallel.context import ContextShard
-from ..parallel.layers import VocabParallelCrossEntropy
+from ..parallel.vocab import VocabParallelCrossEntropy
 from ..ops import AttentionRows, Ops
 from .memory import activation_bytes
 from .params import GradSink, Param

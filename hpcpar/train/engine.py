@@ -93,7 +93,7 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
             return (np.errstate(over="ignore", invalid="ignore") if scaler
                     else contextlib.nullcontext())
         if states is not None:
-            optimizer.state.update(zero.slice_state(states) if zero else states)
+            optimizer.load_state_dict(zero.slice_state(states) if zero else states)
             attrs = plan.resume[1]
             optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
             if scaler is not None and "loss_scale" in attrs:
@@ -311,7 +311,7 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
             plan.out_dir.mkdir(exist_ok=True)
             tc.create_file(path, ckpt, optimizer.state_names, attrs)
 
-    states = {p.name: optimizer.state_of(p) for p in optimizer.params}
+    states = optimizer.state_dict()
     to_host = backend.to_host
     tp_rank, tp_size = mesh.tp_rank, mesh.layout.tp
 

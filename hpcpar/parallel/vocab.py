@@ -1,0 +1,176 @@
+"""Megatron's vocabulary-parallel layers: the embedding, the LM head and the cross-entropy
+with the vocabulary split over tp, never gathering it where a reduction of a few numbers per
+row will do.
+
+p is the tp size, i this rank. The vocabulary is cut into p blocks of ceil(V / p) rows
+(``splits.vocab_range``); the last block's rows past V are padding, zero in the tables and
+-inf in the logits, so they never win an argmax and weigh nothing in a softmax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm import Communicator
+from ..dtypes import at_least_float32
+from ..ops import Ops, embedding_lookup, native_ops
+from . import splits
+from .layers import keep_slice, named_of, product, sink_or_new, weight_grads
+from .mappings import CopyToGroup, ReduceFromGroup
+from .params import Parameter
+
+
+def _vocab_rows(tp: Communicator, table, name: str, what: str) -> Parameter:
+    """This rank's vocabulary rows of ``table``, zero rows after the vocabulary's end (the
+    ranks having agreed on the table's shape: one check over tp)."""
+    tp.agree(what, [("table's shape", tuple(table.shape)), ("dtype", str(table.dtype))])
+    per = splits.padded_vocab_size(table.shape[0], tp.size) // tp.size
+    start, stop = splits.vocab_range(table.shape[0], tp.rank, tp.size)
+    rows = np.zeros((per,) + tuple(table.shape[1:]), dtype=table.dtype) \
+        if isinstance(table, np.ndarray) else tp.xp.zeros((per,) + table.shape[1:], table.dtype)
+    rows[:stop - start] = table[start:stop]
+    return keep_slice(tp, rows, name)
+
+
+class VocabParallelEmbedding:
+    """E[ids] with the table split by vocabulary rows: rank i holds rows [start_i, stop_i).
+
+    Forward: each rank looks up the ids it owns and writes zeros for the rest; an AllReduce
+    over tp sums the one non-zero contribution per token (g). Backward: each rank scatters
+    dY into its own rows only (repeated ids summed), no communication.
+    """
+
+    def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
+        self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
+        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
+
+    @classmethod
+    def from_full(cls, tp: Communicator, table, name: str = "") -> "VocabParallelEmbedding":
+        """From the whole table [vocab, hidden]: this rank keeps its vocabulary rows, padded
+        with zero rows to ceil(vocab / p) (``splits.vocab_range``)."""
+        return cls(tp.xp, _vocab_rows(tp, table, name, "VocabParallelEmbedding.from_full"),
+                   table.shape[0], tp)
+
+    def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
+        """``weight``: this rank's rows of the table."""
+        return named_of(prefix, "weight", [self.weight])
+
+    def parameters(self) -> list[Parameter]:
+        return list(self.named_parameters().values())
+
+    def forward(self, ids):
+        """(B, T, hidden) and the ctx ``backward`` needs."""
+        out, local, owned = embedding_lookup(self.xp, self.weight.data, ids, self.start,
+                                             self.stop, zero_others=self.tp.size > 1)
+        if self.tp.size > 1:
+            ReduceFromGroup.forward(out, self.tp)
+        return out, (local, owned)
+
+    def backward(self, dy, ctx, sink=None) -> None:
+        """Adds dY's rows to the gradient of this rank's table rows (no communication)."""
+        local, owned = ctx
+        sink_or_new(sink, self.xp).scatter_rows(self.weight, local[owned], dy[owned])
+
+
+class ParallelLMHead:
+    """Logits_i = H W_i^T with W split by vocabulary rows (column-parallel over the vocab).
+
+    Forward: each rank computes the logits of its own vocabulary block; nothing is gathered.
+    ``argmax`` and ``top_k`` reduce over tp by exchanging a few candidates per row, and only
+    ``full_logits`` AllGathers the whole vocabulary. Backward (from the vocab-parallel
+    cross-entropy): dH = sum_i dLogits_i W_i, an AllReduce over tp.
+    Padding rows (beyond ``vocab_size``) never win: their logits are -inf. A tied head is
+    the embedding's weight (generation: the first stage's own table, read transposed).
+    """
+
+    def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator):
+        self.ops, self.xp, self.weight, self.tp = ops, ops.xp, weight, tp
+        self.vocab_size = vocab_size
+        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
+
+    @classmethod
+    def from_full(cls, tp: Communicator, weight, ops: Ops | None = None,
+                  name: str = "") -> "ParallelLMHead":
+        """From the whole head [vocab, hidden]: this rank keeps its vocabulary rows."""
+        return cls(ops or native_ops(tp.xp),
+                   _vocab_rows(tp, weight, name, "ParallelLMHead.from_full"), weight.shape[0], tp)
+
+    def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
+        """``weight``: this rank's vocabulary rows of the head (the embedding's own
+        Parameter when tied: listed once by ``named_parameters`` of a whole model)."""
+        return named_of(prefix, "weight", [self.weight])
+
+    def parameters(self) -> list[Parameter]:
+        return list(self.named_parameters().values())
+
+    def local_logits(self, h):
+        """(..., vocab_per_partition) logits of this rank's block, float32 at least,
+        padding at -inf."""
+        logits = at_least_float32(self.xp, product(self.ops, h, self.weight))
+        real = self.stop - self.start
+        if real < logits.shape[-1]:
+            logits[..., real:] = -self.xp.inf
+        return logits
+
+    def backward(self, dlogits, h, sink=None):
+        """dH, AllReduced over tp, from this block's logit gradients (in h's dtype)."""
+        dlogits = dlogits.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
+        dh = weight_grads(self.ops, dlogits, h, self.weight, None, sink_or_new(sink, self.xp))
+        return CopyToGroup.backward(dh, self.tp)
+
+    def full_logits(self, local):
+        """(..., vocab_size): every rank's block gathered along the vocabulary (AllGather)."""
+        return self.tp.all_gather(local, axis=-1)[..., :self.vocab_size]
+
+    def top_k(self, local, k: int):
+        """The k largest logits of each row over the whole vocabulary and their token ids,
+        exchanging only k candidates per rank. Returns (values, ids), each (rows, k * tp),
+        sorted by logit descending, ties by lower id (the order a single rank would give)."""
+        xp = self.xp
+        vals, idx = self.ops.top_k.local(local.reshape(-1, local.shape[-1]), k)
+        ids = (idx + self.start).astype(xp.float32)   # exact: vocab sizes are < 2**24
+        both = xp.ascontiguousarray(xp.stack([vals, ids]))                  # (2, rows, k)
+        gathered = self.tp.all_gather(both, axis=-1)                        # (2, rows, k*p)
+        return self.ops.top_k.merge(gathered[0], gathered[1].astype(xp.int64))
+
+    def argmax(self, local):
+        """The id of the largest logit of each row over the whole vocabulary (ties: lowest id),
+        as a distributed argmax: one (value, id) pair per rank and row is exchanged."""
+        vals, ids = self.top_k(local, 1)
+        return ids[:, 0]
+
+
+class VocabParallelCrossEntropy:
+    """Mean token cross-entropy of the column-parallel head's logits, never gathering the
+    vocabulary (Megatron's vocab-parallel cross-entropy; the math is ``ops.cross_entropy``):
+    one AllReduce(max) and one AllReduce(sum) of two numbers per row over tp, forward only."""
+
+    def __init__(self, ops: Ops | None, vocab_size: int, tp: Communicator):
+        self.ce, self.tp = (ops or native_ops(tp.xp)).cross_entropy, tp
+        tp.agree("VocabParallelCrossEntropy", [("vocab_size", int(vocab_size))])
+        self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
+
+    def forward(self, logits, labels, weights):
+        """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
+        ``logits`` is overwritten (it becomes exp(z - m)), and ``backward`` reuses it."""
+        m, sums, ctx = self._reduced(logits, labels)
+        loss, _ = self.ce.loss(sums, m, weights)
+        return loss, (ctx, sums[0], weights)
+
+    def token_losses(self, logits, labels):
+        """-log p(label) of each row (N,) (scoring: log p = minus this); an ignored label's
+        value is meaningless. ``logits`` is overwritten."""
+        m, sums, _ = self._reduced(logits, labels)
+        return self.ce.row_losses(sums, m)
+
+    def _reduced(self, logits, labels):
+        """The row max and the sums [sum exp(z - m), z_t] over the whole vocabulary."""
+        m = self.ce.local_max(logits, self.stop - self.start)
+        self.tp.all_reduce(m, op="max")
+        sums, ctx = self.ce.local_sums(logits, m, labels, self.start, self.stop)
+        self.tp.all_reduce(sums)
+        return m, sums, ctx
+
+    def backward(self, ctx):
+        local_ctx, s, weights = ctx
+        return self.ce.backward(local_ctx, s, weights)

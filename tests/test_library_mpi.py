@@ -1,0 +1,278 @@
+"""The library as its users combine it, on 2, 4 and 8 ranks, against torch on the dense model:
+parameters found and named from layers and pipelines, optimizer state that never collides,
+gradient norms and clipping that count every element once (a row-parallel bias and a norm
+weight replicated over tp, a KV head replicated under GQA, dp replicas), the data-parallel
+lifecycle that refuses a step on unreduced gradients, and ranks that disagree stopped with
+one error on every rank.
+
+The model (float64): h = x * g (g a norm-like weight, replicated over tp), q = h Wq^T + bq
+(column-parallel by heads), kv = h Wkv^T + bkv (column-parallel by whole heads; one KV head
+for two query heads per rank, so tp ranks hold it as replicas), z = q * kv repeated over the
+query heads of each KV head, y = z Wo^T + bo (row-parallel, bias replicated), loss = sum of
+squares of (y - t) over the global batch / its rows. Stage 0 is h..z, stage 1 is y and the
+loss; with pp 1 one rank holds both.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import hpcpar.parallel as hp
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+D, HEADS, KV_HEADS, HD, OUT, ROWS, MICRO = 6, 4, 1, 3, 5, 8, 2
+
+
+def dims(n: int) -> dict:
+    pp = 2 if n >= 4 else 1
+    return {"dp": n // (2 * pp), "pp": pp, "tp": 2}
+
+
+def weights(seed=0) -> dict:
+    rng = np.random.default_rng(seed)                 # the same on every rank
+    return dict(g=1 + 0.1 * rng.standard_normal(D),
+                wq=rng.standard_normal((HEADS * HD, D)) / 3, bq=rng.standard_normal(HEADS * HD),
+                wkv=rng.standard_normal((KV_HEADS * HD, D)) / 3,
+                bkv=rng.standard_normal(KV_HEADS * HD),
+                wo=rng.standard_normal((OUT, HEADS * HD)) / 3, bo=rng.standard_normal(OUT))
+
+
+def batch(seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((ROWS, D)), rng.standard_normal((ROWS, OUT))
+
+
+class Front:
+    """Stage 0: h = x * g, q and kv column-parallel, z = q * kv (per query head)."""
+
+    def __init__(self, tp, w):
+        self.norm = hp.Parameter(tp.xp.asarray(w["g"].copy()), decay=False, replicas=tp)
+        self.q = hp.ColumnParallelLinear.from_full(tp, w["wq"], w["bq"], unit=HD)
+        self.kv = hp.ColumnParallelLinear.from_full(tp, w["wkv"], w["bkv"], unit=HD)
+        self.tp = tp
+
+    def forward(self, x):
+        h = x * self.norm.data
+        q, _ = self.q.forward(h)
+        kv, _ = self.kv.forward(h)
+        heads = q.shape[1] // HD
+        kv_rep = np.tile(kv, heads // (kv.shape[1] // HD))    # this rank's heads share one
+        return q * kv_rep, (x, h, q, kv_rep)
+
+    def backward(self, dz, ctx):
+        x, h, q, kv_rep = ctx
+        dq = dz * kv_rep
+        dkv = (dz * q).reshape(len(dz), -1, self.kv.weight.data.shape[0]).sum(axis=1)
+        dh = self.q.backward(dq, h) + self.kv.backward(dkv, h)   # each AllReduced over tp
+        self.norm.grad += (dh * x).sum(axis=0)
+        return dh * self.norm.data
+
+
+class Back:
+    """Stage 1: y = z Wo^T + bo, row-parallel."""
+
+    def __init__(self, tp, w):
+        self.out = hp.RowParallelLinear.from_full(tp, w["wo"], w["bo"])
+
+    def forward(self, z):
+        return self.out.forward(z)
+
+    def backward(self, dy, z):
+        return self.out.backward(dy, z)
+
+
+class Both:
+    """Both stages on one rank (pp 1)."""
+
+    def __init__(self, tp, w):
+        self.front, self.back = Front(tp, w), Back(tp, w)
+
+    def forward(self, x):
+        z, c0 = self.front.forward(x)
+        y, c1 = self.back.forward(z)
+        return y, (c0, c1)
+
+    def backward(self, dy, ctx):
+        return self.front.backward(self.back.backward(dy, ctx[1]), ctx[0])
+
+
+def sse(y, t):
+    d = y - t
+    return float((d * d).sum() / ROWS), 2 * d / ROWS
+
+
+def torch_reference(w, x, t, clip):
+    """The dense model's loss, gradients (clipped as clip_grad_norm_ clips) and the norm."""
+    p = {k: torch.tensor(v, requires_grad=True) for k, v in w.items()}
+    h = torch.tensor(x) * p["g"]
+    q = h @ p["wq"].T + p["bq"]
+    kv = h @ p["wkv"].T + p["bkv"]
+    z = q * kv.repeat(1, HEADS // KV_HEADS)
+    y = z @ p["wo"].T + p["bo"]
+    loss = ((y - torch.tensor(t)) ** 2).sum() / ROWS
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(list(p.values()), clip)
+    return float(loss.detach()), {k: v.grad.numpy() for k, v in p.items()}, float(norm)
+
+
+def build(comm, w):
+    mesh = hp.Mesh(comm, dims(comm.Get_size()), timeout=60)
+    tp, pp = mesh.group("tp"), mesh.group("pp")
+    stage = Both(tp, w) if pp.size == 1 else (Front(tp, w) if pp.rank == 0 else Back(tp, w))
+    pipe = hp.Pipeline(pp, stage, loss=sse, schedule="1f1b")
+    return mesh, stage, pipe
+
+
+def my_rows(mesh, a):
+    dp, r = mesh.size("dp"), mesh.coord("dp")
+    return a[r * ROWS // dp:(r + 1) * ROWS // dp]
+
+
+def test_named_parameters_of_layers_and_pipeline_stages(comm):
+    mesh, stage, pipe = build(comm, weights())
+    names = sorted(pipe.named_parameters())
+    front = ["kv.bias", "kv.weight", "norm", "q.bias", "q.weight"]
+    if mesh.size("pp") == 1:
+        want = [f"stage0.{n}" for n in ["back.out.bias", "back.out.weight"]
+                + [f"front.{m}" for m in front]]
+    elif mesh.coord("pp") == 0:
+        want = [f"stage0.{n}" for n in front]
+    else:
+        want = ["stage1.out.bias", "stage1.out.weight"]
+    assert names == sorted(want)
+    layer = stage.q if mesh.coord("pp") == 0 and mesh.size("pp") > 1 else None
+    if layer is not None:
+        assert layer.parameters() == [layer.weight, layer.bias]
+        assert list(layer.named_parameters("q")) == ["q.weight", "q.bias"]
+    # every Parameter once, and the optimizer keeps a state per parameter
+    opt = hp.AdamW(pipe.named_parameters(), lr=1e-3)
+    assert len(opt.state_dict()) == len(names)
+    with pytest.raises(hp.HpcparError, match="listed twice"):
+        hp.AdamW(pipe.parameters() * 2)
+    with pytest.raises(hp.HpcparError, match="unique, non-empty parameter names"):
+        hp.AdamW(pipe.parameters()).state_dict()
+
+
+@pytest.mark.parametrize("clip", [1e9, 0.5])
+def test_training_step_equals_torch_with_the_norm_counted_once(comm, clip):
+    w = weights()
+    x, t = batch()
+    mesh, stage, pipe = build(comm, w)
+    params = pipe.parameters()
+    reducer = hp.GradientReducer(mesh.group("dp"), [params], bucket_bytes=64)
+    opt = hp.AdamW(params, lr=0.01, weight_decay=0.1)      # unnamed: state by object
+    opt.zero_grad()
+    losses = pipe.train_step(hp.split_micro_batches(my_rows(mesh, x), MICRO),
+                             hp.split_micro_batches(my_rows(mesh, t), MICRO))
+    hp.sum_partial_grads(params)        # the KV head's replicas each added a part
+    reducer.finish()
+    norm = hp.grad_norm(params, mesh.group(("pp", "tp")))
+    coef = hp.clip_coefficient(norm, clip)
+    for p in params:
+        p.grad *= coef
+
+    loss, grads, torch_norm = torch_reference(w, x, t, clip)
+    assert abs(norm - torch_norm) <= 1e-12 * torch_norm
+    if pipe.is_last:
+        total = mesh.group("dp").on_host().all_reduce(np.array([sum(losses)]))[0]
+        assert abs(total - loss) <= 1e-12 * abs(loss)
+    tp_rank = mesh.coord("tp")
+    heads = slice(tp_rank * HEADS // 2 * HD, (tp_rank + 1) * HEADS // 2 * HD)
+    for name, p in pipe.named_parameters().items():
+        key = name.split(".", 1)[1].replace("front.", "").replace("back.", "")
+        want = {"norm": grads["g"], "q.weight": grads["wq"][heads],
+                "q.bias": grads["bq"][heads], "kv.weight": grads["wkv"],
+                "kv.bias": grads["bkv"], "out.weight": grads["wo"][:, heads],
+                "out.bias": grads["bo"]}[key]
+        np.testing.assert_allclose(p.grad, want, rtol=1e-10, atol=1e-13, err_msg=name)
+    opt.step()
+    with pytest.raises(hp.HpcparError, match="not summed over the data-parallel"):
+        opt.step()                      # no finish() since the last step
+    mesh.free()
+
+
+def test_the_data_parallel_lifecycle_refuses_what_would_drift(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    mesh = hp.Mesh(comm, {"dp": n}, timeout=60)
+    params = [hp.Parameter(np.zeros(3)), hp.Parameter(np.zeros((2, 2)))]
+    reducer = hp.GradientReducer(mesh.group("dp"), [params[:1], params[1:]], bucket_bytes=8)
+    opt = hp.SGD(params, lr=1.0)
+    with pytest.raises(hp.HpcparError, match="not summed over the data-parallel"):
+        opt.step()
+    for step in range(2):          # grads_done + finish, no start_step: the documented path
+        opt.zero_grad()
+        for p in reversed(params):
+            p.grad += r + 1.0
+            reducer.grads_done([p])
+        reducer.finish()
+        for p in params:
+            np.testing.assert_array_equal(p.grad, n * (n + 1) / 2)
+        with pytest.raises(hp.HpcparError, match="already summed over dp"):
+            reducer.finish()
+        opt.step()
+    np.testing.assert_array_equal(params[0].data, -n * (n + 1))    # two equal steps
+    opt.zero_grad()
+    params[0].grad = np.ones(3)                       # replaced: the sum would miss it
+    with pytest.raises(hp.HpcparError, match="replaced by a new array"):
+        reducer.finish()
+    mesh.free()
+
+
+def _raises_everywhere(comm, fn, match):
+    """``fn`` raises ``Disagreement`` matching ``match`` on every rank (no hang)."""
+    with pytest.raises(hp.Disagreement, match=match):
+        fn()
+    comm.Barrier()
+
+
+def test_ranks_that_disagree_are_one_error_on_every_rank(comm):
+    n, r = comm.Get_size(), comm.Get_rank()
+    mesh = hp.Mesh(comm, {"x": n}, timeout=30)
+    full = np.arange(4.0 * n * 6).reshape(4 * n, 6)
+    a = hp.DArray.from_full(full, mesh, {"x": hp.Shard(0)})
+    odd = r == n - 1
+    _raises_everywhere(comm, lambda: hp.Mesh(comm, {"y" if odd else "x": n}),
+                       rf"Mesh: the ranks disagree on axes: .* on rank {n - 1}")
+    _raises_everywhere(comm, lambda: hp.DArray.from_full(np.zeros((4 * n, 6 + odd)), mesh,
+                                                         {"x": hp.Shard(0)}),
+                       rf"global shape: \(.*, 6\) on ranks? 0.* and \(.*, 7\) on rank {n - 1}")
+    _raises_everywhere(comm, lambda: hp.DArray.from_full(
+        full.astype(np.float32 if odd else np.float64), mesh, {"x": hp.Shard(0)}), "dtype")
+    _raises_everywhere(comm, lambda: hp.DArray(np.zeros((4 + odd, 6)), (4 * n, 6), mesh,
+                                               {"x": hp.Shard(0)}),
+                       rf"local array of shape \(5, 6\) .* \(found on rank {n - 1}\)")
+    _raises_everywhere(comm, lambda: hp.DArray.from_local(np.zeros((2,) * (1 + odd)), mesh,
+                                                          {"x": hp.Shard(0)}), "ndim")
+    _raises_everywhere(comm, lambda: a.redistribute({"x": hp.Shard(int(odd))}),
+                       "target placements")
+    other = hp.Mesh(comm, {"x": n}, timeout=30)
+    b = hp.DArray.from_full(np.ones((6, 3)), mesh, {"x": hp.Replicate()})
+    b_elsewhere = hp.DArray.from_full(np.ones((6, 3)), other, {"x": hp.Replicate()})
+    _raises_everywhere(comm, lambda: hp.matmul(a, b_elsewhere if odd else b),
+                       "matmul: the ranks disagree on B's mesh")
+    _raises_everywhere(comm, lambda: hp.matmul(a, b, policy="outer" if odd else None),
+                       "matmul: .* policy")
+    _raises_everywhere(comm, lambda: hp.matmul(a, b, out={"x": hp.Shard(0)} if odd else None),
+                       "matmul: .* out")
+    tp = mesh.group("x")
+    _raises_everywhere(comm, lambda: hp.RowParallelLinear.from_full(
+        tp, np.ones((3, n * (2 + odd)))), "RowParallelLinear.from_full: .* weight's shape")
+    _raises_everywhere(comm, lambda: hp.RowParallelLinear.from_full(   # bad on one rank
+        tp, np.ones((3, 2 * n + odd))), rf"does not split evenly .*found on rank {n - 1}\)")
+    _raises_everywhere(comm, lambda: tp.all_reduce(np.ones(3 + odd)),
+                       r"all_reduce on the x group: the ranks disagree on shape")
+    _raises_everywhere(comm, lambda: tp.all_gather(np.ones((2, 3 + odd))), "shape")
+    _raises_everywhere(comm, lambda: hp.GradientReducer(
+        tp, [[hp.Parameter(np.zeros(2 + odd))]]), "parameters")
+    stage = hp.Stage(lambda x: (x, None), lambda dy, ctx: dy)
+    pipe = hp.Pipeline(tp, stage, loss=lambda y, t: (0.0, y), schedule="gpipe")
+    m = n + 2 * odd
+    _raises_everywhere(comm, lambda: pipe.train_step([np.ones(2)] * m, [None] * m),
+                       r"micro-batch count \(the length of inputs\): "
+                       rf"{n} on ranks? 0.* and {n + 2} on rank {n - 1}")
+    # checks off: nothing is exchanged, and the mesh says so
+    quiet = hp.Mesh(comm, {"x": n}, check=False)
+    assert not quiet.group("x").check
+    for m in (mesh, other, quiet):
+        m.free()
