@@ -113,7 +113,6 @@ def checked(group, what: str, fields: Fields):
 
 def _describe(mpi_comm, what: str, fields: Fields, timeout: float) -> str:
     """The first field whose value differs, and the (world) ranks holding each value."""
-    from mpi4py import MPI
     mine = json.dumps([_short(value, 300) if label == ERROR else _short(_text(value))
                        for label, value in fields]).encode()
     lengths = np.zeros(mpi_comm.Get_size(), dtype=np.int64)
@@ -135,8 +134,9 @@ def _describe(mpi_comm, what: str, fields: Fields, timeout: float) -> str:
     for i, (label, _) in enumerate(fields):
         column = [v[i] if i < len(v) else "(nothing)" for v in values]
         if len(set(column)) > 1:
-            holders = " and ".join(f"{value} on {_rank_list(r for r, v in zip(ranks, column) if v == value)}"
-                                   for value in dict.fromkeys(column))
+            holders = " and ".join(
+                f"{value} on {_rank_list(r for r, v in zip(ranks, column) if v == value)}"
+                for value in dict.fromkeys(column))
             return (f"{what}: the ranks disagree on {label}: {holders}; every rank of the group "
                     f"must pass the same {label}")
     labels = [label for label, _ in fields]

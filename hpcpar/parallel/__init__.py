@@ -26,6 +26,8 @@ _HOME = {
     "..comm": ("Communicator", "Request", "create_communicator"),
     "..comm.agreement": ("Disagreement",),
     "..errors": ("CommError", "CommTimeout", "HpcparError", "PeerFailed"),
+    "..ops.attention": ("AttentionRows",),
+    "..ops.tiled_attention": ("TiledAttention",),
     "..pipeline.partition": ("stage_layer_counts", "stage_layers"),
     "..pipeline.runner": ("Pipeline", "Stage", "concat_micro_batches", "split_micro_batches"),
     "..pipeline.schedule": ("bubble_fraction", "draw"),
@@ -48,6 +50,7 @@ _HOME = {
     ".splits": ("ShardingError", "bounds", "even_sizes", "merge", "split"),
 }
 _RENAMED = {"matmul_communication": (".sharded_matmul", "communication"),
+            "merge_attention": ("..ops.tiled_attention", "merge"),
             "redistribute_plan": (".redistribute", "plan")}
 _WHERE = {name: (module, name) for module, names in _HOME.items() for name in names}
 _WHERE.update(_RENAMED)

@@ -252,6 +252,10 @@ class RingAttention:
 
     def forward_train(self, q, keys, values, rows: AttentionRows):
         """(out (B, T, heads, d), ctx) for this rank's T queries against every rank's keys."""
+        self.cp.agree("RingAttention", [
+            ("rows, heads and head size of q", (q.shape[0],) + tuple(q.shape[2:])),
+            ("kv heads of keys", keys.shape[1]), ("dtype", str(q.dtype)),
+            ("the sequence's length", getattr(rows.context, "length", None))])
         xp, shard = self.xp, _shard(rows, self.cp)
         B, T, nh, hd = q.shape
         qs, keys, values = grouped_heads(q, keys, values, rows)
