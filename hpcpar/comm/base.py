@@ -137,18 +137,27 @@ class Communicator(ABC):
         buffers save an allocation per call on hot paths)."""
         try:
             axis = _normalize_axis(axis, x.ndim)
-            front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n_local, *rest)
-            lengths = self._block_sizes(sizes, front.shape[0], "all_gather")
+            lengths = self._block_sizes(sizes, x.shape[axis], "all_gather")
+            shape = _with_length(x.shape, axis, sum(lengths))
+            _check_out(out, shape, x.dtype)
             error = None
         except HpcparError as e:
             error = e
         self._agree("all_gather", *_block_fields(x, axis, sizes), error=error)
-        gathered = self._result_buffer(out, axis, (sum(lengths),) + front.shape[1:], x.dtype)
+        send = self.xp.ascontiguousarray(x).reshape(-1)       # rank r's block: its whole x
+        per_index = math.prod(_with_length(x.shape, axis, 1))
+        gathered = self._landing(out, shape, x.dtype) if axis == 0 \
+            else self.xp.empty(math.prod(shape), dtype=x.dtype)
         if self.size == 1:
-            gathered[...] = front
+            gathered.reshape(-1)[...] = send
         else:
-            self._run("all_gather", gathered.nbytes, self._all_gather, front, gathered, lengths)
-        return self._place(gathered, axis, out)
+            self._run("all_gather", gathered.nbytes, self._all_gather, send,
+                      gathered.reshape(-1), [n * per_index for n in lengths])
+        if axis == 0:                  # the blocks stacked along the first axis: in place
+            return _into(out, gathered)
+        result = out if out is not None else self.xp.empty(shape, dtype=x.dtype)
+        _unpack_blocks(gathered, result, axis, x.shape, lengths)
+        return result
 
     def reduce_scatter(self, x, axis: int = 0, out=None, sizes: Sequence[int] | None = None):
         """Sum ``x`` over the group and keep this rank's block along ``axis``: blocks of
@@ -156,24 +165,28 @@ class Communicator(ABC):
         returns a new array, or fills ``out``."""
         try:
             axis = _normalize_axis(axis, x.ndim)
-            front = self.xp.ascontiguousarray(_to_front(x, axis))  # (n, *rest)
+            n = x.shape[axis]
             if sizes is None:
-                sizes = split_sizes(front.shape[0], self.size)
-            elif len(sizes) != self.size or sum(sizes) != front.shape[0]:
+                sizes = split_sizes(n, self.size)
+            elif len(sizes) != self.size or sum(sizes) != n:
                 raise HpcparError(f"reduce_scatter on {self.name}: sizes {list(sizes)} do not "
-                                  f"cut a length of {front.shape[0]} into {self.size} blocks")
+                                  f"cut a length of {n} into {self.size} blocks")
             sizes = [int(s) for s in sizes]
+            _check_out(out, _with_length(x.shape, axis, sizes[self.rank]), x.dtype)
             error = None
         except HpcparError as e:
             error = e
         self._agree("reduce_scatter", ("axis", axis), ("sizes", sizes), *_array_fields(x),
                     error=error)
-        block = self._result_buffer(out, axis, (sizes[self.rank],) + front.shape[1:], x.dtype)
+        send = self._pack_blocks(x, axis, sizes)              # flat: block r, then r + 1
+        per_index = math.prod(_with_length(x.shape, axis, 1))
+        block = self._landing(out, _with_length(x.shape, axis, sizes[self.rank]), x.dtype)
         if self.size == 1:
-            block[...] = front
+            block.reshape(-1)[...] = send
         else:
-            self._run("reduce_scatter", front.nbytes, self._reduce_scatter, front, block, sizes)
-        return self._place(block, axis, out)
+            self._run("reduce_scatter", send.nbytes, self._reduce_scatter, send,
+                      block.reshape(-1), [n * per_index for n in sizes])
+        return _into(out, block)
 
     def all_to_all(self, x, split_axis: int, concat_axis: int,
                    split_sizes: Sequence[int] | None = None,
@@ -192,28 +205,47 @@ class Communicator(ABC):
         self._agree("all_to_all", ("split_axis and concat_axis", (split_axis, concat_axis)),
                     ("split_sizes", split_sizes and [int(n) for n in split_sizes]),
                     *_block_fields(x, concat_axis, concat_sizes, "concat_sizes"), error=error)
-        front = self.xp.ascontiguousarray(_to_front(x, split_axis))   # (n_split, *rest)
-        rest = front.shape[1:]
-        c = concat_axis + 1 if concat_axis < split_axis else concat_axis   # in front's axes
-        other = math.prod(rest[:c - 1] + rest[c:])      # elements per step along concat
+        send = self._pack_blocks(x, split_axis, cut)      # flat: block j, then block j + 1
+        per_step = x.size // max(1, x.shape[split_axis])  # elements per index along split
         mine = cut[self.rank]
-        # what arrives from rank j: (mine, *rest) with theirs[j] along the concat axis
-        recv_counts = [mine * other * t for t in theirs]
-        send_counts = [n * math.prod(rest) for n in cut]
+
+        def arriving(t: int) -> tuple:
+            """The shape of a block from a rank holding ``t`` along the concat axis."""
+            return tuple(mine if a == split_axis else t if a == concat_axis else n
+                         for a, n in enumerate(x.shape))
+
+        recv_counts = [math.prod(arriving(t)) for t in theirs]
         recv = self.xp.empty(sum(recv_counts), dtype=x.dtype)
         if self.size == 1:
-            recv[...] = front.reshape(-1)
+            recv[...] = send
         else:
-            self._run("all_to_all", recv.nbytes + front.nbytes, self._all_to_all,
-                      front.reshape(-1), send_counts, recv, recv_counts)
-        blocks, offset = [], 0
-        for t, count in zip(theirs, recv_counts):
-            shape = list((mine,) + rest)
-            shape[c] = t
-            blocks.append(recv[offset:offset + count].reshape(shape))
-            offset += count
-        joined = self.xp.concatenate(blocks, axis=c)                   # (mine, *rest')
-        return self.xp.ascontiguousarray(_from_front(joined, split_axis))
+            self._run("all_to_all", recv.nbytes + send.nbytes, self._all_to_all, send,
+                      [n * per_step for n in cut], recv, recv_counts)
+        if concat_axis == 0:           # blocks stacked along the first axis: already in place
+            return recv.reshape(arriving(sum(theirs)))
+        out = self.xp.empty(arriving(sum(theirs)), dtype=x.dtype)
+        _unpack_blocks(recv, out, concat_axis, arriving(0), theirs)
+        return out
+
+    def _pack_blocks(self, x, axis: int, cut: list[int]):
+        """``x`` cut along ``axis`` into blocks of ``cut`` lengths, laid one after the other
+        in a flat buffer: no copy along the first axis, else one pass over ``x``."""
+        xp = self.xp
+        if axis == 0:
+            return xp.ascontiguousarray(x).reshape(-1)
+        if len(set(cut)) == 1:          # (..., p, n / p, ...) with the p axis moved first
+            split = x.reshape(x.shape[:axis] + (len(cut), cut[0]) + x.shape[axis + 1:])
+            order = (axis,) + tuple(a for a in range(split.ndim) if a != axis)
+            return xp.ascontiguousarray(split.transpose(order)).reshape(-1)
+        out = xp.empty(x.size, dtype=x.dtype)
+        index = [slice(None)] * x.ndim
+        start = offset = 0
+        for n in cut:
+            index[axis] = slice(start, start + n)
+            block = x[tuple(index)]
+            out[offset:offset + block.size].reshape(block.shape)[...] = block
+            start, offset = start + n, offset + block.size
+        return out
 
     def _all_to_all_blocks(self, x, split_axis, concat_axis, split_sizes, concat_sizes):
         """The axes (normalized), the lengths cut along the split axis and those coming
@@ -239,16 +271,11 @@ class Communicator(ABC):
                               f"{tuple(x.shape)}")
         return split_axis, concat_axis, cut, theirs
 
-    def _result_buffer(self, out, axis: int, front_shape: tuple, dtype):
-        """Where a gather / scatter lands, axis first: ``out`` itself when it can be."""
-        shape = front_shape[1:axis + 1] + front_shape[:1] + front_shape[axis + 1:]
-        if out is not None:
-            if tuple(out.shape) != shape or out.dtype != dtype:
-                raise HpcparError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}, "
-                                  f"the result needs {shape} and {dtype}")
-            if axis == 0 and out.flags.c_contiguous:
-                return out
-        return self.xp.empty(front_shape, dtype=dtype)
+    def _landing(self, out, shape: tuple, dtype):
+        """Where a contiguous result is written: ``out`` itself when it can take it."""
+        if out is not None and out.flags.c_contiguous:
+            return out
+        return self.xp.empty(shape, dtype=dtype)
 
     def _place(self, front, axis: int, out):
         """The result in its final layout: ``out`` if given, else a contiguous array."""
@@ -485,6 +512,38 @@ def _block_fields(x, axis: int, sizes, name: str = "sizes") -> tuple:
     if sizes is None:
         return ("axis", axis), *_array_fields(x)
     return ("axis", axis), (name, [int(s) for s in sizes]), *_array_fields(x, axis)
+
+
+def _with_length(shape, axis: int, n: int) -> tuple:
+    """``shape`` with ``n`` along ``axis``."""
+    return tuple(shape[:axis]) + (n,) + tuple(shape[axis + 1:])
+
+
+def _check_out(out, shape: tuple, dtype) -> None:
+    if out is not None and (tuple(out.shape) != tuple(shape) or out.dtype != dtype):
+        raise HpcparError(f"out has shape {tuple(out.shape)} and dtype {out.dtype}, "
+                          f"the result needs {tuple(shape)} and {dtype}")
+
+
+def _into(out, result):
+    """``result``, copied into ``out`` when the caller gave one it was not written into."""
+    if out is None or result is out:
+        return result
+    out[...] = result
+    return out
+
+
+def _unpack_blocks(flat, out, axis: int, shape, lengths) -> None:
+    """Blocks laid one after the other in ``flat`` (block j: ``shape`` with ``lengths[j]``
+    along ``axis``) placed side by side along ``axis`` of ``out``: one pass."""
+    index = [slice(None)] * len(shape)
+    start = offset = 0
+    for n in lengths:
+        block_shape = _with_length(shape, axis, n)
+        count = math.prod(block_shape)
+        index[axis] = slice(start, start + n)
+        out[tuple(index)] = flat[offset:offset + count].reshape(block_shape)
+        start, offset = start + n, offset + count
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
