@@ -23,6 +23,7 @@ on its groups unless built with ``check=False``; the jobs' own groups leave it o
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import threading
@@ -44,24 +45,58 @@ class Disagreement(HpcparError):
     an operation they run together; raised on every rank of the group with the same text."""
 
 
+_local.depth = 0
+
+
 def _depth() -> int:
     return getattr(_local, "depth", 0)
 
 
-@contextlib.contextmanager
-def trusted():
+class _Trusted:
     """The operations made inside are not checked (what they move was agreed already)."""
-    _local.depth = _depth() + 1
-    try:
-        yield
-    finally:
+
+    def __enter__(self):
+        _local.depth = _depth() + 1
+
+    def __exit__(self, *exc):
         _local.depth -= 1
 
 
+_TRUSTED = _Trusted()
+
+
+def trusted() -> _Trusted:
+    return _TRUSTED
+
+
 def fingerprint(fields: Fields) -> int:
-    """A 63-bit hash of the fields, the same in every process (not Python's ``hash``)."""
+    """A 63-bit hash of the fields, the same in every process (not Python's ``hash``);
+    remembered for hashable fields, so that a check repeated in a loop costs a lookup."""
+    try:
+        return _remembered(tuple(fields))
+    except TypeError:                                  # a list among the values
+        return _fingerprint(fields)
+
+
+@functools.lru_cache(maxsize=4096)
+def _remembered(fields: tuple) -> int:
+    return _fingerprint(fields)
+
+
+def _fingerprint(fields: Fields) -> int:
     text = "\x1f".join(f"{label}={value!r}" for label, value in fields)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def dtype_name(dtype) -> str:
+    """``str(dtype)``, remembered (NumPy computes a dtype's name in Python each time)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def agree_mpi(mpi_comm, what: str, fields: Fields, timeout: float = 0.0,
@@ -89,8 +124,7 @@ def agree_mpi(mpi_comm, what: str, fields: Fields, timeout: float = 0.0,
 def active(group) -> bool:
     """Whether ``agree`` over ``group`` would check now (it checks, has several ranks, and
     this is not inside a checked call): callers skip building the fields otherwise."""
-    return group is not None and getattr(group, "check", False) and group.size > 1 \
-        and not _depth()
+    return group is not None and group.check and group.size > 1 and not _depth()
 
 
 def agree(group, what: str, fields: Fields, error: Exception | None = None) -> None:

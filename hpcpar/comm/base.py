@@ -21,7 +21,7 @@ import numpy as np
 from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
 from ..parallel.splits import even_sizes as split_sizes
-from .agreement import agree
+from .agreement import active, agree, dtype_name
 from .stats import CommStats
 
 REDUCE_OPS = ("sum", "max")
@@ -117,7 +117,7 @@ class Communicator(ABC):
             raise HpcparError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if self.size == 1:
             return x
-        self._agree("all_reduce", ("op", op), *_array_fields(x))
+        self._agree("all_reduce", lambda: (("op", op), *_array_fields(x)))
         return self._in_place("all_reduce", x, self._all_reduce, op)
 
     def iall_reduce(self, x) -> Request:
@@ -126,7 +126,7 @@ class Communicator(ABC):
         _require_contiguous(x, "iall_reduce")
         if self.size == 1:
             return Request(lambda: None)
-        self._agree("iall_reduce", *_array_fields(x))
+        self._agree("iall_reduce", lambda: _array_fields(x))
         return self._run("all_reduce", x.nbytes, self._iall_reduce, x)
 
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None, out=None):
@@ -143,7 +143,7 @@ class Communicator(ABC):
             error = None
         except HpcparError as e:
             error = e
-        self._agree("all_gather", *_block_fields(x, axis, sizes), error=error)
+        self._agree("all_gather", lambda: _block_fields(x, axis, sizes), error)
         send = self.xp.ascontiguousarray(x).reshape(-1)       # rank r's block: its whole x
         per_index = math.prod(_with_length(x.shape, axis, 1))
         gathered = self._landing(out, shape, x.dtype) if axis == 0 \
@@ -176,8 +176,9 @@ class Communicator(ABC):
             error = None
         except HpcparError as e:
             error = e
-        self._agree("reduce_scatter", ("axis", axis), ("sizes", sizes), *_array_fields(x),
-                    error=error)
+        self._agree("reduce_scatter",
+                    lambda: (("axis", axis), ("sizes", sizes and tuple(sizes)), *_array_fields(x)),
+                    error)
         send = self._pack_blocks(x, axis, sizes)              # flat: block r, then r + 1
         per_index = math.prod(_with_length(x.shape, axis, 1))
         block = self._landing(out, _with_length(x.shape, axis, sizes[self.rank]), x.dtype)
@@ -202,9 +203,10 @@ class Communicator(ABC):
             error = None
         except HpcparError as e:
             error = e
-        self._agree("all_to_all", ("split_axis and concat_axis", (split_axis, concat_axis)),
-                    ("split_sizes", split_sizes and [int(n) for n in split_sizes]),
-                    *_block_fields(x, concat_axis, concat_sizes, "concat_sizes"), error=error)
+        self._agree("all_to_all", lambda: (
+            ("split_axis and concat_axis", (split_axis, concat_axis)),
+            ("split_sizes", split_sizes and tuple(int(n) for n in split_sizes)),
+            *_block_fields(x, concat_axis, concat_sizes, "concat_sizes")), error)
         send = self._pack_blocks(x, split_axis, cut)      # flat: block j, then block j + 1
         per_step = x.size // max(1, x.shape[split_axis])  # elements per index along split
         mine = cut[self.rank]
@@ -296,7 +298,7 @@ class Communicator(ABC):
             error = None
         except HpcparError as e:
             error = e
-        self._agree("gather", ("root", root), *_block_fields(x, axis, sizes), error=error)
+        self._agree("gather", lambda: (("root", root), *_block_fields(x, axis, sizes)), error)
         gathered = None
         if self.rank == root:
             gathered = self.xp.empty((sum(lengths),) + front.shape[1:], dtype=x.dtype)
@@ -344,7 +346,7 @@ class Communicator(ABC):
             raise HpcparError(f"reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
         if self.size == 1:
             return x
-        self._agree("reduce", ("root", root), ("op", op), *_array_fields(x))
+        self._agree("reduce", lambda: (("root", root), ("op", op), *_array_fields(x)))
         return self._in_place("reduce", x, self._reduce, root, op, result=self.rank == root)
 
     def _in_place(self, op: str, x, primitive, *args, result: bool = True):
@@ -375,7 +377,7 @@ class Communicator(ABC):
         """x <- root's x, in place; returns x."""
         if self.size == 1:
             return x
-        self._agree("broadcast", ("root", root), *_array_fields(x))
+        self._agree("broadcast", lambda: (("root", root), *_array_fields(x)))
         return self._in_place("broadcast", x, self._broadcast, root)
 
     def isend(self, x, dest: int, tag: int = 0) -> Request:
@@ -407,11 +409,13 @@ class Communicator(ABC):
 
     # ---- bookkeeping ------------------------------------------------------------------------
 
-    def _agree(self, op: str, *fields, error: HpcparError | None = None) -> None:
-        """Every rank passes the same ``fields`` to ``op`` (when this group checks), and
-        ``error``, this rank's bad input, is raised on every rank (or on this one)."""
-        if self.check:
-            agree(self, f"{op} on the {self.name} group", fields, error)
+    def _agree(self, op: str, fields: Callable[[], tuple],
+               error: HpcparError | None = None) -> None:
+        """Every rank passes the same ``fields()`` to ``op`` (when this group checks now:
+        the fields are made only then), and ``error``, this rank's bad input, is raised on
+        every rank (or on this one)."""
+        if active(self):
+            agree(self, f"{op} on the {self.name} group", fields(), error)
         elif error is not None:
             raise error
 
@@ -502,7 +506,7 @@ def _array_fields(x, free_axis: int | None = None) -> tuple:
     if free_axis is not None and -len(shape) <= free_axis < len(shape):
         i = free_axis % len(shape)
         shape = shape[:i] + ("*",) + shape[i + 1:]
-    return ("shape", shape), ("dtype", str(x.dtype))
+    return ("shape", shape), ("dtype", dtype_name(x.dtype))
 
 
 def _block_fields(x, axis: int, sizes, name: str = "sizes") -> tuple:
@@ -511,7 +515,7 @@ def _block_fields(x, axis: int, sizes, name: str = "sizes") -> tuple:
     (each rank's own is checked against its entry locally)."""
     if sizes is None:
         return ("axis", axis), *_array_fields(x)
-    return ("axis", axis), (name, [int(s) for s in sizes]), *_array_fields(x, axis)
+    return ("axis", axis), (name, tuple(int(s) for s in sizes)), *_array_fields(x, axis)
 
 
 def _with_length(shape, axis: int, n: int) -> tuple:

@@ -12,13 +12,14 @@ shape (one small all-gather of the local lengths) and ``redistribute`` / ``full`
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from ..comm.agreement import trusted
+from ..comm.agreement import dtype_name, trusted
 from ..errors import HpcparError
-from .mesh import Mesh
+from .mesh import Mesh, MeshError
 from .placement import Partial, Placement, Replicate, Shard
 
 
@@ -28,17 +29,29 @@ class PlacementError(HpcparError):
 
 def normalize_placements(mesh: Mesh, placements, ndim: int) -> tuple[Placement, ...]:
     """One placement per mesh axis: from a sequence in axis order, or a mapping by axis
-    name whose missing axes are ``Replicate()``."""
-    if isinstance(placements, Mapping):
-        for name in placements:
-            mesh.axis_index(name)
-        out = tuple(placements.get(n, Replicate()) for n in mesh.axis_names)
+    name whose missing axes are ``Replicate()``. Pure: remembered for hashable input."""
+    named = isinstance(placements, Mapping)
+    key = tuple(placements.items()) if named else tuple(placements)
+    try:
+        return _normalized(mesh.axis_names, key, named, ndim)
+    except TypeError:                                 # an unhashable entry: the error below
+        return _normalized.__wrapped__(mesh.axis_names, key, named, ndim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _normalized(axis_names: tuple, key: tuple, named: bool, ndim: int) -> tuple:
+    if named:
+        given = dict(key)
+        for name in given:
+            if name not in axis_names:
+                raise MeshError(f"the mesh has axes {list(axis_names)}, not {name!r}")
+        out = tuple(given.get(n, Replicate()) for n in axis_names)
     else:
-        out = tuple(placements)
-        if len(out) != len(mesh.axis_names):
-            raise PlacementError(f"{len(out)} placements for a mesh of {len(mesh.axis_names)} "
-                                 f"axes {list(mesh.axis_names)}: give one per axis, or a dict")
-    for name, p in zip(mesh.axis_names, out):
+        out = key
+        if len(out) != len(axis_names):
+            raise PlacementError(f"{len(out)} placements for a mesh of {len(axis_names)} "
+                                 f"axes {list(axis_names)}: give one per axis, or a dict")
+    for name, p in zip(axis_names, out):
         if not isinstance(p, (Shard, Replicate, Partial)):
             raise PlacementError(f"placement {p!r} on axis {name!r} is not Shard, Replicate "
                                  f"or Partial")
@@ -91,6 +104,14 @@ class DArray:
         elif error is not None:
             raise error
         self.local = local
+
+    @classmethod
+    def unchecked(cls, local, shape: tuple, mesh: Mesh, placements: tuple) -> "DArray":
+        """A DArray the library made itself, whose normalized ``placements`` and ``local``
+        piece are known to fit: nothing is checked or exchanged."""
+        x = object.__new__(cls)
+        x.shape, x.mesh, x.placements, x.local = shape, mesh, placements, local
+        return x
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -165,7 +186,7 @@ class DArray:
 
     def agreement_fields(self) -> list:
         """What every rank must hold alike about this array (``Mesh.agree``)."""
-        return _fields(self.shape, self.dtype, self.placements)
+        return _fields(self.shape, self.local.dtype, self.placements)
 
     def placement_text(self) -> str:
         return "{" + ", ".join(f"{n}: {p!r}" for n, p in zip(self.mesh.axis_names,
@@ -210,9 +231,11 @@ def placements_text(placements) -> str:
 
 
 def _fields(shape, dtype, placements) -> list:
-    """What the ranks must agree on about an array they make together."""
-    return [("global shape", tuple(int(n) for n in shape)), ("dtype", str(dtype)),
-            ("placements", placements_text(placements))]
+    """What the ranks must agree on about an array they make together (hashable values,
+    so that a repeated check reuses its fingerprint)."""
+    return [("global shape", tuple(int(n) for n in shape)), ("dtype", dtype_name(dtype)),
+            ("placements", placements if isinstance(placements, tuple)
+             else placements_text(placements))]
 
 
 def _infer_sizes(placements, coords, shapes, sizes) -> tuple[Placement, ...]:

@@ -143,6 +143,8 @@ class Mesh:
         self._groups: dict[tuple[int, ...], Communicator] = {}
         for axis in range(len(self.sizes)):
             self._group((axis,))
+        self._everyone = self._group(tuple(range(len(self.sizes))))
+        self.fingerprint = f"mesh {self.id} {_product_text(self.shape)}"   # alike on all ranks
 
     @classmethod
     def _agree_id(cls, comm, timeout: float) -> int:
@@ -158,7 +160,7 @@ class Mesh:
         or every rank raises ``Disagreement`` (one small all-reduce; none with
         ``check=False``). ``error``: this rank's own bad input, raised on every rank."""
         if self.checking:
-            self.everyone.agree(what, [("mesh", self.fingerprint)] + list(fields), error)
+            self.everyone.agree(what, [("mesh", self.fingerprint), *fields], error)
         elif error is not None:
             raise error
 
@@ -168,14 +170,9 @@ class Mesh:
         return self.check and active(self.everyone)
 
     @property
-    def fingerprint(self) -> str:
-        """What identifies this mesh on every rank: its number and its axes."""
-        return f"mesh {self.id} {_product_text(self.shape)}"
-
-    @property
     def everyone(self) -> Communicator:
         """The group of every rank of the mesh."""
-        return self._group(tuple(range(len(self.sizes))))
+        return self._everyone
 
     # ---- coordinates --------------------------------------------------------------------------
 

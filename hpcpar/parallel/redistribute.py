@@ -18,12 +18,12 @@ is never modified.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..comm.agreement import trusted
-from .darray import (DArray, attempt, normalize_placements, piece_bounds, placements_text,
-                     shard_chain)
+from .darray import DArray, attempt, normalize_placements, piece_bounds, shard_chain
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import is_partition
 
@@ -106,24 +106,68 @@ def _partitions(p: Shard, shape: Sequence[int], parts: int, placements, axis: in
 def redistribute(x: DArray, placements) -> DArray:
     """``x`` placed as ``placements`` (see the module docstring); collective over the mesh
     axes whose placement changes."""
-    dst, error = attempt(placements, normalize_placements, x.mesh, placements, x.ndim)
-    if x.mesh.checking:
-        x.mesh.agree("redistribute", x.agreement_fields()
-                     + [("target placements", placements_text(dst))], error)
+    mesh = x.mesh
+    dst, error = attempt(placements, normalize_placements, mesh, placements, x.ndim)
+    if mesh.checking:
+        mesh.agree("redistribute", x.agreement_fields() + [("target placements", dst)], error)
     elif error is not None:
         raise error
-    local, state = x.local, list(x.placements)
+    local = x.local
     with trusted():
-        for step in plan(x.shape, x.mesh.sizes, x.placements, dst):
-            before = tuple(state)
-            state[step.axis] = step.dst
-            local = _run(step, local, x, before, tuple(state))
-        return DArray(local, x.shape, x.mesh, dst)
+        for move in compiled(x.shape, mesh.sizes, mesh.coords, x.placements, dst):
+            local = _run(move, local, mesh)
+    return DArray.unchecked(local, x.shape, mesh, dst)
 
 
-def _run(step: Step, local, x: DArray, before, after):
-    """One step on this rank's piece: ``before`` -> ``after`` placements."""
-    mesh, i = x.mesh, step.axis
+@dataclass(frozen=True)
+class Move:
+    """A step with its numbers worked out for one rank (``compiled``)."""
+
+    step: Step
+    lengths: tuple = ()        # every rank's length along the dim gathered / scattered /
+                               # concatenated (all_gather, reduce_scatter, all_to_all)
+    split: tuple = ()          # all_to_all: every rank's length along the dim it splits
+    region: tuple = ()         # slice: the new piece in the old; zero_pad: the old in the new
+    shape: tuple = ()          # the new piece's shape (zero_pad, an assembled gather)
+    cuts: tuple = ()           # all_gather of replicated units: where each rank's piece goes
+
+
+@functools.lru_cache(maxsize=4096)
+def compiled(shape: tuple, sizes: tuple, coords: tuple, src: tuple, dst: tuple) -> tuple:
+    """``plan``'s steps with every slice and length they need on the rank at ``coords``:
+    pure, so a redistribution repeated in a loop works its placements out once."""
+    state = list(src)
+    moves = []
+    for step in plan(shape, sizes, src, dst):
+        before = tuple(state)
+        state[step.axis] = step.dst
+        after = tuple(state)
+        i, op = step.axis, step.op
+        if op == "slice":
+            moves.append(Move(step, region=_relative(shape, sizes, coords, before, after)))
+        elif op == "zero_pad":
+            moves.append(Move(step, region=_relative(shape, sizes, coords, after, before),
+                              shape=_shape_at(shape, sizes, coords, after)))
+        elif op == "all_gather":
+            cuts = _cuts_along(shape, sizes, coords, i, before)
+            moves.append(Move(step, lengths=tuple(b - a for a, b in cuts),
+                              shape=_shape_at(shape, sizes, coords, after),
+                              cuts=() if is_partition(cuts) else tuple(cuts)))
+        elif op == "reduce_scatter":
+            cuts = _cuts_along(shape, sizes, coords, i, after)
+            moves.append(Move(step, lengths=tuple(b - a for a, b in cuts)))
+        elif op == "all_to_all":
+            moves.append(Move(step, lengths=tuple(b - a for a, b in _cuts_along(
+                shape, sizes, coords, i, before)), split=tuple(b - a for a, b in _cuts_along(
+                    shape, sizes, coords, i, after))))
+        else:                                           # all_reduce, keep_one
+            moves.append(Move(step))
+    return tuple(moves)
+
+
+def _run(move: Move, local, mesh):
+    """One step on this rank's piece."""
+    step, i = move.step, move.step.axis
     group = mesh.group(mesh.axis_names[i])
     xp = mesh.backend.xp
     if step.op == "all_reduce":
@@ -131,53 +175,45 @@ def _run(step: Step, local, x: DArray, before, after):
     if step.op == "keep_one":
         return local.copy() if mesh.coords[i] == 0 else xp.zeros_like(local)
     if step.op == "slice":
-        region = _relative(x.shape, mesh, before, after)
-        return local[region].copy()
+        return local[move.region].copy()
     if step.op == "zero_pad":
-        outer = _shape_at(x.shape, mesh, after)
-        out = xp.zeros(outer, dtype=local.dtype)
-        out[_relative(x.shape, mesh, after, before)] = local
+        out = xp.zeros(move.shape, dtype=local.dtype)
+        out[move.region] = local
         return out
-    cuts = _cuts_along(x.shape, mesh, i, before if step.op != "reduce_scatter" else after)
     if step.op == "all_gather":
         dim = step.src.dim
-        sizes = [b - a for a, b in cuts]
-        gathered = group.all_gather(local, axis=dim, sizes=sizes)
-        if is_partition(cuts):
+        gathered = group.all_gather(local, axis=dim, sizes=move.lengths)
+        if not move.cuts:
             return gathered
-        return _assemble(xp, gathered, dim, cuts, _shape_at(x.shape, mesh, after))
+        return _assemble(xp, gathered, dim, move.cuts, move.shape)
     if step.op == "reduce_scatter":
-        return group.reduce_scatter(local, axis=step.dst.dim, sizes=[b - a for a, b in cuts])
+        return group.reduce_scatter(local, axis=step.dst.dim, sizes=move.lengths)
     if step.op == "all_to_all":
-        src_cuts = _cuts_along(x.shape, mesh, i, before)
-        dst_cuts = _cuts_along(x.shape, mesh, i, after)
         return group.all_to_all(local, split_axis=step.dst.dim, concat_axis=step.src.dim,
-                                split_sizes=[b - a for a, b in dst_cuts],
-                                concat_sizes=[b - a for a, b in src_cuts])
+                                split_sizes=move.split, concat_sizes=move.lengths)
     raise ValueError(f"unknown redistribution step {step.op!r}")
 
 
-def _shape_at(shape, mesh, placements) -> tuple[int, ...]:
-    return tuple(b - a for a, b in piece_bounds(shape, mesh.sizes, mesh.coords, placements))
+def _shape_at(shape, sizes, coords, placements) -> tuple[int, ...]:
+    return tuple(b - a for a, b in piece_bounds(shape, sizes, coords, placements))
 
 
-def _relative(shape, mesh, outer, inner) -> tuple[slice, ...]:
-    """Where this rank's piece under ``inner`` lies inside its piece under ``outer``."""
-    big = piece_bounds(shape, mesh.sizes, mesh.coords, outer)
-    small = piece_bounds(shape, mesh.sizes, mesh.coords, inner)
+def _relative(shape, sizes, coords, outer, inner) -> tuple[slice, ...]:
+    """Where the piece at ``coords`` under ``inner`` lies inside its piece under ``outer``."""
+    big = piece_bounds(shape, sizes, coords, outer)
+    small = piece_bounds(shape, sizes, coords, inner)
     return tuple(slice(s[0] - b[0], s[1] - b[0]) for b, s in zip(big, small))
 
 
-def _cuts_along(shape, mesh, axis: int, placements) -> list[tuple[int, int]]:
+def _cuts_along(shape, sizes, coords, axis: int, placements) -> list[tuple[int, int]]:
     """The pieces of the ranks of ``axis``' group along the dim sharded by ``axis``,
     relative to the piece they share one level out."""
     p = placements[axis]
-    coords = list(mesh.coords)
+    coords = list(coords)
     out = []
-    for c in range(mesh.sizes[axis]):
+    for c in range(sizes[axis]):
         coords[axis] = c
-        here = piece_bounds(shape, mesh.sizes, coords, placements)[p.dim]
-        out.append(here)
+        out.append(piece_bounds(shape, sizes, coords, placements)[p.dim])
     base = min(a for a, _ in out)
     return [(a - base, b - base) for a, b in out]
 

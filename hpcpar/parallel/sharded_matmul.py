@@ -38,7 +38,7 @@ from typing import Sequence
 
 from ..comm.agreement import trusted
 from ..errors import HpcparError
-from .darray import DArray, normalize_placements, placements_text
+from .darray import DArray, attempt, normalize_placements, placements_text
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import even_sizes
 
@@ -229,8 +229,28 @@ class _Plan:
     y_out: tuple
 
 
+_PLANS: dict = {}                   # pure: one plan per operands' layout and options
+
+
 def _plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
     _check(a, b)
+    mesh = a.mesh
+    try:
+        key = (a.shape, a.placements, b.shape, b.placements, mesh.sizes, mesh.axis_names,
+               policy, axis, None if out is None else normalize_placements(mesh, out, 2))
+        found = _PLANS.get(key)
+    except TypeError:                               # an unhashable option: not remembered
+        key, found = None, None
+    if found is None:
+        found = _make_plan(a, b, policy, axis, out)
+        if key is not None:
+            if len(_PLANS) > 4096:
+                _PLANS.clear()
+            _PLANS[key] = found
+    return found
+
+
+def _make_plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
     mesh = a.mesh
     if policy is None:
         policy, axes = choose(a, b)
@@ -246,36 +266,41 @@ def _plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
         raise PolicyError(f"matmul policy {policy!r} cannot multiply A {a.placement_text()} "
                           f"by B {b.placement_text()}")
     y_local = tuple(r[0] for r in rules)
-    y_out = _default_out(policy, list(y_local)) if out is None else out
-    return _Plan(policy, tuple(a_in), tuple(b_in), y_local,
-                 normalize_placements(mesh, y_out, 2))
+    y_out = normalize_placements(mesh, _default_out(policy, list(y_local)) if out is None
+                                 else out, 2)
+    return _Plan(policy, tuple(a_in), tuple(b_in), y_local, y_out)
 
 
-def _agree(what: str, operands: dict[str, DArray], **options) -> None:
-    """The ranks pass the same operands (shapes, dtypes, placements, meshes) and options."""
+def _agree(what: str, operands: dict[str, DArray], error: Exception | None,
+           **options) -> None:
+    """The ranks pass the same operands (shapes, dtypes, placements, meshes) and options;
+    ``error``, this rank's bad input, is raised on every rank."""
     mesh = next(iter(operands.values())).mesh
-    if mesh.checking:
-        fields = [(f"{name}'s {label}", v) for name, x in operands.items()
-                  for label, v in x.agreement_fields() + [("mesh", x.mesh.fingerprint)]]
-        fields += [(name, placements_text(v) if name in PLACEMENT_OPTIONS and v is not None
-                    else v) for name, v in options.items()]
-        mesh.agree(what, fields)
+    if not mesh.checking:
+        if error is not None:
+            raise error
+        return
+    fields = [(f"{name}'s {label}", v) for name, x in operands.items()
+              for label, v in x.agreement_fields() + [("mesh", x.mesh.fingerprint)]]
+    fields += [(name, placements_text(v) if name in PLACEMENT_OPTIONS and v is not None
+                else v) for name, v in options.items()]
+    mesh.agree(what, fields, error)
 
 
 def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
                    out=None) -> tuple[DArray, MatmulCtx]:
     """Y = A B under ``policy`` (default: the one the placements ask for, ``choose``),
     placed as ``out`` (default: the policy's), and the ctx ``matmul_backward`` needs."""
-    _agree("matmul", {"A": a, "B": b}, policy=policy, axis=axis, out=out)
+    plan, error = attempt(None, _plan, a, b, policy, axis, out)
+    _agree("matmul", {"A": a, "B": b}, error, policy=policy, axis=axis, out=out)
     with trusted():
-        return _matmul_forward(a, b, policy, axis, out)
+        return _matmul_forward(a, b, plan)
 
 
-def _matmul_forward(a: DArray, b: DArray, policy, axis, out) -> tuple[DArray, MatmulCtx]:
-    plan = _plan(a, b, policy, axis, out)
+def _matmul_forward(a: DArray, b: DArray, plan: _Plan) -> tuple[DArray, MatmulCtx]:
     a2, b2 = a.redistribute(plan.a_in), b.redistribute(plan.b_in)
-    y = DArray(local_product(a.mesh.backend.xp, a2.local, b2.local), (a.shape[0], b.shape[1]),
-               a.mesh, plan.y_local)
+    y = DArray.unchecked(local_product(a.mesh.backend.xp, a2.local, b2.local),
+                         (a.shape[0], b.shape[1]), a.mesh, plan.y_local)
     ctx = MatmulCtx(a2, b2, a.placements, b.placements, plan.y_local, plan.policy)
     return y.redistribute(plan.y_out), ctx
 
@@ -295,7 +320,7 @@ def matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements=None,
     """(dA, dB) from dY (any placement): dA = dY B^T, dB = A^T dY, each in its operand's
     placement (``gradient_placements``) unless ``da_placements`` / ``db_placements`` say
     otherwise."""
-    _agree("matmul_backward", {"dY": dy, "A": ctx.a, "B": ctx.b}, policy=ctx.policy,
+    _agree("matmul_backward", {"dY": dy, "A": ctx.a, "B": ctx.b}, None, policy=ctx.policy,
            da_placements=da_placements, db_placements=db_placements)
     with trusted():
         return _matmul_backward(dy, ctx, da_placements, db_placements)
@@ -306,8 +331,10 @@ def _matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements, db_placements):
     a, b = ctx.a, ctx.b
     dy = dy.redistribute(gradient_placements(ctx.y_placements))
     rules = _rules(a.placements, b.placements, a.shape, b.shape, mesh.sizes)
-    da = DArray(local_product(xp, dy.local, b.local.T), a.shape, mesh, [r[1] for r in rules])
-    db = DArray(local_product(xp, a.local.T, dy.local), b.shape, mesh, [r[2] for r in rules])
+    da = DArray.unchecked(local_product(xp, dy.local, b.local.T), a.shape, mesh,
+                          tuple(r[1] for r in rules))
+    db = DArray.unchecked(local_product(xp, a.local.T, dy.local), b.shape, mesh,
+                          tuple(r[2] for r in rules))
     return (da.redistribute(da_placements or gradient_placements(ctx.a_placements)),
             db.redistribute(db_placements or gradient_placements(ctx.b_placements)))
 
