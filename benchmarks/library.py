@@ -13,8 +13,8 @@ Two kinds of work on float32 square arrays of the given global size:
   policy takes them, Y returned where the policy leaves it (``inner``, ``inner_gather`` and
   ``outer`` as a replicated Y, so DTensor's result is redistributed to Replicate too).
 
-Four columns per case, each the fastest of ``--repeat`` runs (taken alternately, so that
-drift hits all alike) of the slowest rank:
+Four columns per case, each the fastest of ``--repeat`` runs from a barrier to the next
+(until every rank has its result), the implementations taken in a rotating order:
 - hpcpar: the library call, agreement checks on (a ``Mesh`` checks by default);
 - DTensor: the same placements in ``torch.distributed.tensor`` (gloo has no all-to-all on
   the CPU: DTensor falls back to an all-gather and a slice there);
@@ -59,7 +59,10 @@ def side(nbytes: int, p: int) -> int:
 
 
 class Timer:
-    """The fastest of several runs of each implementation (slowest rank), taken in turn."""
+    """The fastest of several runs of each implementation, each run timed from a barrier to
+    the barrier after it (until every rank has its result: with more ranks than cores, a
+    rank's own clock would leave out the time it waited for a core), the implementations
+    taken in a rotating order so that neither drift nor the one before favours any."""
 
     def __init__(self, comm, repeat: int):
         self.comm, self.repeat = comm, repeat
@@ -67,14 +70,16 @@ class Timer:
     def best(self, calls: dict) -> dict:
         for fn in calls.values():                # warm-up: allocations, plans, caches
             fn()
-        times = {name: [] for name in calls}
-        for _ in range(self.repeat):
-            for name, fn in calls.items():
+        names = list(calls)
+        times = {name: [] for name in names}
+        for rep in range(self.repeat):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
                 self.comm.Barrier()
                 start = time.perf_counter()
-                fn()
+                calls[name]()
+                self.comm.Barrier()
                 times[name].append(time.perf_counter() - start)
-        return {name: 1e3 * min(self.comm.allreduce(t, op=MPI.MAX) for t in ts)
+        return {name: 1e3 * self.comm.allreduce(min(ts), op=MPI.MAX)
                 for name, ts in times.items()}
 
 
@@ -205,7 +210,7 @@ def matmul_cases(p: int) -> list[tuple]:
     """(policy, mesh axes, A's placements, B's, Y's as hpcpar leaves it) per policy."""
     S0, S1, R = "S0", "S1", "R"
     cases = [("duplicated", {"x": p}, [R], [R]), ("local", {"x": p}, [S0], [R]),
-             ("inner", {"x": p}, [S1], [S0]), ("inner_gather", {"x": p}, [S1], [R]),
+             ("inner", {"x": p}, [S1], [S0]), ("inner_gather", {"x": p}, [S1], [S1]),
              ("outer", {"x": p}, [S0], [S0])]
     if p == 4:
         cases.append(("full", {"r": 2, "c": 2}, [S0, S1], [S0, S1]))
@@ -230,8 +235,8 @@ def by_hand_matmul(comm, policy, a_local, b_local, a_full, b_full, sub):
             comm.Allreduce(MPI.IN_PLACE, y)
             return y
         return inner
-    if policy == "inner_gather":
-        return lambda: gather(a_local, 1) @ b_local
+    if policy == "inner_gather":                # A's k gathered, B's columns: Y's gathered
+        return lambda: gather(gather(a_local, 1) @ b_local, 1)
     if policy == "outer":
         return lambda: gather(a_local @ gather(b_local, 0), 0)
     rows, cols = sub                                       # full: a 2 x 2 mesh
@@ -252,7 +257,7 @@ def matmuls(comm, timer, device_mesh_of, sizes) -> list[dict]:
             mesh = hp.Mesh(comm, axes)
             a = hp.DArray.from_full(a_full, mesh, [hp_placement(q) for q in a_pl])
             b = hp.DArray.from_full(b_full, mesh, [hp_placement(q) for q in b_pl])
-            y = hp.matmul(a, b)
+            y = hp.matmul(a, b, policy=policy)
             dmesh = device_mesh_of(tuple(axes.values()))
             da, db = (DTensor.from_local(torch.from_numpy(t.local.copy()), dmesh,
                                          [torch_placement(q) for q in pl], run_check=False,
@@ -264,7 +269,7 @@ def matmuls(comm, timer, device_mesh_of, sizes) -> list[dict]:
                 else None
             hand = by_hand_matmul(comm, policy, a.local, b.local, a_full, b_full, sub)
             np.testing.assert_allclose(hand(), y.local, rtol=2e-4, atol=2e-3)
-            calls = {"hpcpar": lambda: hp.matmul(a, b),
+            calls = {"hpcpar": lambda: hp.matmul(a, b, policy=policy),
                      "DTensor": lambda: _wait(torch.mm(da, db).redistribute(dmesh, y_pl)),
                      "by hand": hand}
             row = {"work": "matmul", "case": policy, "collective": "", "ranks": p,

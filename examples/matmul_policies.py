@@ -19,7 +19,7 @@ S0, S1, R = hp.Shard(0), hp.Shard(1), hp.Replicate()
 CASES = {
     "duplicated": ({}, {}),
     "inner": ({"r": S1}, {"r": S0}),                  # k split the same way: AllReduce
-    "inner_gather": ({"c": S1}, {}),                  # k split in A only: AllGather A first
+    "inner_gather": ({"c": S1}, {"c": S1}),           # k of A, n of B: AllGather A first
     "outer": ({"r": S0}, {"r": S0}),                  # m of A and k of B: AllGather twice
     "full": ({"r": S0, "c": S1}, {"r": S0, "c": S1}),  # m, k and n split: one block each
     "local": ({"r": S0}, {"c": S1}),                  # rows of A x columns of B: nothing

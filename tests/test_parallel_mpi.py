@@ -123,7 +123,9 @@ def policy_cases(mesh, k):
     ks = hp.even_sizes(k, n)
     cases = [("duplicated", {}, {}, None),
              ("inner", {"x": hp.Shard(1, sizes=ks)}, {"x": hp.Shard(0, sizes=ks)}, "x"),
-             ("inner_gather", {"x": hp.Shard(1, sizes=ks)}, {}, "x"),
+             ("inner", {"x": hp.Shard(1, sizes=ks)}, {}, "x"),     # B sliced like A
+             ("inner_gather", {"x": hp.Shard(1, sizes=ks)},
+              {"x": hp.Shard(1, sizes=hp.even_sizes(4, n))}, "x"),    # B by columns
              ("inner_gather", {"x": hp.Shard(1, sizes=ks)},
               {"x": hp.Shard(0, sizes=[k] + [0] * (n - 1))}, "x"),     # other cuts of k
              # 2 whole units ("heads") of k: one per rank, or each replicated when 4+ ranks,

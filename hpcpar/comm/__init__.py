@@ -21,17 +21,22 @@ __all__ = ["COMM_KINDS", "CommStats", "Communicator", "MpiCommunicator", "Reques
 
 def create_communicator(mpi_comm, kind: str = "auto", backend: ArrayBackend = NUMPY,
                         stats: CommStats | None = None, name: str = "world",
-                        timeout: float = 0.0) -> Communicator:
+                        timeout: float = 0.0, check: bool = True) -> Communicator:
     """A communicator over the ranks of ``mpi_comm`` (collective over that group when ``kind``
-    is auto or nccl: the ranks compare their GPUs, see ``choice``)."""
+    is auto or nccl: the ranks compare their GPUs, see ``choice``). ``check``: every
+    collective first checks that the ranks pass agreeing shapes, dtypes and sizes
+    (``agreement``); the jobs' own groups, whose arguments come from one plan, leave it off."""
     if kind not in COMM_KINDS:
         raise HpcparError(f"communicator {kind!r} is not one of {', '.join(COMM_KINDS)}")
     if kind != "mpi":
         kind = choice.choose(kind, backend.is_gpu, _devices(mpi_comm, backend))
     if kind == "nccl":
         from .nccl import NcclCommunicator
-        return NcclCommunicator(mpi_comm, backend, stats, name, timeout)
-    return MpiCommunicator(mpi_comm, backend, stats, name, timeout)
+        group = NcclCommunicator(mpi_comm, backend, stats, name, timeout)
+    else:
+        group = MpiCommunicator(mpi_comm, backend, stats, name, timeout)
+    group.check = check
+    return group
 
 
 _FIELD = 64     # bytes per host name / bus id in the exchange

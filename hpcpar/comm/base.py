@@ -104,10 +104,8 @@ class Communicator(ABC):
         """The ranks of this group passing the same ``color``, as a group of their own over
         MPI, in this group's order (collective)."""
         from . import create_communicator
-        sub = create_communicator(self.mpi_comm.Split(color, self.rank), "mpi", self.backend,
-                                  self.stats, f"{self.name}.{name}", self.timeout)
-        sub.check = self.check
-        return sub
+        return create_communicator(self.mpi_comm.Split(color, self.rank), "mpi", self.backend,
+                                   self.stats, f"{self.name}.{name}", self.timeout, self.check)
 
     # ---- public API -----------------------------------------------------------------------
 

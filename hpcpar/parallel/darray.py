@@ -30,7 +30,8 @@ class PlacementError(HpcparError):
 def normalize_placements(mesh: Mesh, placements, ndim: int) -> tuple[Placement, ...]:
     """One placement per mesh axis: from a sequence in axis order, or a mapping by axis
     name whose missing axes are ``Replicate()``. Pure: remembered for hashable input."""
-    named = isinstance(placements, Mapping)
+    named = isinstance(placements, dict) or (not isinstance(placements, (list, tuple))
+                                             and isinstance(placements, Mapping))
     key = tuple(placements.items()) if named else tuple(placements)
     try:
         return _normalized(mesh.axis_names, key, named, ndim)

@@ -141,6 +141,7 @@ class Mesh:
         self.cart = comm.Create_cart(list(self.sizes), periods=[False] * len(self.sizes),
                                      reorder=False)
         self._groups: dict[tuple[int, ...], Communicator] = {}
+        self._named: dict[str, Communicator] = {}
         for axis in range(len(self.sizes)):
             self._group((axis,))
         self._everyone = self._group(tuple(range(len(self.sizes))))
@@ -211,7 +212,13 @@ class Mesh:
     def group(self, axes: Axes) -> Communicator:
         """The communicator of the ranks that differ from this one only along ``axes``;
         its group rank is the row-major coordinate over ``axes``."""
-        return self._group(self._indices(axes))
+        try:
+            return self._named[axes]                    # the hot path: an axis by name
+        except (KeyError, TypeError):
+            group = self._group(self._indices(axes))
+            if isinstance(axes, str):
+                self._named[axes] = group
+            return group
 
     def _indices(self, axes: Axes) -> tuple[int, ...]:
         names = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -226,8 +233,7 @@ class Mesh:
             remain = [i in indices for i in range(len(self.sizes))]
             name = "+".join(self.axis_names[i] for i in indices)
             group = create_communicator(self.cart.Sub(remain), self.comm_kind, self.backend,
-                                        self.stats, name, self.timeout)
-            group.check = self.check
+                                        self.stats, name, self.timeout, self.check)
             self._groups[indices] = group
         return group
 
@@ -242,4 +248,5 @@ class Mesh:
         for group in self._groups.values():
             group.mpi_comm.Free()
         self._groups.clear()
+        self._named.clear()
         self.cart.Free()

@@ -6,10 +6,11 @@ operands into the placements it computes on, and of its result out of them. Alon
 axis of p ranks (``axis``):
 
     duplicated     A, B replicated. Y = A B on every rank. No communication.
-    inner          A sharded along k (Shard(1)), B along k (Shard(0)) with the same cuts:
+    inner          A sharded along k (Shard(1)), B along k (Shard(0)) with the same cuts, or
+                   replicated (its piece is then sliced locally):
                    Y_i = A_i B_i is a pending sum (Partial), AllReduce -> Y.
                    (``out=Shard(0)``: ReduceScatter instead; ``out=Partial()``: none.)
-    inner_gather   A sharded along k, B not cut the same way (replicated, or other cuts):
+    inner_gather   A sharded along k, B cut otherwise (along n, or other cuts of k):
                    AllGather A (and B) along k first, then Y = A B. No reduction.
     outer          A sharded along m (Shard(0)), B along k (Shard(0)): AllGather B, then
                    Y_i = A_i B is sharded by rows, AllGather Y -> Y. (``out=Shard(0)``: one.)
@@ -121,7 +122,9 @@ def choose(a: DArray, b: DArray) -> tuple[str, tuple[int, ...]]:
         i = busy[0]
         pa, pb = pairs[i]
         if _is(pa, 1):
-            return "inner_gather", (i,)
+            # B whole on every rank: slice it like A and sum partial products (1/p of the
+            # flops, as DTensor does), rather than gather A and multiply all of it
+            return ("inner" if pb == R else "inner_gather"), (i,)
         if _is(pa, 0) and _is(pb, 0):
             return "outer", (i,)
     raise PolicyError(
