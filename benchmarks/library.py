@@ -64,10 +64,11 @@ class Timer:
     rank's own clock would leave out the time it waited for a core), the implementations
     taken in a rotating order so that neither drift nor the one before favours any."""
 
-    def __init__(self, comm, repeat: int):
-        self.comm, self.repeat = comm, repeat
+    def __init__(self, comm, repeat: int, left_out: set = frozenset()):
+        self.comm, self.repeat, self.left_out = comm, repeat, left_out
 
     def best(self, calls: dict) -> dict:
+        calls = {k: v for k, v in calls.items() if k not in self.left_out}
         for fn in calls.values():                # warm-up: allocations, plans, caches
             fn()
         names = list(calls)
@@ -304,6 +305,8 @@ def main():
     parser.add_argument("--matmul-sizes", default="64K,1M,16M,64M")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--without", default="", help="implementations to leave out, e.g. "
+                        "DTensor (its gloo threads share the cores with the others)")
     args = parser.parse_args()
     import torch
     import torch.distributed as dist
@@ -321,7 +324,7 @@ def main():
             meshes[shape] = init_device_mesh("cpu", shape)
         return meshes[shape]
 
-    timer = Timer(comm, args.repeat)
+    timer = Timer(comm, args.repeat, set(args.without.split(",")) - {""})
     if comm.rank == 0:
         print("| work | case | collective | ranks | size | hpcpar ms | DTensor ms | by hand ms "
               "| MPI alone ms | vs DTensor | vs by hand | vs MPI alone |\n"
@@ -329,7 +332,7 @@ def main():
     mesh = hp.Mesh(comm, {"x": comm.Get_size()})
     rows = redistributions(comm, timer, mesh, device_mesh_of((comm.Get_size(),)),
                            [parse_size(s) for s in args.sizes.split(",") if s])
-    rows += matmuls(comm, Timer(comm, max(2, args.repeat // 2)), device_mesh_of,
+    rows += matmuls(comm, Timer(comm, max(2, args.repeat // 2), timer.left_out), device_mesh_of,
                     [parse_size(s) for s in args.matmul_sizes.split(",") if s])
     if comm.rank == 0 and args.json:
         args.json.write_text(json.dumps({"machine": platform.node(), "cores": os.cpu_count(),
