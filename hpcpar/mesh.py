@@ -113,7 +113,8 @@ class Mesh:
         self.layout = layout
         self.rank = world.Get_rank()
         self.coords = coords_of(self.rank, layout)
-        self.core = CoreMesh(world, dict(zip(AXES, _sizes(layout))))
+        # the jobs report their own errors (launch.py) and their groups follow one plan
+        self.core = CoreMesh(world, dict(zip(AXES, _sizes(layout))), abort_on_error=False)
         self.dp_comm, self.pp_comm, self.cp_comm, self.tp_comm = (
             self.core.group(a).mpi_comm for a in AXES)
         self.grad_comm = (self.core.group(("dp", "cp")).mpi_comm if layout.cp > 1

@@ -25,6 +25,7 @@ from importlib import import_module
 _HOME = {
     "..comm": ("Communicator", "Request", "create_communicator"),
     "..comm.agreement": ("Disagreement",),
+    "..comm.failfast": ("abort",),
     "..errors": ("CommError", "CommTimeout", "HpcparError", "PeerFailed"),
     "..ops.attention": ("AttentionRows",),
     "..ops.tiled_attention": ("TiledAttention",),

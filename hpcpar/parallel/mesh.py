@@ -29,6 +29,7 @@ from mpi4py import MPI
 from ..backend import NUMPY, ArrayBackend
 from ..comm import Communicator, CommStats, create_communicator
 from ..comm.agreement import active, agree_mpi
+from ..comm.failfast import abort_on_uncaught_exceptions
 from ..errors import HpcparError
 from ..waits import wait_bounded
 
@@ -114,16 +115,22 @@ class Mesh:
     ``check`` (default on): the ranks are checked to agree on what they pass to every
     collective operation (one all-reduce of two integers per call, ``comm.agreement``), so
     that ranks that disagree get one error each instead of wrong numbers; the mesh itself
-    is checked to be built alike on every rank.
+    is checked to be built alike on every rank. ``abort_on_error`` (default on): an
+    uncaught exception on any rank prints its traceback and ends the whole job at once
+    (``comm.failfast``), instead of leaving the other ranks waiting for it until the
+    timeout.
     """
 
     _next_id = 0       # this process's meshes, numbered alike on every rank (``_agree_id``)
 
     def __init__(self, comm, shape: Mapping[str, int], *, backend: ArrayBackend = NUMPY,
                  comm_kind: str = "mpi", timeout: float = 600.0,
-                 stats: CommStats | None = None, check: bool = True):
+                 stats: CommStats | None = None, check: bool = True,
+                 abort_on_error: bool = True):
         self.world = comm
         self.check = check
+        if abort_on_error:
+            abort_on_uncaught_exceptions()
         asked = [(str(k), v if isinstance(v, int) else repr(v)) for k, v in shape.items()] \
             if isinstance(shape, Mapping) else repr(shape)
         agree_mpi(comm, "Mesh", [("axes", asked), ("backend", backend.name),
