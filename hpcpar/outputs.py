@@ -132,8 +132,11 @@ def check_space(path: str | Path, nbytes: int) -> None:
     """A ``WriteError`` now if the file system of ``path`` has less than ``nbytes`` (plus
     a margin) free for this user, before anything is written."""
     path = Path(path)
+    where = path.parent
+    while not where.exists() and where != where.parent:   # a folder the job will make
+        where = where.parent
     try:
-        stat = os.statvfs(path.parent)
+        stat = os.statvfs(where)
     except OSError:
         return
     free = stat.f_bavail * stat.f_frsize

@@ -44,14 +44,21 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+def checkpoint_bytes(source: Checkpoint, state_names: tuple[str, ...]) -> int:
+    """The bytes of a training checkpoint of ``source``'s model: float32 weights and each
+    optimizer state, and the tokenizer files kept with them."""
+    values = sum(int(np.prod(spec.shape)) for spec in model_tensors(source.config))
+    return values * 4 * (1 + len(state_names)) + sum(
+        len(data) for data in source.tokenizer_files().values())
+
+
 def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
                 train_attrs: dict) -> None:
     """Rank 0: every dataset of the checkpoint, empty, in the temporary file."""
     cfg = source.config
     tokenizer = source.tokenizer_files()
     specs = model_tensors(cfg)           # the computation's tensors: optimizer state each
-    values = sum(int(np.prod(spec.shape)) for spec in specs) * (1 + len(state_names))
-    check_space(path, values * 4 + sum(len(data) for data in tokenizer.values()))
+    check_space(path, checkpoint_bytes(source, state_names))
     # every dataset's space assigned now (not filled), then reserved below: the ranks'
     # writes into it cannot meet a full disk
     early = h5py.h5p.create(h5py.h5p.DATASET_CREATE)

@@ -17,10 +17,10 @@ from ..generate.setup import load_tokenizer
 from ..jobs import Job
 from ..pipeline.partition import stage_layers
 from ..pipeline.training_schedules import micro_batch_problems
-from ..outputs import check_output
+from ..outputs import check_output, check_space
 from . import checkpoint as tc
 from .data import Dataset, load_dataset
-from ..parallel.optim import OptimizerSettings
+from ..parallel.optim import STATE_NAMES, OptimizerSettings
 
 RECOMPUTE = ("none", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -78,6 +78,8 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
                           "sequences (--seq-len)")
     out_dir = Path(job.output.path)
     check_output(out_dir, {"checkpoint": ckpt.path, "data": dataset.source}, folder=True)
+    # room for a checkpoint now, not after every step has run (each save checks again)
+    check_space(out_dir / "step-1.h5", tc.checkpoint_bytes(ckpt, STATE_NAMES[settings.optimizer]))
     resume = None
     start_step = samples_start = 0
     resume_path = tc.resolve_resume(tr.resume, out_dir)
