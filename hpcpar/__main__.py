@@ -26,6 +26,7 @@ from . import supervisor  # noqa: E402  (standard library only)
 
 if supervisor.wanted():
     raise SystemExit(supervisor.supervise([sys.executable, "-m", "hpcpar", *sys.argv[1:]]))
+supervisor.watch_keeper()
 
 from .cli import main  # noqa: E402
 

@@ -147,7 +147,8 @@ def select_backend(name: str = "auto", local_rank: int = 0, dtype=None) -> Array
     ``local_rank % device_count`` (``HPCPAR_BACKEND`` overrides ``auto``). With ``dtype``,
     refuse one the device's arrays cannot compute in."""
     if name == "auto":
-        name = os.environ.get("HPCPAR_BACKEND", "auto")
+        from .settings import environment_value
+        name = environment_value("HPCPAR_BACKEND")
     if name not in BACKENDS:
         raise HpcparError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
     if name == "numpy":

@@ -3,13 +3,19 @@
     mpiexec -n 8 python -m hpcpar                     the demo job (same as 'demo')
     mpiexec -n 8 python -m hpcpar run JOB.toml [--set section.key=value ...] [flags]
     mpiexec -n 8 python -m hpcpar generate --checkpoint C.h5 --prompts P --max-new-tokens N
-                 --out OUT.h5 [--tp T --pp P --dp D --micro-batches M]
+                 --out OUT.h5|OUT.jsonl [--tp T --pp P --dp D --micro-batches M]
                  [--temperature X --top-k K --top-p P --seed S] [--save-logits]
     mpiexec -n 8 python -m hpcpar score --checkpoint C.h5 --data D --out OUT.h5
                  [--tp T --pp P --dp D --micro-batches M]
+    mpiexec -n 8 python -m hpcpar train --checkpoint C.h5 --data D --steps N --global-batch B
+                 --out DIR [...]
     python -m hpcpar plan [JOB.toml] [--checkpoint C.h5 | --preset NAME] [--world N] [...]
     python -m hpcpar convert HF_DIR OUT.h5 [--dtype float32|float16|bfloat16]
     python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
+    python -m hpcpar submit JOB.toml [--nodes N --ranks-per-node R ...]
+
+Every command's flags: ``python -m hpcpar COMMAND --help``, and the README's "Commands" block
+(``tests/test_env_and_help.py`` keeps the two equal).
 
 Every rank parses the same arguments and validates the same inputs; problems are agreed on
 and printed once (see ``hpcpar.launch``). Serial commands (convert, init, plan) run on rank 0.
@@ -95,14 +101,17 @@ def _timeout_flag(p) -> None:
                         "with a report of where every rank is (default 600; 0: forever)")
 
 
-def _job_flags(p, required: bool) -> None:
+def _job_flags(p, required: bool, out_help: str) -> None:
     from .backend import BACKENDS
     from .comm import COMM_KINDS
     need = {"required": required}
     p.add_argument("--checkpoint", **need, help="HDF5 checkpoint, or preset:NAME")
-    p.add_argument("--prompts", **need, help=".npy of ids, .jsonl of {ids} or {text}, or random")
+    p.add_argument("--prompts", **need,
+                   help=".npy of ids [batch, seq]; .jsonl of {ids}, {text} or {messages} lines; "
+                        "or random (data.random_count prompts of random ids, "
+                        "data.random_lengths long)")
     p.add_argument("--max-new-tokens", type=int, **need)
-    p.add_argument("--out", **need, help="output HDF5 file")
+    p.add_argument("--out", **need, help=out_help)
     _layout_flags(p)
     _timeout_flag(p)
     p.add_argument("--temperature", type=float, help="0 (default) is greedy")
@@ -192,12 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("job", type=Path)
     run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override a job setting (repeatable)")
-    _job_flags(run, required=False)
+    _job_flags(run, required=False, out_help=(
+        "output: OUT.h5 or OUT.jsonl (generation), OUT.h5 (scoring), a folder (training)"))
     _train_flags(run)
 
     gen = sub.add_parser("generate", help="batch generation from prompts")
     gen.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    _job_flags(gen, required=True)
+    _job_flags(gen, required=True, out_help=(
+        "OUT.h5 (or .hdf5): HDF5; OUT.jsonl: one JSON line per prompt, in input order"))
     gen.add_argument("--resume", choices=["auto"],
                      help="keep the prompts a stopped run with the same settings finished")
 
@@ -292,8 +303,8 @@ def _main(argv) -> int:
     comm = world()
     everyone(comm, check_launch, comm)
     from . import faults, settings
-    everyone(comm, faults.check_environment)
-    everyone(comm, settings.check_environment)
+    everyone(comm, settings.check_environment, comm.Get_size())     # every HPCPAR_* variable
+    everyone(comm, faults.check_environment, comm.Get_size())
     args = everyone(comm, build_parser().parse_args, argv)
     command = args.command or "demo"
     if command == "demo":
@@ -306,7 +317,7 @@ def _main(argv) -> int:
         from .jobs import load_job
         flags = {JOB_FLAGS[k]: v for k, v in vars(args).items()
                  if k in JOB_FLAGS and k != "prompts"}
-        if command == "score":
+        if getattr(args, "data", None) is not None:       # score's, or run's of a [score] job
             flags[("score", "data")] = args.data
         job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags, FLAG_NAMES)
         return _score(comm, job)

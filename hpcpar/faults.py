@@ -1,7 +1,7 @@
 """Fault injection for tests: ``HPCPAR_FAULT=rank=2,phase=decode,step=5,kind=raise`` makes
 world rank 2 fail at decode step 5.
 
-    rank    the world rank that fails (required)
+    rank    the world rank that fails (required; one of the job's, 0..N-1)
     phase   load | prefill | decode | train | score | write (required); the points the
             jobs call ``fault_point`` at: before reading the checkpoint, before a wave's
             prefill, before each decode step, before each training step, before each scoring
@@ -18,7 +18,9 @@ world rank 2 fail at decode step 5.
             write fails with that system error, as on a full disk, a failing or a
             read-only file system)
 
-Unset, ``fault_point`` costs one dictionary lookup.
+Unset, ``fault_point`` costs one dictionary lookup. The variable is read through the
+settings table (``settings.ENVIRONMENT``), so a malformed one, or one whose rank or step no
+job has, is one error before any work.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ import errno
 import os
 import signal
 import time
-
-from .errors import HpcparError
 
 PHASES = ("load", "prefill", "decode", "train", "score", "write")
 WRITE_ERRORS = {"enospc": errno.ENOSPC, "eio": errno.EIO, "erofs": errno.EROFS}
@@ -40,29 +40,43 @@ class InjectedFault(RuntimeError):
     """The failure ``HPCPAR_FAULT`` asked for (a bug-like error, not bad input)."""
 
 
-def parse(text: str) -> dict:
-    """``rank=R,phase=P[,step=S][,kind=K]`` -> a dict; a malformed value is an error."""
+def parse_fields(text: str, world_size: int | None = None) -> dict:
+    """``rank=R,phase=P[,step=S][,kind=K]`` -> a dict; raises ValueError saying what is wrong
+    (the message around it is ``settings``', whose table holds ``HPCPAR_FAULT``). With
+    ``world_size``, R must be one of its ranks."""
     spec = {"kind": "raise", "step": None}
-    try:
-        for item in text.split(","):
-            key, _, value = item.partition("=")
-            key = key.strip()
-            if key in ("rank", "step"):
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key in ("rank", "step"):
+            try:
                 spec[key] = int(value)
-            elif key in ("phase", "kind"):
-                spec[key] = value.strip()
-            else:
-                raise ValueError(f"unknown key {key!r}")
-    except ValueError as e:
-        raise HpcparError(f"HPCPAR_FAULT={text!r}: {e}; expected "
-                          f"rank=R,phase=P[,step=S][,kind={'|'.join(KINDS)}]") from None
-    if "rank" not in spec or spec.get("phase") not in PHASES or spec["kind"] not in KINDS:
-        raise HpcparError(f"HPCPAR_FAULT={text!r}: needs rank=R and phase one of "
-                          f"{', '.join(PHASES)}; kind is one of {', '.join(KINDS)}")
+            except ValueError:
+                raise ValueError(f"{key} {value!r} is not an integer") from None
+        elif key in ("phase", "kind"):
+            spec[key] = value
+        else:
+            raise ValueError(f"unknown key {key!r}")
+    if "rank" not in spec or "phase" not in spec:
+        raise ValueError("needs rank=R and phase=P")
+    if spec["phase"] not in PHASES:
+        raise ValueError(f"phase {spec['phase']!r} is not one of {', '.join(PHASES)}")
+    if spec["kind"] not in KINDS:
+        raise ValueError(f"kind {spec['kind']!r} is not one of {', '.join(KINDS)}")
     if spec["kind"] in WRITE_ERRORS and spec["phase"] != "write":
-        raise HpcparError(f"HPCPAR_FAULT={text!r}: kind {spec['kind']} happens at a write; "
-                          "use phase=write")
+        raise ValueError(f"kind {spec['kind']} happens at a write; use phase=write")
+    if spec["rank"] < 0 or (world_size is not None and spec["rank"] >= world_size):
+        job = f"this job's ranks are 0..{world_size - 1}" if world_size else "ranks count from 0"
+        raise ValueError(f"rank {spec['rank']} is no rank of the job ({job})")
+    if spec["step"] is not None and spec["step"] < 1:
+        raise ValueError(f"step {spec['step']}: steps and writes count from 1")
     return spec
+
+
+def parse(text: str, world_size: int | None = None) -> dict:
+    """``HPCPAR_FAULT``'s text -> a dict; a malformed one is an ``HpcparError`` naming it."""
+    from .settings import parse_environment
+    return parse_environment("HPCPAR_FAULT", text, world_size)
 
 
 _spec: dict | None = None
@@ -70,11 +84,12 @@ _loaded = False
 _writes = 0                 # write points this process has passed
 
 
-def check_environment() -> None:
-    """Parse ``HPCPAR_FAULT`` now, so a malformed one is reported before any work."""
+def check_environment(world_size: int | None = None) -> None:
+    """Parse ``HPCPAR_FAULT`` now, so a malformed one (or a rank outside a world of
+    ``world_size``) is reported before any work."""
     global _spec, _loaded
-    text = os.environ.get("HPCPAR_FAULT")
-    _spec = parse(text) if text else None
+    from .settings import environment_value
+    _spec = environment_value("HPCPAR_FAULT", world_size)
     _loaded = True
 
 

@@ -13,6 +13,9 @@ Three rules keep an MPI job from hanging or flooding the terminal:
 3. A process that finds itself alone where the launcher started several (an MPI library that
    does not match the launcher, e.g. ``srun --mpi=none``) stops instead of running N copies.
 
+Output to a reader that went away (``hpcpar plan | head -1``) ends quietly, with the status of
+a command killed by SIGPIPE (141), as other command-line tools do.
+
 Jobs turn SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) into a request the ranks agree on at a step
 boundary (a training step, a generation step: ``StopRequest``), then exit with
 ``EXIT_PREEMPTED`` after saving; a second Ctrl-C ends the job at once.
@@ -22,6 +25,8 @@ with ``EXIT_HUNG`` and a report of where the node's ranks are (``watchdog``).
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import sys
 import time
@@ -42,6 +47,7 @@ EXIT_FAILED = 1    # anything else
 EXIT_PREEMPTED = 3  # stopped on SIGTERM/SIGUSR1 after saving its state: run again to resume
 EXIT_HUNG = 4       # a receive or collective outlasted --timeout: a rank stopped or hung
 EXIT_INTERRUPTED = 130   # a second Ctrl-C, or one before the job's steps: ended at once
+EXIT_OUTPUT_CLOSED = 141  # stdout's reader went away (| head): 128 + SIGPIPE, as a shell shows
 
 _state = {"phase": "start-up", "where": None, "board": None}
 
@@ -131,7 +137,9 @@ def check_launch(comm) -> None:
 def run_guarded(main: Callable[[], int | None]) -> int:
     """Run a job's main function under the rules above; returns the exit status."""
     try:
-        return main() or 0
+        status = main() or 0
+        sys.stdout.flush()            # a reader gone shows here, not at the interpreter's exit
+        return status
     except JobFailed as e:
         return int(e.code)
     except SystemExit as e:           # --help (0), or a library's own exit
@@ -145,9 +153,34 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         # collective, so end them all.
         _abort(" ".join(f"{_who()}: {e}".split()), EXIT_INVALID, with_traceback=False)
     except BaseException as e:  # a bug, an I/O error mid-run
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            return _output_closed()
         _abort(f"{_who()} failed while {_state['phase']}: {type(e).__name__}: {e}",
                EXIT_FAILED, with_traceback=True)
     return EXIT_FAILED
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (another broken pipe is a failure)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _output_closed() -> int:
+    """The reader of stdout went away (``hpcpar plan | head -1``): drop what is left to write
+    and end without a word, as a command killed by SIGPIPE does."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())      # the interpreter's last flush goes nowhere
+    os.close(devnull)
+    mark_known_exit()
+    comm = world()
+    if comm.Get_size() > 1:                    # the other ranks may wait for this one
+        comm.Abort(EXIT_OUTPUT_CLOSED)
+    return EXIT_OUTPUT_CLOSED
 
 
 def _interrupted() -> None:

@@ -3,19 +3,28 @@
 A setting reaches a job from a job file, ``--set``, a flag, a prompt line or an environment
 variable; whichever it came from, it is checked here, before any work, against one rule:
 
-    RULES["train.lr"]         a finite number >= 0
+    RULES["train.lr"]                    a finite number >= 0
     ENVIRONMENT["HPCPAR_SAVE_SECONDS"]   a finite number >= 0 (0: at every step)
+    ENVIRONMENT["HPCPAR_CUDA_AWARE"]     one of auto, 1, 0
 
 Every number must be finite (NaN and infinity pass no comparison a user means). The rules are
 pure data; ``problem`` turns one into the sentence a user reads.
+
+``ENVIRONMENT`` lists every ``HPCPAR_*`` variable hpcpar (or its batch scripts) reads, each
+with its rule and default; code reads one only through ``environment_value`` (or
+``environment_number``), and ``check_environment`` reads them all when a job starts, so a bad
+value, or an ``HPCPAR_`` name that is none of them, is one line naming the variable, the value
+and what it accepts (status 2) before any work.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .errors import HpcparError
 
@@ -52,6 +61,112 @@ class Range:
         else:
             text = "any finite number"
         return text + (f" ({self.note})" if self.note else "")
+
+    def accepts(self, world_size: int | None = None) -> str:
+        """What an environment variable of this range accepts (the table's rules share
+        ``accepts`` and ``parse``)."""
+        return "a number " + self.describe()
+
+    def parse(self, text: str, world_size: int | None = None) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError("") from None
+        if not math.isfinite(value) or not self.contains(value):
+            raise ValueError("")
+        return value
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``values``, in any case; ``aliases`` are other spellings of one of them."""
+
+    values: tuple[str, ...]
+    aliases: tuple[tuple[str, str], ...] = ()
+    note: str = ""
+
+    def accepts(self, world_size: int | None = None) -> str:
+        return "one of " + ", ".join(self.values) + (f" ({self.note})" if self.note else "")
+
+    def parse(self, text: str, world_size: int | None = None) -> str:
+        word = text.lower()
+        word = dict(self.aliases).get(word, word)
+        if word not in self.values:
+            raise ValueError("")
+        return word
+
+
+@dataclass(frozen=True)
+class Count:
+    """A whole number >= ``low``; with ``at_most_world``, at most the job's ranks."""
+
+    low: int = 1
+    at_most_world: bool = False
+    note: str = ""
+
+    def accepts(self, world_size: int | None = None) -> str:
+        high = (f" and <= {world_size}, the job's ranks" if self.at_most_world and world_size
+                else "")
+        return f"an integer >= {self.low}{high}" + (f" ({self.note})" if self.note else "")
+
+    def parse(self, text: str, world_size: int | None = None) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError("") from None
+        if value < self.low:
+            raise ValueError("")
+        if self.at_most_world and world_size is not None and value > world_size:
+            raise ValueError(f"more than the job's {world_size} ranks")
+        return value
+
+
+@dataclass(frozen=True)
+class Text:
+    """Any text that is not empty (a folder, a command); ``what`` says which."""
+
+    what: str
+
+    def accepts(self, world_size: int | None = None) -> str:
+        return self.what
+
+    def parse(self, text: str, world_size: int | None = None) -> str:
+        return text
+
+
+@dataclass(frozen=True)
+class Pipe:
+    """The descriptor of an open pipe this process inherited (hpcpar sets it for a child)."""
+
+    what: str
+
+    def accepts(self, world_size: int | None = None) -> str:
+        return f"the descriptor of an open pipe ({self.what})"
+
+    def parse(self, text: str, world_size: int | None = None) -> int:
+        try:
+            fd = int(text)
+            is_pipe = fd >= 0 and stat.S_ISFIFO(os.fstat(fd).st_mode)
+        except (ValueError, OSError):
+            is_pipe = False
+        if not is_pipe:
+            raise ValueError("")
+        return fd
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A structured text: ``read(text, world_size)`` returns its value or raises ValueError
+    saying what is wrong; ``form`` is what it accepts."""
+
+    form: str
+    read: Callable[[str, int | None], Any]
+
+    def accepts(self, world_size: int | None = None) -> str:
+        return self.form
+
+    def parse(self, text: str, world_size: int | None = None) -> Any:
+        return self.read(text, world_size)
 
 
 def _number(x: float) -> str:
@@ -94,10 +209,43 @@ RULES: dict[str, Range] = {
     "train.bucket_mb": Range(0, low_open=True),
 }
 
-# environment variables the jobs read -> (range, default)
-ENVIRONMENT: dict[str, tuple[Range, float]] = {
+
+def _fault(text: str, world_size: int | None) -> dict:
+    from .faults import parse_fields             # the fault's own grammar, in its module
+    return parse_fields(text, world_size)
+
+
+_YES_NO = (("yes", "1"), ("true", "1"), ("on", "1"), ("no", "0"), ("false", "0"), ("off", "0"))
+
+# every HPCPAR_* variable hpcpar or its batch scripts read -> (rule, default); a rule is a
+# Range (a number), Choice, Count, Text, Pipe or Spec; nothing reads one but through here
+ENVIRONMENT: dict[str, tuple[Any, Any]] = {
     "HPCPAR_SAVE_SECONDS": (Range(0, note="seconds; 0 saves at every step"), 1.0),
     "HPCPAR_PROGRESS_SECONDS": (Range(0, note="seconds; 0: no progress lines"), 30.0),
+    "HPCPAR_TEMPLATE_SECONDS": (Range(0, note=(
+        "seconds a chat template may render one conversation for; 0: no limit")), 5.0),
+    "HPCPAR_TEMPLATE_MB": (Range(0, note=(
+        "MB of text or of any value a chat template may build for one conversation; 0: no "
+        "limit")), 4.0),
+    "HPCPAR_BACKEND": (Choice(("auto", "numpy", "cupy", "strict"), note=(
+        "the arrays of a job whose backend is auto; strict: the tests' pretend device")), "auto"),
+    "HPCPAR_COMM": (Choice(("auto", "mpi", "nccl"), note=(
+        "the batch scripts' --comm")), "auto"),
+    "HPCPAR_CUDA_AWARE": (Choice(("auto", "1", "0"), _YES_NO, note=(
+        "1: MPI gets device buffers, 0: staged through host memory, auto: as the MPI library "
+        "says")), "auto"),
+    "HPCPAR_OPS": (Choice(("auto", "native"), note=(
+        "native: the NumPy reference ops on a GPU too, for checks")), "auto"),
+    "HPCPAR_CACHE": (Text("a folder, for the preset checkpoints (default ~/.cache/hpcpar)"),
+                     None),
+    "HPCPAR_LAUNCH": (Text("the command the batch scripts start the ranks with"), None),
+    "HPCPAR_SUPERVISE": (Choice(("1", "0"), _YES_NO, note="0 turns the rank keeper off"), "1"),
+    "HPCPAR_SUPERVISED_FD": (Pipe("set by hpcpar's rank keeper for the rank it runs; never "
+                                  "set it yourself"), None),
+    "HPCPAR_FAULT": (Spec("rank=R,phase=P[,step=S][,kind=K] (tests: a fault to inject, see "
+                          "hpcpar/faults.py)", _fault), None),
+    "HPCPAR_FAKE_NODES": (Count(1, at_most_world=True, note=(
+        "tests: K blocks of consecutive ranks that play K nodes")), None),
 }
 
 
@@ -122,24 +270,50 @@ def problems(section: str, values: dict[str, Any]) -> list[str]:
             if (p := problem(f"{section}.{key}", value)) is not None]
 
 
-def environment_number(name: str) -> float:
-    """The environment variable ``name`` (a key of ``ENVIRONMENT``) as a checked number, or
-    its default when unset or empty."""
-    rule, default = ENVIRONMENT[name]
+def environment_value(name: str, world_size: int | None = None) -> Any:
+    """The environment variable ``name`` (a key of ``ENVIRONMENT``) checked against its rule,
+    or its default when unset or empty. ``world_size`` bounds the ones that name ranks."""
+    default = ENVIRONMENT[name][1]
     text = os.environ.get(name, "").strip()
     if not text:
         return default
+    return parse_environment(name, text, world_size)
+
+
+def parse_environment(name: str, text: str, world_size: int | None = None) -> Any:
+    """``text`` as the value of ``name``; a bad one is an error naming the variable, the value
+    and what the variable accepts."""
+    rule = ENVIRONMENT[name][0]
     try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not math.isfinite(value) or not rule.contains(value):
-        raise HpcparError(f"{name}={text!r}: must be a number {rule.describe()}; fix or unset "
-                          "it")
-    return value
+        return rule.parse(text, world_size)
+    except ValueError as e:
+        why = f"{e}; " if str(e) else ""
+        raise HpcparError(f"{name}={text!r}: {why}must be {rule.accepts(world_size)}; fix or "
+                          "unset it") from None
 
 
-def check_environment() -> None:
-    """Read every variable of ``ENVIRONMENT`` now, so a bad one is reported before any work."""
-    for name in ENVIRONMENT:
-        environment_number(name)
+def environment_number(name: str) -> float:
+    """The environment variable ``name`` (a number of ``ENVIRONMENT``) as a checked number, or
+    its default when unset or empty."""
+    return float(environment_value(name))
+
+
+def check_environment(world_size: int | None = None) -> None:
+    """Read every ``HPCPAR_*`` variable that is set now, so a bad value, or a name hpcpar does
+    not read (a typo), is reported before any work: one error listing each."""
+    problems = []
+    for name in sorted(os.environ):
+        if not name.startswith("HPCPAR_"):
+            continue
+        if name not in ENVIRONMENT:
+            close = difflib.get_close_matches(name, ENVIRONMENT, n=1)
+            hint = (f"did you mean {close[0]}?" if close
+                    else "it reads " + ", ".join(ENVIRONMENT))
+            problems.append(f"{name} is not a variable hpcpar reads ({hint}); unset it")
+            continue
+        try:
+            environment_value(name, world_size)
+        except HpcparError as e:
+            problems.append(str(e))
+    if problems:
+        raise HpcparError("; ".join(problems))

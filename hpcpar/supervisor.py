@@ -9,7 +9,10 @@ and PID, and exits with the child's status (128 + signal for a signal).
 
 Signals the launcher or a scheduler sends (SIGTERM, SIGUSR1, SIGINT, ...) are passed on to the
 child. The child dies with this process (``PR_SET_PDEATHSIG``), so a launcher that kills the
-processes it started leaves no orphan. ``HPCPAR_SUPERVISE=0`` turns the keeper off.
+processes it started leaves no orphan; the signal it gets then is one of its own
+(``KEEPER_GONE``), so that a keeper killed on its own (``kill -9`` of the wrong PID, the OOM
+killer) is named by its rank, as a killed rank is named by its keeper. ``HPCPAR_SUPERVISE=0``
+turns the keeper off.
 
 Only the standard library here: it runs before NumPy or MPI are loaded, and stays small.
 """
@@ -20,6 +23,7 @@ import ctypes
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 
@@ -27,6 +31,7 @@ _CHILD = "HPCPAR_SUPERVISED_FD"      # set in the child: the pipe that says "exi
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP,
               signal.SIGQUIT, signal.SIGCONT)
 _PR_SET_PDEATHSIG = 1
+KEEPER_GONE = signal.SIGRTMIN + 3     # the child's death signal: no launcher sends it
 
 
 def launcher_rank() -> int | None:
@@ -51,8 +56,18 @@ def wanted() -> bool:
     """Whether this process should keep a child: several tasks under a launcher, on Linux,
     not already the child, not turned off."""
     return (sys.platform.startswith("linux") and _CHILD not in os.environ
-            and os.environ.get("HPCPAR_SUPERVISE", "1") != "0"
-            and launcher_rank() is not None and (launcher_size() or 1) > 1)
+            and _turned_on() and launcher_rank() is not None and (launcher_size() or 1) > 1)
+
+
+def _turned_on() -> bool:
+    """``HPCPAR_SUPERVISE`` (settings' table): 0 turns the keeper off. A bad value keeps it
+    on here; the rank reports it as it checks every variable, before any work."""
+    from .errors import HpcparError
+    from .settings import environment_value      # standard library only, as this module
+    try:
+        return environment_value("HPCPAR_SUPERVISE") != "0"
+    except HpcparError:
+        return True
 
 
 def mark_known_exit() -> None:
@@ -61,8 +76,9 @@ def mark_known_exit() -> None:
     fd = os.environ.pop(_CHILD, None)
     if fd is not None:
         try:
-            os.write(int(fd), b"x")
-        except OSError:
+            if stat.S_ISFIFO(os.fstat(int(fd)).st_mode):     # the keeper's pipe, nothing else
+                os.write(int(fd), b"x")
+        except (OSError, ValueError):
             pass
 
 
@@ -106,11 +122,27 @@ def _die_with(parent: int):
 
     def setup() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_PDEATHSIG, KEEPER_GONE, 0, 0, 0)
         if os.getppid() != parent:              # the keeper died before prctl took effect
             os._exit(1)
 
     return setup
+
+
+def watch_keeper() -> None:
+    """In the child: when its keeper dies (``KEEPER_GONE``), say so, naming this rank and
+    the keeper, and end at once (the launcher ends the other ranks)."""
+    if _CHILD not in os.environ:
+        return
+    keeper = os.getppid()
+
+    def gone(signum, frame):
+        _say(f"lost its keeper (pid {keeper}), which was killed", os.getpid())
+        os._exit(128 + signal.SIGKILL)
+
+    signal.signal(KEEPER_GONE, gone)
+    if os.getppid() != keeper:               # gone before the handler was in place
+        gone(KEEPER_GONE, None)
 
 
 def _say(what: str, pid: int) -> None:

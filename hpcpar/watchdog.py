@@ -160,9 +160,10 @@ _ALARM_TAG = 7
 def _node_comm(world):
     """The ranks that share this rank's memory (``HPCPAR_FAKE_NODES``: blocks of the world)."""
     from mpi4py import MPI
-    fake = os.environ.get("HPCPAR_FAKE_NODES", "")
-    if fake.isdigit() and int(fake) > 0:
-        per_node = -(-world.Get_size() // int(fake))
+    from .settings import environment_value
+    fake = environment_value("HPCPAR_FAKE_NODES", world.Get_size())
+    if fake is not None:
+        per_node = -(-world.Get_size() // fake)
         return world.Split(world.Get_rank() // per_node, world.Get_rank())
     return world.Split_type(MPI.COMM_TYPE_SHARED)
 

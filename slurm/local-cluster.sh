@@ -8,26 +8,39 @@
 #
 # Installs slurmctld, slurmd, slurm-client and munge with apt-get when they are missing.
 # The node declares CPUS (default 8) CPUs whatever the machine has, so 8 ranks fit on 2 cores.
+# Exit status 77 (the test suites' "skipped"): this machine cannot have a local Slurm (not
+# root, or the packages cannot be installed); the message says which. 1: it failed to start.
 set -euo pipefail
 
 cmd=${1:?usage: local-cluster.sh install|up|down DIR}
 dir=$(realpath -m "${2:-${TMPDIR:-/tmp}/hpcpar-slurm}")
 cpus=${CPUS:-8}
 
+cannot() {                            # this machine cannot have one: status 77, "skipped"
+  echo "local-cluster: $*" >&2
+  exit 77
+}
+
+need_root() {
+  [ "$(id -u)" = 0 ] || cannot "needs root (it installs packages, writes /etc/munge/munge.key and starts munged, slurmctld and slurmd), and runs as $(id -un)"
+}
+
 install() {
   if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
      && command -v sbatch >/dev/null; then
     return
   fi
+  need_root
+  command -v apt-get >/dev/null || cannot "Slurm is not installed and there is no apt-get to install it (install slurmctld, slurmd, slurm-client and munge)"
   mkdir -p "$dir"
   if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
          --no-install-recommends slurmctld slurmd slurm-client munge; } >"$dir/apt.log" 2>&1; then
-    echo "local-cluster: cannot install Slurm (apt-get install slurmctld slurmd slurm-client munge failed; see $dir/apt.log)" >&2
-    exit 1
+    cannot "cannot install Slurm (apt-get install slurmctld slurmd slurm-client munge failed; see $dir/apt.log)"
   fi
 }
 
 up() {
+  need_root
   mkdir -p "$dir"/{state,spool,munge}
   chmod 711 "$dir"                    # munged, running as munge, reaches its socket folder
   install

@@ -21,7 +21,9 @@ from helpers import TINY, expected_slice, write_hf_checkpoint
 def hf_dir(tmp_path):
     folder = tmp_path / "hf"
     tensors = write_hf_checkpoint(folder, TINY, seed=1)
-    (folder / "tokenizer.json").write_text('{"fake": "tokenizer"}')
+    from tokenizers import Tokenizer, models   # a real one: convert refuses a damaged one
+    Tokenizer(models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>")).save(
+        str(folder / "tokenizer.json"))
     return folder, tensors
 
 
@@ -33,7 +35,7 @@ def test_convert_copies_every_tensor_and_keeps_the_tokenizer(hf_dir, tmp_path):
     assert set(ckpt.tensors) == set(tensors)
     for name, original in tensors.items():
         np.testing.assert_array_equal(read_tensor(ckpt, name), original)
-    assert ckpt.tokenizer_files()["tokenizer.json"] == b'{"fake": "tokenizer"}'
+    assert ckpt.tokenizer_files()["tokenizer.json"] == (folder / "tokenizer.json").read_bytes()
     assert ckpt.hf_config == json.loads((folder / "config.json").read_text())
     assert ckpt.dtype == np.float32
 

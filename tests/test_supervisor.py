@@ -1,6 +1,6 @@
 """The rank keeper (``hpcpar.supervisor``): a child ended by a signal or an unexplained exit is
 named in one line with the launcher's rank; signals reach the child; killing the keeper takes
-the child with it; an exit through hpcpar's own path stays quiet."""
+the child with it, which names it; an exit through hpcpar's own path stays quiet."""
 
 import os
 import signal
@@ -60,6 +60,17 @@ def test_killing_the_keeper_leaves_no_orphan():
     while time.monotonic() < deadline and _alive(child):
         time.sleep(0.05)
     assert not _alive(child)
+
+
+def test_a_killed_keeper_is_named_by_its_rank():
+    code = ("import os, time; from hpcpar.supervisor import watch_keeper; watch_keeper(); "
+            "print(os.getpid(), flush=True); time.sleep(60)")
+    proc = _keeper(code)
+    int(proc.stdout.readline())
+    proc.kill()                                          # the keeper, not the rank
+    _, err = proc.communicate(timeout=30)
+    assert "rank 3 of 4 (pid " in err and "lost its keeper (pid " in err, err
+    assert err.count("\n") == 1, err
 
 
 def _alive(pid: int) -> bool:

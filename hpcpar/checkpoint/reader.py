@@ -10,6 +10,7 @@ hyperslab reads straight into preallocated buffers.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from time import perf_counter
@@ -47,9 +48,37 @@ class Checkpoint:
         return h5py.File(self.path, "r", locking=False)
 
     def tokenizer_files(self) -> dict[str, bytes]:
+        """The files kept at conversion beside the weights (tokenizer.json, the chat template,
+        ...), by name, as raw bytes: whoever needs one checks its content, so a damaged one
+        fails only the jobs that read it."""
         with self.open() as f:
             group = f.get(TOKENIZER_GROUP)
-            return {} if group is None else {k: group[k][()].tobytes() for k in group}
+            if group is None:
+                return {}
+            try:
+                return {k: np.asarray(group[k][()]).tobytes() for k in group}
+            except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:
+                raise CheckpointError(f"{self.path}: its stored tokenizer files cannot be read "
+                                      f"({_first_line(e)}); convert the model again") from None
+
+
+def _training_run_hint(path: Path) -> str | None:
+    """What to pass instead of a training run's folder or its ``latest`` file (which holds
+    the name of the run's newest checkpoint, ``step-N.h5``), or None for any other path."""
+    pointer = path / "latest" if path.is_dir() else path
+    try:
+        name = pointer.read_text().strip() if pointer.name == "latest" and (
+            pointer.is_file() and pointer.stat().st_size < 256) else ""
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not re.fullmatch(r"step-\d+\.h5", name):
+        return None
+    newest = pointer.parent / name
+    if path.is_dir():
+        return (f"{path}: a training run's folder, not a checkpoint file; its newest "
+                f"checkpoint is {newest} (named by {pointer}): pass that")
+    return (f"{path}: a training run's pointer, not a checkpoint: it holds the name of the "
+            f"run's newest checkpoint, {name}; pass {newest}")
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
@@ -58,6 +87,9 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not path.exists():
         raise CheckpointError(f"{path}: no such file; create one with 'hpcpar convert' or "
                               "'hpcpar init'")
+    run_hint = _training_run_hint(path)
+    if run_hint:
+        raise CheckpointError(run_hint)
     if path.is_dir():
         raise CheckpointError(f"{path}: is a folder, not a checkpoint file; a Hugging Face "
                               "folder must first go through 'hpcpar convert'")
@@ -74,16 +106,22 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if version is None:
             raise CheckpointError(f"{path}: no '{ATTR_VERSION}' attribute; not an hpcpar "
                                   "checkpoint")
-        if int(version) > FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format version {int(version)} is newer than this "
+        try:
+            version = int(version)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{path}: its '{ATTR_VERSION}' attribute {version!r} is not "
+                                  "a version number; not an hpcpar checkpoint") from None
+        if version > FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format version {version} is newer than this "
                                   f"hpcpar reads ({FORMAT_VERSION}); upgrade hpcpar")
         try:
             hf_config = json.loads(f.attrs[ATTR_CONFIG])
             config = ModelConfig.from_hf(hf_config, source=f"{path} config")
         except KeyError:
             raise CheckpointError(f"{path}: no '{ATTR_CONFIG}' attribute") from None
-        except (json.JSONDecodeError, TypeError) as e:
-            raise CheckpointError(f"{path}: unreadable '{ATTR_CONFIG}' attribute ({e})") from None
+        except (ValueError, TypeError) as e:            # JSONDecodeError, UnicodeDecodeError
+            raise CheckpointError(f"{path}: unreadable '{ATTR_CONFIG}' attribute "
+                                  f"({_first_line(e)})") from None
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
         specs = {s.name: s for s in stored_tensors(config)}

@@ -13,7 +13,6 @@ words and sums use a user-defined operation that adds in float32 and rounds back
 from __future__ import annotations
 
 import functools
-import os
 from collections import defaultdict
 
 import numpy as np
@@ -29,8 +28,9 @@ from .base import Communicator, Request
 def cuda_aware() -> tuple[bool, str]:
     """Whether this MPI takes device pointers, and why (``HPCPAR_CUDA_AWARE`` overrides)."""
     import mpi4py
-    return choice.cuda_aware(os.environ.get("HPCPAR_CUDA_AWARE", "auto").lower(),
-                             library_cuda_support(), mpi4py.__version__)
+    from ..settings import environment_value       # auto, 1 or 0, checked
+    return choice.cuda_aware(environment_value("HPCPAR_CUDA_AWARE"), library_cuda_support(),
+                             mpi4py.__version__)
 
 
 @functools.cache                  # the library is mapped once: ask it once

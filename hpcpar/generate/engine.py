@@ -111,7 +111,7 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
                                      cfg.vocab_size, job.data.random_seed)
         else:
             prompts = load_prompts(source, tokenizer,
-                                   ChatTemplate.from_files(ckpt.tokenizer_files()))
+                                   ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path))
     check_prompts(prompts, cfg, settings.max_new_tokens, source)
     if job.output.path:
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}

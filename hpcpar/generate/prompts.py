@@ -12,8 +12,9 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import HpcparError
 from ..settings import problem
-from .chat import check_messages
+from .chat import check_messages, one_line, unicode_problem
 from .sampling import PromptSampling, SamplingParams
+from .tokenizer import StoredTokenizer
 
 
 class PromptError(HpcparError):
@@ -100,6 +101,10 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
         if not isinstance(record, dict) or sum(k in record for k in SOURCE_KEYS) != 1:
             raise PromptError(f"{path}:{n}: each line needs exactly one of \"ids\", \"text\" "
                               "or \"messages\"")
+        bad = _invalid_text(record)
+        if bad:
+            raise PromptError(f"{path}:{n}: {bad[0]} holds invalid Unicode ({bad[1]}): a JSON "
+                              "\\ud800-\\udfff escape must be one of a pair; fix the line")
         unknown = sorted(set(record) - set(PROMPT_KEYS))
         if unknown:
             raise PromptError(f"{path}:{n}: unknown key {unknown[0]!r}; a prompt line holds "
@@ -144,7 +149,8 @@ def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, st
     if "text" in record:
         if not isinstance(record["text"], str):
             raise PromptError(f"{where}: \"text\" must be a string")
-        return np.asarray(tokenizer.encode(record["text"]).ids, dtype=np.int64), record["text"]
+        tokenizer = _parsed(tokenizer, where, "text")
+        return _encode(tokenizer, record["text"], True, where, "text"), record["text"]
     if chat is CHAT_FOR_GENERATION:
         raise PromptError(f"{where}: \"messages\" lines are conversations for generation; "
                           "give \"ids\" or \"text\" here")
@@ -153,9 +159,53 @@ def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, st
                           "template, and this checkpoint has none; convert from a Hugging Face "
                           "folder whose tokenizer_config.json or chat_template.jinja holds one, "
                           "or give the prompt as \"text\"")
-    text = chat.render(check_messages(record["messages"], where), where)
+    messages = check_messages(record["messages"], where)
+    tokenizer = _parsed(tokenizer, where, "a conversation")
+    text = chat.render(messages, where)
     # the template writes the special tokens itself, as apply_chat_template's tokenizing does
-    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int64), text
+    return _encode(tokenizer, text, False, where, "a conversation"), text
+
+
+def _parsed(tokenizer, where: str, what: str):
+    """The tokenizer itself: the checkpoint's is read on first use, and one that cannot be
+    is an error naming the line that needed it."""
+    if isinstance(tokenizer, StoredTokenizer):
+        return tokenizer.require(f"{where}: {what} needs the tokenizer, and ")
+    return tokenizer
+
+
+def _encode(tokenizer, text: str, special: bool, where: str, what: str) -> np.ndarray:
+    """``text``'s ids; a tokenizer that fails is one error naming the line."""
+    try:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=special).ids, np.int64)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:                        # noqa: BLE001 (tokenizers' panics too)
+        raise PromptError(f"{where}: the tokenizer failed on the {what} "
+                          f"({type(e).__name__}: {one_line(e)})") from None
+
+
+def _invalid_text(value, place: str = "") -> tuple[str, str] | None:
+    """The first string of a prompt line (a key or a value, token ids aside) that is not
+    valid Unicode: (where in the line, what is wrong), or None."""
+    if isinstance(value, str):
+        bad = unicode_problem(value)
+        return (place, bad) if bad else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if place == "" and key == "ids":
+                continue                                  # integers, checked on their own
+            found = (_invalid_text(key, f"{place or 'the line'}'s key {json.dumps(key)}")
+                     or _invalid_text(item, f"{place}[{json.dumps(key)}]" if place
+                                      else json.dumps(key)))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for k, item in enumerate(value):
+            found = _invalid_text(item, f"{place}[{k}]")
+            if found:
+                return found
+    return None
 
 
 def _own_stops(record: dict, where: str) -> tuple[str, ...] | None:

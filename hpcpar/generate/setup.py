@@ -24,12 +24,14 @@ from ..model import DecoderStage
 from ..ops import ops_for
 from ..pipeline.partition import stage_layers
 from ..runtime import close_runtime, open_runtime
+from ..settings import environment_value
 from ..tensors import stage_tensors
 from ..watchdog import ActionBoard
+from .tokenizer import StoredTokenizer
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("HPCPAR_CACHE") or os.path.join(
+    root = environment_value("HPCPAR_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcpar")
     return Path(root)
 
@@ -72,12 +74,11 @@ def eos_ids(ckpt: Checkpoint) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def load_tokenizer(ckpt: Checkpoint):
-    files = ckpt.tokenizer_files()
-    if "tokenizer.json" not in files:
-        return None
-    from tokenizers import Tokenizer
-    return Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+def load_tokenizer(ckpt: Checkpoint) -> StoredTokenizer | None:
+    """The checkpoint's tokenizer, read when a job first needs it (token ids do not: a damaged
+    one fails only the jobs that need it), or None when it has none."""
+    data = ckpt.tokenizer_files().get("tokenizer.json")
+    return None if data is None else StoredTokenizer(data, ckpt.path)
 
 
 @dataclass

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import HpcparError
+from .chat import unicode_problem
+from .tokenizer import StoredTokenizer
+
 FINISH_REASONS = ("eos", "stop", "length")
 
 
@@ -26,10 +30,20 @@ class StopStrings:
     def of(cls, job_stops: tuple[str, ...], own: list[tuple[str, ...] | None] | None,
            count: int, tokenizer) -> "StopStrings | None":
         """The job's stop strings for every prompt, a line's own where it has them; None
-        when no prompt has any."""
+        when no prompt has any. Stop strings need the tokenizer: the checkpoint's is read
+        here, and one that cannot be is an error."""
+        for k, stop in enumerate(job_stops):
+            bad = unicode_problem(stop)
+            if bad:
+                raise HpcparError(f"--stop / generate.stop: stop string {k} holds invalid "
+                                  f"Unicode ({bad}); give stop strings as UTF-8 text")
         own = own or [None] * count
         per_prompt = [tuple(job_stops) if o is None else tuple(o) for o in own]
-        return cls(per_prompt, tokenizer) if any(per_prompt) else None
+        if not any(per_prompt):
+            return None
+        if isinstance(tokenizer, StoredTokenizer):
+            tokenizer.require("stop strings are matched in the decoded text, and ")
+        return cls(per_prompt, tokenizer)
 
     def text(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
@@ -62,10 +76,11 @@ def finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...]
 def decode_rows(tokenizer, tokens: np.ndarray, lengths: np.ndarray,
                 stops: StopStrings | None, rows=None) -> tuple[list[str] | None, list[bool]]:
     """Each row's text (cut at a stop string) and whether a stop string ended it; no text
-    without a tokenizer. ``rows``: the global prompt indices of ``tokens``' rows (all)."""
+    without a tokenizer, or with the checkpoint's damaged one. ``rows``: the global prompt
+    indices of ``tokens``' rows (all)."""
     rows = range(len(lengths)) if rows is None else rows
-    if tokenizer is None:
-        return None, [False] * len(lengths)
+    if tokenizer is None or (isinstance(tokenizer, StoredTokenizer) and not tokenizer.usable()):
+        return None, [False] * len(lengths)          # token ids only (a note says why)
     texts, stopped = [], []
     for r, row, n in zip(rows, tokens, lengths):
         text = tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)

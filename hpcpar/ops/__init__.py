@@ -63,14 +63,15 @@ def ops_for(backend, cp=None) -> Ops:
     in ``ops/cuda`` runs it (``HPCPAR_OPS=native`` keeps the references there, for checks).
     With a context-parallel group ``cp`` (a ``Communicator`` of more than one rank) attention
     is ring attention over it (``parallel.context``), its tiles the NumPy reference's."""
-    import os
     from dataclasses import replace
+
+    from ..settings import environment_value
     xp = backend.xp
     if cp is not None and cp.size > 1:
         from ..parallel.context import RingAttention
         from .tiled_attention import TiledAttention
         return replace(ops_for(backend), attention=RingAttention(TiledAttention(xp), cp))
-    if backend.is_gpu and os.environ.get("HPCPAR_OPS", "auto") != "native":
+    if backend.is_gpu and environment_value("HPCPAR_OPS") != "native":
         from .cuda import cuda_ops
         return cuda_ops(xp)
     return native_ops(xp)
