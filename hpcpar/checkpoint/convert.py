@@ -86,7 +86,7 @@ def _shard_path(hf_dir: Path, index: Path, file: str) -> Path:
     would read a file of another folder (shards are links into a cache in Hugging Face's
     own download folders, so the check is on the name, not on where a link leads)."""
     name = PurePosixPath(file)
-    if name.is_absolute() or ".." in name.parts or "\\" in file:
+    if name.is_absolute() or ".." in name.parts:
         raise HpcparError(f"{index}: names the shard {file!r}, outside the model folder; an "
                           "index names files beside it")
     return hf_dir / name

@@ -8,6 +8,49 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+
+class FieldError(ValueError):
+    """A ``config.json`` field transformers' class refuses, or one hpcpar cannot run exactly
+    as that class does: the message is one line naming the field, its value and what runs."""
+
+
+class MalformedField(FieldError):
+    """A field of the wrong JSON type (a string where a number goes, a list for an object)."""
+
+
+# transformers' activation names (``ACT2FN``) by the function they compute, among the gated
+# MLP's hpcpar has (act(gate) * up, forward and backward): silu (SwiGLU) and the tanh GELU
+# (GeGLU). gelu_fast writes sqrt(2/pi) as 0.7978845608, 4e-12 from it relatively.
+GATED_ACTIVATIONS = {
+    "silu": "silu", "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_python_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+    "gelu_accurate": "gelu_tanh", "gelu_fast": "gelu_tanh",
+}
+
+
+def activation(hf: Mapping[str, Any], key: str = "hidden_act") -> str:
+    """hpcpar's name of the gated MLP's activation ``hf[key]`` names, or a ``FieldError``
+    saying which names run (any other, e.g. relu or the exact erf GELU, would compute a
+    different model)."""
+    value = hf.get(key)
+    if isinstance(value, str) and value in GATED_ACTIVATIONS:
+        return GATED_ACTIVATIONS[value]
+    silu = [n for n, a in GATED_ACTIVATIONS.items() if a == "silu"]
+    tanh = [n for n, a in GATED_ACTIVATIONS.items() if a == "gelu_tanh"]
+    raise FieldError(f"{key} {value!r} is not supported: hpcpar's MLP computes act(gate) * up "
+                     f"with act {' or '.join(silu)} (SwiGLU) or {', '.join(tanh)} (the tanh "
+                     "GELU); a model with another activation would compute other numbers")
+
+
+def flag(hf: Mapping[str, Any], key: str, default: bool = False) -> bool:
+    """A true/false field (a string or a number there is refused, as transformers does:
+    ``bool("false")`` is True)."""
+    value = hf.get(key, default)
+    if not isinstance(value, bool):
+        raise MalformedField(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 # a decoder layer's tensors by role -> the name inside "model.layers.{i}." (Llama's names)
 LLAMA_NAMES = {
     "input_norm": "input_layernorm.weight",
@@ -36,6 +79,12 @@ class Family:
     # a stored tensor holding several roles' rows, in order (Phi-3's qkv_proj): its name
     # inside "model.layers.{i}." -> the roles
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # what transformers' config class of the family takes for a field config.json leaves out
+    # (Mistral's sliding_window 4096, Qwen2's num_key_value_heads 32, Phi-3's rms_norm_eps
+    # 1e-5, ...): the same model as transformers builds from that config.json
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # the rope types transformers' class accepts (None: every type transformers has)
+    rope_types: tuple[str, ...] | None = None
 
     def layer_name(self, role: str, layer: int) -> str:
         return f"model.layers.{layer}.{self.names[role]}"

@@ -1,20 +1,24 @@
 """Phi-3: Llama with q, k, v fused into one ``qkv_proj`` and gate, up into one
 ``gate_up_proj``. The fused tensors stay fused in the checkpoint; each part is a tensor of
 its own in the computation, and each tp rank reads (and a training run writes) only its
-slices of each part."""
+slices of each part. Its rope is the default one or longrope (refused: not supported yet),
+as transformers' ``Phi3Config`` accepts."""
 
-from .family import Family
+from .family import Family, activation
 
 
 def _features(hf) -> dict:
-    rope = hf.get("rope_parameters") or {}
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     return {"qkv_bias": False, "o_bias": False, "mlp_bias": False,
-            "sliding_window": hf.get("sliding_window"), "partial_rotary": float(partial)}
+            "activation": activation(hf), "sliding_window": hf.get("sliding_window")}
 
 
 FAMILY = Family("phi3", "Phi3ForCausalLM", "q, k, v fused in qkv_proj and gate, up in "
                 "gate_up_proj (each tp rank reads only its slices of each part)",
                 features=_features,
                 fused={"self_attn.qkv_proj.weight": ("q", "k", "v"),
-                       "mlp.gate_up_proj.weight": ("gate", "up")})
+                       "mlp.gate_up_proj.weight": ("gate", "up")},
+                defaults={"hidden_act": "silu", "rms_norm_eps": 1e-5,
+                          "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                          "num_key_value_heads": None, "head_dim": None,
+                          "sliding_window": None},
+                rope_types=("default", "longrope"))

@@ -1,16 +1,17 @@
 """Qwen3: Llama with a per-head RMSNorm of q and k before rotary, and a ``head_dim`` that
-need not be hidden / heads."""
+need not be hidden / heads (128 when config.json leaves it out, as transformers takes it)."""
 
-from .family import Family
-from .qwen2 import windows
+from .family import Family, activation, flag
+from .qwen2 import QWEN_DEFAULTS, windows
 
 
 def _features(hf) -> dict:
-    bias = bool(hf.get("attention_bias", False))
+    bias = flag(hf, "attention_bias")
     return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True,
-            **windows(hf)}
+            "activation": activation(hf), **windows(hf)}
 
 
 FAMILY = Family("qwen3", "Qwen3ForCausalLM", "per-head RMSNorm of q and k before rotary "
                 "(weights shared by the heads, gradients summed over tp); head_dim set "
-                "apart from hidden / heads", features=_features)
+                "apart from hidden / heads", features=_features,
+                defaults=dict(QWEN_DEFAULTS, head_dim=128))
