@@ -194,3 +194,33 @@ def test_padded_rows_under_warmup_and_cosine_decay_match_torch_over_five_steps(m
     for name, w in _weights(folder / "padded/step-5.h5").items():
         update = np.linalg.norm(state[name] - before[name])
         assert np.linalg.norm(w - state[name]) <= 1e-3 * update, name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_pad_tokens_embedding_row_gets_no_gradient_from_its_lookups(tmp_path, tied):
+    """Hugging Face decoders build their embedding as ``nn.Embedding(..., padding_idx=
+    pad_token_id)``: that row is looked up as any other, but its lookups add no gradient
+    (a tied head still does). Data full of the pad id trains as torch trains it."""
+    from hpcpar.checkpoint import convert
+    torch.manual_seed(0)
+    pad = 3
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=pad, bos_token_id=None, eos_token_id=None,
+                                   tie_word_embeddings=tied)
+    hf = transformers.LlamaForCausalLM(cfg).float()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    convert(tmp_path / "hf", tmp_path / "model.h5")
+    rows = np.random.default_rng(0).integers(0, 64, (B, L + 1))
+    rows[:, ::3] = pad                                    # the pad id, often, as an input
+    np.save(tmp_path / "data.npy", rows)
+    opts = dict(lr=0.5, momentum=0.0, weight_decay=0.0, clip=0.0)
+    hf_trained, losses, _ = _torch_run(tmp_path, rows, 1, "sgd", **opts)
+    got, _ = _hpcpar_run(tmp_path, "sgd", 1, "sgd", **opts)
+    assert got == pytest.approx(losses, rel=1e-5)
+    want = hf_trained.model.embed_tokens.weight.detach().numpy()
+    mine = _weights(tmp_path / "sgd/step-1.h5")["model.embed_tokens.weight"]
+    np.testing.assert_allclose(mine, want, rtol=1e-5, atol=1e-6)
+    if not tied:                                           # the pad row did not move
+        np.testing.assert_array_equal(mine[pad], hf.model.embed_tokens.weight[pad].detach())

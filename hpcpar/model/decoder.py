@@ -174,8 +174,8 @@ class DecoderStage:
         xp = ops.xp
         self.ops, self.xp, self.dtype, self.tp = ops, xp, dtype, tp
         top = weights.get(None, {})
-        self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp)
-                          if first else None)
+        self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp,
+                                                 cfg.pad_token_id) if first else None)
         self.decoder = [DecoderLayer(cfg, weights.pop(i), tp, ops, merge) for i in layers]
         if last:
             self.final_norm = top["final_norm"]

@@ -37,19 +37,26 @@ class VocabParallelEmbedding:
 
     Forward: each rank looks up the ids it owns and writes zeros for the rest; an AllReduce
     over tp sums the one non-zero contribution per token (g). Backward: each rank scatters
-    dY into its own rows only (repeated ids summed), no communication.
+    dY into its own rows only (repeated ids summed), no communication. ``padding_idx``
+    (torch's ``nn.Embedding(padding_idx=...)``, which every Hugging Face decoder builds
+    with its ``pad_token_id``): that row is looked up as any other but gets no gradient.
     """
 
-    def __init__(self, xp, weight, vocab_size: int, tp: Communicator):
+    def __init__(self, xp, weight, vocab_size: int, tp: Communicator,
+                 padding_idx: int | None = None):
         self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
         self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
+        # this rank's local row of the padding id, if it owns it
+        self.padding_row = (padding_idx - self.start if padding_idx is not None
+                            and self.start <= padding_idx < self.stop else None)
 
     @classmethod
-    def from_full(cls, tp: Communicator, table, name: str = "") -> "VocabParallelEmbedding":
+    def from_full(cls, tp: Communicator, table, name: str = "",
+                  padding_idx: int | None = None) -> "VocabParallelEmbedding":
         """From the whole table [vocab, hidden]: this rank keeps its vocabulary rows, padded
         with zero rows to ceil(vocab / p) (``splits.vocab_range``)."""
         return cls(tp.xp, _vocab_rows(tp, table, name, "VocabParallelEmbedding.from_full"),
-                   table.shape[0], tp)
+                   table.shape[0], tp, padding_idx)
 
     def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
         """``weight``: this rank's rows of the table."""
@@ -69,6 +76,8 @@ class VocabParallelEmbedding:
     def backward(self, dy, ctx, sink=None) -> None:
         """Adds dY's rows to the gradient of this rank's table rows (no communication)."""
         local, owned = ctx
+        if self.padding_row is not None:
+            owned = owned & (local != self.padding_row)
         sink_or_new(sink, self.xp).scatter_rows(self.weight, local[owned], dy[owned])
 
 
