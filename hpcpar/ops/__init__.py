@@ -54,7 +54,10 @@ class Ops:
     device: bool = False        # the device kernels are in use
 
     def gated(self, activation: str):
-        """The gated MLP's activation op: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU)."""
+        """The gated MLP's activation op: ``silu`` (SwiGLU) or ``gelu_tanh`` (GeGLU); the
+        config refuses every other, so another here is a bug, not a silent SwiGLU."""
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"no gated MLP op for activation {activation!r}")
         return self.geglu if activation == "gelu_tanh" else self.swiglu
 
 
