@@ -77,7 +77,7 @@ def train_distributed(weights, batches):
     stage = (ColumnStage(tp, weights["w1"], weights["b1"]) if mesh.coord("pp") == 0
              else RowStage(tp, weights["w2"], weights["b2"]))
     pipe = hp.Pipeline(mesh.group("pp"), stage, loss=mse, schedule="1f1b")
-    opt = hp.AdamW(stage.params(), lr=LR)
+    opt = hp.AdamW(stage.params(), lr=LR, weight_decay=0.0)   # as the reference below
     losses = []
     for x, target in batches:
         for p in stage.params():

@@ -22,6 +22,7 @@ import hpcpar.parallel as hp
 pytestmark = pytest.mark.mpi(min_size=2)
 
 D, HEADS, KV_HEADS, HD, OUT, ROWS, MICRO = 6, 4, 1, 3, 5, 8, 2
+S0, R = hp.Shard(0), hp.Replicate()
 
 
 def dims(n: int) -> dict:
@@ -244,8 +245,8 @@ def test_ranks_that_disagree_are_one_error_on_every_rank(comm):
                        rf"local array of shape \(5, 6\) .* \(found on rank {n - 1}\)")
     _raises_everywhere(comm, lambda: hp.DArray.from_local(np.zeros((2,) * (1 + odd)), mesh,
                                                           {"x": hp.Shard(0)}), "ndim")
-    _raises_everywhere(comm, lambda: a.redistribute({"x": hp.Shard(int(odd))}),
-                       "target placements")
+    _raises_everywhere(comm, lambda: a.redistribute({"x": hp.Replicate() if odd else
+                                                      hp.Shard(0)}), "target placements")
     other = hp.Mesh(comm, {"x": n}, timeout=30)
     b = hp.DArray.from_full(np.ones((6, 3)), mesh, {"x": hp.Replicate()})
     b_elsewhere = hp.DArray.from_full(np.ones((6, 3)), other, {"x": hp.Replicate()})
@@ -276,3 +277,57 @@ def test_ranks_that_disagree_are_one_error_on_every_rank(comm):
     assert not quiet.group("x").check
     for m in (mesh, other, quiet):
         m.free()
+
+
+def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(comm):
+    """Label -1 adds nothing to the loss or the gradient, whatever its weight (torch's
+    ignore_index); labels outside the vocabulary and logits that are not this rank's block
+    are one error, not a number."""
+    tp = hp.Mesh(comm, {"tp": comm.Get_size()}, timeout=30).group("tp")
+    V, rows = 11, 5
+    rng = np.random.default_rng(3)
+    full = rng.standard_normal((rows, V))
+    labels = np.array([4, -1, 7, -1, 0])
+    ce = hp.VocabParallelCrossEntropy(None, V, tp)
+    width = -(-V // tp.size)
+    block = np.full((rows, width), -np.inf)
+    start = tp.rank * width
+    block[:, :max(0, min(V - start, width))] = full[:, start:start + width]
+    loss, ctx = ce.forward(block.copy(), labels, np.ones(rows))
+    logits = torch.tensor(full, requires_grad=True)
+    want = torch.nn.functional.cross_entropy(logits, torch.tensor(labels), ignore_index=-1,
+                                             reduction="sum")
+    want.backward()
+    assert abs(float(loss) - float(want)) < 1e-12
+    grad = ce.backward(ctx)
+    np.testing.assert_allclose(grad[:, :max(0, min(V - start, width))],
+                               logits.grad.numpy()[:, start:start + width], atol=1e-12)
+    with pytest.raises(hp.HpcparError, match="below the vocabulary's 11, or -1"):
+        ce.forward(block.copy(), np.array([4, 11, 7, 0, 0]), np.ones(rows))
+    if tp.size > 1:
+        with pytest.raises(hp.HpcparError, match=f"this rank's block of the logits, .rows, "
+                                                 f"{width}."):
+            ce.forward(full.copy(), labels, np.ones(rows))
+
+
+def test_nested_uneven_shards_are_checked_at_every_coordinate(comm):
+    """An inner axis's sizes that fit one outer piece and not another are the same error on
+    every rank (they were accepted on some and refused on others, who then waited)."""
+    if comm.Get_size() != 4:
+        pytest.skip("a 2 x 2 mesh")
+    mesh = hp.Mesh(comm, {"a": 2, "b": 2}, timeout=30)
+    with pytest.raises(hp.ShardingError, match=r"sizes \[1, 1\] for a dimension 0 of length 6"):
+        hp.DArray.from_full(np.zeros((8, 2)), mesh, {"a": hp.Shard(0, sizes=(2, 6)),
+                                                     "b": hp.Shard(0, sizes=(1, 1))})
+    mesh.free()
+
+
+def test_an_empty_dict_of_gradient_placements_means_replicated(comm):
+    mesh = hp.Mesh(comm, {"x": comm.Get_size()}, timeout=30)
+    n = 2 * comm.Get_size()
+    a = hp.DArray.from_full(np.ones((n, 3)), mesh, {"x": S0})
+    b = hp.DArray.from_full(np.ones((3, 2)), mesh, {})
+    y, ctx = hp.matmul_forward(a, b)
+    da, db = hp.matmul_backward(y, ctx, da_placements={}, db_placements={})
+    assert da.placements == (R,) and db.placements == (R,)
+    mesh.free()

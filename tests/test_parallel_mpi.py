@@ -405,7 +405,7 @@ def test_a_stage_that_returns_the_wrong_type_is_an_error_on_every_rank(comm):
     with pytest.raises(hp.HpcparError) as raised:
         pipe.train_step(xs, [None] * 3)
     if mesh.rank == bad:
-        assert "forward must return (y, ctx) with y an array" in str(raised.value)
+        assert "forward must return a pair (y, ctx) with y an array" in str(raised.value)
     else:
         assert isinstance(raised.value, hp.PeerFailed)
         assert f"rank {bad} failed: pipeline stage {bad}: forward must return" in str(raised.value)

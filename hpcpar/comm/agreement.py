@@ -113,7 +113,7 @@ def agree_mpi(mpi_comm, what: str, fields: Fields, timeout: float = 0.0,
     h = fingerprint(fields)
     extremes = np.array([h, -h], dtype=np.int64)
     wait_bounded(mpi_comm.Iallreduce(MPI.IN_PLACE, extremes, op=MPI.MAX), timeout,
-                 f"{what}: checking that the ranks agree")
+                 f"{what}: rank {MPI.COMM_WORLD.Get_rank()} checking that the ranks agree")
     if extremes[0] == h and -extremes[1] == h:
         if error is not None:
             raise error

@@ -139,7 +139,8 @@ class MpiCommunicator(Communicator):
         super().__init__(mpi_comm, backend or NUMPY, stats, name, timeout)
         self.cuda_aware = self.backend.is_gpu and cuda_aware()[0]
         self._staging = _HostStaging(self.backend)
-        self._where = f" on the {self.name} group (group rank {self.rank} of {self.size})"
+        self._where = (f" on the {self.name} group (group rank {self.rank} of {self.size}, "
+                       f"world rank {MPI.COMM_WORLD.Get_rank()})")
 
     # ---- buffers ----------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from ..dtypes import at_least_float32
+from ..errors import HpcparError
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,28 @@ def grouped(q, keys, values, rows: AttentionRows):
     """(qs, keys, values): the queries scaled by 1/sqrt(d) with the g query heads that share
     a KV head stacked as rows, (B, kv, g T, d), so each (row, KV head) is a single GEMM against
     its keys with no broadcast copies; the keys and values cut to the ``max_kv`` read."""
+    check_layouts(q, keys, values, rows)
     B, T, nh, hd = q.shape
     keys, values = keys[:, :, :rows.max_kv], values[:, :, :rows.max_kv]
     nkv = keys.shape[1]
     qs = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3).reshape(B, nkv, nh // nkv * T, hd)
     return qs, keys, values
+
+
+def check_layouts(q, keys, values, rows: AttentionRows) -> None:
+    """q (B, T, heads, d) and keys, values (B, kv_heads, S, d) with heads a multiple of
+    kv_heads and S at least the keys the rows read (this rank's positions, under context
+    parallelism): anything else would read the wrong numbers without a word."""
+    shapes = tuple(getattr(a, "shape", ()) for a in (q, keys, values))
+    S_needed = rows.max_kv if rows.context is None else q.shape[1] if q.ndim == 4 else 0
+    if not (len(shapes[0]) == len(shapes[1]) == 4 and shapes[1] == shapes[2]
+            and shapes[1][0] == shapes[0][0] and shapes[1][3] == shapes[0][3]
+            and shapes[1][1] > 0 and shapes[0][2] % shapes[1][1] == 0
+            and shapes[1][2] >= S_needed):
+        raise HpcparError(
+            f"attention: q {shapes[0]}, keys {shapes[1]}, values {shapes[2]} for rows that "
+            f"read {S_needed} keys; the layouts are q (B, T, heads, d) and keys, values "
+            f"(B, kv_heads, S, d), heads a multiple of kv_heads, S at least the keys read")
 
 
 class Attention:

@@ -13,6 +13,7 @@ shape (one small all-gather of the local lengths) and ``redistribute`` / ``full`
 from __future__ import annotations
 
 import functools
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -63,6 +64,26 @@ def _normalized(axis_names: tuple, key: tuple, named: bool, ndim: int) -> tuple:
                  for p in out)
 
 
+def placed(mesh: Mesh, placements, shape: Sequence[int]) -> tuple[Placement, ...]:
+    """``normalize_placements``, and the placements checked to cut ``shape`` at every
+    coordinate of the mesh, not only this rank's (nested uneven shards can fit one rank's
+    piece and not another's: every rank must find that alike)."""
+    out = normalize_placements(mesh, placements, len(shape))
+    fits_everywhere(tuple(int(n) for n in shape), mesh.sizes, out)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def fits_everywhere(shape: tuple, sizes: tuple, placements: tuple) -> None:
+    """Raise the split's error if ``placements`` do not cut ``shape`` at some coordinate."""
+    for flat in range(math.prod(sizes)):
+        coords, rest = [], flat
+        for n in reversed(sizes):
+            rest, c = divmod(rest, n)
+            coords.append(c)
+        piece_bounds(shape, sizes, tuple(reversed(coords)), placements)
+
+
 def shard_chain(placements: Sequence[Placement], dim: int) -> list[int]:
     """The mesh axes (indices) that shard ``dim``, outer first."""
     return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == dim]
@@ -91,7 +112,7 @@ class DArray:
         self.mesh = mesh
         error = None
         try:
-            self.placements = normalize_placements(mesh, placements, len(self.shape))
+            self.placements = placed(mesh, placements, self.shape)
             expected = self.local_shape_at(mesh.coords)
             if tuple(local.shape) != expected:
                 raise PlacementError(
@@ -120,7 +141,7 @@ class DArray:
     def from_full(cls, full, mesh: Mesh, placements) -> "DArray":
         """Each rank keeps its piece of ``full`` (the same array on every rank). A ``Partial``
         axis keeps the whole on its coordinate 0 and zeros elsewhere, so the sum is ``full``."""
-        placements, error = attempt(placements, normalize_placements, mesh, placements, full.ndim)
+        placements, error = attempt(placements, placed, mesh, placements, full.shape)
         mesh.agree("DArray.from_full", _fields(full.shape, full.dtype, placements), error)
         region = piece_bounds(full.shape, mesh.sizes, mesh.coords, placements)
         local = full[tuple(slice(a, b) for a, b in region)]

@@ -52,8 +52,8 @@ class GradientReducer:
                                            for p in unique]),
             ("parameters per group", [len(g) for g in groups]), ("bucket_bytes", bucket_bytes)],
             None if taken is None else HpcparError(
-                f"GradientReducer: parameter {taken.name or tuple(taken.grad.shape)} already "
-                f"belongs to another GradientReducer; make one per set of parameters"))
+                f"GradientReducer: parameter {_label(taken, unique)} already belongs to "
+                f"another GradientReducer; make one per set of parameters"))
         current: list[Parameter] = []
         size = 0
         seen: set[int] = set()
@@ -170,9 +170,18 @@ class GradientReducer:
             for p in params:
                 if p.grad is not self.views[id(p)]:
                     raise HpcparError(
-                        f"GradientReducer: the gradient of {p.name or tuple(p.grad.shape)} was "
+                        f"GradientReducer: the gradient of parameter {_label(p, self.views)} was "
                         f"replaced by a new array, which the sum over dp would miss; add into "
                         f"it in place (p.grad += ..., p.zero_grad())")
+
+
+def _label(p: Parameter, among) -> str:
+    """A parameter as a user recognises it: its name, or its place and shape."""
+    if p.name:
+        return repr(p.name)
+    index = next((i for i, q in enumerate(among) if q is p or q == id(p)), None)
+    return f"{index} of shape {tuple(p.grad.shape)}" if index is not None \
+        else f"of shape {tuple(p.grad.shape)}"
 
 
 def sum_partial_grads(params: list[Parameter]) -> None:
@@ -221,10 +230,10 @@ def _check_norm_group(params: list[Parameter], group: Communicator | None) -> No
         members = {MPI.COMM_WORLD.Get_rank()}
     checked: set[int] = set()
     for p in params:
-        for other, wanted, problem in ((p.reducer and p.reducer.dp, False, "its data-parallel "
+        for other, wanted, problem in ((p.reducer and p.reducer.dp, False, "data-parallel "
                                         "replicas, whose equal gradients would count "
                                         "several times"),
-                                       (p.replicas, True, "not all of its replicas, so the "
+                                       (p.replicas, True, "replicas only in part, so the "
                                         "ranks would disagree on the norm")):
             if other is None or other.size == 1 or (id(other), wanted) in checked:
                 continue
@@ -232,9 +241,9 @@ def _check_norm_group(params: list[Parameter], group: Communicator | None) -> No
             theirs = set(world_ranks(other))
             if (theirs <= members) != wanted or (not wanted and len(theirs & members) > 1):
                 raise HpcparError(
-                    f"grad_norm: the group ({'ranks ' + str(sorted(members))}) holds "
-                    f"{problem} (ranks {sorted(theirs)}); pass the group of the ranks that "
-                    f"hold different pieces of the model, e.g. mesh.group(('pp', 'tp'))")
+                    f"grad_norm: the group {group.name if group else '(none)'} holds a "
+                    f"parameter's {problem}; pass the group of the ranks that hold different "
+                    f"pieces of the model, e.g. mesh.group(('pp', 'tp'))")
 
 
 def world_ranks(group: Communicator | None) -> list[int]:

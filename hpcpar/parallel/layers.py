@@ -75,7 +75,10 @@ def keep_slice(tp: Communicator, piece, name: str, replicas: Communicator | None
         data = backend.asarray(np.ascontiguousarray(piece))
     else:
         data = tp.xp.array(piece, copy=True)
-    return Parameter(data, name=name, decay=data.ndim > 1, replicas=replicas,
+    # 16 bits compute, 32 bits learn: an update far below a bfloat16 weight's last bit
+    # would be lost in it (the optimizer updates the master and refreshes the copy)
+    master = data.astype(tp.xp.float32) if data.dtype.itemsize < 4 else None
+    return Parameter(data, name=name, decay=data.ndim > 1, master=master, replicas=replicas,
                      partial_grad=partial_grad)
 
 
@@ -100,6 +103,13 @@ def named_of(prefix: str, role: str, params: list) -> dict[str, Parameter]:
         return {join(prefix, role): params[0]} if isinstance(params[0], Parameter) else {}
     return {join(prefix, f"{role}.{k}"): p for k, p in enumerate(params)
             if isinstance(p, Parameter)}
+
+
+def _check_input(layer, x, features: int, what: str) -> None:
+    """x (..., features): a wrong width would be a NumPy error deep in a product."""
+    if x.shape[-1:] != (features,):
+        raise HpcparError(f"{type(layer).__name__}: input of shape {tuple(x.shape)}; this rank's "
+                          f"weight takes {features} features along the last axis: {what}")
 
 
 def _single(params: list, what: str):
@@ -182,6 +192,7 @@ class ColumnParallelLinear:
         return (ys[0] if len(ys) == 1 else ys), x
 
     def __call__(self, x) -> list:
+        _check_input(self, x, self.weights[0].data.shape[1], "the whole input (f copies it)")
         ys = []
         for k, w in enumerate(self.weights):
             y = product(self.ops, x, w)
@@ -260,6 +271,8 @@ class RowParallelLinear:
         return self(x), x
 
     def __call__(self, x):
+        _check_input(self, x, self.weight.data.shape[1], "this rank's slice of the input "
+                     "features, as a column-parallel layer leaves it")
         y = ReduceFromGroup.forward(product(self.ops, x, self.weight), self.tp)
         if self.bias is not None:
             y += self.bias.data

@@ -92,7 +92,7 @@ class Optimizer:
         else:
             params = list(params)
             self.names = [p.name for p in params]
-        _check_params(params)
+        _check_params(params, self.names)
         self.s, self.params, self.xp = settings, params, xp
         self.state_names = STATE_NAMES[settings.optimizer]
         self.state: dict[Parameter, dict[str, object]] = {}     # by the object itself
@@ -111,19 +111,28 @@ class Optimizer:
         return st
 
     def state_dict(self) -> dict[str, dict[str, object]]:
-        """Each parameter's state (``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``) by its
-        name, as a checkpoint stores it; the names must be unique and non-empty."""
+        """Each parameter's state (``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``, and
+        ``step``, the optimizer steps taken, as torch keeps per parameter) by its name, as a
+        checkpoint stores it; the names must be unique and non-empty."""
         _check_names(self.names)
-        return {name: self.state_of(p) for name, p in zip(self.names, self.params)}
+        return {name: {**self.state_of(p), "step": self.steps}
+                for name, p in zip(self.names, self.params)}
 
     def load_state_dict(self, states: Mapping[str, Mapping[str, object]]) -> None:
         """The state of each named parameter (shapes checked), taken as it is where it is
-        already an array of this optimizer's module and dtype, else copied."""
+        already an array of this optimizer's module and dtype, else copied; and the step
+        count, where the state has it (a checkpoint of the jobs keeps it apart)."""
         _check_names(self.names)
         missing = [n for n in self.names if n not in states]
         if missing:
             raise HpcparError(f"optimizer state: no state for {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        steps = {int(states[n]["step"]) for n in self.names if "step" in states[n]}
+        if len(steps) > 1:
+            raise HpcparError(f"optimizer state: the parameters' step counts differ "
+                              f"({sorted(steps)}); load one optimizer's state_dict whole")
+        if steps:                # AdamW's bias correction, SGD's first momentum step
+            self.steps = steps.pop()
         for name, p in zip(self.names, self.params):
             st = {}
             for key in self.state_names:
@@ -143,9 +152,9 @@ class Optimizer:
     def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
         """Update every parameter's master weights from its ``grad`` (multiplied by
         ``grad_scale`` first: the clip coefficient, over the loss scale), at ``lr``
-        (default: the settings' lr). A 16-bit compute copy is refreshed by
-        ``Parameter.refresh`` afterwards. Parameters held by a ``GradientReducer`` must
-        have been summed over dp (its ``finish``) since the last step."""
+        (default: the settings' lr); a 16-bit compute copy is refreshed from them
+        (``Parameter.refresh``). Parameters held by a ``GradientReducer`` must have been
+        summed over dp (its ``finish``) since the last step."""
         lr = self.s.lr if lr is None else lr
         for reducer in {id(p.reducer): p.reducer for p in self.params
                         if p.reducer is not None}.values():
@@ -159,6 +168,7 @@ class Optimizer:
                 self._sgd(p, g, lr)
             else:
                 self._adamw(p, g, lr)
+            p.refresh()                  # a 16-bit compute copy follows its master weights
 
     def _sgd(self, p: Parameter, g, lr: float) -> None:
         s = self.s
@@ -206,16 +216,16 @@ class Optimizer:
         w -= tmp
 
 
-def _check_params(params: list) -> None:
+def _check_params(params: list, names: list) -> None:
     seen: dict[int, int] = {}
+    label = [repr(n) if n else f"item {i}" for i, n in enumerate(names)]
     for i, p in enumerate(params):
         if not isinstance(p, Parameter):
-            raise HpcparError(f"optimizer: item {i} is a {type(p).__name__}, not a Parameter "
+            raise HpcparError(f"optimizer: {label[i]} is a {type(p).__name__}, not a Parameter "
                               f"(layer.parameters() or hp.named_parameters(model) lists them)")
         if id(p) in seen:
-            raise HpcparError(f"optimizer: parameter {p.name or i} is listed twice (items "
-                              f"{seen[id(p)]} and {i}); a tied weight is one Parameter, "
-                              f"list it once")
+            raise HpcparError(f"optimizer: one parameter is listed twice, as {label[seen[id(p)]]}"
+                              f" and {label[i]}; a tied weight is one Parameter: list it once")
         seen[id(p)] = i
 
 
@@ -239,9 +249,10 @@ def array_module(a):
 
 
 def AdamW(params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 0.0, xp=None) -> Optimizer:
-    """torch.optim.AdamW over ``params`` (a list, or a dict by name; decay on the params
-    whose ``decay`` is set)."""
+          weight_decay: float = 1e-2, xp=None) -> Optimizer:
+    """torch.optim.AdamW over ``params`` (a list, or a dict by name), with its defaults;
+    the decay applies to the params whose ``decay`` is set (matrices: the layers make
+    biases and norm weights without)."""
     settings = OptimizerSettings("adamw", lr=lr, betas=tuple(betas), eps=eps,
                                  weight_decay=weight_decay)
     params = params if isinstance(params, Mapping) else list(params)

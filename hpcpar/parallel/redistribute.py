@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..comm.agreement import trusted
-from .darray import DArray, attempt, normalize_placements, piece_bounds, shard_chain
+from .darray import DArray, PlacementError, attempt, piece_bounds, placed, shard_chain
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import is_partition
 
@@ -46,6 +46,12 @@ COMMUNICATING = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 def plan(shape: Sequence[int], sizes: Sequence[int], src: Sequence[Placement],
          dst: Sequence[Placement]) -> list[Step]:
     """The steps from ``src`` to ``dst`` placements (one per mesh axis of ``sizes``)."""
+    for name, given in (("src", src), ("dst", dst)):
+        if not isinstance(given, (list, tuple)) or len(given) != len(sizes):
+            raise PlacementError(
+                f"redistribute_plan: {name} must be one placement per mesh axis, in order "
+                f"({len(sizes)}), as x.placements is; got {given!r} (a dict by axis name needs "
+                f"the mesh: normalize with x.redistribute, or list them)")
     state = list(src)
     steps: list[Step] = []
 
@@ -107,7 +113,7 @@ def redistribute(x: DArray, placements) -> DArray:
     """``x`` placed as ``placements`` (see the module docstring); collective over the mesh
     axes whose placement changes."""
     mesh = x.mesh
-    dst, error = attempt(placements, normalize_placements, mesh, placements, x.ndim)
+    dst, error = attempt(placements, placed, mesh, placements, x.shape)
     if mesh.checking:
         mesh.agree("redistribute", x.agreement_fields() + [("target placements", dst)], error)
     elif error is not None:

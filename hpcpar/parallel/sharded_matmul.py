@@ -109,6 +109,11 @@ def choose(a: DArray, b: DArray) -> tuple[str, tuple[int, ...]]:
         if all(pa == R and pb == R for pa, pb in pairs):
             return "duplicated", ()
         inner = tuple(i for i, (pa, pb) in enumerate(pairs) if _is(pa, 1) and _is(pb, 0))
+        if len(inner) > 1:
+            raise PolicyError(
+                f"matmul: A {a.placement_text()} and B {b.placement_text()} cut k over mesh "
+                f"axes {[mesh.axis_names[i] for i in inner]}; the products sum over one axis "
+                f"at a time: redistribute k onto one axis, or pass policy= and axis=")
         return ("inner", inner) if inner else ("local", ())
     (m, k), n = a.shape, b.shape[1]
     busy = [i for i, (pa, pb) in enumerate(pairs)
@@ -338,8 +343,9 @@ def _matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements, db_placements):
                           tuple(r[1] for r in rules))
     db = DArray.unchecked(local_product(xp, a.local.T, dy.local), b.shape, mesh,
                           tuple(r[2] for r in rules))
-    return (da.redistribute(da_placements or gradient_placements(ctx.a_placements)),
-            db.redistribute(db_placements or gradient_placements(ctx.b_placements)))
+    own = (gradient_placements(ctx.a_placements), gradient_placements(ctx.b_placements))
+    return tuple(grad.redistribute(own[i] if given is None else given)   # {}: all replicated
+                 for i, (grad, given) in enumerate(((da, da_placements), (db, db_placements))))
 
 
 def communication(a: DArray, b: DArray, policy: str | None = None, axis=None,

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..comm import Communicator
 from ..dtypes import at_least_float32
+from ..errors import HpcparError
 from ..ops import Ops, embedding_lookup, native_ops
 from . import splits
 from .layers import keep_slice, named_of, product, sink_or_new, weight_grads
@@ -45,6 +46,7 @@ class VocabParallelEmbedding:
     def __init__(self, xp, weight, vocab_size: int, tp: Communicator,
                  padding_idx: int | None = None):
         self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
+        self.vocab_size = vocab_size
         self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
         # this rank's local row of the padding id, if it owns it
         self.padding_row = (padding_idx - self.start if padding_idx is not None
@@ -66,7 +68,12 @@ class VocabParallelEmbedding:
         return list(self.named_parameters().values())
 
     def forward(self, ids):
-        """(B, T, hidden) and the ctx ``backward`` needs."""
+        """(B, T, hidden) and the ctx ``backward`` needs. Ids outside the vocabulary are
+        an error where they are host arrays (a device array's values would cost a sync)."""
+        if isinstance(ids, np.ndarray) and ids.size and (ids.min() < 0
+                                                          or ids.max() >= self.vocab_size):
+            raise HpcparError(f"VocabParallelEmbedding: ids from {ids.min()} to {ids.max()}; "
+                              f"they must be in [0, {self.vocab_size})")
         out, local, owned = embedding_lookup(self.xp, self.weight.data, ids, self.start,
                                              self.stop, zero_others=self.tp.size > 1)
         if self.tp.size > 1:
@@ -133,14 +140,15 @@ class ParallelLMHead:
 
     def top_k(self, local, k: int):
         """The k largest logits of each row over the whole vocabulary and their token ids,
-        exchanging only k candidates per rank. Returns (values, ids), each (rows, k * tp),
+        exchanging only k candidates per rank. Returns (values, ids), each (rows, k),
         sorted by logit descending, ties by lower id (the order a single rank would give)."""
         xp = self.xp
         vals, idx = self.ops.top_k.local(local.reshape(-1, local.shape[-1]), k)
         ids = (idx + self.start).astype(xp.float32)   # exact: vocab sizes are < 2**24
         both = xp.ascontiguousarray(xp.stack([vals, ids]))                  # (2, rows, k)
         gathered = self.tp.all_gather(both, axis=-1)                        # (2, rows, k*p)
-        return self.ops.top_k.merge(gathered[0], gathered[1].astype(xp.int64))
+        values, ids = self.ops.top_k.merge(gathered[0], gathered[1].astype(xp.int64))
+        return values[:, :k], ids[:, :k]
 
     def argmax(self, local):
         """The id of the largest logit of each row over the whole vocabulary (ties: lowest id),
@@ -155,20 +163,41 @@ class VocabParallelCrossEntropy:
     one AllReduce(max) and one AllReduce(sum) of two numbers per row over tp, forward only."""
 
     def __init__(self, ops: Ops | None, vocab_size: int, tp: Communicator):
-        self.ce, self.tp = (ops or native_ops(tp.xp)).cross_entropy, tp
+        self.ce, self.tp, self.vocab_size = (ops or native_ops(tp.xp)).cross_entropy, tp, \
+            int(vocab_size)
         tp.agree("VocabParallelCrossEntropy", [("vocab_size", int(vocab_size))])
         self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
+        self.width = splits.padded_vocab_size(vocab_size, tp.size) // tp.size
 
     def forward(self, logits, labels, weights):
-        """logits (N, V/p) float32, labels (N,) int (-1: ignored), weights (N,) -> (loss, ctx).
-        ``logits`` is overwritten (it becomes exp(z - m)), and ``backward`` reuses it."""
+        """logits (N, ceil(V/p)) float32, labels (N,) int (-1: ignored: its weight counts as
+        0), weights (N,) -> (loss, ctx). ``logits`` is overwritten (it becomes exp(z - m)),
+        and ``backward`` reuses it."""
+        self._check(logits, labels)
+        weights = self.ce.xp.where(labels < 0, 0, weights).astype(weights.dtype, copy=False)
         m, sums, ctx = self._reduced(logits, labels)
         loss, _ = self.ce.loss(sums, m, weights)
         return loss, (ctx, sums[0], weights)
 
+    def _check(self, logits, labels) -> None:
+        """This rank's block of logits, one label per row; labels in the vocabulary (read
+        where they are host arrays: a device array's values would cost a sync)."""
+        if logits.ndim != 2 or logits.shape[-1] != self.width or labels.shape != logits.shape[:1]:
+            raise HpcparError(
+                f"VocabParallelCrossEntropy: logits {tuple(logits.shape)} and labels "
+                f"{tuple(labels.shape)}; it takes this rank's block of the logits, (rows, "
+                f"{self.width}) for a vocabulary of {self.vocab_size} over tp {self.tp.size} "
+                f"(ParallelLMHead.local_logits), and one label per row")
+        if isinstance(labels, np.ndarray) and labels.size and (
+                labels.max() >= self.vocab_size or labels.min() < -1):
+            raise HpcparError(f"VocabParallelCrossEntropy: labels from {labels.min()} to "
+                              f"{labels.max()}; they must be token ids below the vocabulary's "
+                              f"{self.vocab_size}, or -1 (ignored)")
+
     def token_losses(self, logits, labels):
         """-log p(label) of each row (N,) (scoring: log p = minus this); an ignored label's
-        value is meaningless. ``logits`` is overwritten."""
+        (-1) value is meaningless. ``logits`` is overwritten."""
+        self._check(logits, labels)
         m, sums, _ = self._reduced(logits, labels)
         return self.ce.row_losses(sums, m)
 

@@ -76,7 +76,12 @@ class Pipeline:
         self.p, self.rank, self.V = group.size, group.rank, len(self.chunks)
         self.loss, self.schedule, self.recompute = loss, schedule, recompute
         # the counts themselves are checked per step; here the schedule and V (p
-        # micro-batches always fit)
+        # micro-batches always fit), in the library's words (the flags are the jobs')
+        if (schedule == "interleaved") != (self.V > 1):
+            raise HpcparError(
+                "pipeline: the interleaved schedule takes a list of at least 2 chunks per "
+                f"stage (stages=[chunk_0, chunk_1, ...]), and only it does; got {self.V} "
+                f"chunk(s) with schedule {schedule!r}")
         problems = micro_batch_problems(schedule, self.p, self.p, self.V)
         if problems:
             raise HpcparError("pipeline: " + "; ".join(problems))
@@ -228,8 +233,8 @@ class _UserProgram:
                 if self.keep_outputs:
                     self.results[a.mb] = y
                     return
-                value, dy = self.pipe.loss(y, self.targets[a.mb])
-                self.losses[a.mb] = float(value)
+                value, dy = _loss(self.pipe.loss, y, self.targets[a.mb])
+                self.losses[a.mb] = value
                 self.grads[key] = dy
             else:
                 nxt = (self._virtual(a.chunk) + 1) // self.pipe.p
@@ -244,6 +249,11 @@ class _UserProgram:
             else:
                 dx = stage.backward(dy, ctx)
             if self._virtual(a.chunk) > 0:
+                if getattr(dx, "shape", None) != getattr(x, "shape", None):
+                    raise HpcparError(
+                        f"pipeline stage {self._virtual(a.chunk)}: backward returned dx of "
+                        f"shape {getattr(dx, 'shape', type(dx).__name__)}; its input x had "
+                        f"shape {tuple(x.shape)} (dx is the gradient of x)")
                 prev = (self._virtual(a.chunk) - 1) // self.pipe.p
                 self.outgoing_store[(Op.SEND_GRAD, a.mb, prev)] = dx
         elif a.op is Op.BACKWARD_WEIGHT:
@@ -251,13 +261,29 @@ class _UserProgram:
                 stage.backward_weight(self.wctxs.pop(key))
 
 
+def _loss(loss, y, target):
+    """(value as a float, dy) from the user's loss, or what it returned instead."""
+    out = loss(y, target)
+    if not (isinstance(out, tuple) and len(out) == 2
+            and getattr(out[1], "shape", None) == y.shape):
+        raise HpcparError(f"pipeline: loss(y, target) must return (value, dy) with dy the "
+                          f"gradient of value, shaped like y {tuple(y.shape)}; it returned "
+                          f"{_what(out)}")
+    return float(out[0]), out[1]
+
+
+def _what(out) -> str:
+    if isinstance(out, tuple):
+        return "(" + ", ".join(str(getattr(o, "shape", type(o).__name__)) for o in out) + ")"
+    return type(out).__name__
+
+
 def _forward(stage, x, virtual: int):
     out = stage.forward(x)
     if not (isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "shape")
             and hasattr(out[0], "dtype")):
-        raise HpcparError(f"pipeline stage {virtual}: forward must return (y, ctx) with y an "
-                          f"array, got {type(out).__name__}"
-                          + (f" of {len(out)}" if isinstance(out, tuple) else ""))
+        raise HpcparError(f"pipeline stage {virtual}: forward must return a pair (y, ctx) "
+                          f"with y an array; it returned {_what(out)}")
     return out
 
 

@@ -170,11 +170,11 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
                     scaler.update(overflow)
                 if not overflow:
                     coef = clip_coefficient(norm, plan.optimizer.clip_grad)
-                    optimizer.step(lr, coef / scale)
-                    if zero:
+                    optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
+                    if zero:                  # the updated pieces gathered, then copied
                         zero.all_gather()
-                    for p in params:
-                        p.refresh()
+                        for p in params:
+                            p.refresh()
                 backend.synchronize()
                 seconds = perf_counter() - start
                 figures.add_step(executor.times, program.peak_held, program.peak_held_full, seconds)
@@ -311,7 +311,8 @@ def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer
             plan.out_dir.mkdir(exist_ok=True)
             tc.create_file(path, ckpt, optimizer.state_names, attrs)
 
-    states = optimizer.state_dict()
+    states = {name: {k: st[k] for k in optimizer.state_names}       # the step is an attribute
+              for name, st in optimizer.state_dict().items()}
     to_host = backend.to_host
     tp_rank, tp_size = mesh.tp_rank, mesh.layout.tp
 
