@@ -32,3 +32,12 @@ class HangElsewhere(CommTimeout):
     def __init__(self, rank: int):
         super().__init__(f"rank {rank} on another node found the job hung")
         self.rank = rank
+
+
+class Stopped(Exception):
+    """A stop request (SIGTERM, SIGUSR1, Ctrl-C) on ``rank``, ending a job phase that has no
+    step to stop at (scoring): every rank of the node leaves what it is doing."""
+
+    def __init__(self, signal_name: str, rank: int):
+        super().__init__(f"{signal_name} to rank {rank}")
+        self.signal_name, self.rank = signal_name, rank

@@ -246,16 +246,33 @@ class StopRequest:
     boundary, save and exit with ``EXIT_PREEMPTED``. A second Ctrl-C raises
     ``KeyboardInterrupt``: the job ends at once. Copies of one Ctrl-C (a rank's keeper
     passes on what its process group got too) arrive within ``AGAIN_AFTER`` seconds and
-    count once."""
+    count once. A signal to one rank is seen by every rank of its node at once (the
+    watchdog's shared control row): ``requested`` is true there too, so a stage that polls
+    it (the first pipeline stage) stops within a step whichever rank got the signal."""
 
     AGAIN_AFTER = 0.5
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
-        self.requested = False
+        self._requested = False
         self.signal_name: str | None = None        # the first signal that asked
+        self.asked_by: int | None = None           # the world rank it reached, if another
         self._interrupted_at: float | None = None
         self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        if not self._requested and (board := _state["board"]) is not None:
+            asked = board.stop_asked()
+            if asked is not None:
+                self._requested = True
+                self.signal_name = signal.Signals(asked[0]).name
+                self.asked_by = asked[1] if asked[1] != world().Get_rank() else None
+        return self._requested
+
+    @requested.setter
+    def requested(self, value: bool) -> None:
+        self._requested = value
 
     def __enter__(self):
         for sig in self.SIGNALS:
@@ -269,17 +286,20 @@ class StopRequest:
                 self._interrupted_at = now
             elif now - self._interrupted_at > self.AGAIN_AFTER:
                 raise KeyboardInterrupt
-        if not self.requested:
+        if not self._requested:
             self.signal_name = signal.Signals(signum).name
-        self.requested = True
+            if (board := _state["board"]) is not None:
+                board.ask_stop(signum)
+        self._requested = True
 
     def describe(self, when: str = "") -> str:
         """The stop as a user reads it: "stopped at step 5 on request (SIGTERM)" or
         "interrupted (Ctrl-C) at step 5" for ``when`` "at step 5"."""
         when = f" {when}" if when else ""
+        to = f" to rank {self.asked_by}" if self.asked_by is not None else ""
         if self.signal_name == "SIGINT":
-            return f"interrupted (Ctrl-C){when}"
-        return f"stopped{when} on request ({self.signal_name or 'SIGTERM/SIGUSR1'})"
+            return f"interrupted (Ctrl-C{to}){when}"
+        return f"stopped{when} on request ({self.signal_name or 'SIGTERM/SIGUSR1'}{to})"
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

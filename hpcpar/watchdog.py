@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import socket
 import time
 
 import numpy as np
 
+from .errors import Stopped
 from .mesh import describe_rank
 from .pipeline.schedule import Action, Op
 
@@ -32,6 +34,7 @@ FIELDS = 9      # world rank, op code (-1: none), mb, step, peer (-1), chunk, si
                 # (IN_ACTION, WAITING: for the other replicas, else: neither), process id
                 # (the report says which rank is stopped or gone)
 IN_ACTION, WAITING = 1, 2
+STOP_SIGNAL, STOP_RANK = 1, 2   # the control row's cells of a stop request (0: the report's)
 _OPS = list(Op)
 _OP_INDEX = {op: i for i, op in enumerate(_OPS)}
 
@@ -57,6 +60,7 @@ class ActionBoard:
         self.mine[:] = -1
         self.mine[0] = world.Get_rank()
         self.mine[8] = os.getpid()
+        self.stops_waits = False
         self._post_alarm(world)
         self.node.Barrier()
 
@@ -76,11 +80,14 @@ class ActionBoard:
         self._listen = self.alarms.Irecv(self._heard, source=MPI.ANY_SOURCE, tag=_ALARM_TAG)
         atexit.register(self._stop_listening)
 
-    def alarm(self) -> int | None:
+    def alarm(self) -> int | Exception | None:
         """The world rank whose node declared the job hung, if an alarm came (cheap: one
-        MPI test)."""
+        MPI test); while ``stops_waits`` (a phase with no step to stop at), a stop asked on
+        this node, as ``Stopped``."""
         if self._listen is not None and self._listen.Test():
             self._listen = None
+        if self.stops_waits and (asked := self.stop_asked()) is not None:
+            return Stopped(signal.Signals(asked[0]).name, asked[1])
         return None if self._heard[0] < 0 else int(self._heard[0])
 
     def sound_alarm(self) -> None:
@@ -90,6 +97,20 @@ class ActionBoard:
         mine = self.mine[:1].copy()                   # this rank's world rank
         self._sent = [self.alarms.Isend(mine, dest=r, tag=_ALARM_TAG)
                       for r in range(len(self.node_of)) if self.node_of[r] != here]
+
+    # ---- a stop request, seen by every rank of the node ---------------------------------------
+
+    def ask_stop(self, signum: int) -> None:
+        """This rank got a stop signal: the node's control row says so (its first asker
+        stays), so its ranks that poll ``stop_asked`` stop too, whichever rank got it."""
+        if self.control[STOP_SIGNAL] <= 0:
+            self.control[STOP_RANK] = self.mine[0]
+            self.control[STOP_SIGNAL] = signum
+
+    def stop_asked(self) -> tuple[int, int] | None:
+        """(signal number, world rank that got it) if a rank of this node asked to stop."""
+        signum = int(self.control[STOP_SIGNAL])
+        return (signum, int(self.control[STOP_RANK])) if signum > 0 else None
 
     def _stop_listening(self) -> None:
         if self._listen is not None:

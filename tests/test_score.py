@@ -5,6 +5,7 @@ output's NaNs, sums and perplexity; logits formed a block of positions at a time
 as one clear error before any work."""
 
 import json
+import os
 
 import h5py
 import numpy as np
@@ -165,3 +166,65 @@ def test_bad_rows_are_one_error_from_one_rank_and_no_output(tmp_path, rows, mess
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert not (tmp_path / "scores.h5").exists()
     assert not list(tmp_path.glob(".scores.h5*"))
+
+
+@pytest.mark.parametrize("signum, which", [(15, 1), (2, 0)])
+def test_a_stop_signal_to_one_rank_ends_the_scoring_with_one_line_and_no_lock(tmp_path, signum,
+                                                                              which):
+    """SIGTERM or SIGINT to any one rank of a scoring job: every rank of the node stops at its
+    next micro-batch or wait (the signal reaches them through the watchdog's shared row),
+    one line says what stopped, and neither the output nor its lock is left (the lock used
+    to stay, and SIGTERM to a rank killed it). The status is 3, or 9 where mpiexec ends a
+    rank still finalizing: its keeper's exit raced the others' (README)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from helpers import MPIEXEC, REPO
+    make_checkpoint(tmp_path, TINY)
+    np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, TINY["vocab_size"],
+                                                                     (3000, 48)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_PROGRESS_SECONDS="0.05",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "hpcpar", "score",
+                             "--checkpoint", "model.h5", "--data", "data.npy", "--out",
+                             "out.h5", "--dp", "1", "--pp", "2"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lock = tmp_path / ".out.h5.lock"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not lock.exists():
+        time.sleep(0.01)
+    time.sleep(1.0)                                        # into the scoring
+    os.kill(_rank_process(proc.pid, which), signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode in (3, 9), err
+    lines = [line for line in err.splitlines() if line.startswith("hpcpar:")]
+    name = signal.Signals(signum).name
+    assert lines == [f"hpcpar: stopped on request ({name} to rank {which}) while scoring: "
+                     "nothing was written; run it again to score"], err
+    assert "Traceback" not in err
+    assert not lock.exists() and not (tmp_path / "out.h5").exists()
+
+
+def _rank_process(launcher: int, rank: int) -> int:
+    """The process of world rank ``rank`` (under its keeper: the one that holds the keeper's
+    pipe in its environment)."""
+    for pid in _descendants(launcher):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"PMI_RANK={rank}".encode() in environ and any(
+                item.startswith(b"HPCPAR_SUPERVISED_FD=") for item in environ):
+            return pid
+    raise AssertionError(f"no process of rank {rank}")
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for child in os.popen(f"pgrep -P {parent}").read().split():
+            out.append(int(child))
+            todo.append(int(child))
+    return out

@@ -14,6 +14,7 @@ sum of -log p over the row's scored tokens), ``tokens_scored`` [rows], and the a
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
@@ -25,15 +26,16 @@ from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..config import ParallelConfig
 from ..dtypes import dtype_name, float_dtype
-from ..errors import HpcparError
+from ..errors import CommTimeout, HpcparError, Stopped
 from ..generate.batching import micro_batches, replica_rows
 from ..generate.setup import load_tokenizer, open_stage, resolve_checkpoint
 from ..jobs import Job
-from ..launch import everyone, phase, set_timeout
+from ..launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
 from ..mesh import Mesh
 from ..outputs import (OUTPUT_KIND, AtomicPath, check_output, check_space, claimed, write_point,
                        writing)
 from ..pipeline.executor import PipelineExecutor
+from .. import waits
 from ..generate.schedule import generation
 from ..replicas import ReplicaChannel, owners
 from .data import ScoreData, check_score_data, load_score_data
@@ -99,15 +101,53 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
     plan = everyone(comm, _validate, job, ckpt, size)
     layout = plan.layout
     set_timeout(job.parallel.timeout)
-    with claimed(comm, job.output.path):
+    try:
+        with claimed(comm, job.output.path):
+            return _score(comm, job, ckpt, plan)
+    except Stopped as e:          # the output's lock and temporary file are gone by now
+        if rank == 0:
+            print(f"hpcpar: stopped on request ({e}) while scoring: nothing was written; run "
+                  "it again to score", file=sys.stderr, flush=True)
+        _leave_together(comm)
+        raise JobFailed(EXIT_PREEMPTED) from None
+
+
+def _leave_together(comm, seconds: float = 10.0) -> None:
+    """Every stopped rank waits for the others before it exits: the launcher kills what
+    is left of a job once one rank has ended with a failing status, which would cut a
+    rank's own clean-up short. Ranks that never heard of the stop (another node's) are
+    not waited for past ``seconds``."""
+    alarm = waits.current_alarm()
+    waits.listen_for_alarm(None)                # the stop it would raise is known
+    try:
+        waits.wait_bounded(comm.Ibarrier(), seconds, "leaving after the stop")
+    except CommTimeout:
+        pass
+    finally:
+        waits.listen_for_alarm(alarm)
+
+
+def _score(comm, job: Job, ckpt: Checkpoint, plan: _Plan) -> ScoreResult | None:
+    """The scoring itself, inside the claimed output. Scoring has no step to stop at: a
+    stop request (SIGTERM, SIGUSR1, Ctrl-C to any rank) ends it on every rank of the node
+    at its next micro-batch or wait (``Stopped``), with nothing written."""
+    rank, layout = comm.Get_rank(), plan.layout
+    with StopRequest() as stop:
         ranks = open_stage(comm, job, layout, ckpt, plan.dtype)
         mesh, backend, tp, pp, world = ranks.mesh, ranks.backend, ranks.tp, ranks.pp, ranks.world
         stage, board, shard = ranks.stage, ranks.board, ranks.shard
+        board.stops_waits = True
+
+        def after_batch():
+            channel.pump()
+            if stop.requested:
+                raise Stopped(stop.signal_name, stop.asked_by if stop.asked_by is not None
+                              else world.rank)
 
         rows = replica_rows(len(plan.data), layout.dp, mesh.dp_rank)
         mbs = micro_batches(plan.data.ids, rows, _micro_batch_count(plan.data, layout))
         channel = ReplicaChannel(world, layout, board)     # replicas may end minutes apart
-        program = ScoringProgram(stage, mbs, backend, after_batch=channel.pump, cp=ranks.cp)
+        program = ScoringProgram(stage, mbs, backend, after_batch=after_batch, cp=ranks.cp)
         actions = generation(layout.pp, len(mbs), 1)[mesh.pp_rank] if mbs else []
         executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
                                     board=board)
@@ -125,6 +165,7 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
 
         with phase("collecting the log-probabilities on rank 0"):
             logprobs = _collect(world, mesh, layout, len(plan.data), program)
+        board.stops_waits = False           # all scored: a stop now lets the output be written
         result = None
         if rank == 0:
             result = _result(plan.data, logprobs, float(seconds), shard.seconds)
