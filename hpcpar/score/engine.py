@@ -99,7 +99,6 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
     rank, size = comm.Get_rank(), comm.Get_size()
     ckpt = everyone(comm, open_checkpoint, resolve_checkpoint(comm, job.model.checkpoint))
     plan = everyone(comm, _validate, job, ckpt, size)
-    layout = plan.layout
     set_timeout(job.parallel.timeout)
     try:
         with claimed(comm, job.output.path):
@@ -131,54 +130,59 @@ def _score(comm, job: Job, ckpt: Checkpoint, plan: _Plan) -> ScoreResult | None:
     """The scoring itself, inside the claimed output. Scoring has no step to stop at: a
     stop request (SIGTERM, SIGUSR1, Ctrl-C to any rank) ends it on every rank of the node
     at its next micro-batch or wait (``Stopped``), with nothing written."""
-    rank, layout = comm.Get_rank(), plan.layout
     with StopRequest() as stop:
-        ranks = open_stage(comm, job, layout, ckpt, plan.dtype)
-        mesh, backend, tp, pp, world = ranks.mesh, ranks.backend, ranks.tp, ranks.pp, ranks.world
-        stage, board, shard = ranks.stage, ranks.board, ranks.shard
-        board.stops_waits = True
+        ranks = open_stage(comm, job, plan.layout, ckpt, plan.dtype)
+        ranks.board.stops_waits = True
+        return _score_on(comm, job, ckpt, plan, ranks, stop)
 
-        def after_batch():
-            channel.pump()
-            if stop.requested:
-                raise Stopped(stop.signal_name, stop.asked_by if stop.asked_by is not None
-                              else world.rank)
 
-        rows = replica_rows(len(plan.data), layout.dp, mesh.dp_rank)
-        mbs = micro_batches(plan.data.ids, rows, _micro_batch_count(plan.data, layout))
-        channel = ReplicaChannel(world, layout, board)     # replicas may end minutes apart
-        program = ScoringProgram(stage, mbs, backend, after_batch=after_batch, cp=ranks.cp)
-        actions = generation(layout.pp, len(mbs), 1)[mesh.pp_rank] if mbs else []
-        executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
-                                    board=board)
-        with phase("checking the pipeline schedule"):
-            everyone(comm, executor.preflight, actions)
-        world.barrier()
-        start = perf_counter()
-        with phase("scoring"):
-            executor.run(actions)
-            backend.synchronize()
-            program.gather_over_cp()
-        elapsed = perf_counter() - start
-        channel.close()
-        seconds = world.all_reduce(np.array([elapsed]), op="max")[0]
+def _score_on(comm, job: Job, ckpt: Checkpoint, plan: _Plan, ranks,
+              stop: StopRequest) -> ScoreResult | None:
+    rank, layout = comm.Get_rank(), plan.layout
+    mesh, backend, tp, pp, world = ranks.mesh, ranks.backend, ranks.tp, ranks.pp, ranks.world
+    stage, board, shard = ranks.stage, ranks.board, ranks.shard
 
-        with phase("collecting the log-probabilities on rank 0"):
-            logprobs = _collect(world, mesh, layout, len(plan.data), program)
-        board.stops_waits = False           # all scored: a stop now lets the output be written
-        result = None
+    def after_batch():
+        channel.pump()
+        if stop.requested:
+            raise Stopped(stop.signal_name, stop.asked_by if stop.asked_by is not None
+                          else world.rank)
+
+    rows = replica_rows(len(plan.data), layout.dp, mesh.dp_rank)
+    mbs = micro_batches(plan.data.ids, rows, _micro_batch_count(plan.data, layout))
+    channel = ReplicaChannel(world, layout, board)     # replicas may end minutes apart
+    program = ScoringProgram(stage, mbs, backend, after_batch=after_batch, cp=ranks.cp)
+    actions = generation(layout.pp, len(mbs), 1)[mesh.pp_rank] if mbs else []
+    executor = PipelineExecutor(pp, mesh.pp_rank, program, backend, in_flight=len(mbs),
+                                board=board)
+    with phase("checking the pipeline schedule"):
+        everyone(comm, executor.preflight, actions)
+    world.barrier()
+    start = perf_counter()
+    with phase("scoring"):
+        executor.run(actions)
+        backend.synchronize()
+        program.gather_over_cp()
+    elapsed = perf_counter() - start
+    channel.close()
+    seconds = world.all_reduce(np.array([elapsed]), op="max")[0]
+
+    with phase("collecting the log-probabilities on rank 0"):
+        logprobs = _collect(world, mesh, layout, len(plan.data), program)
+    board.stops_waits = False           # all scored: a stop now lets the output be written
+    result = None
+    if rank == 0:
+        result = _result(plan.data, logprobs, float(seconds), shard.seconds)
+
+    def write():
         if rank == 0:
-            result = _result(plan.data, logprobs, float(seconds), shard.seconds)
+            _write(job.output.path, result, _run_attrs(job, ckpt, layout, plan, backend.name,
+                                                       tp.kind))
 
-        def write():
-            if rank == 0:
-                _write(job.output.path, result, _run_attrs(job, ckpt, layout, plan, backend.name,
-                                                           tp.kind))
-
-        with phase("writing the output file"):
-            everyone(comm, write)
-        ranks.close()
-        return result
+    with phase("writing the output file"):
+        everyone(comm, write)
+    ranks.close()
+    return result
 
 
 # padded tokens per micro-batch a scoring job aims at when the layout asks for fewer
