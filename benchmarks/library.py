@@ -183,10 +183,11 @@ def redistributions(comm, timer, mesh, device_mesh, sizes) -> list[dict]:
                 if dst == src:
                     continue
                 work, bare = by_hand(comm, src, dst, x.local, n)
-                assert np.array_equal(work(), x.redistribute([hp_placement(dst)]).local)
-                calls = {"hpcpar": lambda: x.redistribute([hp_placement(dst)]),
-                         "DTensor": lambda: _wait(dt.redistribute(device_mesh,
-                                                                  [torch_placement(dst)])),
+                # the targets made once, as a loop would (each side's constructors untimed)
+                target, torch_target = [hp_placement(dst)], [torch_placement(dst)]
+                assert np.array_equal(work(), x.redistribute(target).local)
+                calls = {"hpcpar": lambda: x.redistribute(target),
+                         "DTensor": lambda: _wait(dt.redistribute(device_mesh, torch_target)),
                          "by hand": work}
                 if dst == "P":          # DTensor: "redistributing to Partial is for internal
                     del calls["DTensor"]                                     # use only"

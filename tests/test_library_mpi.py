@@ -279,6 +279,56 @@ def test_ranks_that_disagree_are_one_error_on_every_rank(comm):
         m.free()
 
 
+def test_a_remembered_redistribution_is_still_checked(comm):
+    """A redistribution repeated in a loop runs the program it made the first time; one
+    rank repeating it while another asks for something new is still an error on every
+    rank, and a remembered one still gives the dense result."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    mesh = hp.Mesh(comm, {"x": n}, timeout=30)
+    full = np.arange(2.0 * n * 3 * n).reshape(2 * n, 3 * n)
+    a = hp.DArray.from_full(full, mesh, [hp.Shard(0)])
+    for _ in range(3):                                   # made once, then remembered
+        np.testing.assert_array_equal(a.redistribute([hp.Shard(1)]).full(), full)
+        np.testing.assert_array_equal(a.redistribute({"x": hp.Replicate()}).local, full)
+    assert len(mesh.plans) >= 2
+    odd = r == n - 1
+    _raises_everywhere(comm, lambda: a.redistribute([hp.Replicate() if odd else hp.Shard(1)]),
+                       r"target placements: \(Shard\(1\),\) on ranks? 0.* and "
+                       rf"\(Replicate\(\),\) on rank {n - 1}")
+    _raises_everywhere(comm, lambda: a.redistribute([hp.Shard(1 - odd)]), "target placements")
+    b = hp.DArray.from_full(full.astype(np.float32), mesh, [hp.Shard(0)])
+    b.redistribute([hp.Shard(1)])                        # remembered for float32 on every rank
+    _raises_everywhere(comm, lambda: (b if odd else a).redistribute([hp.Shard(1)]), "dtype")
+    mesh.free()
+
+
+def test_prepared_collectives_equal_the_calls_they_stand_for(comm):
+    """``all_gather_op`` / ``reduce_scatter_op`` / ``all_to_all_op``, against NumPy."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    mesh = hp.Mesh(comm, {"x": n}, timeout=30)
+    group = mesh.group("x")
+    rng = np.random.default_rng(0)
+    every = rng.standard_normal((n, 3, 2 * n, 4))            # rank j's operand: every[j]
+    mine = every[r]
+    lengths = [1 + j % 2 for j in range(n)]                  # uneven blocks along axis 1
+    uneven = every[:, :, :max(lengths)]
+    gather = group.all_gather_op((3, lengths[r], 4), mine.dtype, axis=1, sizes=lengths)
+    np.testing.assert_array_equal(
+        gather(np.ascontiguousarray(uneven[r, :, :lengths[r]])),
+        np.concatenate([uneven[j, :, :lengths[j]] for j in range(n)], axis=1))
+    out = np.empty((3, 2 * n * n, 4))
+    assert group.all_gather_op(mine.shape, mine.dtype, axis=-2)(mine, out) is out
+    np.testing.assert_array_equal(out, np.concatenate(list(every), axis=1))
+    scatter = group.reduce_scatter_op(mine.shape, mine.dtype, axis=2)
+    np.testing.assert_allclose(scatter(mine), np.array_split(every.sum(0), n, 2)[r])
+    exchange = group.all_to_all_op(mine.shape, mine.dtype, split_axis=1, concat_axis=0)
+    np.testing.assert_array_equal(exchange(mine), np.concatenate(
+        [every[j][:, 2 * r:2 * r + 2] for j in range(n)], axis=0))
+    with pytest.raises(hp.HpcparError, match="sizes"):   # bad input: one rank, no collective
+        group.all_gather_op((3, 2), mine.dtype, sizes=[1] * (n + 1))
+    mesh.free()
+
+
 def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(comm):
     """Label -1 adds nothing to the loss or the gradient, whatever its weight (torch's
     ignore_index); labels outside the vocabulary and logits that are not this rank's block

@@ -104,21 +104,35 @@ def agree_mpi(mpi_comm, what: str, fields: Fields, timeout: float = 0.0,
     """Raise ``Disagreement`` on every rank of the mpi4py communicator ``mpi_comm`` unless
     all of them pass equal ``fields`` and the same ``error`` (this rank's own, found before
     the call; every rank then raises it). Collective; waits at most ``timeout`` seconds."""
-    from mpi4py import MPI
     if mpi_comm.Get_size() == 1:
         if error is not None:
             raise error
         return
-    fields = list(fields) + [(ERROR, "" if error is None else str(error))]
-    h = fingerprint(fields)
-    extremes = np.array([h, -h], dtype=np.int64)
-    wait_bounded(mpi_comm.Iallreduce(MPI.IN_PLACE, extremes, op=MPI.MAX), timeout,
-                 f"{what}: rank {MPI.COMM_WORLD.Get_rank()} checking that the ranks agree")
-    if extremes[0] == h and -extremes[1] == h:
-        if error is not None:
-            raise error
-        return
-    raise Disagreement(_describe(mpi_comm, what, fields, timeout))
+    Check(mpi_comm, what, list(fields) + [(ERROR, "" if error is None else str(error))],
+          timeout)()
+    if error is not None:
+        raise error
+
+
+class Check:
+    """One agreement worked out ahead: the fingerprint of ``fields`` hashed once, so that a
+    check repeated in a loop (a redistribution, a layer's forward) costs the all-reduce of
+    two integers and no Python work on the fields. Call it to check (collective)."""
+
+    def __init__(self, mpi_comm, what: str, fields: Fields, timeout: float = 0.0):
+        from mpi4py import MPI
+        self.mpi_comm, self.what, self.fields, self.timeout = mpi_comm, what, fields, timeout
+        self.h = fingerprint(fields)
+        self._waiting = f"{what}: rank {MPI.COMM_WORLD.Get_rank()} checking that the ranks agree"
+        self._in_place, self._max = MPI.IN_PLACE, MPI.MAX   # MPI is imported on first use
+
+    def __call__(self) -> None:
+        h = self.h
+        extremes = np.array([h, -h], dtype=np.int64)
+        wait_bounded(self.mpi_comm.Iallreduce(self._in_place, extremes, op=self._max), self.timeout,
+                     self._waiting)
+        if extremes[0] != h or extremes[1] != -h:
+            raise Disagreement(_describe(self.mpi_comm, self.what, self.fields, self.timeout))
 
 
 def active(group) -> bool:

@@ -87,6 +87,7 @@ class Communicator(ABC):
         # check that the ranks pass agreeing shapes, dtypes and sizes to every collective
         # (``agreement``): a library user's groups do, the jobs' hot paths do not
         self.check = False
+        self._ops: dict = {}                 # prepared operations by kind, shape, dtype, ...
         self._host_twin: Communicator | None = None
 
     def on_host(self) -> "Communicator":
@@ -133,59 +134,19 @@ class Communicator(ABC):
         Blocks may differ in length along ``axis``: pass every rank's length as ``sizes``
         (the other dimensions must agree). Returns a new array, or fills ``out`` (reused
         buffers save an allocation per call on hot paths)."""
-        try:
-            axis = _normalize_axis(axis, x.ndim)
-            lengths = self._block_sizes(sizes, x.shape[axis], "all_gather")
-            shape = _with_length(x.shape, axis, sum(lengths))
-            _check_out(out, shape, x.dtype)
-            error = None
-        except HpcparError as e:
-            error = e
+        gather, error = _attempt(self.all_gather_op, x, axis, sizes, out=out)
         self._agree("all_gather", lambda: _block_fields(x, axis, sizes), error)
-        send = self.xp.ascontiguousarray(x).reshape(-1)       # rank r's block: its whole x
-        per_index = math.prod(_with_length(x.shape, axis, 1))
-        gathered = self._landing(out, shape, x.dtype) if axis == 0 \
-            else self.xp.empty(math.prod(shape), dtype=x.dtype)
-        if self.size == 1:
-            gathered.reshape(-1)[...] = send
-        else:
-            self._run("all_gather", gathered.nbytes, self._all_gather, send,
-                      gathered.reshape(-1), [n * per_index for n in lengths])
-        if axis == 0:                  # the blocks stacked along the first axis: in place
-            return _into(out, gathered)
-        result = out if out is not None else self.xp.empty(shape, dtype=x.dtype)
-        _unpack_blocks(gathered, result, axis, x.shape, lengths)
-        return result
+        return gather(x, out)
 
     def reduce_scatter(self, x, axis: int = 0, out=None, sizes: Sequence[int] | None = None):
         """Sum ``x`` over the group and keep this rank's block along ``axis``: blocks of
         ``sizes`` (every rank's length), by default split like ``numpy.array_split``;
         returns a new array, or fills ``out``."""
-        try:
-            axis = _normalize_axis(axis, x.ndim)
-            n = x.shape[axis]
-            if sizes is None:
-                sizes = split_sizes(n, self.size)
-            elif len(sizes) != self.size or sum(sizes) != n:
-                raise HpcparError(f"reduce_scatter on {self.name}: sizes {list(sizes)} do not "
-                                  f"cut a length of {n} into {self.size} blocks")
-            sizes = [int(s) for s in sizes]
-            _check_out(out, _with_length(x.shape, axis, sizes[self.rank]), x.dtype)
-            error = None
-        except HpcparError as e:
-            error = e
+        scatter, error = _attempt(self.reduce_scatter_op, x, axis, sizes, out=out)
         self._agree("reduce_scatter",
                     lambda: (("axis", axis), ("sizes", sizes and tuple(sizes)), *_array_fields(x)),
                     error)
-        send = self._pack_blocks(x, axis, sizes)              # flat: block r, then r + 1
-        per_index = math.prod(_with_length(x.shape, axis, 1))
-        block = self._landing(out, _with_length(x.shape, axis, sizes[self.rank]), x.dtype)
-        if self.size == 1:
-            block.reshape(-1)[...] = send
-        else:
-            self._run("reduce_scatter", send.nbytes, self._reduce_scatter, send,
-                      block.reshape(-1), [n * per_index for n in sizes])
-        return _into(out, block)
+        return scatter(x, out)
 
     def all_to_all(self, x, split_axis: int, concat_axis: int,
                    split_sizes: Sequence[int] | None = None,
@@ -195,37 +156,134 @@ class Communicator(ABC):
         ``concat_axis`` in rank order (rank j's block is ``concat_sizes[j]`` long there,
         default this rank's own length). Redistributes an array sharded along
         ``concat_axis`` into one sharded along ``split_axis``; returns a new array."""
-        try:
-            split_axis, concat_axis, cut, theirs = self._all_to_all_blocks(
-                x, split_axis, concat_axis, split_sizes, concat_sizes)
-            error = None
-        except HpcparError as e:
-            error = e
+        exchange, error = _attempt(self.all_to_all_op, x, split_axis, concat_axis,
+                                   split_sizes, concat_sizes)
         self._agree("all_to_all", lambda: (
             ("split_axis and concat_axis", (split_axis, concat_axis)),
             ("split_sizes", split_sizes and tuple(int(n) for n in split_sizes)),
             *_block_fields(x, concat_axis, concat_sizes, "concat_sizes")), error)
-        send = self._pack_blocks(x, split_axis, cut)      # flat: block j, then block j + 1
-        per_step = x.size // max(1, x.shape[split_axis])  # elements per index along split
+        return exchange(x)
+
+    # ---- prepared operations --------------------------------------------------------------
+    # A collective worked out once for operands of one shape and dtype: the lengths, counts
+    # and layouts checked and computed when it is made, so a loop that repeats it (a
+    # redistribution, a layer's gather) pays only for the allocation and the transfer. The
+    # public methods above are these plus the agreement check; the caller of an ``*_op``
+    # itself passes operands of the shape and dtype it was made for, alike on every rank.
+
+    def all_gather_op(self, shape, dtype, axis: int = 0, sizes=None) -> Callable:
+        """``all_gather`` of arrays of ``shape`` and ``dtype``: a function ``(x, out=None)``."""
+        return self._op("all_gather", self._make_all_gather, tuple(shape), dtype, axis,
+                        _key(sizes))
+
+    def reduce_scatter_op(self, shape, dtype, axis: int = 0, sizes=None) -> Callable:
+        """``reduce_scatter`` of arrays of ``shape`` and ``dtype``: ``(x, out=None)``."""
+        return self._op("reduce_scatter", self._make_reduce_scatter, tuple(shape), dtype, axis,
+                        _key(sizes))
+
+    def all_to_all_op(self, shape, dtype, split_axis: int, concat_axis: int,
+                      split_sizes=None, concat_sizes=None) -> Callable:
+        """``all_to_all`` of arrays of ``shape`` and ``dtype``: a function ``(x)``."""
+        return self._op("all_to_all", self._make_all_to_all, tuple(shape), dtype, split_axis,
+                        concat_axis, _key(split_sizes), _key(concat_sizes))
+
+    def _op(self, name: str, make, *key):
+        """The prepared operation for ``key``, made once (bad input raises every time)."""
+        op = self._ops.get((name, *key))
+        if op is None:
+            if len(self._ops) >= 4096:                   # shapes that never repeat
+                self._ops.clear()
+            op = self._ops[(name, *key)] = make(*key)
+        return op
+
+    def _make_all_gather(self, shape: tuple, dtype, axis: int, sizes) -> Callable:
+        axis = _normalize_axis(axis, len(shape))
+        lengths = self._block_sizes(sizes, shape[axis], "all_gather")
+        result_shape = _with_length(shape, axis, sum(lengths))
+        per_index = math.prod(_with_length(shape, axis, 1))
+        counts = [n * per_index for n in lengths]
+        total = math.prod(result_shape)
+        nbytes = total * np.dtype(dtype).itemsize
+        xp = self.xp
+
+        def gather(x, out=None):
+            _check_out(out, result_shape, dtype)
+            send = xp.ascontiguousarray(x).reshape(-1)     # rank r's block: its whole x
+            landing = self._landing(out, result_shape, dtype) if axis == 0 \
+                else xp.empty(total, dtype=dtype)
+            if self.size == 1:
+                landing.reshape(-1)[...] = send
+            else:
+                self._run("all_gather", nbytes, self._all_gather, send, landing.reshape(-1),
+                          counts)
+            if axis == 0:              # the blocks stacked along the first axis: in place
+                return _into(out, landing)
+            result = out if out is not None else xp.empty(result_shape, dtype=dtype)
+            _unpack_blocks(landing, result, axis, shape, lengths)
+            return result
+        gather.result_shape = result_shape
+        return gather
+
+    def _make_reduce_scatter(self, shape: tuple, dtype, axis: int, sizes) -> Callable:
+        axis = _normalize_axis(axis, len(shape))
+        n = shape[axis]
+        if sizes is None:
+            sizes = split_sizes(n, self.size)
+        elif len(sizes) != self.size or sum(sizes) != n:
+            raise HpcparError(f"reduce_scatter on {self.name}: sizes {list(sizes)} do not "
+                              f"cut a length of {n} into {self.size} blocks")
+        sizes = [int(s) for s in sizes]
+        block_shape = _with_length(shape, axis, sizes[self.rank])
+        per_index = math.prod(_with_length(shape, axis, 1))
+        counts = [s * per_index for s in sizes]
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+
+        def scatter(x, out=None):
+            _check_out(out, block_shape, dtype)
+            send = self._pack_blocks(x, axis, sizes)          # flat: block r, then r + 1
+            block = self._landing(out, block_shape, dtype)
+            if self.size == 1:
+                block.reshape(-1)[...] = send
+            else:
+                self._run("reduce_scatter", nbytes, self._reduce_scatter, send,
+                          block.reshape(-1), counts)
+            return _into(out, block)
+        scatter.result_shape = block_shape
+        return scatter
+
+    def _make_all_to_all(self, shape: tuple, dtype, split_axis: int, concat_axis: int,
+                         split_sizes, concat_sizes) -> Callable:
+        split_axis, concat_axis, cut, theirs = self._all_to_all_blocks(
+            shape, split_axis, concat_axis, split_sizes, concat_sizes)
+        per_step = math.prod(_with_length(shape, split_axis, 1))   # elements per split index
         mine = cut[self.rank]
 
         def arriving(t: int) -> tuple:
             """The shape of a block from a rank holding ``t`` along the concat axis."""
             return tuple(mine if a == split_axis else t if a == concat_axis else n
-                         for a, n in enumerate(x.shape))
+                         for a, n in enumerate(shape))
 
+        send_counts = [n * per_step for n in cut]
         recv_counts = [math.prod(arriving(t)) for t in theirs]
-        recv = self.xp.empty(sum(recv_counts), dtype=x.dtype)
-        if self.size == 1:
-            recv[...] = send
-        else:
-            self._run("all_to_all", recv.nbytes + send.nbytes, self._all_to_all, send,
-                      [n * per_step for n in cut], recv, recv_counts)
-        if concat_axis == 0:           # blocks stacked along the first axis: already in place
-            return recv.reshape(arriving(sum(theirs)))
-        out = self.xp.empty(arriving(sum(theirs)), dtype=x.dtype)
-        _unpack_blocks(recv, out, concat_axis, arriving(0), theirs)
-        return out
+        result_shape, block_shape = arriving(sum(theirs)), arriving(0)
+        nbytes = (sum(recv_counts) + math.prod(shape)) * np.dtype(dtype).itemsize
+        xp = self.xp
+
+        def exchange(x):
+            send = self._pack_blocks(x, split_axis, cut)  # flat: block j, then block j + 1
+            recv = xp.empty(sum(recv_counts), dtype=dtype)
+            if self.size == 1:
+                recv[...] = send
+            else:
+                self._run("all_to_all", nbytes, self._all_to_all, send, send_counts, recv,
+                          recv_counts)
+            if concat_axis == 0:       # blocks stacked along the first axis: already in place
+                return recv.reshape(result_shape)
+            out = xp.empty(result_shape, dtype=dtype)
+            _unpack_blocks(recv, out, concat_axis, block_shape, theirs)
+            return out
+        exchange.result_shape = result_shape
+        return exchange
 
     def _pack_blocks(self, x, axis: int, cut: list[int]):
         """``x`` cut along ``axis`` into blocks of ``cut`` lengths, laid one after the other
@@ -247,14 +305,14 @@ class Communicator(ABC):
             start, offset = start + n, offset + block.size
         return out
 
-    def _all_to_all_blocks(self, x, split_axis, concat_axis, split_sizes, concat_sizes):
+    def _all_to_all_blocks(self, shape, split_axis, concat_axis, split_sizes, concat_sizes):
         """The axes (normalized), the lengths cut along the split axis and those coming
         from each rank along the concat axis, or the bad input."""
-        split_axis = _normalize_axis(split_axis, x.ndim)
-        concat_axis = _normalize_axis(concat_axis, x.ndim)
+        split_axis = _normalize_axis(split_axis, len(shape))
+        concat_axis = _normalize_axis(concat_axis, len(shape))
         if split_axis == concat_axis:
             raise HpcparError("all_to_all: split_axis and concat_axis must differ")
-        n_split = x.shape[split_axis]
+        n_split = shape[split_axis]
         cut = [int(s) for s in split_sizes] if split_sizes is not None else None
         if cut is None:
             if n_split % self.size:
@@ -263,12 +321,12 @@ class Communicator(ABC):
                                   f"split_sizes")
             cut = [n_split // self.size] * self.size
         theirs = ([int(s) for s in concat_sizes] if concat_sizes is not None
-                  else [x.shape[concat_axis]] * self.size)
+                  else [shape[concat_axis]] * self.size)
         if len(cut) != self.size or sum(cut) != n_split or len(theirs) != self.size \
-                or theirs[self.rank] != x.shape[concat_axis]:
+                or theirs[self.rank] != shape[concat_axis]:
             raise HpcparError(f"all_to_all on {self.name}: split_sizes {cut} / concat_sizes "
                               f"{theirs} do not fit {self.size} ranks and local shape "
-                              f"{tuple(x.shape)}")
+                              f"{tuple(shape)}")
         return split_axis, concat_axis, cut, theirs
 
     def _landing(self, out, shape: tuple, dtype):
@@ -497,6 +555,23 @@ class Communicator(ABC):
     def _barrier(self) -> None: ...
 
 
+def _attempt(make, x, *args, out=None):
+    """(the operation ``make`` prepares for ``x`` and ``out``, None), or (None, the bad
+    input): bad input is found before the ranks agree, so that every rank raises it."""
+    try:
+        op = make(x.shape, x.dtype, *args)
+        if out is not None:
+            _check_out(out, op.result_shape, x.dtype)
+        return op, None
+    except HpcparError as e:
+        return None, e
+
+
+def _key(sizes):
+    """Block lengths as a hashable key (None: the default)."""
+    return None if sizes is None else tuple(int(n) for n in sizes)
+
+
 def _array_fields(x, free_axis: int | None = None) -> tuple:
     """An operand's shape and dtype as agreement fields; ``free_axis`` (an index as the
     caller passed it) may differ in length between the ranks."""
@@ -538,6 +613,13 @@ def _into(out, result):
 def _unpack_blocks(flat, out, axis: int, shape, lengths) -> None:
     """Blocks laid one after the other in ``flat`` (block j: ``shape`` with ``lengths[j]``
     along ``axis``) placed side by side along ``axis`` of ``out``: one pass."""
+    if len(set(lengths)) == 1 and out.flags.c_contiguous:     # one strided copy, not p
+        n, p = lengths[0], len(lengths)
+        blocks = flat.reshape((p,) + _with_length(shape, axis, n))
+        order = tuple(range(1, axis + 1)) + (0,) + tuple(range(axis + 1, len(shape) + 1))
+        out.reshape(tuple(shape[:axis]) + (p, n) + tuple(shape[axis + 1:]))[...] = \
+            blocks.transpose(order)
+        return
     index = [slice(None)] * len(shape)
     start = offset = 0
     for n in lengths:

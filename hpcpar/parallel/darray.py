@@ -121,7 +121,7 @@ class DArray:
         except HpcparError as e:
             error = e
         if mesh.checking:
-            mesh.agree("DArray", _fields(self.shape, local.dtype,
+            mesh.agree("DArray", array_fields(self.shape, local.dtype,
                                          getattr(self, "placements", placements)), error)
         elif error is not None:
             raise error
@@ -142,7 +142,7 @@ class DArray:
         """Each rank keeps its piece of ``full`` (the same array on every rank). A ``Partial``
         axis keeps the whole on its coordinate 0 and zeros elsewhere, so the sum is ``full``."""
         placements, error = attempt(placements, placed, mesh, placements, full.shape)
-        mesh.agree("DArray.from_full", _fields(full.shape, full.dtype, placements), error)
+        mesh.agree("DArray.from_full", array_fields(full.shape, full.dtype, placements), error)
         region = piece_bounds(full.shape, mesh.sizes, mesh.coords, placements)
         local = full[tuple(slice(a, b) for a, b in region)]
         backend = mesh.backend
@@ -208,7 +208,7 @@ class DArray:
 
     def agreement_fields(self) -> list:
         """What every rank must hold alike about this array (``Mesh.agree``)."""
-        return _fields(self.shape, self.local.dtype, self.placements)
+        return array_fields(self.shape, self.local.dtype, self.placements)
 
     def placement_text(self) -> str:
         return "{" + ", ".join(f"{n}: {p!r}" for n, p in zip(self.mesh.axis_names,
@@ -223,8 +223,7 @@ class DArray:
     def redistribute(self, placements) -> "DArray":
         """The same global array under other placements, with the fewest collectives (see
         ``redistribute.plan``). The source is never modified."""
-        from .redistribute import redistribute
-        return redistribute(self, placements)
+        return _redistribute(self, placements)
 
     def full(self):
         """The whole global array on every rank (collective)."""
@@ -234,6 +233,14 @@ class DArray:
         """Another array of this shape on this mesh (``placements`` default: this one's)."""
         return DArray(local, self.shape, self.mesh,
                       self.placements if placements is None else placements)
+
+
+def _redistribute(x: DArray, placements) -> DArray:
+    """``redistribute.redistribute``, which imports this module: imported on the first call,
+    which then puts it in this function's place (an import per call costs 1-2 us)."""
+    from .redistribute import redistribute
+    globals()["_redistribute"] = redistribute
+    return redistribute(x, placements)
 
 
 def attempt(fallback, fn, *args):
@@ -252,7 +259,7 @@ def placements_text(placements) -> str:
     return repr([repr(p) for p in placements])
 
 
-def _fields(shape, dtype, placements) -> list:
+def array_fields(shape, dtype, placements) -> list:
     """What the ranks must agree on about an array they make together (hashable values,
     so that a repeated check reuses its fingerprint)."""
     return [("global shape", tuple(int(n) for n in shape)), ("dtype", dtype_name(dtype)),

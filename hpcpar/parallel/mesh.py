@@ -28,7 +28,7 @@ from mpi4py import MPI
 
 from ..backend import NUMPY, ArrayBackend
 from ..comm import Communicator, CommStats, create_communicator
-from ..comm.agreement import active, agree_mpi
+from ..comm.agreement import ERROR, Check, active, agree_mpi
 from ..comm.failfast import abort_on_uncaught_exceptions
 from ..errors import HpcparError
 from ..waits import wait_bounded
@@ -153,6 +153,7 @@ class Mesh:
             self._group((axis,))
         self._everyone = self._group(tuple(range(len(self.sizes))))
         self.fingerprint = f"mesh {self.id} {_product_text(self.shape)}"   # alike on all ranks
+        self.plans: dict = {}         # work this rank did once for this mesh (``remember``)
 
     @classmethod
     def _agree_id(cls, comm, timeout: float) -> int:
@@ -171,6 +172,21 @@ class Mesh:
             self.everyone.agree(what, [("mesh", self.fingerprint), *fields], error)
         elif error is not None:
             raise error
+
+    def check_for(self, what: str, fields) -> Check | None:
+        """``agree(what, fields)`` hashed once, for a check a loop repeats: call it (where
+        ``checking``) to check. None where the mesh does not check."""
+        if not self.check or self.everyone.size == 1:
+            return None
+        return Check(self.everyone.mpi_comm, what,
+                     [("mesh", self.fingerprint), *fields, (ERROR, "")], self.everyone.timeout)
+
+    def remember(self, key, plan) -> None:
+        """Keep ``plan`` (a redistribution's ``Program``, ...) for ``key`` in ``plans``; a
+        program whose shapes never repeat does not grow it without bound."""
+        if len(self.plans) >= 4096:
+            self.plans.clear()
+        self.plans[key] = plan
 
     @property
     def checking(self) -> bool:
@@ -256,4 +272,5 @@ class Mesh:
             group.mpi_comm.Free()
         self._groups.clear()
         self._named.clear()
+        self.plans.clear()
         self.cart.Free()

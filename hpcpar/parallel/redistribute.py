@@ -18,12 +18,12 @@ is never modified.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 from ..comm.agreement import trusted
-from .darray import DArray, PlacementError, attempt, piece_bounds, placed, shard_chain
+from .darray import (DArray, PlacementError, array_fields, attempt, piece_bounds, placed,
+                     shard_chain)
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import is_partition
 
@@ -111,18 +111,98 @@ def _partitions(p: Shard, shape: Sequence[int], parts: int, placements, axis: in
 
 def redistribute(x: DArray, placements) -> DArray:
     """``x`` placed as ``placements`` (see the module docstring); collective over the mesh
-    axes whose placement changes."""
+    axes whose placement changes. A redistribution seen before on this mesh runs its
+    ``Program``: the agreement check and the transfers, nothing worked out again."""
     mesh = x.mesh
-    dst, error = attempt(placements, placed, mesh, placements, x.shape)
-    if mesh.checking:
-        mesh.agree("redistribute", x.agreement_fields() + [("target placements", dst)], error)
-    elif error is not None:
-        raise error
-    local = x.local
+    try:
+        key = ("redistribute", x.shape, x.local.dtype, x.placements, _given(placements))
+        program = mesh.plans.get(key)
+    except TypeError:                                 # unhashable placements: worked out anew
+        key = program = None
+    if program is None:
+        dst, error = attempt(placements, placed, mesh, placements, x.shape)
+        if mesh.checking:
+            mesh.agree("redistribute", x.agreement_fields() + [("target placements", dst)],
+                       error)
+        elif error is not None:
+            raise error
+        program = Program(mesh, x.shape, x.local.dtype, x.placements, dst)
+        if key is not None:
+            mesh.remember(key, program)
+    elif mesh.checking:
+        program.check()
     with trusted():
-        for move in compiled(x.shape, mesh.sizes, mesh.coords, x.placements, dst):
-            local = _run(move, local, mesh)
-    return DArray.unchecked(local, x.shape, mesh, dst)
+        local = program.run(x.local)
+    return DArray.unchecked(local, x.shape, mesh, program.dst)
+
+
+def _given(placements) -> tuple:
+    """Placements as the caller gave them, as a key (a dict by its items, in order)."""
+    if isinstance(placements, dict):
+        return ("by name",) + tuple(placements.items())
+    return tuple(placements)
+
+
+class Program:
+    """One redistribution worked out for this rank: its agreement check (the fingerprint
+    hashed once) and its moves bound to their groups' prepared collectives, so that a
+    redistribution repeated in a loop costs its transfers and one small all-reduce."""
+
+    def __init__(self, mesh, shape: tuple, dtype, src: tuple, dst: tuple):
+        self.dst = dst
+        self.check = mesh.check_for("redistribute", array_fields(shape, dtype, src)
+                                    + [("target placements", dst)])
+        steps = []
+        state = list(src)
+        for move in compiled(shape, mesh.sizes, mesh.coords, src, dst):
+            piece = _shape_at(shape, mesh.sizes, mesh.coords, state)
+            steps.append(_bound(move, piece, dtype, mesh))
+            state[move.step.axis] = move.step.dst
+        self.run = _chain(steps)                     # this rank's piece -> its new piece
+
+
+def _chain(steps: list):
+    """One function doing ``steps`` in order (most redistributions are one step)."""
+    if len(steps) == 1:
+        return steps[0]
+
+    def run(local):
+        for step in steps:
+            local = step(local)
+        return local
+    return run
+
+
+def _bound(move: "Move", piece: tuple, dtype, mesh):
+    """A function doing ``move`` on this rank's ``piece`` (its shape) of ``dtype``."""
+    step = move.step
+    group = mesh.group(mesh.axis_names[step.axis])
+    xp = mesh.backend.xp
+    if step.op == "all_reduce":
+        return lambda local: group.all_reduce(local.copy())
+    if step.op == "keep_one":
+        keep = mesh.coords[step.axis] == 0
+        return lambda local: local.copy() if keep else xp.zeros_like(local)
+    if step.op == "slice":
+        return lambda local: local[move.region].copy()
+    if step.op == "zero_pad":
+        def pad(local):
+            out = xp.zeros(move.shape, dtype=local.dtype)
+            out[move.region] = local
+            return out
+        return pad
+    if step.op == "all_gather":
+        gather = group.all_gather_op(piece, dtype, axis=step.src.dim, sizes=move.lengths)
+        if not move.cuts:
+            return gather
+        return lambda local: _assemble(xp, gather(local), step.src.dim, move.cuts, move.shape)
+    if step.op == "reduce_scatter":
+        return group.reduce_scatter_op(piece, dtype, axis=step.dst.dim, sizes=move.lengths)
+    if step.op == "all_to_all":
+        return group.all_to_all_op(piece, dtype, split_axis=step.dst.dim,
+                                   concat_axis=step.src.dim, split_sizes=move.split,
+                                   concat_sizes=move.lengths)
+    raise ValueError(f"unknown redistribution step {step.op!r}")
 
 
 @dataclass(frozen=True)
@@ -138,10 +218,9 @@ class Move:
     cuts: tuple = ()           # all_gather of replicated units: where each rank's piece goes
 
 
-@functools.lru_cache(maxsize=4096)
 def compiled(shape: tuple, sizes: tuple, coords: tuple, src: tuple, dst: tuple) -> tuple:
-    """``plan``'s steps with every slice and length they need on the rank at ``coords``:
-    pure, so a redistribution repeated in a loop works its placements out once."""
+    """``plan``'s steps with every slice and length they need on the rank at ``coords``
+    (pure; a ``Program`` binds them to the groups)."""
     state = list(src)
     moves = []
     for step in plan(shape, sizes, src, dst):
@@ -169,35 +248,6 @@ def compiled(shape: tuple, sizes: tuple, coords: tuple, src: tuple, dst: tuple) 
         else:                                           # all_reduce, keep_one
             moves.append(Move(step))
     return tuple(moves)
-
-
-def _run(move: Move, local, mesh):
-    """One step on this rank's piece."""
-    step, i = move.step, move.step.axis
-    group = mesh.group(mesh.axis_names[i])
-    xp = mesh.backend.xp
-    if step.op == "all_reduce":
-        return group.all_reduce(local.copy())
-    if step.op == "keep_one":
-        return local.copy() if mesh.coords[i] == 0 else xp.zeros_like(local)
-    if step.op == "slice":
-        return local[move.region].copy()
-    if step.op == "zero_pad":
-        out = xp.zeros(move.shape, dtype=local.dtype)
-        out[move.region] = local
-        return out
-    if step.op == "all_gather":
-        dim = step.src.dim
-        gathered = group.all_gather(local, axis=dim, sizes=move.lengths)
-        if not move.cuts:
-            return gathered
-        return _assemble(xp, gathered, dim, move.cuts, move.shape)
-    if step.op == "reduce_scatter":
-        return group.reduce_scatter(local, axis=step.dst.dim, sizes=move.lengths)
-    if step.op == "all_to_all":
-        return group.all_to_all(local, split_axis=step.dst.dim, concat_axis=step.src.dim,
-                                split_sizes=move.split, concat_sizes=move.lengths)
-    raise ValueError(f"unknown redistribution step {step.op!r}")
 
 
 def _shape_at(shape, sizes, coords, placements) -> tuple[int, ...]:
