@@ -279,10 +279,11 @@ def test_ranks_that_disagree_are_one_error_on_every_rank(comm):
         m.free()
 
 
-def test_a_remembered_redistribution_is_still_checked(comm):
-    """A redistribution repeated in a loop runs the program it made the first time; one
-    rank repeating it while another asks for something new is still an error on every
-    rank, and a remembered one still gives the dense result."""
+def test_remembered_redistributions_and_products_are_still_checked(comm):
+    """A redistribution or product repeated in a loop reuses what it worked out the first
+    time (its program, its check's fingerprint); one rank repeating it while another asks
+    for something new is still an error on every rank, and a remembered one still gives
+    the dense result."""
     n, r = comm.Get_size(), comm.Get_rank()
     mesh = hp.Mesh(comm, {"x": n}, timeout=30)
     full = np.arange(2.0 * n * 3 * n).reshape(2 * n, 3 * n)
@@ -299,6 +300,14 @@ def test_a_remembered_redistribution_is_still_checked(comm):
     b = hp.DArray.from_full(full.astype(np.float32), mesh, [hp.Shard(0)])
     b.redistribute([hp.Shard(1)])                        # remembered for float32 on every rank
     _raises_everywhere(comm, lambda: (b if odd else a).redistribute([hp.Shard(1)]), "dtype")
+    w_full = np.arange(3.0 * n * 2).reshape(3 * n, 2)
+    w = hp.DArray.from_full(w_full, mesh, [hp.Replicate()])
+    for _ in range(2):                                   # the product's check remembered
+        np.testing.assert_allclose(hp.matmul(a, w, out=[hp.Shard(0)]).full(), full @ w_full)
+    _raises_everywhere(comm, lambda: hp.matmul(a, w, out=None if odd else [hp.Shard(0)]),
+                       "matmul: the ranks disagree on out")
+    same = hp.matmul(a, w, out=(hp.Shard(0),) if odd else [hp.Shard(0)])    # a tuple is a list
+    np.testing.assert_allclose(same.full(), full @ w_full)
     mesh.free()
 
 

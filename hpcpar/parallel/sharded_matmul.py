@@ -279,38 +279,79 @@ def _make_plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
     return _Plan(policy, tuple(a_in), tuple(b_in), y_local, y_out)
 
 
-def _agree(what: str, operands: dict[str, DArray], error: Exception | None,
-           **options) -> None:
-    """The ranks pass the same operands (shapes, dtypes, placements, meshes) and options;
-    ``error``, this rank's bad input, is raised on every rank."""
+def _checked(what: str, operands: dict[str, DArray], make, **options):
+    """``make()``, this rank's plan for ``operands`` and ``options`` (or its bad input),
+    once every rank is found to pass the same operands (shapes, dtypes, placements, meshes)
+    and options; bad input on one rank is raised on every rank. Remembered on the mesh, so
+    that a product repeated in a loop costs a lookup and the check's small all-reduce."""
     mesh = next(iter(operands.values())).mesh
-    if not mesh.checking:
-        if error is not None:
-            raise error
-        return
+    key = _key(what, mesh, operands, options)
+    known = mesh.plans.get(key) if key is not None else None
+    if known is not None:
+        plan, check = known
+        if mesh.checking:
+            check()
+        return plan
+    plan, error = attempt(None, make)
+    if mesh.checking:
+        mesh.agree(what, _fields(operands, options), error)
+    elif error is not None:
+        raise error
+    if key is not None:
+        mesh.remember(key, (plan, mesh.check_for(what, _fields(operands, options))))
+    return plan
+
+
+def _key(what: str, mesh, operands: dict[str, DArray], options: dict):
+    """What the check's fields hold, as a key; None where it cannot be one (an unhashable
+    option, an operand on another mesh)."""
+    if any(x.mesh is not mesh for x in operands.values()):
+        return None
+    key = (what, *((x.shape, x.local.dtype, x.placements) for x in operands.values()),
+           *((name, _given(v)) for name, v in options.items()))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _fields(operands: dict[str, DArray], options: dict) -> list:
     fields = [(f"{name}'s {label}", v) for name, x in operands.items()
               for label, v in x.agreement_fields() + [("mesh", x.mesh.fingerprint)]]
-    fields += [(name, placements_text(v) if name in PLACEMENT_OPTIONS and v is not None
-                else v) for name, v in options.items()]
-    mesh.agree(what, fields, error)
+    return fields + [(name, placements_text(v) if name in PLACEMENT_OPTIONS and v is not None
+                      else v) for name, v in options.items()]
+
+
+def _given(value):
+    """An option as a key (lists and dicts by their items, told apart from tuples, whose
+    text in the fields differs)."""
+    if isinstance(value, dict):
+        return ("dict", *value.items())
+    return ("list", *value) if isinstance(value, list) else value
 
 
 def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
                    out=None) -> tuple[DArray, MatmulCtx]:
     """Y = A B under ``policy`` (default: the one the placements ask for, ``choose``),
     placed as ``out`` (default: the policy's), and the ctx ``matmul_backward`` needs."""
-    plan, error = attempt(None, _plan, a, b, policy, axis, out)
-    _agree("matmul", {"A": a, "B": b}, error, policy=policy, axis=axis, out=out)
+    plan = _checked("matmul", {"A": a, "B": b}, lambda: _plan(a, b, policy, axis, out),
+                    policy=policy, axis=axis, out=out)
     with trusted():
         return _matmul_forward(a, b, plan)
 
 
 def _matmul_forward(a: DArray, b: DArray, plan: _Plan) -> tuple[DArray, MatmulCtx]:
-    a2, b2 = a.redistribute(plan.a_in), b.redistribute(plan.b_in)
+    a2, b2 = _moved(a, plan.a_in), _moved(b, plan.b_in)
     y = DArray.unchecked(local_product(a.mesh.backend.xp, a2.local, b2.local),
                          (a.shape[0], b.shape[1]), a.mesh, plan.y_local)
     ctx = MatmulCtx(a2, b2, a.placements, b.placements, plan.y_local, plan.policy)
-    return y.redistribute(plan.y_out), ctx
+    return _moved(y, plan.y_out), ctx
+
+
+def _moved(x: DArray, placements: tuple) -> DArray:
+    """``x`` redistributed inside a checked call: itself where it is placed so already."""
+    return x if placements == x.placements else x.redistribute(placements)
 
 
 def matmul(a: DArray, b: DArray, policy: str | None = None, axis=None, out=None) -> DArray:
@@ -328,8 +369,8 @@ def matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements=None,
     """(dA, dB) from dY (any placement): dA = dY B^T, dB = A^T dY, each in its operand's
     placement (``gradient_placements``) unless ``da_placements`` / ``db_placements`` say
     otherwise."""
-    _agree("matmul_backward", {"dY": dy, "A": ctx.a, "B": ctx.b}, None, policy=ctx.policy,
-           da_placements=da_placements, db_placements=db_placements)
+    _checked("matmul_backward", {"dY": dy, "A": ctx.a, "B": ctx.b}, lambda: None,
+             policy=ctx.policy, da_placements=da_placements, db_placements=db_placements)
     with trusted():
         return _matmul_backward(dy, ctx, da_placements, db_placements)
 
