@@ -25,13 +25,14 @@ _share_cores_between_ranks()
 from . import supervisor  # noqa: E402  (standard library only)
 
 if supervisor.wanted():
-    raise SystemExit(supervisor.supervise([sys.executable, "-m", "hpcpar", *sys.argv[1:]]))
+    supervisor.leave(supervisor.supervise([sys.executable, "-m", "hpcpar", *sys.argv[1:]]))
 supervisor.watch_keeper()
 
 from .cli import main  # noqa: E402
+from .launch import leave  # noqa: E402
 
 try:
     status = main()
 finally:
     supervisor.mark_known_exit()
-raise SystemExit(status)
+leave(status)
