@@ -10,7 +10,9 @@ A node's memory is all one rank can read, so on several nodes each node prints i
 the rank that claims its node's report first sounds an *alarm* (a one-integer message to every
 rank of the other nodes, each of which keeps a receive posted for it), and a rank that finds
 the alarm while waiting gives up at once (``CommTimeout``), so every node whose ranks still
-run reports within moments of the first, before the job is aborted.
+run reports within moments of the first, before the job is aborted. A stop request travels
+the same way: a signal to one rank goes into its node's control row, which the node's ranks
+read, and to every rank of the other nodes, which write it into their own rows when they poll.
 
 ``HPCPAR_FAKE_NODES=K`` (tests) splits the world into K blocks of consecutive ranks that play
 the part of nodes.
@@ -78,6 +80,9 @@ class ActionBoard:
         self.alarms = world.Dup()
         self._heard = np.full(1, -1, dtype=np.int64)
         self._listen = self.alarms.Irecv(self._heard, source=MPI.ANY_SOURCE, tag=_ALARM_TAG)
+        self._stop_heard = np.full(2, -1, dtype=np.int64)     # (signal, world rank)
+        self._stop_listen = self.alarms.Irecv(self._stop_heard, source=MPI.ANY_SOURCE,
+                                              tag=_STOP_TAG)
         atexit.register(self._stop_listening)
 
     def alarm(self) -> int | Exception | None:
@@ -93,30 +98,49 @@ class ActionBoard:
     def sound_alarm(self) -> None:
         """Tell every rank of the other nodes that this one found the job hung (without
         waiting: some may be stopped)."""
+        self._tell_other_nodes(self.mine[:1].copy(), _ALARM_TAG)   # this rank's world rank
+
+    def _tell_other_nodes(self, message: np.ndarray, tag: int) -> None:
         here = self.node_of[self.mine[0]]
-        mine = self.mine[:1].copy()                   # this rank's world rank
-        self._sent = [self.alarms.Isend(mine, dest=r, tag=_ALARM_TAG)
-                      for r in range(len(self.node_of)) if self.node_of[r] != here]
+        self._sent = getattr(self, "_sent", []) + [
+            self.alarms.Isend(message, dest=r, tag=tag)
+            for r in range(len(self.node_of)) if self.node_of[r] != here]
 
     # ---- a stop request, seen by every rank of the node ---------------------------------------
 
     def ask_stop(self, signum: int) -> None:
         """This rank got a stop signal: the node's control row says so (its first asker
-        stays), so its ranks that poll ``stop_asked`` stop too, whichever rank got it."""
+        stays), so its ranks that poll ``stop_asked`` stop too, whichever rank got it; and
+        the first asker of a node tells every rank of the other nodes (a message each keeps
+        a receive posted for), which write it into their own nodes' rows when they poll."""
         if self.control[STOP_SIGNAL] <= 0:
-            self.control[STOP_RANK] = self.mine[0]
-            self.control[STOP_SIGNAL] = signum
+            self._note_stop(signum, int(self.mine[0]))
+            if self.nodes > 1:
+                self._tell_other_nodes(np.array([signum, self.mine[0]], dtype=np.int64),
+                                       _STOP_TAG)
 
     def stop_asked(self) -> tuple[int, int] | None:
-        """(signal number, world rank that got it) if a rank of this node asked to stop."""
+        """(signal number, world rank that got it) if a rank of this node asked to stop, or
+        one of another node did (its message, received here: one MPI test)."""
         signum = int(self.control[STOP_SIGNAL])
+        if signum <= 0 and self._stop_listen is not None and self._stop_listen.Test():
+            self._stop_listen = None
+            self._note_stop(int(self._stop_heard[0]), int(self._stop_heard[1]))
+            signum = int(self.control[STOP_SIGNAL])
         return (signum, int(self.control[STOP_RANK])) if signum > 0 else None
 
+    def _note_stop(self, signum: int, world_rank: int) -> None:
+        if self.control[STOP_SIGNAL] <= 0:
+            self.control[STOP_RANK] = world_rank
+            self.control[STOP_SIGNAL] = signum
+
     def _stop_listening(self) -> None:
-        if self._listen is not None:
-            self._listen.Cancel()
-            self._listen.Wait()
-            self._listen = None
+        for name in ("_listen", "_stop_listen"):
+            request = getattr(self, name, None)
+            if request is not None:
+                request.Cancel()
+                request.Wait()
+                setattr(self, name, None)
 
     # ---- actions ----------------------------------------------------------------------------
 
@@ -176,6 +200,7 @@ class ActionBoard:
 
 
 _ALARM_TAG = 7
+_STOP_TAG = 8
 
 
 def _node_comm(world):

@@ -224,3 +224,41 @@ def test_progress_counts_prompts_and_logs_a_line_per_interval():
     quiet = io.StringIO()
     Progress(total=10, share=1.0, interval=0, terminal=False, out=quiet).rows(3, 3)
     assert quiet.getvalue() == ""
+
+
+def test_a_signal_to_a_rank_of_another_node_stops_the_generation_within_steps(work):
+    """Two (fake) nodes, one rank each, a pipeline of 2 stages: SIGTERM to the last stage
+    alone reaches the first stage, on the other node, as a message (it used to learn only
+    at the end of the wave: every row was finished); the run stops with rows left."""
+    rng = np.random.default_rng(6)
+    count = 300
+    lines = [json.dumps({"ids": rng.integers(3, 250, 4).tolist(), "max_new_tokens": 80})
+             for _ in range(count)]
+    (work / "long.jsonl").write_text("\n".join(lines) + "\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
+               HPCPAR_PROGRESS_SECONDS="0.05", HPCPAR_FAKE_NODES="2",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "hpcpar", "generate",
+                             "--checkpoint", "model.h5", "--prompts", "long.jsonl",
+                             "--max-new-tokens", "80", "--ignore-eos", "--pp", "2",
+                             "--micro-batches", "4",
+                             "--timeout", "30", "--out", "long.h5"], cwd=work, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:             # the progress log: the steps have started
+        seen.append(line)
+        if line.startswith("progress:"):
+            break
+    last_stage = [p for p in _descendants(proc.pid)
+                  if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()
+                  and b"PMI_RANK=1" in open(f"/proc/{p}/environ", "rb").read()
+                  and b"HPCPAR_SUPERVISED_FD" in open(f"/proc/{p}/environ", "rb").read()]
+    assert last_stage, "".join(seen)
+    os.kill(last_stage[0], signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
+    assert proc.returncode == 3, err
+    assert "stopped" in out and "on request (SIGTERM to rank 1)" in out, out + err
+    with h5py.File(work / ".long.h5.partial") as f:
+        done = int(f["done"][()].sum())
+    assert done < count, err                          # stopped within the wave

@@ -168,13 +168,14 @@ def test_bad_rows_are_one_error_from_one_rank_and_no_output(tmp_path, rows, mess
     assert not list(tmp_path.glob(".scores.h5*"))
 
 
-@pytest.mark.parametrize("signum, which", [(15, 1), (2, 0)])
+@pytest.mark.parametrize("signum, which, nodes", [(15, 1, 1), (2, 0, 1), (15, 1, 2)])
 def test_a_stop_signal_to_one_rank_ends_the_scoring_with_one_line_and_no_lock(tmp_path, signum,
-                                                                              which):
-    """SIGTERM or SIGINT to any one rank of a scoring job: every rank of the node stops at its
-    next micro-batch or wait (the signal reaches them through the watchdog's shared row),
-    one line says what stopped, and neither the output nor its lock is left (the lock used
-    to stay, and SIGTERM to a rank killed it). The status is 3: the ranks and their keepers
+                                                                              which, nodes):
+    """SIGTERM or SIGINT to any one rank of a scoring job: every rank stops at its next
+    micro-batch or wait (the signal reaches its node's ranks through the watchdog's shared
+    row, and the other nodes' through a message: they waited for the timeout before), one
+    line says what stopped, and neither the output nor its lock is left (the lock used to
+    stay, and SIGTERM to a rank killed it). The status is 3: the ranks and their keepers
     leave together (``launch.leave``; mpiexec reported 9 in 1 run in 12 when a keeper was
     killed still waiting for its rank's teardown)."""
     import signal
@@ -186,11 +187,13 @@ def test_a_stop_signal_to_one_rank_ends_the_scoring_with_one_line_and_no_lock(tm
     np.save(tmp_path / "data.npy", np.random.default_rng(0).integers(0, TINY["vocab_size"],
                                                                      (3000, 48)))
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_PROGRESS_SECONDS="0.05",
+               HPCPAR_FAKE_NODES=str(nodes),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "hpcpar", "score",
                              "--checkpoint", "model.h5", "--data", "data.npy", "--out",
-                             "out.h5", "--dp", "1", "--pp", "2"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "out.h5", "--dp", "1", "--pp", "2", "--timeout", "30"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     lock = tmp_path / ".out.h5.lock"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not lock.exists():
