@@ -25,14 +25,13 @@ _share_cores_between_ranks()
 from . import supervisor  # noqa: E402  (standard library only)
 
 if supervisor.wanted():
-    supervisor.leave(supervisor.supervise([sys.executable, "-m", "hpcpar", *sys.argv[1:]]))
+    raise SystemExit(supervisor.supervise([sys.executable, "-m", "hpcpar", *sys.argv[1:]]))
 supervisor.watch_keeper()
 
 from .cli import main  # noqa: E402
-from .launch import leave  # noqa: E402
 
 try:
     status = main()
 finally:
     supervisor.mark_known_exit()
-leave(status)
+raise SystemExit(status)

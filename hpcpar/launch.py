@@ -38,7 +38,7 @@ import numpy as np
 
 from . import waits
 from .errors import CommTimeout, HangElsewhere, HpcparError
-from .supervisor import launcher_size, leave_now, mark_known_exit
+from .supervisor import launcher_size, mark_known_exit
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ EXIT_HUNG = 4       # a receive or collective outlasted --timeout: a rank stoppe
 EXIT_INTERRUPTED = 130   # a second Ctrl-C, or one before the job's steps: ended at once
 EXIT_OUTPUT_CLOSED = 141  # stdout's reader went away (| head): 128 + SIGPIPE, as a shell shows
 
-_state = {"phase": "start-up", "where": None, "board": None, "agreed": False}
+_state = {"phase": "start-up", "where": None, "board": None}
 
 
 class JobFailed(SystemExit):
@@ -141,7 +141,6 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         sys.stdout.flush()            # a reader gone shows here, not at the interpreter's exit
         return status
     except JobFailed as e:
-        _state["agreed"] = True           # every rank ends with this status (``leave``)
         return int(e.code)
     except SystemExit as e:           # --help (0), or a library's own exit
         return e.code if isinstance(e.code, int) else EXIT_FAILED
@@ -159,29 +158,6 @@ def run_guarded(main: Callable[[], int | None]) -> int:
         _abort(f"{_who()} failed while {_state['phase']}: {type(e).__name__}: {e}",
                EXIT_FAILED, with_traceback=True)
     return EXIT_FAILED
-
-
-def leave(status: int, seconds: float = 10.0):
-    """End this process with ``status``. A failure every rank agreed on (``JobFailed``: bad
-    input, a stop) ends every rank at the same moment: the launcher kills what is left of
-    a job once one rank has ended with a failing status, and reports a rank (or its keeper)
-    killed while it was still finishing as status 9 (1 stopped scoring run in 12). So the
-    ranks meet at a barrier (ranks that never heard of the failure, on another node, are not
-    waited for past ``seconds``) and leave at once, keepers first, without the interpreter's
-    teardown: what they wrote is closed and flushed by then. Any other status leaves the
-    usual way."""
-    if status == 0 or not _state["agreed"]:
-        raise SystemExit(status)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    comm = world()
-    if comm.Get_size() > 1:
-        waits.listen_for_alarm(None)             # the failure it would raise is known
-        try:
-            waits.wait_bounded(comm.Ibarrier(), seconds, "leaving together")
-        except CommTimeout:
-            pass
-    leave_now(status)
 
 
 def _stdout_closed() -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import select
 import signal
 import socket
 import stat
@@ -74,34 +73,12 @@ def _turned_on() -> bool:
 def mark_known_exit() -> None:
     """Called by the child on hpcpar's own way out (a result, or an error it reported): the
     keeper then stays quiet about its status. Idempotent; a no-op when not supervised."""
-    _tell_keeper(b"x")
-
-
-def leave_now(status: int) -> None:
-    """In the child, leaving with a failing ``status`` every rank agreed on, at the same
-    moment as the others: its keeper ends with ``status`` at once, rather than after this
-    process's teardown (milliseconds that differ between ranks, in which the launcher kills
-    the keepers still there once one has ended so: status 9). Ends this process."""
-    signal.signal(KEEPER_GONE, signal.SIG_IGN)        # its keeper goes first, on purpose
-    _tell_keeper(b"e" + bytes([status & 0xFF]))
-    os._exit(status)
-
-
-_keeper_pipe: list[int] = []          # the child's end of its keeper's pipe, once known
-
-
-def _tell_keeper(message: bytes) -> None:
     fd = os.environ.pop(_CHILD, None)
     if fd is not None:
         try:
             if stat.S_ISFIFO(os.fstat(int(fd)).st_mode):     # the keeper's pipe, nothing else
-                _keeper_pipe.append(int(fd))
+                os.write(int(fd), b"x")
         except (OSError, ValueError):
-            pass
-    for fd in _keeper_pipe[:1]:
-        try:
-            os.write(fd, message)
-        except OSError:
             pass
 
 
@@ -116,7 +93,13 @@ def supervise(command: list[str]) -> int:
     os.close(write_end)
     for sig in _FORWARDED:
         signal.signal(sig, lambda signum, frame: _forward(child, signum))
-    status, explained = _wait(child, read_end)
+    status = child.wait()
+    os.set_blocking(read_end, False)        # a grandchild may still hold the write end
+    try:
+        explained = os.read(read_end, 1) == b"x"
+    except BlockingIOError:
+        explained = False
+    os.close(read_end)
     if status < 0:
         name = signal.Signals(-status).name
         _say(f"was killed by {name} (signal {-status})", child.pid)
@@ -125,41 +108,6 @@ def supervise(command: list[str]) -> int:
         _say(f"exited with status {status} without reporting an error (a crash, or os._exit)",
              child.pid)
     return status
-
-
-def leave(status: int):
-    """End the keeper with its rank's ``status``. A failing one at once: the launcher kills
-    the other ranks' keepers when the first one ends so, and a keeper caught in Python's
-    teardown would show as killed instead of ending with its rank's status."""
-    if status == 0:
-        raise SystemExit(0)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-def _wait(child: subprocess.Popen, read_end: int) -> tuple[int, bool]:
-    """The child's status, and whether it ended through hpcpar's own exit path (it wrote
-    ``x``). A child that says ``e`` and a status (``leave_now``) is leaving with that status
-    together with the other ranks: the keeper ends with it at once."""
-    explained = False
-    while child.poll() is None:
-        ready, _, _ = select.select([read_end], [], [], 0.1)
-        message = os.read(read_end, 64) if ready else b""
-        explained |= b"x" in message
-        if b"e" in message[:-1]:
-            sys.stderr.flush()
-            os._exit(message[message.index(b"e") + 1])
-        if ready and not message:             # the child closed its end: it is ending
-            break
-    status = child.wait()
-    os.set_blocking(read_end, False)          # a grandchild may still hold the write end
-    try:
-        explained |= b"x" in os.read(read_end, 64)
-    except BlockingIOError:
-        pass
-    os.close(read_end)
-    return status, explained
 
 
 def _forward(child: subprocess.Popen, signum: int) -> None:

@@ -26,7 +26,7 @@ from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
 from ..config import ParallelConfig
 from ..dtypes import dtype_name, float_dtype
-from ..errors import HpcparError, Stopped
+from ..errors import CommTimeout, HpcparError, Stopped
 from ..generate.batching import micro_batches, replica_rows
 from ..generate.setup import load_tokenizer, open_stage, resolve_checkpoint
 from ..jobs import Job
@@ -35,6 +35,7 @@ from ..mesh import Mesh
 from ..outputs import (OUTPUT_KIND, AtomicPath, check_output, check_space, claimed, write_point,
                        writing)
 from ..pipeline.executor import PipelineExecutor
+from .. import waits
 from ..generate.schedule import generation
 from ..replicas import ReplicaChannel, owners
 from .data import ScoreData, check_score_data, load_score_data
@@ -106,7 +107,23 @@ def run_scoring(comm, job: Job) -> ScoreResult | None:
         if rank == 0:
             print(f"hpcpar: stopped on request ({e}) while scoring: nothing was written; run "
                   "it again to score", file=sys.stderr, flush=True)
-        raise JobFailed(EXIT_PREEMPTED) from None     # every rank leaves together (launch.leave)
+        _leave_together(comm)
+        raise JobFailed(EXIT_PREEMPTED) from None
+
+
+def _leave_together(comm, seconds: float = 10.0) -> None:
+    """Every stopped rank waits for the others before it exits: the launcher kills what
+    is left of a job once one rank has ended with a failing status, which would cut a
+    rank's own clean-up short. Ranks that never heard of the stop (another node's) are
+    not waited for past ``seconds``."""
+    alarm = waits.current_alarm()
+    waits.listen_for_alarm(None)                # the stop it would raise is known
+    try:
+        waits.wait_bounded(comm.Ibarrier(), seconds, "leaving after the stop")
+    except CommTimeout:
+        pass
+    finally:
+        waits.listen_for_alarm(alarm)
 
 
 def _score(comm, job: Job, ckpt: Checkpoint, plan: _Plan) -> ScoreResult | None:
