@@ -175,8 +175,9 @@ def test_a_stop_signal_to_one_rank_ends_the_scoring_with_one_line_and_no_lock(tm
     micro-batch or wait (the signal reaches its node's ranks through the watchdog's shared
     row, and the other nodes' through a message: they waited for the timeout before), one
     line says what stopped, and neither the output nor its lock is left (the lock used to
-    stay, and SIGTERM to a rank killed it). The status is 3, or 9 where mpiexec ends a rank
-    still finalizing: its keeper's exit raced the others' (README)."""
+    stay, and SIGTERM to a rank killed it). The status is 3 (it was 9 in 1 run in 12: a
+    heartbeat left unmatched made rank 0's MPI_Finalize fail, and mpiexec then killed the
+    rank still finishing)."""
     import signal
     import subprocess
     import sys
@@ -200,7 +201,7 @@ def test_a_stop_signal_to_one_rank_ends_the_scoring_with_one_line_and_no_lock(tm
     time.sleep(1.0)                                        # into the scoring
     os.kill(_rank_process(proc.pid, which), signum)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode in (3, 9), err
+    assert proc.returncode == 3, err
     lines = [line for line in err.splitlines() if line.startswith("hpcpar:")]
     name = signal.Signals(signum).name
     assert lines == [f"hpcpar: stopped on request ({name} to rank {which}) while scoring: "

@@ -120,10 +120,23 @@ def _leave_together(comm, seconds: float = 10.0) -> None:
     waits.listen_for_alarm(None)                # the stop it would raise is known
     try:
         waits.wait_bounded(comm.Ibarrier(), seconds, "leaving after the stop")
+        _drop_messages_in_flight(comm)
     except CommTimeout:
         pass
     finally:
         waits.listen_for_alarm(alarm)
+
+
+def _drop_messages_in_flight(comm) -> None:
+    """Receive and drop what the other ranks sent this one before they stopped (a replica's
+    results or heartbeat, rank 0's pings), all of it here once they have passed the barrier:
+    MPI_Finalize fails on a message left unmatched, and mpiexec then takes the rank for
+    crashed and kills the others, which showed as status 9 (1 stopped run in 12)."""
+    from mpi4py import MPI
+    status = MPI.Status()
+    while comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        comm.Recv([np.empty(status.Get_count(MPI.BYTE), np.uint8), MPI.BYTE],
+                  status.Get_source(), status.Get_tag())
 
 
 def _score(comm, job: Job, ckpt: Checkpoint, plan: _Plan) -> ScoreResult | None:
