@@ -259,6 +259,14 @@ def placements_text(placements) -> str:
     return repr([repr(p) for p in placements])
 
 
+def given_key(value):
+    """An argument as the caller gave it, as a hashable key: lists and dicts by their items
+    (in order), told apart from tuples (whose text in the agreement fields differs)."""
+    if isinstance(value, dict):
+        return ("dict", *value.items())
+    return ("list", *value) if isinstance(value, list) else value
+
+
 def array_fields(shape, dtype, placements) -> list:
     """What the ranks must agree on about an array they make together (hashable values,
     so that a repeated check reuses its fingerprint)."""

@@ -46,6 +46,7 @@ class GradientReducer:
         self.bucket_of: dict[int, int] = {}
         self.views: dict[int, object] = {}                  # each param's grad, in its bucket
         unique = list({id(p): p for group in groups for p in group}.values())
+        self.params = unique                                # each parameter once, in order
         taken = next((p for p in unique if p.reducer is not None), None)
         dp.agree("GradientReducer", [
             ("parameters (shape, dtype)", [(tuple(p.grad.shape), str(p.grad.dtype))
@@ -170,7 +171,7 @@ class GradientReducer:
             for p in params:
                 if p.grad is not self.views[id(p)]:
                     raise HpcparError(
-                        f"GradientReducer: the gradient of parameter {_label(p, self.views)} was "
+                        f"GradientReducer: the gradient of parameter {_label(p, self.params)} was "
                         f"replaced by a new array, which the sum over dp would miss; add into "
                         f"it in place (p.grad += ..., p.zero_grad())")
 
@@ -179,7 +180,7 @@ def _label(p: Parameter, among) -> str:
     """A parameter as a user recognises it: its name, or its place and shape."""
     if p.name:
         return repr(p.name)
-    index = next((i for i, q in enumerate(among) if q is p or q == id(p)), None)
+    index = next((i for i, q in enumerate(among) if q is p), None)
     return f"{index} of shape {tuple(p.grad.shape)}" if index is not None \
         else f"of shape {tuple(p.grad.shape)}"
 

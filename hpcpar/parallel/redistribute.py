@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..comm.agreement import trusted
-from .darray import (DArray, PlacementError, array_fields, attempt, piece_bounds, placed,
-                     shard_chain)
+from .darray import (DArray, PlacementError, array_fields, attempt, given_key, piece_bounds,
+                     placed, shard_chain)
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import is_partition
 
@@ -115,7 +115,7 @@ def redistribute(x: DArray, placements) -> DArray:
     ``Program``: the agreement check and the transfers, nothing worked out again."""
     mesh = x.mesh
     try:
-        key = ("redistribute", x.shape, x.local.dtype, x.placements, _given(placements))
+        key = ("redistribute", x.shape, x.local.dtype, x.placements, given_key(placements))
         program = mesh.plans.get(key)
     except TypeError:                                 # unhashable placements: worked out anew
         key = program = None
@@ -134,13 +134,6 @@ def redistribute(x: DArray, placements) -> DArray:
     with trusted():
         local = program.run(x.local)
     return DArray.unchecked(local, x.shape, mesh, program.dst)
-
-
-def _given(placements) -> tuple:
-    """Placements as the caller gave them, as a key (a dict by its items, in order)."""
-    if isinstance(placements, dict):
-        return ("by name",) + tuple(placements.items())
-    return tuple(placements)
 
 
 class Program:

@@ -39,7 +39,7 @@ from typing import Sequence
 
 from ..comm.agreement import trusted
 from ..errors import HpcparError
-from .darray import DArray, attempt, normalize_placements, placements_text
+from .darray import DArray, attempt, given_key, normalize_placements, placements_text
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import even_sizes
 
@@ -308,7 +308,7 @@ def _key(what: str, mesh, operands: dict[str, DArray], options: dict):
     if any(x.mesh is not mesh for x in operands.values()):
         return None
     key = (what, *((x.shape, x.local.dtype, x.placements) for x in operands.values()),
-           *((name, _given(v)) for name, v in options.items()))
+           *((name, given_key(v)) for name, v in options.items()))
     try:
         hash(key)
     except TypeError:
@@ -321,14 +321,6 @@ def _fields(operands: dict[str, DArray], options: dict) -> list:
               for label, v in x.agreement_fields() + [("mesh", x.mesh.fingerprint)]]
     return fields + [(name, placements_text(v) if name in PLACEMENT_OPTIONS and v is not None
                       else v) for name, v in options.items()]
-
-
-def _given(value):
-    """An option as a key (lists and dicts by their items, told apart from tuples, whose
-    text in the fields differs)."""
-    if isinstance(value, dict):
-        return ("dict", *value.items())
-    return ("list", *value) if isinstance(value, list) else value
 
 
 def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
