@@ -28,9 +28,9 @@ from time import perf_counter
 import numpy as np
 from mpi4py import MPI
 
-from hpcpar.generate import Prompts, run_generation
-from hpcpar.jobs import load_job
-from hpcpar.score import run_scoring
+from hpcpar.jobs.generate import Prompts, run_generation
+from hpcpar.jobs.job import load_job
+from hpcpar.jobs.score import run_scoring
 
 
 def mix(count: int, vocab: int, max_new: int, seed: int) -> Prompts:
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     comm = MPI.COMM_WORLD
     rank0 = comm.Get_rank() == 0
     from hpcpar.checkpoint import open_checkpoint
-    from hpcpar.generate.setup import resolve_checkpoint
+    from hpcpar.jobs.generate.setup import resolve_checkpoint
     checkpoint = str(resolve_checkpoint(comm, args.checkpoint))
     vocab = open_checkpoint(checkpoint).config.vocab_size
     prompts = mix(args.prompts, vocab, args.max_new, args.seed)

@@ -17,8 +17,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcpar.backend import select_backend
-from hpcpar.comm import create_communicator
+from hpcpar.parallel.backend import select_backend
+from hpcpar.parallel.comm import create_communicator
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")
 

@@ -39,7 +39,7 @@ PRESETS = {"1b": "llama3-1b", "8b": "llama3-8b"}
 
 def probes(cp) -> dict:
     """bf16 GEMM TFLOP/s (8192^3) and device copy bandwidth (2 GiB, read + write)."""
-    from hpcpar.dtypes import float_dtype
+    from hpcpar.parallel.dtypes import float_dtype
     n = 8192
     a = cp.ones((n, n), dtype=float_dtype("bfloat16"))
     for _ in range(2):
@@ -77,8 +77,8 @@ def matrix_params(cfg) -> tuple[int, int]:
 
 def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int) -> dict:
     from mpi4py import MPI
-    from hpcpar.generate import Prompts, run_generation
-    from hpcpar.jobs import load_job
+    from hpcpar.jobs.generate import Prompts, run_generation
+    from hpcpar.jobs.job import load_job
 
     def once(tokens):
         sets = [f"model.checkpoint='{checkpoint}'", "parallel.dp=1", "parallel.backend='cupy'",
@@ -102,8 +102,8 @@ def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int) -> dict:
 def run_hpcpar_train(checkpoint: Path, args, out: Path) -> float:
     """Tokens/s of the steps after the first two (metrics.jsonl of one run)."""
     from mpi4py import MPI
-    from hpcpar.jobs import load_job
-    from hpcpar.train.engine import run_training
+    from hpcpar.jobs.job import load_job
+    from hpcpar.jobs.train.engine import run_training
     sets = [f"model.checkpoint='{checkpoint}'", "parallel.backend='cupy'",
             "model.dtype='bfloat16'", "data.dataset='synthetic'",
             f"train.seq_len={args.train_seq_len}", f"train.global_batch={args.train_batch}",
@@ -202,7 +202,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import cupy as cp
     from hpcpar.checkpoint import init_checkpoint, open_checkpoint
-    from hpcpar.dtypes import float_dtype
+    from hpcpar.parallel.dtypes import float_dtype
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     probe = probes(cp)

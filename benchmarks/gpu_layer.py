@@ -24,14 +24,14 @@ def main(argv=None) -> None:
     from cupyx.profiler import benchmark
     from mpi4py import MPI
 
-    from hpcpar.backend import select_backend
+    from hpcpar.parallel.backend import select_backend
     from hpcpar.checkpoint.presets import preset_config
-    from hpcpar.comm import MpiCommunicator
-    from hpcpar.config import ModelConfig
-    from hpcpar.dtypes import float_dtype
-    from hpcpar.model import DecoderStage
-    from hpcpar.ops import AttentionRows, ops_for
-    from hpcpar.tensors import stage_tensors
+    from hpcpar.parallel.comm import MpiCommunicator
+    from hpcpar.models.config import ModelConfig
+    from hpcpar.parallel.dtypes import float_dtype
+    from hpcpar.models.decoder import DecoderStage
+    from hpcpar.parallel.ops import AttentionRows, ops_for
+    from hpcpar.models.tensors import stage_tensors
 
     dtype = float_dtype(args.dtype)
     backend = select_backend("cupy", 0, dtype)

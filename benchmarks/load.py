@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcpar.checkpoint import init_checkpoint, load_shard, open_checkpoint, read_tensor
-from hpcpar.tensors import model_tensors
+from hpcpar.models.tensors import model_tensors
 
 
 def slowest(comm, seconds: float) -> float:

@@ -64,7 +64,7 @@ def peak_mb() -> float:
 def hpcpar_worker(mode: str, checkpoint: str, tokens: int, cp: int, work: Path) -> None:
     """One hpcpar run under mpiexec; rank 0 prints a JSON line."""
     from mpi4py import MPI
-    from hpcpar.jobs import load_job
+    from hpcpar.jobs.job import load_job
     comm = MPI.COMM_WORLD
     base = peak_mb()
     ids = np.random.default_rng(0).integers(3, SMOL["vocab_size"], tokens + 1)
@@ -73,20 +73,20 @@ def hpcpar_worker(mode: str, checkpoint: str, tokens: int, cp: int, work: Path) 
     comm.Barrier()
     common = [f"model.checkpoint='{checkpoint}'", f"parallel.cp={cp}", "parallel.dp=1"]
     if mode == "prefill":
-        from hpcpar.generate import Prompts, run_generation
+        from hpcpar.jobs.generate import Prompts, run_generation
         job = load_job(None, common + ["generate.max_new_tokens=1",
                                        "generate.stop_at_eos=false"])
         result = run_generation(comm, job, prompts=Prompts([ids[:tokens]]), progress=False)
         seconds = result.report.prefill_seconds if result else 0.0
     elif mode == "score":
-        from hpcpar.score import run_scoring
+        from hpcpar.jobs.score import run_scoring
         np.save(work / "rows.npy", ids[None, :tokens])
         job = load_job(None, common + [f"score.data='{work}/rows.npy'",
                                        f"output.path='{work}/scores.h5'"])
         result = run_scoring(comm, job)
         seconds = result.seconds if result else 0.0
     else:
-        from hpcpar.train.engine import run_training
+        from hpcpar.jobs.train.engine import run_training
         job = load_job(None, common + [f"data.dataset='{work}/rows.npy'",
                                        f"output.path='{work}/train'", "train.steps=1",
                                        "train.global_batch=1", "train.lr=1e-4",
@@ -131,11 +131,12 @@ def transformers_worker(mode: str, checkpoint: str, tokens: int, threads: int) -
 def needed_mb(mode: str, cfg: dict, tokens: int, cp: int) -> float:
     """Weights + KV cache + the O(T) activations of one layer (prefill, scoring), or the
     training plan's weights, gradients, AdamW state and activations (training), per rank."""
-    from hpcpar.config import ModelConfig, ParallelConfig
-    from hpcpar.model.decoder import PREFILL_CHUNK
+    from hpcpar.models.config import ModelConfig
+    from hpcpar.jobs.layout import ParallelConfig
+    from hpcpar.models.decoder import PREFILL_CHUNK
     from hpcpar.parallel.context import ContextShard
-    from hpcpar.tensors import stage_tensors
-    from hpcpar.train.memory import activation_bytes, state_bytes
+    from hpcpar.models.tensors import stage_tensors
+    from hpcpar.jobs.train.memory import activation_bytes, state_bytes
     model = ModelConfig.from_hf(cfg)
     params = sum(int(np.prod(s.shape)) for s in stage_tensors(
         model, range(model.num_hidden_layers), True, True))
@@ -154,7 +155,7 @@ def needed_mb(mode: str, cfg: dict, tokens: int, cp: int) -> float:
     cache = 2 * model.num_hidden_layers * here * kv * FLOAT if mode == "prefill" else 0
     logits = (1 if mode == "prefill" else here) * model.vocab_size * FLOAT
     if mode == "score":                  # the head runs a block of positions at a time
-        from hpcpar.score.program import LOGITS_BLOCK_BYTES
+        from hpcpar.jobs.score.program import LOGITS_BLOCK_BYTES
         logits = min(logits, LOGITS_BLOCK_BYTES)
     return (params * FLOAT + cache + layer + logits) / 1e6
 

@@ -22,13 +22,13 @@ def _share_cores_between_ranks() -> None:
 
 _share_cores_between_ranks()
 
-from . import supervisor  # noqa: E402  (standard library only)
+from .jobs import supervisor  # noqa: E402  (standard library only)
 
 if supervisor.wanted():
     raise SystemExit(supervisor.supervise([sys.executable, "-m", "hpcpar", *sys.argv[1:]]))
 supervisor.watch_keeper()
 
-from .cli import main  # noqa: E402
+from .jobs.cli import main  # noqa: E402
 
 try:
     status = main()

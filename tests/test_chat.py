@@ -16,13 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import GQA, realistic_tensors, write_hf_checkpoint  # noqa: E402
 from hpcpar.checkpoint import convert  # noqa: E402
-from hpcpar.errors import HpcparError  # noqa: E402
-from hpcpar.generate import run_generation  # noqa: E402
-from hpcpar.generate.chat import ChatTemplate  # noqa: E402
-from hpcpar.generate.prompts import load_prompts  # noqa: E402
-from hpcpar.generate.setup import load_tokenizer  # noqa: E402
+from hpcpar.parallel.errors import HpcparError  # noqa: E402
+from hpcpar.jobs.generate import run_generation  # noqa: E402
+from hpcpar.models.chat import ChatTemplate  # noqa: E402
+from hpcpar.jobs.generate.prompts import load_prompts  # noqa: E402
+from hpcpar.jobs.generate.setup import load_tokenizer  # noqa: E402
 from hpcpar.checkpoint import open_checkpoint  # noqa: E402
-from hpcpar.jobs import load_job  # noqa: E402
+from hpcpar.jobs.job import load_job  # noqa: E402
 
 # Llama 3's shape: a BOS, a header per message, the generation prompt, a loop control and
 # the helpers transformers gives templates

@@ -9,11 +9,12 @@ import pytest
 from hpcpar.checkpoint import (CheckpointError, convert, init_checkpoint, load_shard,
                                open_checkpoint, read_tensor)
 from hpcpar.checkpoint.format import CHUNK_TP_SIZES
-from hpcpar.config import ModelConfig, ParallelConfig
-from hpcpar.dtypes import FLOAT_DTYPES, bfloat16, nonfinite
-from hpcpar.errors import HpcparError
-from hpcpar.sharding import shard_of
-from hpcpar.tensors import model_tensors
+from hpcpar.models.config import ModelConfig
+from hpcpar.jobs.layout import ParallelConfig
+from hpcpar.parallel.dtypes import FLOAT_DTYPES, bfloat16, nonfinite
+from hpcpar.parallel.errors import HpcparError
+from hpcpar.models.sharding import shard_of
+from hpcpar.models.tensors import model_tensors
 from helpers import TINY, expected_slice, write_hf_checkpoint
 
 
@@ -230,9 +231,9 @@ def _layouts(world_size, cfg):
          attention_bias=True, mlp_bias=True, num_hidden_layers=4),
 ], ids=["gqa", "mqa-tied-bias"])
 def test_every_rank_loads_exactly_its_slices(comm, mpi_tmp_path, hf_cfg):
-    from hpcpar.mesh import Mesh
-    from hpcpar.pipeline.partition import stage_layers
-    from hpcpar.tensors import stage_tensors
+    from hpcpar.jobs.layout import job_mesh
+    from hpcpar.parallel.pipeline.partition import stage_layers
+    from hpcpar.models.tensors import stage_tensors
 
     folder = mpi_tmp_path / "hf"
     if comm.Get_rank() == 0:
@@ -245,12 +246,12 @@ def test_every_rank_loads_exactly_its_slices(comm, mpi_tmp_path, hf_cfg):
     layouts = _layouts(comm.Get_size(), ckpt.config)
     assert layouts
     for layout in layouts:
-        mesh = Mesh(comm, layout)
-        layers = stage_layers(ckpt.config.num_hidden_layers, layout.pp, mesh.pp_rank)
-        specs = stage_tensors(ckpt.config, layers, mesh.is_first_stage, mesh.is_last_stage)
-        got = load_shard(ckpt, specs, mesh.tp_rank, layout.tp, dtype=np.float32)
+        mesh = job_mesh(comm, layout)
+        layers = stage_layers(ckpt.config.num_hidden_layers, layout.pp, mesh.coord("pp"))
+        specs = stage_tensors(ckpt.config, layers, mesh.is_first("pp"), mesh.is_last("pp"))
+        got = load_shard(ckpt, specs, mesh.coord("tp"), layout.tp, dtype=np.float32)
         for spec in specs:
             want = expected_slice(spec.name, tensors[spec.name].astype(bfloat16)
-                                  .astype(np.float32), hf_cfg, mesh.tp_rank, layout.tp)
+                                  .astype(np.float32), hf_cfg, mesh.coord("tp"), layout.tp)
             np.testing.assert_array_equal(got.tensors[spec.name], want, err_msg=spec.name)
         mesh.free()

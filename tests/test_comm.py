@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from hpcpar.comm import CommStats, MpiCommunicator, split_sizes
-from hpcpar.dtypes import bfloat16
-from hpcpar.errors import HpcparError
+from hpcpar.parallel.comm import CommStats, MpiCommunicator, split_sizes
+from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.errors import HpcparError
 
 DTYPES = [np.float32, np.float16, bfloat16, np.float64, np.int64]
 SHAPES = [(1,), (7,), (3, 5), (2, 3, 5)]
@@ -194,7 +194,7 @@ def test_every_operation_counts_its_bytes(world):
 
 @pytest.mark.mpi(min_size=2)
 def test_wrong_gather_sizes_are_refused_before_communicating(world):
-    from hpcpar.errors import HpcparError
+    from hpcpar.parallel.errors import HpcparError
     with pytest.raises(HpcparError, match="do not match"):
         world.all_gather(np.ones(3), sizes=[1] * world.size)
 
@@ -233,7 +233,7 @@ def test_scatter_gives_each_rank_its_block(world, dtype, axis):
 
 @pytest.mark.mpi(min_size=2)
 def test_a_scatter_that_does_not_fit_is_an_error_on_every_rank(world):
-    from hpcpar.errors import HpcparError
+    from hpcpar.parallel.errors import HpcparError
     full = np.zeros((world.size + 1, 2), np.float32) if world.rank == 0 else None
     with pytest.raises(HpcparError, match="does not split into the blocks"):
         world.scatter(full, np.empty((1, 2), np.float32), root=0)

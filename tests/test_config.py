@@ -1,6 +1,8 @@
 import pytest
 
-from hpcpar.config import ConfigError, ModelConfig, ParallelConfig
+from hpcpar.models.config import ConfigError, ModelConfig
+
+from hpcpar.jobs.layout import ParallelConfig
 from helpers import TINY
 
 LLAMA31_V4 = dict(TINY, rope_theta=500000.0, rope_scaling={

@@ -23,8 +23,8 @@ import pytest
 
 from helpers import PROMPTS, REPO, TINY, write_hf_checkpoint
 from hpcpar.checkpoint.reader import CheckpointError, open_checkpoint
-from hpcpar.config import ConfigError, ModelConfig
-from hpcpar.errors import HpcparError
+from hpcpar.models.config import ConfigError, ModelConfig
+from hpcpar.parallel.errors import HpcparError
 from hpcpar.models.family import GATED_ACTIVATIONS
 
 BASE = dict(TINY, num_hidden_layers=2)
@@ -466,7 +466,7 @@ def test_fields_left_out_mean_what_transformers_takes(model_type):
         "llama3-v5"])
 def test_rope_frequencies_are_transformers(tmp_path, rope):
     _, transformers = _torch()
-    from hpcpar.model.rope import inverse_frequencies
+    from hpcpar.models.rope import inverse_frequencies
     cfg = dict(BASE, max_position_embeddings=96)
     del cfg["rope_theta"]
     cfg.update(rope)
@@ -485,7 +485,7 @@ def test_every_accepted_activation_is_transformers_forward_and_backward(name):
     torch, _ = _torch()
     from transformers.activations import ACT2FN
     from hpcpar.models.family import activation
-    from hpcpar.ops import GeGLU, SwiGLU
+    from hpcpar.parallel.ops import GeGLU, SwiGLU
     rng = np.random.default_rng(3)
     gate, up, da = (rng.standard_normal((4, 33)) * 3 for _ in range(3))
     op = {"silu": SwiGLU, "gelu_tanh": GeGLU}[activation({"hidden_act": name})](np)
@@ -513,8 +513,8 @@ def test_a_supported_non_default_config_matches_transformers(tmp_path, family, c
     torch, _ = _torch()
     from mpi4py import MPI
     from helpers import build_hf_model
-    from hpcpar.generate import Prompts, run_generation
-    from hpcpar.jobs import load_job
+    from hpcpar.jobs.generate import Prompts, run_generation
+    from hpcpar.jobs.job import load_job
     model, path = build_hf_model(family, tmp_path, **changes)
     job = load_job(None, [f"model.checkpoint='{path}'", "generate.save_logits=true",
                           "generate.max_new_tokens=1", "generate.stop_at_eos=false"])

@@ -11,12 +11,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hpcpar.backend import select_backend
-from hpcpar.dtypes import bfloat16
-from hpcpar.errors import HpcparError
-from hpcpar.ops import AttentionRows
-from hpcpar.ops.attention import Attention
-from hpcpar.ops.tiled_attention import TiledAttention, merge
+from hpcpar.parallel.backend import select_backend
+from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.errors import HpcparError
+from hpcpar.parallel.ops import AttentionRows
+from hpcpar.parallel.ops.attention import Attention
+from hpcpar.parallel.ops.tiled_attention import TiledAttention, merge
 from hpcpar.parallel.context import ContextShard, RingAttention
 
 TOL = {np.float32: 2e-6, bfloat16: 2e-2}

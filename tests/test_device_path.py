@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from helpers import GQA, TIED, make_checkpoint
-from hpcpar.backend import require_dtype, select_backend
-from hpcpar.comm import choice
-from hpcpar.comm.nccl import pack_unique_id, unpack_unique_id
-from hpcpar.dtypes import bfloat16
-from hpcpar.errors import HpcparError
+from hpcpar.parallel.backend import require_dtype, select_backend
+from hpcpar.parallel.comm import choice
+from hpcpar.parallel.comm.nccl import pack_unique_id, unpack_unique_id
+from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.errors import HpcparError
 
 GPU = dict(host="node1", nccl=True)
 
@@ -50,7 +50,7 @@ def test_no_nccl_library_or_no_gpu_means_mpi():
 
 def test_the_nccl_library_check_reads_cupys_available_flag(monkeypatch):
     import sys
-    from hpcpar.comm.nccl import nccl_library_present
+    from hpcpar.parallel.comm.nccl import nccl_library_present
     fake = SimpleNamespace(available=False)
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(nccl=fake)))
     monkeypatch.setitem(sys.modules, "cupy.cuda", sys.modules["cupy"].cuda)
@@ -81,7 +81,7 @@ def test_the_mpich_wheel_says_it_is_not_cuda_aware():
     import importlib.metadata
     import re
     from mpi4py import MPI  # noqa: F401  (loads the library)
-    from hpcpar.comm.mpi import library_cuda_support
+    from hpcpar.parallel.comm.mpi import library_cuda_support
     try:
         wheel = importlib.metadata.distribution("mpich")
     except importlib.metadata.PackageNotFoundError:
@@ -127,9 +127,9 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     """The bytes the stage's arrays occupy equal the loaded shard's (what ``plan`` reports):
     no second, transposed copy stays behind, and a tied head shares the embedding table."""
     from hpcpar.checkpoint import load_shard, open_checkpoint
-    from hpcpar.comm import MpiCommunicator
-    from hpcpar.model.decoder import DecoderStage
-    from hpcpar.tensors import stage_tensors
+    from hpcpar.parallel.comm import MpiCommunicator
+    from hpcpar.models.decoder import DecoderStage
+    from hpcpar.models.tensors import stage_tensors
     from mpi4py import MPI
     path, _ = make_checkpoint(tmp_path, cfg)
     ckpt = open_checkpoint(path)
@@ -138,8 +138,8 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     shard = load_shard(ckpt, specs)
     loaded = sum(a.nbytes for a in shard.tensors.values())
     tp = MpiCommunicator(MPI.COMM_SELF)
-    from hpcpar.backend import NUMPY
-    from hpcpar.ops import ops_for
+    from hpcpar.parallel.backend import NUMPY
+    from hpcpar.parallel.ops import ops_for
     stage = DecoderStage.from_tensors(ckpt.config, specs, shard.tensors, layers, True, True, tp,
                                     ops_for(NUMPY), np.dtype(np.float32))
     assert not shard.tensors                          # the stage took them all
@@ -168,7 +168,7 @@ def _held_bytes(obj) -> int:
             for v in x.values():
                 walk(v)
         elif hasattr(x, "__dict__") and not isinstance(x, type) and x.__class__.__module__ \
-                .startswith(("hpcpar.model", "hpcpar.parallel")):    # the model and its layers
+                .startswith(("hpcpar.models", "hpcpar.parallel")):   # the model and its layers
             for v in vars(x).values():
                 walk(v)
 
@@ -179,7 +179,7 @@ def _held_bytes(obj) -> int:
 def test_the_strict_backend_catches_host_arrays_handed_to_a_device_communicator():
     """The pre-flight bug: the schedule check gave NumPy arrays to a communicator whose arrays
     live on the device. CuPy refuses that; so does the strict backend, where NumPy does not."""
-    from hpcpar.comm import MpiCommunicator
+    from hpcpar.parallel.comm import MpiCommunicator
     from mpi4py import MPI
     strict = select_backend("strict")
     device_comm = MpiCommunicator(MPI.COMM_SELF, strict)
@@ -211,7 +211,7 @@ def test_free_memory_on_a_gpu_is_the_drivers_free_plus_the_pools_free_blocks():
     """The CuPy calls behind continuous batching's default rows in flight, with a stand-in
     for CuPy (test_ops_gpu checks them on a real GPU)."""
     from types import SimpleNamespace
-    from hpcpar.backend import ArrayBackend
+    from hpcpar.parallel.backend import ArrayBackend
     pool = SimpleNamespace(free_bytes=lambda: 3 << 30)
     fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(
         memGetInfo=lambda: (5 << 30, 80 << 30))), get_default_memory_pool=lambda: pool)

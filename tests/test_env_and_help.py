@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from helpers import GQA, REPO, make_checkpoint, mpirun
-from hpcpar import settings
-from hpcpar.errors import HpcparError
+from hpcpar.jobs import settings
+from hpcpar.parallel.errors import HpcparError
 from test_generate_cli import _assert_one_error
 
 README = (REPO / "README.md").read_text()
@@ -77,8 +77,8 @@ def test_every_variable_read_or_documented_is_in_the_table_and_documented():
 
 
 def test_the_table_names_the_choices_the_code_has():
-    from hpcpar.backend import BACKENDS
-    from hpcpar.comm import COMM_KINDS
+    from hpcpar.parallel.backend import BACKENDS
+    from hpcpar.parallel.comm import COMM_KINDS
     assert settings.ENVIRONMENT["HPCPAR_BACKEND"][0].values == BACKENDS
     assert settings.ENVIRONMENT["HPCPAR_COMM"][0].values == COMM_KINDS
 
@@ -142,7 +142,7 @@ def test_good_values_are_read_as_their_meaning(clean_env, name, text, value):
 
 
 def test_the_keepers_pipe_is_accepted_and_nothing_else_is_written_to(clean_env, tmp_path):
-    from hpcpar import supervisor
+    from hpcpar.jobs import supervisor
     read_end, write_end = os.pipe()
     try:
         clean_env.setenv("HPCPAR_SUPERVISED_FD", str(write_end))
@@ -161,9 +161,9 @@ def test_the_keepers_pipe_is_accepted_and_nothing_else_is_written_to(clean_env, 
 
 
 def test_the_readers_go_through_the_table(clean_env):
-    from hpcpar import supervisor
-    from hpcpar.backend import NUMPY, select_backend
-    from hpcpar.comm.mpi import cuda_aware
+    from hpcpar.jobs import supervisor
+    from hpcpar.parallel.backend import NUMPY, select_backend
+    from hpcpar.parallel.comm.mpi import cuda_aware
     clean_env.setenv("HPCPAR_CUDA_AWARE", "no")
     assert cuda_aware() == (False, "HPCPAR_CUDA_AWARE=0")
     clean_env.setenv("HPCPAR_CUDA_AWARE", "maybe")
@@ -243,7 +243,7 @@ def _readme_commands() -> dict[str, str]:
 
 
 def _subparsers():
-    from hpcpar.cli import build_parser
+    from hpcpar.jobs.cli import build_parser
     parser = build_parser()
     action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     return action.choices

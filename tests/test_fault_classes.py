@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import GQA, make_checkpoint, mpirun
-from hpcpar import settings
-from hpcpar.errors import HpcparError
-from hpcpar.jobs import JobError, load_job
+from hpcpar.jobs import settings
+from hpcpar.parallel.errors import HpcparError
+from hpcpar.jobs.job import JobError, load_job
 from test_generate_cli import _assert_one_error
 
 GENERATE = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "prompts.npy",
@@ -305,7 +305,7 @@ def test_a_failed_checkpoint_conversion_leaves_no_file(work, command):
 
 
 def test_too_little_space_is_found_before_the_file_is_created(tmp_path, monkeypatch):
-    from hpcpar.outputs import WriteError, check_space
+    from hpcpar.checkpoint.files import WriteError, check_space
 
     class Full:
         f_bavail, f_frsize = 100, 4096
@@ -320,7 +320,7 @@ def test_too_little_space_is_found_before_the_file_is_created(tmp_path, monkeypa
 def test_h5py_write_failures_are_one_error_not_a_traceback_per_object(tmp_path):
     """HDF5 reports a failed system write inside its message, as whichever type the call
     maps to; ``writing`` turns each into the one-line error."""
-    from hpcpar.outputs import WriteError, writing
+    from hpcpar.checkpoint.files import WriteError, writing
     for error in (RuntimeError("Unable to flush file (file write failed: time = ..., "
                                "errno = 28, error message = 'No space left on device')"),
                   ValueError("Unable to synchronously create dataset (file write failed: "

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from helpers import GQA, make_checkpoint, mpirun
-from hpcpar.faults import parse
-from hpcpar.errors import HpcparError
+from hpcpar.jobs.faults import parse
+from hpcpar.parallel.errors import HpcparError
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_ctrl_c_to_the_launcher_stops_the_job_as_a_stop_request(work):
 
 def test_a_second_ctrl_c_ends_at_once_and_copies_of_one_count_once():
     import signal
-    from hpcpar.launch import StopRequest
+    from hpcpar.jobs.launch import StopRequest
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)          # a keeper's copy of the same Ctrl-C
@@ -150,7 +150,7 @@ def test_ctrl_c_before_the_steps_is_one_line_from_rank_0(work):
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-c",
-                             "import time, sys; from hpcpar.launch import run_guarded, world;"
+                             "import time, sys; from hpcpar.jobs.launch import run_guarded, world;"
                              "world(); sys.exit(run_guarded(lambda: (print('ready', flush=True),"
                              " time.sleep(60))))"], cwd=work,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -8,8 +8,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import GEMMA, GQA, MISTRAL, PHI3, PROMPTS, QWEN3, TIED, make_checkpoint
-from hpcpar.generate import Prompts, run_generation
-from hpcpar.jobs import load_job
+from hpcpar.jobs.generate import Prompts, run_generation
+from hpcpar.jobs.job import load_job
 
 # (dp, pp, tp, micro_batches), keyed by world size
 LAYOUTS = {
@@ -189,11 +189,11 @@ class _FixedPayload:
 
 @pytest.mark.mpi(min_size=2)
 def test_a_wrong_schedule_is_an_error_on_every_rank_before_any_step():
-    from hpcpar.backend import NUMPY
-    from hpcpar.comm import create_communicator
-    from hpcpar.errors import HpcparError
-    from hpcpar.pipeline.executor import PipelineExecutor
-    from hpcpar.pipeline.schedule import Op, gpipe_forward
+    from hpcpar.parallel.backend import NUMPY
+    from hpcpar.parallel.comm import create_communicator
+    from hpcpar.parallel.errors import HpcparError
+    from hpcpar.parallel.pipeline.executor import PipelineExecutor
+    from hpcpar.parallel.pipeline.schedule import Op, gpipe_forward
 
     comm = MPI.COMM_WORLD
     pp = create_communicator(comm, "mpi", NUMPY, name="pp")

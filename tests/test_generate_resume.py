@@ -192,7 +192,7 @@ def test_a_damaged_partial_file_is_one_clear_error(work):
 
 
 def test_a_finished_rows_message_unpacks_to_what_was_packed():
-    from hpcpar.generate.stream import pack, unpack
+    from hpcpar.jobs.generate.stream import pack, unpack
     rng = np.random.default_rng(0)
     prompts, lengths = np.array([7, 2, 11]), np.array([5, 1, 3])
     tokens = rng.integers(0, 1000, (3, 5))
@@ -206,7 +206,7 @@ def test_a_finished_rows_message_unpacks_to_what_was_packed():
 
 def test_progress_counts_prompts_and_logs_a_line_per_interval():
     import io
-    from hpcpar.generate.progress import Progress
+    from hpcpar.jobs.generate.progress import Progress
     log = io.StringIO()
     progress = Progress(total=10, share=0.5, interval=1e-9, terminal=False, out=log)
     progress.rows(finished=2, tokens=8)                # replica 0: 2 of its 5 rows

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import HF_CONFIGS, PROMPTS, build_hf_model  # noqa: E402
-from hpcpar.generate import Prompts, run_generation  # noqa: E402
-from hpcpar.jobs import load_job  # noqa: E402
+from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
+from hpcpar.jobs.job import load_job  # noqa: E402
 
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def hf_model(request, tmp_path_factory):

@@ -3,12 +3,12 @@ reported once, and the demo runs. Serial tests (they start their own MPI jobs)."
 
 import pytest
 
-from hpcpar.errors import HpcparError
-from hpcpar.launch import check_launch
+from hpcpar.parallel.errors import HpcparError
+from hpcpar.jobs.launch import check_launch
 from helpers import mpirun as _mpirun
 
 def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path):
-    job = ("from hpcpar.launch import run_guarded, world, phase\n"
+    job = ("from hpcpar.jobs.launch import run_guarded, world, phase\n"
            "def main():\n"
            "    comm = world()\n"
            "    with phase('testing failure'):\n"

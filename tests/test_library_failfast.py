@@ -1,6 +1,6 @@
 """A user's program whose rank fails ends the whole job at once, not after the mesh's
 timeout: an uncaught exception on one rank prints its traceback and aborts every rank
-(``hpcpar.comm.failfast``), and ``hp.abort(status)`` does it on purpose. The other rank is
+(``hpcpar.parallel.comm.failfast``), and ``hp.abort(status)`` does it on purpose. The other rank is
 waiting in a collective the failed one never joins; each job's timeout below (120 s) is
 far below the mesh's (600 s), so a job that waits for the mesh's timeout fails the test."""
 

@@ -40,8 +40,8 @@ def test_an_optimizer_resumed_from_its_state_dict_steps_as_one_that_never_stoppe
 
 
 def test_a_bfloat16_layer_learns_in_float32_and_computes_with_the_refreshed_copy():
-    from hpcpar.comm import create_communicator
-    from hpcpar.dtypes import bfloat16
+    from hpcpar.parallel.comm import create_communicator
+    from hpcpar.parallel.dtypes import bfloat16
     tp = create_communicator(MPI.COMM_SELF, "mpi")
     rng = np.random.default_rng(1)
     w = rng.standard_normal((4, 8)).astype(np.float32)

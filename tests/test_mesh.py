@@ -1,8 +1,8 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from hpcpar.config import ParallelConfig
-from hpcpar.mesh import MeshCoords, coords_of, group_ranks, rank_of
+from hpcpar.jobs.layout import ParallelConfig
+from hpcpar.jobs.layout import MeshCoords, coords_of, group_ranks, rank_of
 
 dims = st.integers(1, 4)
 
@@ -53,18 +53,18 @@ def test_out_of_range_rank_is_refused():
 
 @pytest.mark.mpi(min_size=2)
 def test_mesh_communicators_match_the_math(comm):
-    from hpcpar.mesh import Mesh
+    from hpcpar.jobs.layout import job_mesh
     size = comm.Get_size()
     layouts = {ParallelConfig.infer(size, tp=tp, pp=pp)
                for tp in (1, 2, 4) for pp in (1, 2) if size % (tp * pp) == 0}
     for layout in sorted(layouts, key=lambda l: (l.dp, l.pp, l.tp)):
-        mesh = Mesh(comm, layout)
-        for axis, sub in (("tp", mesh.tp_comm), ("pp", mesh.pp_comm), ("dp", mesh.dp_comm)):
+        mesh = job_mesh(comm, layout)
+        mine = coords_of(comm.Get_rank(), layout)
+        for axis in ("tp", "pp", "dp"):
+            sub = mesh.group(axis).mpi_comm
             members = sub.allgather(comm.Get_rank())  # small Python ints: fine to pickle
             assert members in group_ranks(layout, axis)
-            assert sub.Get_rank() == getattr(mesh.coords, f"{axis}_rank")
-        assert mesh.is_first_stage == (mesh.pp_rank == 0)
-        assert mesh.is_last_stage == (mesh.pp_rank == layout.pp - 1)
-        assert mesh.prev_stage == (None if mesh.pp_rank == 0 else mesh.pp_rank - 1)
-        assert mesh.next_stage == (None if mesh.is_last_stage else mesh.pp_rank + 1)
+            assert sub.Get_rank() == mesh.coord(axis) == getattr(mine, f"{axis}_rank")
+        assert mesh.is_first("pp") == (mine.pp_rank == 0)
+        assert mesh.is_last("pp") == (mine.pp_rank == layout.pp - 1)
         mesh.free()

@@ -6,8 +6,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import GQA, PROMPTS, TIED, make_checkpoint
-from hpcpar.generate import Prompts, run_generation
-from hpcpar.jobs import load_job
+from hpcpar.jobs.generate import Prompts, run_generation
+from hpcpar.jobs.job import load_job
 from reference import greedy, llama_logits
 
 
@@ -76,9 +76,9 @@ def test_continuous_batching_keeps_in_flight_what_fits_the_memory(tmp_path, monk
     """Without --batch-size the rows in flight are what half the free memory holds of KV
     cache: with room for about two rows, slots are refilled and the tokens stay those of
     static batching."""
-    from hpcpar.backend import ArrayBackend
-    from hpcpar.generate import continuous, engine
-    from hpcpar.model import kv_cache_bytes
+    from hpcpar.parallel.backend import ArrayBackend
+    from hpcpar.jobs.generate import continuous, engine
+    from hpcpar.models.kv_cache import kv_cache_bytes
     path, _ = make_checkpoint(tmp_path, GQA)
     widths = []
 
@@ -102,7 +102,7 @@ def test_a_refill_prefills_a_bounded_number_of_tokens(tmp_path, monkeypatch):
     """With room for 16 prompt tokens per refill, eight free slots fill over several
     segments (each prefill within the budget, or one prompt alone), and the tokens and prompt
     logits stay those of static batching."""
-    from hpcpar.generate import continuous
+    from hpcpar.jobs.generate import continuous
     path, _ = make_checkpoint(tmp_path, GQA)
     monkeypatch.setattr(continuous, "PREFILL_TOKENS", 16)
     prefills = []
@@ -152,12 +152,12 @@ def test_a_prefill_computes_its_last_layer_at_each_rows_last_token_alone(tmp_pat
     and values are cached as without it. A prefill in chunks of 4 positions (prompts of 3 to
     12 tokens: rows that end in an earlier chunk than others) gives the same states."""
     from helpers import MISTRAL
-    from hpcpar.backend import NUMPY
+    from hpcpar.parallel.backend import NUMPY
     from hpcpar.checkpoint import load_shard, open_checkpoint
-    from hpcpar.comm import MpiCommunicator
-    from hpcpar.model.decoder import DecoderStage
-    from hpcpar.ops import AttentionRows, ops_for
-    from hpcpar.tensors import stage_tensors
+    from hpcpar.parallel.comm import MpiCommunicator
+    from hpcpar.models.decoder import DecoderStage
+    from hpcpar.parallel.ops import AttentionRows, ops_for
+    from hpcpar.models.tensors import stage_tensors
     cfg = {"gqa": GQA, "tied": TIED, "mistral": MISTRAL}[name]
     path, tensors = make_checkpoint(tmp_path, cfg)
     ckpt = open_checkpoint(path)
@@ -205,7 +205,7 @@ def test_generation_with_prompts_prefilled_in_chunks_equals_whole_prompts(tmp_pa
     time, in both batching modes (continuous batching's refills write the chunks into their
     rows of the cache): the same tokens and prompt logits as whole-prompt prefills, and the
     same tokens again where only each row's last token is computed (no logits saved)."""
-    from hpcpar.model import decoder
+    from hpcpar.models import decoder
     path, _ = make_checkpoint(tmp_path, GQA)
     whole = _run(path, PROMPTS, max_new_tokens=5, stop_at_eos=False, batching=f"'{batching}'")
     monkeypatch.setattr(decoder, "PREFILL_CHUNK", 4)

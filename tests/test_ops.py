@@ -1,4 +1,4 @@
-"""Each op of ``hpcpar.ops`` (the NumPy references every backend starts from) against an
+"""Each op of ``hpcpar.parallel.ops`` (the NumPy references every backend starts from) against an
 independent float64 reference written here with torch, forward and backward (torch autograd),
 in float32, float16 and bfloat16, at odd sizes: GQA groups, a tp shard's head counts, T = 1,
 padding queries, an empty row.
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpcpar.dtypes import float_dtype
-from hpcpar.ops import AttentionRows, embedding_lookup, linear, linear_input_grad, native_ops
+from hpcpar.parallel.dtypes import float_dtype
+from hpcpar.parallel.ops import AttentionRows, embedding_lookup, linear, linear_input_grad, native_ops
 
 OPS = native_ops(np)
 DTYPES = ["float32", "float16", "bfloat16"]

@@ -32,14 +32,14 @@ def cp():
 
 @pytest.fixture(scope="module")
 def device_ops(cp):
-    from hpcpar.ops.cuda import cuda_ops
+    from hpcpar.parallel.ops.cuda import cuda_ops
     return cuda_ops(cp)
 
 
 @pytest.fixture(scope="module")
 def native(cp):
-    from hpcpar.backend import NUMPY
-    from hpcpar.ops import ops_for
+    from hpcpar.parallel.backend import NUMPY
+    from hpcpar.parallel.ops import ops_for
     return ops_for(NUMPY)
 
 
@@ -93,8 +93,8 @@ def test_rms_norm_and_its_fused_add(cp, device_ops, native, dtype, width):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_on_strided_q_and_k_and_its_backward(cp, device_ops, native, dtype):
-    from hpcpar.config import ModelConfig
-    from hpcpar.model.rope import RotaryEmbedding
+    from hpcpar.models.config import ModelConfig
+    from hpcpar.models.rope import RotaryEmbedding
     from helpers import GQA
     rng = np.random.default_rng(1)
     B, T, nh, nkv, hd = 2, 7, 4, 2, 16
@@ -143,7 +143,7 @@ def _attention_case(cp, rng, dtype, B, T, S, nh, nkv, hd):
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4), (6, 1)])
 def test_fused_attention_prefill_and_decode_with_per_row_lengths(cp, device_ops, native, dtype,
                                                                  heads):
-    from hpcpar.ops import AttentionRows
+    from hpcpar.parallel.ops import AttentionRows
     rng = np.random.default_rng(3)
     nh, nkv = heads
     B, T, hd = 4, 37, 64
@@ -173,7 +173,7 @@ def test_fused_attention_prefill_and_decode_with_per_row_lengths(cp, device_ops,
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_fused_attention_training_forward_and_backward(cp, device_ops, native, dtype):
-    from hpcpar.ops import AttentionRows
+    from hpcpar.parallel.ops import AttentionRows
     rng = np.random.default_rng(4)
     B, T, nh, nkv, hd = 3, 64, 8, 2, 64
     lengths = np.array([64, 40, 5])
@@ -201,8 +201,8 @@ def test_fused_attention_training_forward_and_backward(cp, device_ops, native, d
 
 def _generate(path, prompts, backend, dtype, tokens=6):
     from mpi4py import MPI
-    from hpcpar.generate import Prompts, run_generation
-    from hpcpar.jobs import load_job
+    from hpcpar.jobs.generate import Prompts, run_generation
+    from hpcpar.jobs.job import load_job
     sets = [f"model.checkpoint='{path}'", "parallel.dp=1", "generate.save_logits=true",
             f"parallel.backend='{backend}'", f"model.dtype='{dtype}'",
             f"generate.max_new_tokens={tokens}", "generate.stop_at_eos=false"]
@@ -229,7 +229,7 @@ def test_generation_on_the_gpu_matches_the_cpu(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_load_time_finite_check_runs_on_the_device(cp, dtype):
-    from hpcpar.dtypes import float_dtype, nonfinite
+    from hpcpar.parallel.dtypes import float_dtype, nonfinite
     values = np.array([0.0, -1.5, 3.0e4, 1e-30, np.inf, -np.inf, np.nan] * 100, np.float32)
     np.random.default_rng(0).shuffle(values)
     on_device = cp.asarray(values.astype(float_dtype(dtype)))
@@ -241,7 +241,7 @@ def test_the_load_time_finite_check_runs_on_the_device(cp, dtype):
 def test_free_device_memory_counts_the_pools_free_blocks(cp):
     """What continuous batching's default rows in flight are sized from: an array in use
     takes its bytes out of the free memory; freed into CuPy's pool, they count again."""
-    from hpcpar.backend import ArrayBackend
+    from hpcpar.parallel.backend import ArrayBackend
     backend = ArrayBackend("cupy", cp)
     cp.get_default_memory_pool().free_all_blocks()
     before = backend.free_memory_bytes()

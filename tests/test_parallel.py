@@ -5,7 +5,7 @@ input. The multi-rank behaviour is in test_parallel_mpi.py."""
 import numpy as np
 import pytest
 
-from hpcpar.dtypes import bfloat16
+from hpcpar.parallel.dtypes import bfloat16
 from hpcpar.parallel import splits
 from hpcpar.parallel.mesh import MeshError, group_members, mesh_coords, mesh_rank, resolve_shape
 from hpcpar.parallel.placement import Partial, Replicate, Shard
@@ -159,7 +159,7 @@ def test_the_core_on_cupy_arrays():
     from mpi4py import MPI
 
     import hpcpar.parallel as hp
-    from hpcpar.backend import select_backend
+    from hpcpar.parallel.backend import select_backend
     backend = select_backend("cupy")
     mesh = hp.Mesh(MPI.COMM_SELF, {"x": 1}, backend=backend)
     rng = np.random.default_rng(0)
@@ -190,7 +190,7 @@ def test_every_public_name_resolves_and_the_pure_modules_stay_free_of_mpi():
     for name in hp.__all__:
         assert not isinstance(getattr(hp, name), types.ModuleType), name
     assert not {m.name for m in pkgutil.iter_modules(hp.__path__)} & set(hp.__all__)
-    probe = ("import sys, hpcpar.config, hpcpar.sharding, hpcpar.parallel.splits; "
+    probe = ("import sys, hpcpar.models.config, hpcpar.models.sharding, hpcpar.parallel.splits; "
              "print('mpi4py.MPI' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"

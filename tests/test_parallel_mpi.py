@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import hpcpar.parallel as hp
-from hpcpar.backend import select_backend
-from hpcpar.dtypes import bfloat16
+from hpcpar.parallel.backend import select_backend
+from hpcpar.parallel.dtypes import bfloat16
 
 pytestmark = pytest.mark.mpi(min_size=2)
 

@@ -129,7 +129,7 @@ def test_a_sharded_index_naming_a_missing_shard_is_one_line(work):
 
 
 def test_malformed_config_values_are_a_config_error():
-    from hpcpar.config import ConfigError, ModelConfig
+    from hpcpar.models.config import ConfigError, ModelConfig
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                 num_attention_heads=2)
     for bad, words in [({"hidden_size": "abc"}, "malformed value"),

@@ -1,4 +1,4 @@
-"""The replicas' channel to rank 0 (hpcpar/replicas.py) on the ranks pytest-mpi runs with:
+"""The replicas' channel to rank 0 (hpcpar/jobs/replicas.py) on the ranks pytest-mpi runs with:
 replicas that end seconds apart, more than the timeout, wait for each other on heartbeats and
 lose no message; a replica that goes silent still ends every rank's wait with CommTimeout."""
 
@@ -7,10 +7,10 @@ import time
 import numpy as np
 import pytest
 
-from hpcpar.comm import MpiCommunicator
-from hpcpar.config import ParallelConfig
-from hpcpar.errors import CommTimeout
-from hpcpar.replicas import ReplicaChannel, owners, replica_ranks
+from hpcpar.parallel.comm import MpiCommunicator
+from hpcpar.jobs.layout import ParallelConfig
+from hpcpar.parallel.errors import CommTimeout
+from hpcpar.jobs.replicas import ReplicaChannel, owners, replica_ranks
 
 TIMEOUT = 0.6
 

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcpar.comm import create_communicator
-from hpcpar.generate.sampling import SamplingParams, sample_from_candidates
-from hpcpar.jobs import JobError, load_job, parse_set
+from hpcpar.parallel.comm import create_communicator
+from hpcpar.jobs.generate.sampling import SamplingParams, sample_from_candidates
+from hpcpar.jobs.job import JobError, load_job, parse_set
 from hpcpar.parallel.layers import Frozen
 from hpcpar.parallel.vocab import ParallelLMHead
-from hpcpar.ops import native_ops
+from hpcpar.parallel.ops import native_ops
 
 
 def _sorted(logits):
@@ -60,7 +60,7 @@ def test_a_rows_draw_depends_on_its_prompt_index_and_step_not_on_its_batch():
 def test_each_row_draws_with_its_own_prompts_settings():
     """Rows of one call, each cut by its prompt's own top-k / top-p and drawn with its own
     seed: the draws of a call with that prompt's settings for every row."""
-    from hpcpar.generate.sampling import PromptSampling
+    from hpcpar.jobs.generate.sampling import PromptSampling
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4))
     vals, ids = _sorted(logits)
     own = [{"top_k": 1}, {"top_k": 2, "seed": 7}, {"top_p": 0.7}, {"temperature": 3.0}]

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcpar.pipeline.partition import stage_layer_counts
-from hpcpar.generate.schedule import generation
-from hpcpar.pipeline.schedule import (Action, Op, bubble_fraction, decode, draw, encode,
+from hpcpar.parallel.pipeline.partition import stage_layer_counts
+from hpcpar.jobs.generate.schedule import generation
+from hpcpar.parallel.pipeline.schedule import (Action, Op, bubble_fraction, decode, draw, encode,
                                       gpipe_forward, schedule_problems, simulate)
 
 

@@ -16,9 +16,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from helpers import HF_CONFIGS, PROMPTS, TINY, build_hf_model, make_checkpoint, mpirun  # noqa
-from hpcpar.jobs import load_job  # noqa: E402
-from hpcpar.score import run_scoring  # noqa: E402
-from hpcpar.score import program as score_program  # noqa: E402
+from hpcpar.jobs.job import load_job  # noqa: E402
+from hpcpar.jobs.score import run_scoring  # noqa: E402
+from hpcpar.jobs.score import program as score_program  # noqa: E402
 
 LAYOUTS = {   # (dp, pp, tp, micro_batches), keyed by world size
     2: [(1, 1, 2, 1), (1, 2, 1, 2), (2, 1, 1, 1)],

@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hpcpar.config import ModelConfig
-from hpcpar.pipeline.partition import stage_layer_counts, stage_layers
-from hpcpar.sharding import ShardingError, merge, padded_vocab_size, shard_of, split, vocab_range
-from hpcpar.tensors import model_tensors, stage_tensors
+from hpcpar.models.config import ModelConfig
+from hpcpar.parallel.pipeline.partition import stage_layer_counts, stage_layers
+from hpcpar.models.sharding import ShardingError, merge, padded_vocab_size, shard_of, split, vocab_range
+from hpcpar.models.tensors import model_tensors, stage_tensors
 from helpers import TINY, expected_slice, hf_tensor_shapes
 
 

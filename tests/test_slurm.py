@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from helpers import REPO, losses, wait_for_steps
-from hpcpar.slurm import SlurmRequest, render, static_scripts
+from hpcpar.jobs.slurm import SlurmRequest, render, static_scripts
 from test_generate_cli import _assert_one_error
 
 CLUSTER = REPO / "slurm" / "local-cluster.sh"

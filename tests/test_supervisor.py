@@ -1,4 +1,4 @@
-"""The rank keeper (``hpcpar.supervisor``): a child ended by a signal or an unexplained exit is
+"""The rank keeper (``hpcpar.jobs.supervisor``): a child ended by a signal or an unexplained exit is
 named in one line with the launcher's rank; signals reach the child; killing the keeper takes
 the child with it, which names it; an exit through hpcpar's own path stays quiet."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO
 
-KEEPER = ("import sys; from hpcpar.supervisor import supervise; "
+KEEPER = ("import sys; from hpcpar.jobs.supervisor import supervise; "
           "raise SystemExit(supervise(sys.argv[1:]))")
 
 
@@ -35,7 +35,7 @@ def test_an_unexplained_exit_is_named_and_an_explained_one_is_not():
     proc = _keeper("import os; os._exit(7)")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 7 and "rank 3 of 4" in err and "status 7" in err, err
-    proc = _keeper("from hpcpar.supervisor import mark_known_exit; mark_known_exit(); "
+    proc = _keeper("from hpcpar.jobs.supervisor import mark_known_exit; mark_known_exit(); "
                    "raise SystemExit(2)")
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and err == "", err
@@ -63,7 +63,7 @@ def test_killing_the_keeper_leaves_no_orphan():
 
 
 def test_a_killed_keeper_is_named_by_its_rank():
-    code = ("import os, time; from hpcpar.supervisor import watch_keeper; watch_keeper(); "
+    code = ("import os, time; from hpcpar.jobs.supervisor import watch_keeper; watch_keeper(); "
             "print(os.getpid(), flush=True); time.sleep(60)")
     proc = _keeper(code)
     int(proc.stdout.readline())
@@ -90,7 +90,7 @@ def _alive(pid: int) -> bool:
     ({"PMI_RANK": "0", "PMI_SIZE": "4", "HPCPAR_SUPERVISED_FD": "5"}, False),  # the child
 ])
 def test_the_keeper_runs_only_under_a_launcher_of_several_tasks(monkeypatch, env, wanted):
-    from hpcpar import supervisor
+    from hpcpar.jobs import supervisor
     for name in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                  "PMIX_RANK", "PMIX_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "HPCPAR_SUPERVISE",
                  "HPCPAR_SUPERVISED_FD"):

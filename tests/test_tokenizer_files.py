@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from helpers import GQA, REPO, mpirun, realistic_tensors, write_hf_checkpoint
-from hpcpar import settings
+from hpcpar.jobs import settings
 from hpcpar.checkpoint import convert, open_checkpoint
-from hpcpar.errors import HpcparError
-from hpcpar.generate.chat import ChatTemplate
-from hpcpar.generate.prompts import load_prompts
-from hpcpar.generate.setup import load_tokenizer
+from hpcpar.parallel.errors import HpcparError
+from hpcpar.models.chat import ChatTemplate
+from hpcpar.jobs.generate.prompts import load_prompts
+from hpcpar.jobs.generate.setup import load_tokenizer
 from test_generate_cli import _assert_one_error
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n"

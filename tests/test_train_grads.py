@@ -11,19 +11,19 @@ import pytest
 from mpi4py import MPI
 
 from helpers import GQA, TIED, realistic_tensors
-from hpcpar.backend import NUMPY
-from hpcpar.comm import create_communicator
-from hpcpar.config import ModelConfig
-from hpcpar.model.rope import RotaryEmbedding
-from hpcpar.ops import AttentionRows, ops_for
-from hpcpar.sharding import split
-from hpcpar.tensors import TensorSpec, stage_tensors
-from hpcpar.train.chunk import Batch, ModelChunk
-from hpcpar.train.data import label_count, make_batches
-from hpcpar.model.attention import Attention
-from hpcpar.model.decoder import Mlp, norm_backward
+from hpcpar.parallel.backend import NUMPY
+from hpcpar.parallel.comm import create_communicator
+from hpcpar.models.config import ModelConfig
+from hpcpar.models.rope import RotaryEmbedding
+from hpcpar.parallel.ops import AttentionRows, ops_for
+from hpcpar.models.sharding import split
+from hpcpar.models.tensors import TensorSpec, stage_tensors
+from hpcpar.jobs.train.chunk import Batch, ModelChunk
+from hpcpar.jobs.train.data import label_count, make_batches
+from hpcpar.models.attention import Attention
+from hpcpar.models.decoder import Mlp, norm_backward
 from hpcpar.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
-from hpcpar.train.params import GradSink, make_params
+from hpcpar.jobs.train.params import GradSink, make_params
 from reference import llama_logits
 
 EPS = 1e-6
@@ -59,7 +59,7 @@ def assert_gradients(loss, x, dx, params: dict, rng, rel):
 
 def _param(rng, shape, role="q"):
     spec = TensorSpec("w", shape, role, 0)
-    from hpcpar.train.params import Param
+    from hpcpar.jobs.train.params import Param
     data = rng.standard_normal(shape)
     return Param(spec, data, np.zeros(shape), True, len(shape) == 2, False)
 
@@ -261,8 +261,8 @@ def test_left_padding_changes_nothing_but_the_ignored_labels():
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("recompute", [False, True])
 def test_plan_activation_memory_is_what_a_forward_keeps(name, recompute):
-    from hpcpar.train.chunk import held_bytes
-    from hpcpar.train.memory import activation_bytes
+    from hpcpar.jobs.train.chunk import held_bytes
+    from hpcpar.jobs.train.memory import activation_bytes
     cfg = CONFIGS[name]
     chunk, _ = build_chunk(cfg, realistic_tensors(cfg, 0), _tp1(), recompute=recompute)
     batch = batch_of(np.random.default_rng(10).integers(0, 200, (3, 11)))
@@ -276,7 +276,7 @@ def test_plan_activation_memory_is_what_a_forward_keeps(name, recompute):
 def test_data_files_and_their_order(tmp_path):
     """.npy rows, a .bin token file cut into windows, .jsonl ids packed with EOS between
     documents; bad padding refused; the sample order wraps and shuffles by (seed, epoch)."""
-    from hpcpar.train.data import DataError, load_dataset, sample_indices, token_dtype
+    from hpcpar.jobs.train.data import DataError, load_dataset, sample_indices, token_dtype
     cfg = ModelConfig.from_hf(dict(GQA, eos_token_id=2))
     tokens = np.arange(1, 42) % 250
     tokens.astype(token_dtype(cfg.vocab_size)).tofile(tmp_path / "t.bin")

@@ -11,8 +11,8 @@ from mpi4py import MPI
 
 from helpers import (GEMMA, GQA, MISTRAL, PHI3, QWEN3, TIED, losses, make_checkpoint,
                      realistic_tensors)
-from hpcpar.jobs import load_job
-from hpcpar.train.engine import run_training
+from hpcpar.jobs.job import load_job
+from hpcpar.jobs.train.engine import run_training
 
 # (dp, pp, tp, micro_batches, schedule, virtual_stages), by world size
 LAYOUTS = {
@@ -178,10 +178,10 @@ def test_a_run_resumed_under_another_layout_ends_with_the_same_weights(setup):
 @pytest.mark.mpi(min_size=2)
 def test_tp2_stage_gradients_pass_finite_differences_and_equal_tp1():
     from test_train_grads import CONFIGS as GRAD_CONFIGS, batch_of, build_chunk, directional
-    from hpcpar.comm import create_communicator
-    from hpcpar.sharding import merge, shard_of
-    from hpcpar.train.grads import sum_replicated
-    from hpcpar.train.params import GradSink
+    from hpcpar.parallel.comm import create_communicator
+    from hpcpar.models.sharding import merge, shard_of
+    from hpcpar.jobs.train.grads import sum_replicated
+    from hpcpar.jobs.train.params import GradSink
 
     world = MPI.COMM_WORLD
     sub = world.Split(0 if world.Get_rank() < 2 else MPI.UNDEFINED, world.Get_rank())
@@ -304,9 +304,9 @@ def test_plan_predicts_the_activations_each_cp_rank_keeps(long_setup):
     """cp over the whole world: each rank's peak activation bytes, measured by the run, are
     ``plan``'s formula at its own positions per row (the plan prints the largest). NumPy
     arrays: the formula counts theirs (the strict backend's wrappers keep other views)."""
-    from hpcpar.config import ModelConfig
+    from hpcpar.models.config import ModelConfig
     from hpcpar.parallel.context import ContextShard
-    from hpcpar.train.memory import activation_bytes
+    from hpcpar.jobs.train.memory import activation_bytes
     comm = MPI.COMM_WORLD
     cfg, folder = long_setup
     n = comm.Get_size()

@@ -9,8 +9,8 @@ import pytest
 from mpi4py import MPI
 
 from helpers import GQA, make_checkpoint
-from hpcpar.jobs import load_job
-from hpcpar.train.engine import run_training
+from hpcpar.jobs.job import load_job
+from hpcpar.jobs.train.engine import run_training
 
 
 @pytest.fixture(scope="module")

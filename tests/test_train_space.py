@@ -9,10 +9,10 @@ import pytest
 from mpi4py import MPI
 
 from helpers import GQA, make_checkpoint
-from hpcpar.jobs import load_job
-from hpcpar.launch import EXIT_INVALID, JobFailed
-from hpcpar.train import checkpoint as tc
-from hpcpar.train.engine import run_training
+from hpcpar.jobs.job import load_job
+from hpcpar.jobs.launch import EXIT_INVALID, JobFailed
+from hpcpar.jobs.train import checkpoint as tc
+from hpcpar.jobs.train.engine import run_training
 
 
 def _job(folder, out):

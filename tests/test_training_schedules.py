@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcpar.pipeline.schedule import COMPUTE, Op, draw, schedule_problems, simulate
-from hpcpar.pipeline.training_schedules import (TRAINING_SCHEDULES, bubble_formula,
+from hpcpar.parallel.pipeline.schedule import COMPUTE, Op, draw, schedule_problems, simulate
+from hpcpar.parallel.pipeline.training_schedules import (TRAINING_SCHEDULES, bubble_formula,
                                                 micro_batch_problems, peak_activations,
                                                 peak_activations_formula, training_schedule)
 

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpcpar import waits
-from hpcpar.backend import ArrayBackend
-from hpcpar.errors import CommTimeout
+from hpcpar.parallel import waits
+from hpcpar.parallel.backend import ArrayBackend
+from hpcpar.parallel.errors import CommTimeout
 
 
 class FakeEvent:
@@ -50,7 +50,7 @@ def test_a_stream_that_never_drains_times_out(limit):
 
 
 def test_an_nccl_request_is_bounded(limit):
-    from hpcpar.comm.nccl import NcclCommunicator
+    from hpcpar.parallel.comm.nccl import NcclCommunicator
     comm = NcclCommunicator.__new__(NcclCommunicator)      # no GPU: only the request logic
     comm.xp, comm.name, comm.rank = _fake_cupy(ready=False), "tp", 1
     with pytest.raises(CommTimeout, match="NCCL operation on the tp group"):
@@ -100,7 +100,7 @@ def _timed_cupy():
 
 
 def test_device_time_is_read_from_events_once_settled_not_from_the_host():
-    from hpcpar.backend import DeviceClock
+    from hpcpar.parallel.backend import DeviceClock
     clock = DeviceClock(ArrayBackend("cupy", _timed_cupy(), 0))
     totals = [0.0, 0.0]
     start = clock.now()
@@ -112,8 +112,8 @@ def test_device_time_is_read_from_events_once_settled_not_from_the_host():
 
 
 def test_queued_communication_is_timed_on_the_device():
-    from hpcpar.backend import DeviceClock
-    from hpcpar.comm.stats import CommStats
+    from hpcpar.parallel.backend import DeviceClock
+    from hpcpar.parallel.comm.stats import CommStats
     clock = DeviceClock(ArrayBackend("cupy", _timed_cupy(), 0))
     stats = CommStats()
     start = clock.now()

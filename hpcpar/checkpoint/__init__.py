@@ -1,13 +1,35 @@
-"""HDF5 checkpoints: the format, conversion from Hugging Face, random init, sharded loading."""
+"""HDF5 checkpoints, the layer between the models and the jobs: the format (``format``),
+sharded reading (``reader``), writing (``writer``), conversion from Hugging Face
+(``convert``), random init (``presets``), and the rules every file hpcpar writes follows
+(``files``).
 
-from .convert import convert
-from .format import FORMAT_VERSION
-from .presets import PRESETS, init_checkpoint, preset_config, random_tensor
-from .reader import (Checkpoint, CheckpointError, LoadedShard, load_shard, open_checkpoint,
-                     read_tensor)
-from ..outputs import AtomicPath
-from .writer import CheckpointWriter
+Names load on first use (PEP 562), so ``files`` (standard library only) does not pull in
+h5py and the models.
+"""
 
-__all__ = ["FORMAT_VERSION", "PRESETS", "AtomicPath", "Checkpoint", "CheckpointError",
-           "CheckpointWriter", "LoadedShard", "convert", "init_checkpoint", "load_shard",
-           "open_checkpoint", "preset_config", "random_tensor", "read_tensor"]
+from importlib import import_module
+
+_HOME = {
+    ".convert": ("convert",),
+    ".files": ("AtomicPath",),
+    ".format": ("FORMAT_VERSION",),
+    ".presets": ("PRESETS", "init_checkpoint", "preset_config", "random_tensor"),
+    ".reader": ("Checkpoint", "CheckpointError", "LoadedShard", "load_shard",
+                "open_checkpoint", "read_tensor"),
+    ".writer": ("CheckpointWriter",),
+}
+_WHERE = {name: module for module, names in _HOME.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'hpcpar.checkpoint' has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

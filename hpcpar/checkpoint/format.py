@@ -20,10 +20,10 @@ from math import gcd
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..dtypes import bfloat16
-from ..sharding import ShardingError, Split, shard_of, split_of
-from ..tensors import TensorSpec, model_tensors
+from ..models.config import ModelConfig
+from ..parallel.dtypes import bfloat16
+from ..models.sharding import ShardingError, Split, shard_of, split_of
+from ..models.tensors import TensorSpec, model_tensors
 
 FORMAT_VERSION = 1
 ATTR_VERSION = "hpcpar_format_version"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import HpcparError
-from ..outputs import OutputLock, check_output
-from ..tensors import TensorSpec, stored_tensors
+from ..models.config import ModelConfig
+from ..parallel.errors import HpcparError
+from .files import OutputLock, check_output
+from ..models.tensors import TensorSpec, stored_tensors
 from .writer import CheckpointWriter
 
 

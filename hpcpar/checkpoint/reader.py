@@ -18,12 +18,12 @@ from time import perf_counter
 import h5py
 import numpy as np
 
-from ..backend import NUMPY, ArrayBackend
-from ..config import ConfigError, ModelConfig
-from ..dtypes import FLOAT_DTYPES, dtype_name, nonfinite
-from ..errors import HpcparError
-from ..sharding import shard_of
-from ..tensors import TensorSpec, stored_tensors
+from ..parallel.backend import NUMPY, ArrayBackend
+from ..models.config import ConfigError, ModelConfig
+from ..parallel.dtypes import FLOAT_DTYPES, dtype_name, nonfinite
+from ..parallel.errors import HpcparError
+from ..models.sharding import shard_of
+from ..models.tensors import TensorSpec, stored_tensors
 from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
                      logical_dtype, storage_dtype)
 

@@ -2,7 +2,7 @@
 
 Each family module declares only how it differs from Llama (``family.Family``): the fields
 of its ``config.json`` it reads into the config's features, and its tensor names. The
-decoder (``hpcpar.model``), the split plan (``hpcpar.sharding``) and the programs follow the
+decoder (``hpcpar.model``), the split plan (``hpcpar.models.sharding``) and the programs follow the
 features and never name a family.
 
     llama    the reference
@@ -15,7 +15,7 @@ features and never name a family.
 
 from __future__ import annotations
 
-from ..errors import HpcparError
+from ..parallel.errors import HpcparError
 from . import gemma, llama, mistral, phi3, qwen2, qwen3
 from .family import Family
 

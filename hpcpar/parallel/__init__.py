@@ -14,7 +14,7 @@ Replicate / Partial), ``splits`` (the split rules), ``darray`` and ``redistribut
 policies), ``context`` (context parallelism: a sequence split over a cp group, ring
 attention), ``mappings`` (Megatron's f and g), ``layers`` (column-, row- and vocabulary-parallel
 layers), ``params``, ``data_parallel`` and ``optim`` (parameters, gradient buckets,
-SGD/AdamW), and ``hpcpar.pipeline`` (schedules as data, and the executor that runs stage
+SGD/AdamW), and ``hpcpar.parallel.pipeline`` (schedules as data, and the executor that runs stage
 functions).
 """
 
@@ -23,19 +23,20 @@ from importlib import import_module
 # Names load on first use (PEP 562): the pure modules (``splits``, ``placement``) that the
 # configuration and the Llama split plan import stay free of MPI and the array backends.
 _HOME = {
-    "..comm": ("Communicator", "Request", "create_communicator"),
-    "..comm.agreement": ("Disagreement",),
-    "..comm.failfast": ("abort",),
-    "..errors": ("CommError", "CommTimeout", "HpcparError", "PeerFailed"),
-    "..ops.attention": ("AttentionRows",),
-    "..ops.tiled_attention": ("TiledAttention",),
-    "..pipeline.partition": ("stage_layer_counts", "stage_layers"),
-    "..pipeline.runner": ("Pipeline", "Stage", "concat_micro_batches", "split_micro_batches"),
-    "..pipeline.schedule": ("bubble_fraction", "draw"),
-    "..pipeline.training_schedules": ("TRAINING_SCHEDULES", "bubble_formula",
+    ".comm": ("Communicator", "Request", "create_communicator"),
+    ".comm.agreement": ("Disagreement",),
+    ".comm.failfast": ("abort",),
+    ".errors": ("CommError", "CommTimeout", "HpcparError", "PeerFailed"),
+    ".ops.attention": ("AttentionRows",),
+    ".ops.tiled_attention": ("TiledAttention",),
+    ".pipeline.partition": ("stage_layer_counts", "stage_layers"),
+    ".pipeline.runner": ("Pipeline", "Stage", "concat_micro_batches", "split_micro_batches"),
+    ".pipeline.schedule": ("bubble_fraction", "draw"),
+    ".pipeline.training_schedules": ("TRAINING_SCHEDULES", "bubble_formula",
                                       "training_schedule"),
     ".context": ("ContextShard", "RingAttention", "SplitKV", "split_batch"),
-    ".darray": ("DArray", "PlacementError"),
+    ".darray": ("DArray",),
+    ".pieces": ("PlacementError",),
     ".data_parallel": ("GradientReducer", "grad_norm", "sum_partial_grads"),
     ".feedforward": ("ACTIVATIONS", "FFN_POLICIES", "FeedForward"),
     ".layers": ("ColumnParallelLinear", "RowParallelLinear"),
@@ -45,13 +46,14 @@ _HOME = {
     ".sharded_matmul": ("POLICIES", "PolicyError", "matmul", "matmul_backward",
                         "matmul_forward"),
     ".mesh": ("Mesh", "MeshError"),
-    ".optim": ("SGD", "AdamW", "Optimizer", "OptimizerSettings", "clip_coefficient"),
+    ".optim": ("SGD", "AdamW", "Optimizer", "clip_coefficient"),
+    ".optim_settings": ("OptimizerSettings",),
     ".params": ("GradSink", "Parameter", "named_parameters", "parameters"),
     ".placement": ("Partial", "Replicate", "Shard"),
     ".splits": ("ShardingError", "bounds", "even_sizes", "merge", "split"),
 }
 _RENAMED = {"matmul_communication": (".sharded_matmul", "communication"),
-            "merge_attention": ("..ops.tiled_attention", "merge"),
+            "merge_attention": (".ops.tiled_attention", "merge"),
             "redistribute_plan": (".redistribute", "plan")}
 _WHERE = {name: (module, name) for module, names in _HOME.items() for name in names}
 _WHERE.update(_RENAMED)

@@ -26,9 +26,9 @@ from time import perf_counter
 
 import numpy as np
 
-from ..comm import Communicator, Request
-from ..comm.agreement import trusted
-from ..errors import HpcparError
+from .comm import Communicator, Request
+from .comm.agreement import trusted
+from .errors import HpcparError
 from .params import Parameter
 
 BUCKET_BYTES = 25 << 20        # PyTorch DDP's default bucket size
@@ -253,6 +253,6 @@ def world_ranks(group: Communicator | None) -> list[int]:
         return []
     cached = getattr(group, "_world_ranks", None)
     if cached is None:
-        from ..comm.agreement import world_ranks_of
+        from .comm.agreement import world_ranks_of
         cached = group._world_ranks = world_ranks_of(group.mpi_comm)
     return cached

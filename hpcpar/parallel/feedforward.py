@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 
-from ..comm.agreement import trusted
-from ..errors import HpcparError
+from .comm.agreement import trusted
+from .errors import HpcparError
 from .darray import DArray
 from .sharded_matmul import matmul_backward, matmul_forward
 from .placement import Replicate, Shard

@@ -16,7 +16,7 @@ merge the projections that read the same input (q/k/v, gate/up) into one GEMM, a
 QKVParallelLinear does. ``from_full`` builds a layer from the whole weight, each rank keeping
 its slice; the constructors take this rank's shards.
 
-The products, lookups and the cross-entropy's local pieces are ``hpcpar.ops`` (a NumPy
+The products, lookups and the cross-entropy's local pieces are ``hpcpar.parallel.ops`` (a NumPy
 reference, or a device kernel chosen once per backend); ``ops`` defaults to the references.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..comm import Communicator
-from ..errors import HpcparError
-from ..ops import Ops, native_ops
+from .comm import Communicator
+from .errors import HpcparError
+from .ops import Ops, native_ops
 from . import splits
 from .mappings import CopyToGroup, ReduceFromGroup
 from .params import GradSink, Parameter, join

@@ -26,12 +26,12 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import NUMPY, ArrayBackend
-from ..comm import Communicator, CommStats, create_communicator
-from ..comm.agreement import ERROR, Check, active, agree_mpi
-from ..comm.failfast import abort_on_uncaught_exceptions
-from ..errors import HpcparError
-from ..waits import wait_bounded
+from .backend import NUMPY, ArrayBackend
+from .comm import Communicator, CommStats, create_communicator
+from .comm.agreement import ERROR, Check, active, agree_mpi
+from .comm.failfast import abort_on_uncaught_exceptions
+from .errors import HpcparError
+from .waits import wait_bounded
 
 Axes = str | Sequence[str]
 
@@ -213,6 +213,14 @@ class Mesh:
     def coord(self, axis: str) -> int:
         """This rank's coordinate along ``axis``."""
         return self.coords[self.axis_index(axis)]
+
+    def is_first(self, axis: str) -> bool:
+        """Whether this rank is the first along ``axis`` (the first pipeline stage on pp)."""
+        return self.coord(axis) == 0
+
+    def is_last(self, axis: str) -> bool:
+        """Whether this rank is the last along ``axis`` (the last pipeline stage on pp)."""
+        return self.coord(axis) == self.sizes[self.axis_index(axis)] - 1
 
     def rank_of(self, **coords: int) -> int:
         """The rank at the given coordinates; an axis left out is this rank's own."""

@@ -1,4 +1,5 @@
-"""Optimizers, learning-rate schedules and gradient clipping over any model's parameters.
+"""Optimizers and gradient clipping over any model's parameters (their settings and the
+learning-rate schedule: ``optim_settings``).
 
 SGD and AdamW follow ``torch.optim.SGD`` (momentum, no dampening, no Nesterov) and
 ``torch.optim.AdamW`` (bias correction, eps outside the square root, decoupled weight decay)
@@ -10,62 +11,15 @@ Every update is elementwise, so it runs on each rank's shard as it is.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Mapping
 
-from .. import settings
-from ..errors import HpcparError
+from .errors import HpcparError
+from .optim_settings import OptimizerSettings
 from .params import Parameter
 
-OPTIMIZERS = ("adamw", "sgd")
 BLOCK = 1 << 15                 # elements per block of the AdamW update (L2-sized)
-LR_SCHEDULES = ("constant", "cosine", "linear")
 STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    optimizer: str = "adamw"
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    momentum: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 0.0
-
-    @classmethod
-    def of(cls, section) -> "OptimizerSettings":
-        """Just the optimizer's settings of a job's ``[train]`` section (a subclass)."""
-        values = {f.name: getattr(section, f.name) for f in fields(cls)}
-        return cls(**values | {"betas": tuple(values["betas"])})
-
-    def problems(self) -> list[str]:
-        out = []
-        if self.optimizer not in OPTIMIZERS:
-            out.append(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            out.append(f"lr_schedule {self.lr_schedule!r} is not one of "
-                       f"{', '.join(LR_SCHEDULES)}")
-        if len(self.betas) != 2:
-            out.append(f"betas must be two numbers, got {list(self.betas)}")
-        return out + settings.problems("train", {f.name: getattr(self, f.name)
-                                                 for f in fields(OptimizerSettings)})
-
-
-def learning_rate(s: OptimizerSettings, step: int, total_steps: int) -> float:
-    """The lr of step ``step`` (1-based): linear warmup to ``lr`` over ``warmup_steps``, then
-    constant, or cosine / linear decay reaching ``min_lr`` at step ``total_steps``."""
-    if step <= s.warmup_steps:
-        return s.lr * step / s.warmup_steps
-    if s.lr_schedule == "constant" or total_steps <= s.warmup_steps:
-        return s.lr
-    progress = min(1.0, (step - s.warmup_steps) / (total_steps - s.warmup_steps))
-    if s.lr_schedule == "cosine":
-        return s.min_lr + (s.lr - s.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return s.lr - (s.lr - s.min_lr) * progress
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
@@ -241,8 +195,8 @@ def array_module(a):
     if hasattr(a, "__cuda_array_interface__"):
         import cupy
         return cupy
-    if type(a).__module__ == "hpcpar.strict":
-        from ..strict import xp
+    if type(a).__module__ == "hpcpar.parallel.strict":
+        from .strict import xp
         return xp
     import numpy
     return numpy

@@ -21,9 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..comm.agreement import trusted
-from .darray import (DArray, PlacementError, array_fields, attempt, given_key, piece_bounds,
-                     placed, shard_chain)
+from .pieces import PlacementError, array_fields, piece_bounds, shard_chain
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import is_partition
 
@@ -107,33 +105,6 @@ def _partitions(p: Shard, shape: Sequence[int], parts: int, placements, axis: in
     if p.unit == 1:
         return True
     return shard_chain(placements, p.dim) == [axis] and p.partitions(shape[p.dim], parts)
-
-
-def redistribute(x: DArray, placements) -> DArray:
-    """``x`` placed as ``placements`` (see the module docstring); collective over the mesh
-    axes whose placement changes. A redistribution seen before on this mesh runs its
-    ``Program``: the agreement check and the transfers, nothing worked out again."""
-    mesh = x.mesh
-    try:
-        key = ("redistribute", x.shape, x.local.dtype, x.placements, given_key(placements))
-        program = mesh.plans.get(key)
-    except TypeError:                                 # unhashable placements: worked out anew
-        key = program = None
-    if program is None:
-        dst, error = attempt(placements, placed, mesh, placements, x.shape)
-        if mesh.checking:
-            mesh.agree("redistribute", x.agreement_fields() + [("target placements", dst)],
-                       error)
-        elif error is not None:
-            raise error
-        program = Program(mesh, x.shape, x.local.dtype, x.placements, dst)
-        if key is not None:
-            mesh.remember(key, program)
-    elif mesh.checking:
-        program.check()
-    with trusted():
-        local = program.run(x.local)
-    return DArray.unchecked(local, x.shape, mesh, program.dst)
 
 
 class Program:

@@ -37,9 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..comm.agreement import trusted
-from ..errors import HpcparError
-from .darray import DArray, attempt, given_key, normalize_placements, placements_text
+from .comm.agreement import trusted
+from .errors import HpcparError
+from .darray import DArray
+from .pieces import attempt, given_key, normalize_placements, placements_text
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import even_sizes
 

@@ -1,0 +1,481 @@
+"""Command line: ``python -m hpcpar [COMMAND ...]`` on one rank or under ``mpiexec -n N``.
+
+    mpiexec -n 8 python -m hpcpar                     the demo job (same as 'demo')
+    mpiexec -n 8 python -m hpcpar run JOB.toml [--set section.key=value ...] [flags]
+    mpiexec -n 8 python -m hpcpar generate --checkpoint C.h5 --prompts P --max-new-tokens N
+                 --out OUT.h5|OUT.jsonl [--tp T --pp P --dp D --micro-batches M]
+                 [--temperature X --top-k K --top-p P --seed S] [--save-logits]
+    mpiexec -n 8 python -m hpcpar score --checkpoint C.h5 --data D --out OUT.h5
+                 [--tp T --pp P --dp D --micro-batches M]
+    mpiexec -n 8 python -m hpcpar train --checkpoint C.h5 --data D --steps N --global-batch B
+                 --out DIR [...]
+    python -m hpcpar plan [JOB.toml] [--checkpoint C.h5 | --preset NAME] [--world N] [...]
+    python -m hpcpar convert HF_DIR OUT.h5 [--dtype float32|float16|bfloat16]
+    python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
+    python -m hpcpar submit JOB.toml [--nodes N --ranks-per-node R ...]
+
+Every command's flags: ``python -m hpcpar COMMAND --help``, and the README's "Commands" block
+(``tests/test_env_and_help.py`` keeps the two equal).
+
+Every rank parses the same arguments and validates the same inputs; problems are agreed on
+and printed once (see ``hpcpar.jobs.launch``). Serial commands (convert, init, plan) run on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..parallel.errors import HpcparError
+from .launch import check_launch, everyone, phase, run_guarded, world
+
+# flag dest -> (job section, key)
+JOB_FLAGS = {
+    "checkpoint": ("model", "checkpoint"), "dtype": ("model", "dtype"),
+    "prompts": ("data", "prompts"),
+    "dp": ("parallel", "dp"), "pp": ("parallel", "pp"), "tp": ("parallel", "tp"),
+    "cp": ("parallel", "cp"),
+    "micro_batches": ("parallel", "micro_batches"), "stage_layers": ("parallel", "stage_layers"),
+    "backend": ("parallel", "backend"), "comm": ("parallel", "comm"),
+    "timeout": ("parallel", "timeout"),
+    "max_new_tokens": ("generate", "max_new_tokens"),
+    "temperature": ("generate", "temperature"), "top_k": ("generate", "top_k"),
+    "top_p": ("generate", "top_p"), "seed": ("generate", "seed"),
+    "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
+    "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
+    "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
+    "out": ("output", "path"),
+}
+# training flags -> (job section, key); --seed goes to [train] when the job trains
+TRAIN_FLAGS = {
+    "data": ("data", "dataset"), "schedule": ("parallel", "schedule"),
+    "virtual_stages": ("parallel", "virtual_stages"),
+    **{k: ("train", k) for k in (
+        "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
+        "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
+        "zero",
+        "save_every", "resume", "shuffle", "peak_tflops", "bucket_mb")},
+}
+# (job section, key) -> the flag that sets it, for the messages
+FLAG_NAMES = {target: "--" + dest.replace("_", "-")
+              for dest, target in (JOB_FLAGS | TRAIN_FLAGS).items()} | {
+    ("score", "data"): "--data", ("train", "seed"): "--seed",
+    ("generate", "resume"): "--resume"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports through hpcpar's agreed errors and prints help on rank 0 only."""
+
+    def error(self, message):
+        raise HpcparError(f"{self.prog}: {message} (see --help)")
+
+    def _print_message(self, message, file=None):
+        if world().Get_rank() == 0:
+            super()._print_message(message, file)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _layout_flags(p, stage_layers: bool = True) -> None:
+    for axis in ("dp", "pp", "tp"):
+        p.add_argument(f"--{axis}", type=int, help=f"{axis} size (default: inferred)")
+    p.add_argument("--cp", type=int, help="context-parallel size: each sequence split over cp "
+                                          "ranks, attention as ring attention (default 1)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per replica")
+    if stage_layers:
+        p.add_argument("--stage-layers", type=_int_list, metavar="N,N,...",
+                       help="layers per pipeline stage (default: even, remainder first)")
+
+
+
+def _timeout_flag(p) -> None:
+    p.add_argument("--timeout", type=float,
+                   help="seconds a receive or collective may wait before the job is ended "
+                        "with a report of where every rank is (default 600; 0: forever)")
+
+
+def _job_flags(p, required: bool, out_help: str) -> None:
+    from ..parallel.backend import BACKENDS
+    from ..parallel.comm import COMM_KINDS
+    need = {"required": required}
+    p.add_argument("--checkpoint", **need, help="HDF5 checkpoint, or preset:NAME")
+    p.add_argument("--prompts", **need,
+                   help=".npy of ids [batch, seq]; .jsonl of {ids}, {text} or {messages} lines; "
+                        "or random (data.random_count prompts of random ids, "
+                        "data.random_lengths long)")
+    p.add_argument("--max-new-tokens", type=int, **need)
+    p.add_argument("--out", **need, help=out_help)
+    _layout_flags(p)
+    _timeout_flag(p)
+    p.add_argument("--temperature", type=float, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--save-logits", action="store_const", const=True,
+                   help="store the logits of every prompt position")
+    p.add_argument("--ignore-eos", dest="stop_at_eos", action="store_const", const=False,
+                   help="always generate max-new-tokens, past EOS")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="a stop string: a row ends once its text holds it, the string itself "
+                        "left out (repeatable)")
+    p.add_argument("--batching", choices=["continuous", "static"],
+                   help="continuous (default): a finished row's slot takes the next prompt; "
+                        "static: each micro-batch runs until its longest row is done")
+    p.add_argument("--batch-size", type=int,
+                   help="rows in flight per micro-batch (default: what fits the KV cache)")
+    p.add_argument("--wave-size", type=int,
+                   help="prompts per wave: the output is saved, and the job can stop, after "
+                        "each (default: all at once)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
+                   help="compute dtype (default float32)")
+    p.add_argument("--backend", choices=BACKENDS)
+    p.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
+
+
+def _float_pair(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B1,B2, got {text!r}")
+
+
+def _train_flags(p) -> None:
+    """The flags of ``train`` that ``generate`` does not have (``run`` takes both)."""
+    from ..parallel.pipeline.training_schedules import TRAINING_SCHEDULES
+    from ..parallel.optim_settings import LR_SCHEDULES, OPTIMIZERS
+    p.add_argument("--data", help="training data: .npy rows, .bin tokens or .jsonl")
+    p.add_argument("--steps", type=int, help="total optimizer steps (counted from step 0)")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    p.add_argument("--schedule", choices=TRAINING_SCHEDULES, help="pipeline schedule (1f1b)")
+    p.add_argument("--virtual-stages", type=int, help="model chunks per stage (interleaved)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample for .bin / .jsonl data")
+    p.add_argument("--optimizer", choices=OPTIMIZERS)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--min-lr", type=float)
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES)
+    p.add_argument("--warmup-steps", type=int)
+    p.add_argument("--weight-decay", type=float)
+    p.add_argument("--momentum", type=float)
+    p.add_argument("--betas", type=_float_pair, metavar="B1,B2")
+    p.add_argument("--eps", type=float)
+    p.add_argument("--clip-grad", type=float, help="max gradient norm (0: off)")
+    p.add_argument("--recompute", choices=["none", "full"])
+    p.add_argument("--zero", type=int, choices=[0, 1],
+                   help="1: split the optimizer state over the dp replicas (ZeRO-1)")
+    p.add_argument("--save-every", type=int, help="checkpoint every K steps (and at the end)")
+    p.add_argument("--resume", help="a training checkpoint, or auto (DIR/latest)")
+    p.add_argument("--shuffle", action="store_const", const=True,
+                   help="permute the samples of each epoch")
+    p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per rank, for MFU")
+    p.add_argument("--bucket-mb", type=float,
+                   help="data-parallel gradient bucket size in MiB (default 25, as DDP)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..parallel.backend import BACKENDS
+    from ..checkpoint import PRESETS
+    from ..parallel.comm import COMM_KINDS
+    from ..parallel.dtypes import FLOAT_DTYPES
+
+    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma models across "
+                                            "ranks with MPI.")
+    p.add_argument("--version", action="version", version=f"hpcpar {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="the built-in demo job (the default command)")
+    demo.add_argument("--checkpoint", help="checkpoint (default: a cached random tiny model)")
+    for axis in ("dp", "pp", "tp"):
+        demo.add_argument(f"--{axis}", type=int, help=f"{axis} size (default: chosen for N)")
+    demo.add_argument("--backend", choices=BACKENDS, default="auto")
+    demo.add_argument("--comm", choices=COMM_KINDS, default="auto",
+                      help="tensor-parallel communicator")
+
+    run = sub.add_parser("run", help="run a job file (TOML)")
+    run.add_argument("job", type=Path)
+    run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override a job setting (repeatable)")
+    _job_flags(run, required=False, out_help=(
+        "output: OUT.h5 or OUT.jsonl (generation), OUT.h5 (scoring), a folder (training)"))
+    _train_flags(run)
+
+    gen = sub.add_parser("generate", help="batch generation from prompts")
+    gen.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    _job_flags(gen, required=True, out_help=(
+        "OUT.h5 (or .hdf5): HDF5; OUT.jsonl: one JSON line per prompt, in input order"))
+    gen.add_argument("--resume", choices=["auto"],
+                     help="keep the prompts a stopped run with the same settings finished")
+
+    score = sub.add_parser("score", help="log-probabilities of given token sequences")
+    score.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    score.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
+    score.add_argument("--data", required=True,
+                       help=".npy of ids [rows, seq] (left padding: negative ids), or .jsonl "
+                            "of {ids} or {text}")
+    score.add_argument("--out", required=True, help="output HDF5 file")
+    _layout_flags(score)
+    _timeout_flag(score)
+    score.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
+                       help="compute dtype (default float32)")
+    score.add_argument("--backend", choices=BACKENDS)
+    score.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
+
+    from ..parallel.backend import BACKENDS as _backends
+    train = sub.add_parser("train", help="train from a checkpoint on token data")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    train.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
+    train.add_argument("--out", required=True, help="folder for checkpoints and metrics")
+    _layout_flags(train)
+    _timeout_flag(train)
+    _train_flags(train)
+    train.add_argument("--seed", type=int, help="shuffle seed")
+    train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                       help="compute dtype over float32 master weights (default float32)")
+    train.add_argument("--backend", choices=_backends)
+    train.add_argument("--comm", choices=COMM_KINDS, help="tp and dp communicator")
+
+    sub_ = sub.add_parser("submit", help="queue a job file on Slurm (sbatch), one rank per GPU")
+    sub_.add_argument("job", type=Path)
+    sub_.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    sub_.add_argument("--nodes", type=int, default=1)
+    sub_.add_argument("--ranks-per-node", type=int, default=8, help="ranks (tasks) per node")
+    sub_.add_argument("--gpus-per-node", type=int,
+                      help="default: one per rank; 0 for CPU nodes")
+    sub_.add_argument("--cpus-per-task", type=int, help="cores (BLAS threads) per rank")
+    sub_.add_argument("--time", default="01:00:00", help="time limit (Slurm format)")
+    sub_.add_argument("--partition")
+    sub_.add_argument("--account")
+    sub_.add_argument("--signal-seconds", type=int, default=120,
+                      help="USR1 this long before the time limit: save, requeue, resume")
+    sub_.add_argument("--launcher", choices=["pmi2", "pmix", "mpirun"], default="pmi2",
+                      help="srun --mpi=pmi2 (mpich wheel), srun --mpi=pmix, or the site mpirun")
+    sub_.add_argument("--dry-run", action="store_true", help="print the script, queue nothing")
+
+    plan = sub.add_parser("plan", help="memory, communication and bubble of a layout (no MPI)")
+    plan.add_argument("job", nargs="?", type=Path, help="job file to plan (optional)")
+    plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    source = plan.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="read the model config from this checkpoint")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="plan a preset model")
+    plan.add_argument("--world", type=int, help="number of ranks (default: dp*pp*tp)")
+    _layout_flags(plan)
+    plan.add_argument("--batch", type=int, help="prompts in the batch")
+    plan.add_argument("--prompt-length", type=int, help="longest prompt, in tokens")
+    plan.add_argument("--max-new-tokens", type=int)
+    plan.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"])
+    plan.add_argument("--train", action="store_true",
+                      help="plan training (implied by a job with [train] or training flags)")
+    from ..parallel.pipeline.training_schedules import TRAINING_SCHEDULES
+    plan.add_argument("--schedule", choices=TRAINING_SCHEDULES)
+    plan.add_argument("--virtual-stages", type=int)
+    plan.add_argument("--global-batch", type=int)
+    plan.add_argument("--seq-len", type=int)
+    plan.add_argument("--optimizer", choices=["adamw", "sgd"])
+    plan.add_argument("--recompute", choices=["none", "full"])
+    plan.add_argument("--zero", type=int, choices=[0, 1])
+
+    conv = sub.add_parser("convert", help="Hugging Face folder -> HDF5 checkpoint")
+    conv.add_argument("hf_dir", type=Path)
+    conv.add_argument("out", type=Path)
+    conv.add_argument("--dtype", choices=[d for d in FLOAT_DTYPES if d != "float64"],
+                      help="storage dtype (default: the weights' own)")
+
+    init = sub.add_parser("init", help="random weights for a named model shape")
+    init.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    init.add_argument("out", type=Path)
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--dtype", choices=[d for d in FLOAT_DTYPES if d != "float64"],
+                      default="float32")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_guarded(lambda: _main(argv))
+
+
+def _main(argv) -> int:
+    comm = world()
+    everyone(comm, check_launch, comm)
+    from . import faults, settings
+    everyone(comm, settings.check_environment, comm.Get_size())     # every HPCPAR_* variable
+    everyone(comm, faults.check_environment, comm.Get_size())
+    args = everyone(comm, build_parser().parse_args, argv)
+    command = args.command or "demo"
+    if command == "demo":
+        from .demo import DemoOptions, run_demo
+        opts = DemoOptions(**{k: getattr(args, k, None) for k in ("checkpoint", "dp", "pp", "tp")},
+                           backend=getattr(args, "backend", "auto"),
+                           comm=getattr(args, "comm", "auto"))
+        return run_demo(comm, opts)
+    if command == "score" or (command == "run" and everyone(comm, _is_scoring, args)):
+        from .job import load_job
+        flags = {JOB_FLAGS[k]: v for k, v in vars(args).items()
+                 if k in JOB_FLAGS and k != "prompts"}
+        if getattr(args, "data", None) is not None:       # score's, or run's of a [score] job
+            flags[("score", "data")] = args.data
+        job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags, FLAG_NAMES)
+        return _score(comm, job)
+    if command in ("run", "generate", "train"):
+        from .job import load_job
+        job_file = getattr(args, "job", None)
+        training = command == "train" or (command == "run" and everyone(
+            comm, _is_training, job_file, args))
+        flags = {JOB_FLAGS[k]: v for k, v in vars(args).items() if k in JOB_FLAGS}
+        flags.update({TRAIN_FLAGS[k]: v for k, v in vars(args).items() if k in TRAIN_FLAGS})
+        if training:
+            flags.pop(JOB_FLAGS["seed"], None)
+            flags[("train", "seed")] = getattr(args, "seed", None)
+        else:                                   # --resume of a generation job
+            flags[("generate", "resume")] = flags.pop(TRAIN_FLAGS["resume"], None) or getattr(
+                args, "resume", None)
+        job = everyone(comm, load_job, job_file, args.set, flags, FLAG_NAMES)
+        if training:
+            return _train(comm, job)
+        from .generate import run_generation
+        result = run_generation(comm, job)
+        if result is not None:
+            print(result.report.format())
+            if job.output.path:
+                print(f"wrote {job.output.path}")
+        return 0
+    if command == "submit":
+        return _on_rank0(comm, "submitting the job", lambda: _submit(args))
+    if command == "plan":
+        return _on_rank0(comm, "planning", lambda: print(_plan_text(args)))
+    if command == "convert":
+        from ..checkpoint import convert
+        return _on_rank0(comm, f"converting {args.hf_dir}",
+                         _wrote(args.out, lambda: convert(args.hf_dir, args.out, args.dtype)))
+    if command == "init":
+        from ..checkpoint import init_checkpoint
+        from ..parallel.dtypes import float_dtype
+        return _on_rank0(comm, f"initialising preset {args.preset}", _wrote(
+            args.out, lambda: init_checkpoint(args.out, args.preset, args.seed,
+                                              float_dtype(args.dtype))))
+    raise AssertionError(command)
+
+
+def _submit(args) -> None:
+    from .job import load_job
+    from .slurm import SlurmRequest, check_layout, submit
+    training = _is_training(args.job, args)
+    job = load_job(args.job, args.set)
+    req = SlurmRequest(str(args.job), training, args.nodes, args.ranks_per_node,
+                       args.gpus_per_node, args.cpus_per_task, args.time, args.partition,
+                       args.account, args.signal_seconds, args.job.stem, args.launcher,
+                       tuple(args.set))
+    problems = req.problems()
+    if problems:
+        raise HpcparError("hpcpar submit: " + "; ".join(problems))
+    check_layout(job, req.ranks, training)
+    out = submit(req, dry_run=args.dry_run)
+    print(out if args.dry_run else f"submitted batch job {out}")
+
+
+def _is_training(job_file, args) -> bool:
+    """A job trains when its file has a [train] section or a training flag or --set says so."""
+    from .job import read_job_file
+    raw = read_job_file(job_file) if job_file is not None else {}
+    return ("train" in raw or any(a.startswith("train.") for a in args.set)
+            or any(getattr(args, k, None) is not None for k in TRAIN_FLAGS if k != "resume"))
+
+
+def _is_scoring(args) -> bool:
+    """A job file scores when it has a [score] section, or --set says so."""
+    from .job import read_job_file
+    raw = read_job_file(args.job)
+    return "score" in raw or any(a.startswith("score.") for a in args.set)
+
+
+def _score(comm, job) -> int:
+    from .score import run_scoring
+    result = run_scoring(comm, job)
+    if result is not None:
+        print(result.format())
+        print(f"wrote {job.output.path}")
+    return 0
+
+
+def _train(comm, job) -> int:
+    from .train.engine import run_training
+    report = run_training(comm, job)
+
+    def save():
+        if report is not None:
+            report.save(Path(job.output.path) / "report.json")
+
+    everyone(comm, save)                 # rank 0 writes; a failure ends every rank
+    if report is not None:
+        print(report.format())
+        print(f"wrote {job.output.path}")
+    return 0
+
+
+def _plan_text(args) -> str:
+    from ..checkpoint import open_checkpoint, preset_config
+    from ..models.config import ModelConfig
+    from ..parallel.dtypes import float_dtype
+    from .job import PRESET_PREFIX, load_job
+
+    flags = {("parallel", k): getattr(args, k) for k in
+             ("dp", "pp", "tp", "cp", "micro_batches", "stage_layers", "schedule",
+              "virtual_stages")}
+    flags.update({("train", k): getattr(args, k) for k in
+                  ("global_batch", "seq_len", "optimizer", "recompute", "zero")})
+    flags[("model", "dtype")] = args.dtype
+    flags[("model", "checkpoint")] = (PRESET_PREFIX + args.preset if args.preset
+                                      else args.checkpoint)
+    flags[("generate", "max_new_tokens")] = args.max_new_tokens
+    job = load_job(args.job, args.set, flags)
+    spec = job.model.checkpoint
+    if spec.startswith(PRESET_PREFIX):
+        name = spec[len(PRESET_PREFIX):]
+        cfg = ModelConfig.from_hf(preset_config(name), source=f"preset {name}")
+    else:
+        name = spec
+        cfg = open_checkpoint(spec).config
+    par = job.parallel
+    world_size = args.world or (par.dp or 1) * (par.pp or 1) * par.cp * (par.tp or 1)
+    training = args.train or _is_training(args.job, args)
+    layout = par.layout(world_size, "1f1b" if training else "gpipe")
+    layout.check(cfg, world_size)
+    if training:
+        from .plan import format_train_plan
+        tr = job.train
+        return format_train_plan(cfg, layout, par.virtual_stages, tr.global_batch,
+                                 tr.seq_len or 64, tr.optimizer, tr.recompute == "full", name,
+                                 tr.zero)
+    if layout.cp > 1:
+        raise HpcparError(f"cp {layout.cp}: plan counts a cp split for training (--train); "
+                          "its generation plan (weights, KV cache) does not split over cp yet")
+    from .plan import format_plan
+    return format_plan(cfg, layout, args.batch or job.data.random_count,
+                       args.prompt_length or max(job.data.random_lengths),
+                       job.generate.max_new_tokens, float_dtype(job.model.dtype).itemsize, name)
+
+
+def _wrote(out: Path, work):
+    def run():
+        start = time.perf_counter()
+        cfg = work()
+        print(f"wrote {out} ({cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+              f"vocab {cfg.vocab_size}, {out.stat().st_size / 1e6:.1f} MB) in "
+              f"{time.perf_counter() - start:.1f} s")
+    return run
+
+
+def _on_rank0(comm, what: str, work) -> int:
+    """Run a serial command on rank 0 while the other ranks wait for its verdict."""
+    def run():
+        if comm.Get_rank() == 0:
+            work()
+
+    with phase(what):
+        everyone(comm, run)
+    return 0

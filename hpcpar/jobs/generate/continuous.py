@@ -1,0 +1,316 @@
+"""Continuous batching: each micro-batch keeps up to ``batch_size`` rows in flight, and a row
+that finishes (EOS, or its own token limit) gives its slot to the next prompt of the
+micro-batch's queue, as vLLM's offline ``LLM.generate`` does.
+
+The run is a series of segments of ``S`` steps, each one static pipeline schedule
+(``schedule.generation``). Between segments every stage of a replica learns, from its last
+stage, which rows finished and each slot's last token (one small broadcast over the pipeline
+group), and every stage applies the same rule: free slots take the next prompts in order. A
+segment whose micro-batch got new prompts starts with a prefill of those rows alone into
+their slots of the KV cache (``CacheRows``: the decoding rows wait that one step); every other
+step decodes one token for every slot. With one stage a segment is one step, so a slot is
+refilled at once; with several, S steps keep the pipeline full between the refills, and a
+finished row waits at most S - 1 steps for its successor. A refill prefills at most
+``PREFILL_TOKENS`` prompt tokens (vLLM's max_num_batched_tokens), so filling many free slots
+at the start takes several segments and the memory a prefill needs stays bounded. Once no
+prompt is waiting, the last segment runs to the end of the longest row, as static batching
+does.
+
+Rows carry their own lengths and cache positions (``AttentionRows``), so a row's tokens are
+those of running it alone; draws are keyed by (seed, prompt index, token index), so a seed
+gives the same tokens whatever the batching. Outputs stay in input order: the prompts of a
+micro-batch are the ones static batching gives it, in the same rows of the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..faults import fault_point
+from ...models.kv_cache import CacheRows
+from ...models.decoder import DecoderStage
+from ...parallel.ops import AttentionRows
+from ...parallel.context import SplitKV, split_batch
+from ...parallel.pipeline.schedule import Action, Op
+from .schedule import generation
+from .batching import MicroBatch
+from .program import GenerationSettings, ReplicaProgram
+from .sampling import PromptSampling, next_tokens
+from .stopping import StopStrings
+
+SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
+KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
+PREFILL_TOKENS = 8192      # at most this many (padded) prompt tokens in one refill's prefill
+
+
+def segment_steps(pp: int) -> int:
+    return 1 if pp == 1 else SEGMENT_STEPS
+
+
+@dataclass
+class _Slots:
+    """One micro-batch's rows in flight, the same on every stage of the replica."""
+
+    prompt: np.ndarray                  # (B,) replica-local prompt in each slot, -1: none
+    position: np.ndarray                # (B,) tokens of the row in the KV cache
+    queue: list[int]                    # prompts still waiting, in input order
+    new: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # refilled slots
+
+    def active(self, done: np.ndarray) -> np.ndarray:
+        """(B,) slots holding an unfinished prompt."""
+        held = self.prompt >= 0
+        return held & ~done[np.where(held, self.prompt, 0)]
+
+
+class ContinuousProgram(ReplicaProgram):
+    """The ``StageProgram`` of one segment at a time (``start_segment``); its per-prompt
+    results (``tokens``, ``lengths``, ``done``) are in the replica's row order, as
+    ``GenerationProgram``'s are."""
+
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
+                 eos_ids: tuple[int, ...], pad_id: int, backend, batch_size: int,
+                 steps: int, limits: np.ndarray | None = None,
+                 on_rows: Callable[[int, int], None] | None = None,
+                 stop_requested: Callable[[], bool] | None = None,
+                 sampling: PromptSampling | None = None, stops: StopStrings | None = None,
+                 cp=None):
+        super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
+                         stop_requested, sampling, stops, cp)
+        self.steps = steps
+        rows = len(self.done)
+        self.prompt_ids = [mb.ids[j, :mb.lengths[j]] for mb in mbs for j in range(mb.size)]
+        self.width = [min(batch_size, mb.size) for mb in mbs]
+        # a row finished mid-segment is fed until the segment ends, its position held at the
+        # last slot (its cache is no longer read)
+        self.capacity = max((len(p) + k for p, k in zip(self.prompt_ids, self.limit)),
+                            default=1)
+        local = self.cache_capacity(self.capacity)
+        self.caches = [stage.new_cache(w, local) for w in self.width]
+        self.split = [self.split_kv(w, local) for w in self.width]     # under cp
+        self.shards: dict[int, object] = {}                 # mb -> its refill's ContextShard
+        self.slots = [_Slots(np.full(w, -1, np.int64), np.zeros(w, np.int64),
+                             list(range(int(self.offsets[i]), int(self.offsets[i + 1]))))
+                      for i, w in enumerate(self.width)]
+        self.generated = np.zeros(rows, dtype=np.int64)
+        self.step_tokens = [np.full(w, pad_id, np.int64) for w in self.width]  # last sampled
+        self.logits_of: dict[int, np.ndarray] = {}                 # prompt -> (L, vocab)
+        self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
+
+    # ---- between segments --------------------------------------------------------------------
+
+    def start_segment(self, pp_host) -> list[Action]:
+        """Agree with the pipeline (``pp_host``: the pipeline group on the host) on what
+        finished (the last stage knows) and refill the free slots; returns this stage's
+        actions for the segment (none when nothing is left)."""
+        stage = self.stage
+        last = pp_host.size - 1
+        state = np.concatenate([self.done.astype(np.int64), self.generated,
+                                *self.step_tokens]) if self.mbs else np.zeros(0, np.int64)
+        pp_host.broadcast(state, root=last)
+        rows = len(self.done)
+        if not stage.last:
+            self.done[:] = state[:rows].astype(bool)
+            self.generated[:] = state[rows:2 * rows]
+            at = 2 * rows
+            for i, w in enumerate(self.width):
+                self.step_tokens[i][:] = state[at:at + w]
+                at += w
+        work, steps = False, 1
+        for s in self.slots:
+            free = np.flatnonzero(~s.active(self.done))
+            take = self._admit(s.queue[:len(free)])
+            s.new = free[:take]
+            s.prompt[free[take:]] = -1                    # finished, nothing to take its place
+            for slot in s.new:
+                s.prompt[slot] = s.queue.pop(0)
+            active = s.active(self.done)
+            work = work or bool(active.any())
+            held = s.prompt[active]
+            steps = max(steps, int((self.limit[held] - self.generated[held]).max(initial=0)))
+        if not work:
+            return []
+        if any(s.queue for s in self.slots):
+            steps = self.steps                    # refill again soon
+        return generation(pp_host.size, len(self.mbs), steps)[pp_host.rank]
+
+    def _admit(self, waiting: list[int]) -> int:
+        """How many of the ``waiting`` prompts (one per free slot) a refill takes: all whose
+        padded prefill holds at most ``PREFILL_TOKENS`` tokens (at least one), so a prefill's
+        activations stay bounded whatever the rows in flight; the rest wait a segment."""
+        take, longest = 0, 0
+        for p in waiting:
+            longest = max(longest, len(self.prompt_ids[p]))
+            if take and (take + 1) * longest > PREFILL_TOKENS:
+                break
+            take += 1
+        return take
+
+    # ---- StageProgram ------------------------------------------------------------------------
+
+    def _refill(self, mb: int, step: int) -> bool:
+        return step == 0 and len(self.slots[mb].new) > 0
+
+    def prefill_seconds(self, times, start: float) -> float:
+        """Refills interleave with decoding: the time the prefill steps took."""
+        return times.compute[0] + times.wait[0]
+
+    def phase(self, a: Action) -> int:
+        """Prefill (0) for a refill's step, decode (1) for every other (the run report)."""
+        return 0 if self._refill(a.mb, a.step) else 1
+
+    def payload(self, a: Action):
+        if a.op in (Op.SEND, Op.RECV):
+            if self._refill(a.mb, a.step):
+                rows, width = self._prefill_ids(a.mb).shape
+                shape = (rows, self.prefill_width(width))
+            else:
+                shape = (self.width[a.mb], 1)
+            return shape + (self.stage.hidden_size,), self.stage.dtype
+        return (self.width[a.mb],), np.dtype(np.int64)
+
+    def finished(self, mb: int) -> bool:
+        """The first stage retires a micro-batch for the rest of the segment once every row
+        it holds has finished (the next segment refills it), or on a stop request its tp
+        ranks agree on (the segment's end then ends the run: ``stopping``)."""
+        if not self.stage.first:
+            return False
+        return self.stopping() or not self.slots[mb].active(self.done).any()
+
+    def receive(self, a: Action, payload) -> None:
+        if a.op is Op.RECV:
+            self.inputs[a.mb] = payload
+        else:
+            tokens = self.backend.to_host(payload)
+            self._record(a.mb, a.step, tokens)
+
+    def outgoing(self, a: Action):
+        if a.op is Op.SEND:
+            return self.outputs.pop(a.mb)
+        return self.xp.asarray(self.step_tokens[a.mb])
+
+    def compute(self, a: Action) -> None:
+        if not self._refill(a.mb, a.step):
+            self.decoded[a.mb] += 1
+            fault_point("decode", self.decoded[a.mb])
+        stage, xp, s = self.stage, self.xp, self.slots[a.mb]
+        cache = self.caches[a.mb]
+        split = self.split[a.mb]
+        if self._refill(a.mb, a.step):
+            lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[s.new]], np.int64)
+            ids, rows, shard = split_batch(xp, self._prefill_ids(a.mb), lengths, self.cp)
+            x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
+            y = stage.forward(x, rows, CacheRows(cache, xp.asarray(s.new)),
+                              self.prefill_keep(lengths))
+            s.position[s.new] = lengths
+            if split is not None:
+                split.prefilled(shard, lengths, s.new)
+                self.shards[a.mb] = shard
+        else:
+            held = s.prompt >= 0
+            if split is None:
+                rows = AttentionRows.build(xp, np.ones(len(s.prompt), np.int64),
+                                           s.position + 1, from_start=False)
+            else:
+                rows = split.decode_rows(xp, s.position, held)
+            x = (stage.embed(xp.asarray(self.step_tokens[a.mb][:, None])) if stage.first
+                 else self.inputs.pop(a.mb))
+            y = stage.forward(x, rows, cache)
+            if split is not None:
+                split.decoded(s.position, held)
+            # every stage alike (slots change at refills only); a finished row stays in bounds
+            s.position = np.minimum(s.position + held, self.capacity - 1)
+        if stage.last:
+            self._sample(a.mb, a.step, y)
+        else:
+            self.outputs[a.mb] = y
+
+    def _prefill_ids(self, mb: int) -> np.ndarray:
+        """(new rows, longest) the refilled slots' prompts, each from column 0."""
+        s = self.slots[mb]
+        prompts = [self.prompt_ids[p] for p in s.prompt[s.new]]
+        ids = np.zeros((len(prompts), max(len(p) for p in prompts)), dtype=np.int64)
+        for j, p in enumerate(prompts):
+            ids[j, :len(p)] = p
+        return ids
+
+    # ---- the last stage ----------------------------------------------------------------------
+
+    def _sample(self, mb: int, step: int, y) -> None:
+        stage, s = self.stage, self.slots[mb]
+        if self._refill(mb, step):
+            slots = s.new
+            lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[slots]], np.int64)
+            if self.settings.save_logits:
+                full = self.backend.to_host(stage.head.full_logits(stage.logits(y)))
+                for j, p in enumerate(s.prompt[slots]):
+                    self.logits_of[int(p)] = full[j, :lengths[j]]
+            last = stage.logits(self.last_states(y, lengths, self.prefill_keep(lengths),
+                                                 self.shards.pop(mb, None)))
+        else:
+            slots = np.arange(len(s.prompt))
+            last = stage.logits(y)
+        prompts = np.where(s.prompt[slots] >= 0, s.prompt[slots], 0)
+        tokens = next_tokens(stage.head, last[:, 0], self.sampling,
+                             self.global_rows[prompts], self.generated[prompts],
+                             self.backend.to_host)
+        self.step_tokens[mb][slots] = tokens
+        self._record(mb, step, self.step_tokens[mb])
+
+    def _record(self, mb: int, step: int, tokens: np.ndarray) -> None:
+        """This step's tokens for the slots that produced one (every active slot; after a
+        refill, the new ones alone); a row is done at EOS or its own limit. The first stage
+        keeps the same books from the tokens the last stage sends back."""
+        s = self.slots[mb]
+        producing = s.new if self._refill(mb, step) else np.flatnonzero(s.active(self.done))
+        if not self.stage.last:
+            self.step_tokens[mb][:] = tokens
+        finished = 0
+        for slot in producing:
+            p = int(s.prompt[slot])
+            if self.done[p]:
+                continue
+            k = int(self.generated[p])
+            self.tokens[p, k] = tokens[slot]
+            self.generated[p] = k + 1
+            if (tokens[slot] in self.eos or k + 1 >= self.limit[p]
+                    or self.met_stop_string(p, k + 1)):
+                self.done[p] = True
+                self.lengths[p] = k + 1
+                finished += 1
+        if self.on_rows is not None:
+            self.on_rows(finished, len(producing))
+
+    def finish(self) -> None:
+        """Per micro-batch prompt logits, in the static layout ``_collect`` sends."""
+        if not self.settings.save_logits:
+            return
+        vocab = self.stage.cfg.vocab_size
+        for i, mb in enumerate(self.mbs):
+            full = np.full((mb.size, mb.length, vocab), np.nan, dtype=np.float32)
+            for j in range(mb.size):
+                logits = self.logits_of.get(int(self.offsets[i]) + j)
+                if logits is not None:
+                    full[j, :len(logits)] = logits
+            self.prompt_logits[mb.index] = full
+
+
+def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world,
+                   cp=None) -> int:
+    """Rows in flight per micro-batch: --batch-size, or what fits: the rows whose KV cache
+    (for the longest prompt and limit, every micro-batch) takes at most ``KV_SHARE`` of the
+    free memory of the fullest rank (collective over the world)."""
+    if settings.batch_size:
+        return settings.batch_size
+    fit = 2 ** 62
+    free = backend.free_memory_bytes()
+    if free is not None and mbs:
+        capacity = max(int(n + limits[r]) for mb in mbs for r, n in zip(mb.rows, mb.lengths))
+        if cp is not None:                     # a rank holds its part of each row's cache
+            capacity = SplitKV.local_capacity(capacity, cp.size)
+        per_row = len(mbs) * stage.kv_bytes_per_row(capacity)
+        fit = max(1, int(KV_SHARE * free // max(per_row, 1)))
+    fit = -int(world.all_reduce(np.array([-fit], dtype=np.int64), op="max")[0])
+    return min(fit, max((mb.size for mb in mbs), default=1))

@@ -1,0 +1,382 @@
+"""The output file of a generation job, written by rank 0 as the job goes and renamed into
+place when complete.
+
+    tokens         int64 [batch, max_new_tokens]   new tokens only; pad id after a row's EOS
+    lengths        int64 [batch]                   new tokens up to and including EOS
+    finish_reason  utf-8 [batch]                   why the row ended: eos, stop (a stop
+                                                   string), or length (its max_new_tokens)
+    prompt_lengths int64 [batch]
+    prompt_logits  float32 [batch, seq, vocab]     with --save-logits: position t of prompt b
+                                                   at [b, t], NaN past the prompt's end
+    text           utf-8 [batch]                   decoded new tokens, when there is a tokenizer
+    attributes     the run's settings and its report
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ...parallel.errors import HpcparError
+from ...checkpoint.files import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_space, quiet_deallocation, remove_stale_temporaries, reserve, write_point, writing)
+
+
+def unpad_into(logits, mb, full: np.ndarray) -> None:
+    """A micro-batch's logits (b, L, vocab) into ``logits`` (an array or an HDF5 dataset of
+    [batch, seq, vocab]), position t of each prompt at t, its padding left out."""
+    for j, row in enumerate(mb.rows):
+        logits[row, :mb.lengths[j]] = full[j, :mb.lengths[j]]
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a partial file of this run must hold: its settings (``run``, compared key by
+    key on resume) and the shapes and limits its datasets follow."""
+
+    run: dict                        # the settings a resumed run must share (``_fingerprint``)
+    max_new_tokens: int
+    prompt_lengths: np.ndarray       # (count,)
+    limits: np.ndarray               # (count,) each prompt's max_new_tokens
+    vocab: int
+    save_logits: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.prompt_lengths)
+
+    @property
+    def nbytes(self) -> int:
+        """The partial file's datasets, in bytes."""
+        n = self.count
+        logits = n * int(max(self.prompt_lengths)) * self.vocab * 4 if self.save_logits else 0
+        return n * (self.max_new_tokens * 8 + 8 + 8 + 1) + logits
+
+
+# the fingerprint's keys, as a refused resume names them
+_SETTING_NAMES = {"checkpoint": "checkpoint path", "model": "model config",
+                  "prompts_sha256": "prompts (their ids, limits or own sampling)",
+                  "dtype": "compute dtype"}
+
+
+def settings_differ(stored: dict, run: dict) -> list[str]:
+    """The settings of ``run`` that differ from the stopped run's, as a user reads them."""
+    out = []
+    for key in sorted(set(stored) | set(run)):
+        if stored.get(key) != run.get(key):
+            name = _SETTING_NAMES.get(key, key)
+            if key in ("checkpoint", "model", "prompts_sha256"):
+                out.append(name)
+            else:
+                out.append(f"{name} {json.dumps(run.get(key))} (the stopped run had "
+                           f"{json.dumps(stored.get(key))})")
+    return out
+
+
+_KIND_NAMES = {"i": "integers", "b": "booleans", "f": "floats"}
+
+
+def stored_run(f: h5py.File) -> dict | None:
+    """The settings a partial file was written under, or None when unreadable."""
+    try:
+        stored = json.loads(f.attrs["run"])
+    except (KeyError, ValueError, TypeError):
+        return None
+    return stored if isinstance(stored, dict) else None
+
+
+def damage(f: h5py.File, shape: RunShape) -> str | None:
+    """What is wrong with the open partial file ``f`` of a run of ``shape``, or None: every
+    dataset's presence, shape and type, then the finished rows' values."""
+    n, width = shape.count, shape.max_new_tokens
+    expected = {"tokens": ((n, width), "i"), "lengths": ((n,), "i"),
+                "prompt_lengths": ((n,), "i"), "done": ((n,), "b")}
+    if shape.save_logits:
+        expected["prompt_logits"] = ((n, int(max(shape.prompt_lengths)), shape.vocab), "f")
+    for name, (want, kind) in expected.items():
+        dset = f.get(name)
+        if not isinstance(dset, h5py.Dataset):
+            return f"the {name} dataset is missing"
+        if dset.shape != want or dset.dtype.kind != kind:
+            return (f"{name} is {dset.dtype} {list(dset.shape)} where this run needs "
+                    f"{_KIND_NAMES[kind]} {list(want)}")
+    if not np.array_equal(f["prompt_lengths"][()], shape.prompt_lengths):
+        return "its prompt lengths are not this run's prompts'"
+    rows = np.flatnonzero(f["done"][()])
+    lengths = f["lengths"][()][rows]
+    bad = (lengths < 1) | (lengths > shape.limits[rows])
+    if bad.any():
+        row = int(rows[np.argmax(bad)])
+        return (f"prompt {row} is marked finished with {int(f['lengths'][row])} new tokens, "
+                f"outside [1, {int(shape.limits[row])}]")
+    tokens = f["tokens"][()][rows]
+    inside = np.arange(width)[None, :] < lengths[:, None]
+    outside = inside & ((tokens < 0) | (tokens >= shape.vocab))
+    if outside.any():
+        r, t = np.argwhere(outside)[0]
+        return (f"prompt {int(rows[r])} holds token id {int(tokens[r, t])}, outside the "
+                f"model's vocabulary [0, {shape.vocab})")
+    return None
+
+
+def check_partial(path: Path, shape: RunShape) -> None:
+    """Raise ``HpcparError`` unless ``path`` is a stopped run of ``shape`` that can be
+    resumed: its settings first, then its contents (``damage``). Read-only: a refused file
+    is left as it was, its modification time included."""
+    differ, problem = [], None
+    try:
+        with h5py.File(path, "r") as f:
+            stored = stored_run(f)
+            if stored is None:
+                problem = "its run settings are missing or unreadable"
+            else:
+                differ = settings_differ(stored, shape.run)
+                problem = None if differ else damage(f, shape)
+    except OSError as e:
+        problem = f"not a readable HDF5 file ({str(e).splitlines()[0]})"
+    if differ:
+        raise HpcparError(f"{path}: a stopped run with other settings; this run has "
+                          f"{'; '.join(differ)}; run it with the stopped run's settings, or "
+                          f"remove {path} to start over")
+    if problem is not None:
+        raise HpcparError(f"{path}: cannot resume from it: damaged, {problem}; remove it to "
+                          "start over")
+
+
+class JsonLines:
+    """A generation's results as JSON lines (``--out NAME.jsonl``), one per prompt in input
+    order: its index, text, token ids, finish reason and token counts. Lines are appended to
+    a hidden ``.NAME.jsonl.lines`` as the finished prompts form a longer prefix, and renamed
+    into place at the end. The partial HDF5 file stays the resumable record: a resumed run
+    writes the lines again from it."""
+
+    def __init__(self, path: Path, describe):
+        """``describe(prompt, tokens_row, length)``: the row's text (None without a
+        tokenizer) and why it ended."""
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.lines")
+        self.describe = describe
+        self.written = 0
+        self.file = None
+
+    def start(self) -> None:
+        self.file = open(self.tmp, "w", encoding="utf-8")
+        self.written = 0
+
+    def extend(self, tokens: np.ndarray, lengths: np.ndarray, done: np.ndarray,
+               prompt_lengths: np.ndarray) -> None:
+        """Write the lines of the finished prompts that now follow the written ones."""
+        end = self.written
+        while end < len(done) and done[end]:
+            end += 1
+        for r in range(self.written, end):
+            text, reason = self.describe(r, tokens[r], lengths[r])
+            line = dict(zip(JSONL_KEYS, (r, text, tokens[r, :lengths[r]].tolist(), reason,
+                                         int(prompt_lengths[r]), int(lengths[r]))))
+            self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
+        if end > self.written:
+            write_point(self.tmp)
+            self.file.flush()
+            self.written = end
+
+    def commit(self) -> None:
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def discard(self) -> None:
+        if self.file is not None and not self.file.closed:
+            try:
+                self.file.close()
+            except OSError:
+                pass
+        self.tmp.unlink(missing_ok=True)
+
+
+class PartialOutput:
+    """The output file while a generation runs (rank 0 only): a hidden sibling
+    ``.NAME.partial`` that holds every dataset from the start, receives the finished
+    prompts' tokens and lengths as they come (``generate.stream``) and each micro-batch's
+    prompt logits as they are ready, and records which prompts are done and the run's
+    settings; the text is decoded at the end. ``complete`` renames it into place; a run
+    stopped early leaves it for ``resume="auto"``, which keeps the prompts it finished. The
+    output path itself only ever holds a complete file.
+
+    With ``lines`` (a ``.jsonl`` output) the results go out as ``JsonLines`` as they
+    finish, and the partial file is removed once they are complete.
+
+    A write that fails (a full disk, a quota, a failing file system) is kept in ``failed``
+    and ends the writing: the job then stops and reports it. The partial file is left only
+    if it can still be resumed, and removed otherwise."""
+
+    def __init__(self, path: str | Path, shape: RunShape, resume: str | None,
+                 lines: JsonLines | None = None):
+        self.path = Path(path)
+        self.partial = self.path.with_name(f".{self.path.name}.partial")
+        self.shape = shape
+        self.failed: WriteError | None = None
+        self.file: h5py.File | None = None
+        self.lines = lines
+        self.mirror = None          # (tokens, lengths, done) in memory, for the lines
+        remove_stale_temporaries(self.path)
+        if resume not in (None, "auto"):
+            raise HpcparError(f"generate.resume must be 'auto' or absent, got {resume!r}")
+        if resume and self.partial.exists():
+            check_partial(self.partial, shape)
+            self._write(lambda: self._open("r+"))
+        else:
+            self._write(self._create)
+        if lines is not None and not self.failed:
+            f = self.file
+            self.mirror = (f["tokens"][()], f["lengths"][()], f["done"][()])
+            self._write(lambda: (lines.start(), self._extend_lines()))
+        if self.failed:
+            raise self.failed
+
+    def _extend_lines(self) -> None:
+        self.lines.extend(*self.mirror, self.shape.prompt_lengths)
+
+    def _open(self, mode: str) -> None:
+        self.file = h5py.File(self.partial, mode)
+
+    def _create(self) -> None:
+        check_space(self.partial, self.shape.nbytes)
+        self._open("w")
+        f, n = self.file, self.shape.count
+        f.attrs["run"] = json.dumps(self.shape.run, sort_keys=True)
+        # written out now, so that marking rows done later only overwrites bytes in place
+        f.create_dataset("tokens", data=np.zeros((n, self.shape.max_new_tokens), np.int64))
+        f.create_dataset("lengths", data=np.zeros(n, np.int64))
+        f.create_dataset("prompt_lengths", data=np.asarray(self.shape.prompt_lengths,
+                                                           np.int64))
+        f.create_dataset("done", data=np.zeros(n, bool))
+        if self.shape.save_logits:
+            # every chunk allocated (and filled with NaN) now: a disk too small fails here,
+            # before any work, rather than when a wave's logits arrive
+            longest = int(max(self.shape.prompt_lengths))
+            early = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+            early.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+            f.create_dataset("prompt_logits", (n, longest, self.shape.vocab), dtype=np.float32,
+                             chunks=(1, longest, self.shape.vocab), fillvalue=np.nan,
+                             dcpl=early)
+        write_point(self.partial)
+        f.flush()
+        reserve(self.partial)        # rows later overwrite bytes in place: no new blocks
+
+    def _write(self, work) -> None:
+        """Run ``work`` (it writes the file); a failure is kept in ``failed``, and the file
+        is closed and kept only if it can still be resumed."""
+        if self.failed:
+            return
+        try:
+            with writing(self.partial):
+                work()
+        except WriteError as e:
+            self.failed = WriteError(f"{e}; {self._salvage()}")
+
+    def _salvage(self) -> str:
+        if self.lines is not None:          # written again from the partial file on resume
+            self.lines.discard()
+        if self.file is not None:
+            with quiet_deallocation():
+                try:
+                    self.file.close()
+                except Exception:   # the close flushes, and may fail as the write did
+                    pass
+            self.file = None
+        try:
+            check_partial(self.partial, self.shape)
+            with h5py.File(self.partial, "r") as f:
+                finished = int(f["done"][()].sum())
+        except (HpcparError, OSError):
+            self.partial.unlink(missing_ok=True)
+            return "no finished prompt could be kept"
+        if not finished:
+            self.partial.unlink(missing_ok=True)
+            return "no prompt had finished"
+        return (f"the {finished} finished prompts are kept in {self.partial}: make room, then "
+                "run again with --resume auto")
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.file["done"][()]
+
+    def finish_rows(self, rows: np.ndarray, tokens, lengths) -> None:
+        """Finished prompts (global indices) and their results. Their tokens reach the disk
+        before they are marked done, so a process killed in between loses the mark, not
+        the tokens behind it."""
+        rows = np.asarray(rows, dtype=np.int64)
+        order = np.argsort(rows)
+        rows = list(rows[order])
+
+        def work():
+            f = self.file
+            f["tokens"][rows] = np.asarray(tokens)[order]
+            f["lengths"][rows] = np.asarray(lengths)[order]
+            write_point(self.partial)
+            f.flush()
+            f["done"][rows] = True
+            f.flush()
+            if self.mirror is not None:
+                m_tokens, m_lengths, m_done = self.mirror
+                m_tokens[rows], m_lengths[rows] = np.asarray(tokens)[order], np.asarray(
+                    lengths)[order]
+                m_done[rows] = True
+                self._extend_lines()
+
+        self._write(work)
+
+    def write_logits(self, mb, full: np.ndarray) -> None:
+        """A micro-batch's prompt logits (``unpad_into``)."""
+        self._write(lambda: unpad_into(self.file["prompt_logits"], mb, full))
+
+    def results(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every prompt's tokens and lengths, this run's and the earlier runs' alike."""
+        return self.file["tokens"][()], self.file["lengths"][()]
+
+    def complete(self, attrs: dict, texts: list[str] | None, reasons: list[str]) -> None:
+        """Add the text, each row's finish reason and the run's attributes, then rename the
+        file into place. What needs room is written first, while the file can still be
+        resumed."""
+        def fill():
+            f = self.file
+            for name in ("text", "finish_reason"):   # a partial file from before they came last
+                if name in f:
+                    del f[name]
+            if texts is not None:
+                f.create_dataset("text", data=texts, dtype=h5py.string_dtype("utf-8"))
+            f.create_dataset("finish_reason", data=reasons, dtype=h5py.string_dtype("utf-8"))
+            for key, value in (attrs | {OUTPUT_KIND: "generation"}).items():
+                f.attrs[key] = value
+            write_point(self.partial)
+            f.flush()
+
+        def seal():
+            f = self.file
+            del f["done"]
+            del f.attrs["run"]
+            f.close()
+            self.file = None
+            os.replace(self.partial, self.path)
+
+        if self.lines is not None:
+            self._write(self._extend_lines)
+            self._write(self._seal_lines)
+        else:
+            if texts is not None:
+                self._write(lambda: check_space(self.partial, sum(len(t.encode()) + 16
+                                                                  for t in texts)))
+            self._write(fill)
+            self._write(seal)
+        if self.failed:
+            raise self.failed
+
+    def _seal_lines(self) -> None:
+        """The JSON lines into place; the partial file, their record, is then done with."""
+        self.lines.commit()
+        self.file.close()
+        self.file = None
+        self.partial.unlink()

@@ -1,0 +1,269 @@
+"""What one pipeline stage computes during generation (the executor's ``StageProgram``).
+
+Step 0 of a micro-batch is its prefill: the prompts (each row's tokens first, then padding)
+go through the stage and fill the KV cache. Step t > 0 feeds the token sampled at step t - 1,
+one position per row, at cache slot L_b + t - 1 of row b (L_b its prompt length). The last
+stage samples from each row's last real position; with several stages it sends the tokens
+back to the first, which embeds them for the next step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Callable
+
+import numpy as np
+
+from ..faults import fault_point
+from ...models.decoder import DecoderStage
+from ...parallel.ops import AttentionRows
+from ...parallel.context import ContextShard, SplitKV, last_states, split_batch
+from ...parallel.pipeline.schedule import Action, Op
+from .batching import MicroBatch, replica_order
+from .sampling import PromptSampling, SamplingParams, next_tokens
+from .stopping import StopStrings
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_at_eos: bool = True
+    save_logits: bool = False
+    batching: str = "continuous"    # or "static" (see ``generate.continuous``)
+    batch_size: int = 0             # continuous: rows in flight per micro-batch (0: all)
+
+
+def any_rank(flag: bool, *groups) -> bool:
+    """Whether ``flag`` is raised on any rank of ``groups`` (communicators, reduced one after
+    the other on the host): every member gets the same answer at the same point."""
+    mine = np.array([int(flag)], dtype=np.int64)
+    for group in groups:
+        if group.size > 1:
+            group.on_host().all_reduce(mine, op="max")
+    return bool(mine[0])
+
+
+class AgreedStop:
+    """A stop request (SIGTERM / SIGUSR1) polled by the first stage before each forward:
+    true once any of its tp (and cp) ranks saw one, for all of them at the same forward (they
+    retire the same micro-batches at the same step); final once true."""
+
+    def __init__(self, requested: Callable[[], bool] | None, *groups):
+        self.requested, self.groups = requested, [g for g in groups if g is not None]
+        self.stopped = False
+
+    def __call__(self) -> bool:
+        if not self.stopped and self.requested is not None:
+            self.stopped = any_rank(self.requested(), *self.groups)
+        return self.stopped
+
+
+class ReplicaProgram(ABC):
+    """What both generation programs (static here, continuous in ``generate.continuous``)
+    keep of a replica's rows: results in the replica's row order (``global_rows``: each
+    row's prompt), each row's limit, the stop agreement and the activations in flight."""
+
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
+                 eos_ids: tuple[int, ...], pad_id: int, backend, limits: np.ndarray | None,
+                 on_rows: Callable[[int, int], None] | None,
+                 stop_requested: Callable[[], bool] | None, sampling: PromptSampling | None,
+                 stops: StopStrings | None = None, cp=None):
+        """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
+        job's for every prompt); ``sampling`` likewise (default: the job's settings);
+        ``stops`` each prompt's stop strings (None: no prompt has any).
+        ``stop_requested``: polled by the first stage before each forward; once its tp ranks
+        agree on a stop, every micro-batch is retired there (the STOP reaches the other
+        stages with the activations) and only finished rows count. ``on_rows(finished,
+        tokens)`` hears of each step's new tokens and finished rows. ``cp``: the
+        context-parallel group (a ``Communicator``) the prompts and KV cache are split over
+        (``parallel.context``), or None."""
+        self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
+        self.xp = backend.xp
+        n = settings.max_new_tokens
+        self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
+        rows = int(self.offsets[-1])
+        self.global_rows = replica_order(mbs)                      # prompt of each row
+        self.limit = (limits[self.global_rows] if limits is not None
+                      else np.full(rows, n, dtype=np.int64))       # each row's own limit
+        self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens
+        self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
+        self.done = np.zeros(rows, dtype=bool)
+        self.eos = np.asarray(eos_ids if settings.stop_at_eos else (), dtype=np.int64)
+        self.pad_id = pad_id
+        self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
+        self.inputs: dict[int, object] = {}
+        self.outputs: dict[int, object] = {}
+        self.on_rows = on_rows
+        self.stopping = AgreedStop(stop_requested, stage.tp, cp)
+        self.sampling = sampling if sampling is not None else settings.sampling
+        self.stops = stops
+        self.cp = cp
+
+    def cache_capacity(self, positions: int) -> int:
+        """KV-cache slots per row on this rank for rows of up to ``positions`` tokens."""
+        if self.cp is None:
+            return positions
+        return SplitKV.local_capacity(positions, self.cp.size)
+
+    def prefill_width(self, length: int) -> int:
+        """Positions of prompts ``length`` wide this rank runs (its own under cp)."""
+        shard = ContextShard.of(length, self.cp)
+        return length if shard is None else shard.local_length()
+
+    def split_kv(self, rows: int, capacity: int) -> SplitKV | None:
+        return None if self.cp is None else SplitKV(rows, self.cp.size, self.cp.rank, capacity)
+
+    def prefill_keep(self, lengths: np.ndarray) -> np.ndarray | None:
+        """The positions a prefill's last stage computes its final states at: each row's last
+        token (all the head reads), or None (every position: the prompt logits are saved, or
+        the prompts are split over cp and the rank holding each last token is elsewhere;
+        with device kernels, where this has not run yet)."""
+        if (not self.stage.last or self.settings.save_logits or self.cp is not None
+                or self.stage.ops.device):
+            return None
+        return np.asarray(lengths, dtype=np.int64) - 1
+
+    def last_states(self, y, lengths, keep, shard):
+        """(B, 1, hidden) each row's final states at its last token, from a prefill's y."""
+        if keep is not None:                         # the stage computed those alone
+            return y
+        return last_states(self.xp, y, lengths, shard, self.cp)
+
+    def met_stop_string(self, row: int, generated: int) -> bool:
+        """Whether row ``row``'s first ``generated`` new tokens hold one of its stop
+        strings (a pure function of them: every stage that keeps the books agrees)."""
+        return self.stops is not None and self.stops.hit(int(self.global_rows[row]),
+                                                         self.tokens[row, :generated])
+
+    @abstractmethod
+    def prefill_seconds(self, times, start: float) -> float:
+        """The run's prefill time, for the report (``times``: the executor's)."""
+
+
+class GenerationProgram(ReplicaProgram):
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
+                 eos_ids: tuple[int, ...], pad_id: int, backend,
+                 on_rows: Callable[[int, int], None] | None = None,
+                 limits: np.ndarray | None = None,
+                 stop_requested: Callable[[], bool] | None = None,
+                 sampling: PromptSampling | None = None, stops: StopStrings | None = None,
+                 cp=None):
+        """Static batching: every row of a micro-batch from its prefill to its longest row's
+        end (``ReplicaProgram`` says what the arguments are)."""
+        super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
+                         stop_requested, sampling, stops, cp)
+        n = settings.max_new_tokens
+        capacity = [self.cache_capacity(mb.length + n) for mb in mbs]
+        self.caches = [stage.new_cache(mb.size, c) for mb, c in zip(mbs, capacity)]
+        self.split = [self.split_kv(mb.size, c) for mb, c in zip(mbs, capacity)]
+        self.shards: dict[int, object] = {}                  # mb -> its prefill's ContextShard
+        self.prefill_done_at: float | None = None
+
+    def prefill_seconds(self, times, start: float) -> float:
+        """Every micro-batch is prefilled first: until the last one's prefill."""
+        return (self.prefill_done_at or start) - start
+
+    def _local(self, mb: MicroBatch) -> slice:
+        start = int(self.offsets[mb.index])
+        return slice(start, start + mb.size)
+
+    # ---- StageProgram ----------------------------------------------------------------------
+
+    def payload(self, a: Action):
+        batch = self.mbs[a.mb]
+        if a.op in (Op.SEND, Op.RECV):
+            length = self.prefill_width(batch.length) if a.step == 0 else 1
+            return (batch.size, length, self.stage.hidden_size), self.stage.dtype
+        return (batch.size,), np.dtype(np.int64)
+
+    def finished(self, mb: int) -> bool:
+        if not self.stage.first:
+            return False
+        return self.stopping() or bool(self.done[self._local(self.mbs[mb])].all())
+
+    def receive(self, a: Action, payload) -> None:
+        if a.op is Op.RECV:
+            self.inputs[a.mb] = payload
+        else:
+            self._record(self.mbs[a.mb], a.step, self.backend.to_host(payload))
+
+    def outgoing(self, a: Action):
+        if a.op is Op.SEND:
+            return self.outputs.pop(a.mb)
+        return self.xp.asarray(self.tokens[self._local(self.mbs[a.mb]), a.step])
+
+    def compute(self, a: Action) -> None:
+        if a.step > 0:
+            fault_point("decode", a.step)
+        self.forward(a.mb, a.step)
+
+    def forward(self, mb: int, step: int) -> None:
+        stage, batch, xp = self.stage, self.mbs[mb], self.xp
+        split = self.split[mb]
+        keep = None
+        if step == 0:
+            ids, rows, self.shards[mb] = split_batch(xp, batch.ids, batch.lengths, self.cp)
+            keep = self.prefill_keep(batch.lengths)
+        else:
+            ids = self.tokens[self._local(batch), step - 1][:, None]
+            rows = self.decode_rows(batch, step)
+        x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(mb)
+        y = stage.forward(x, rows, self.caches[mb], keep)
+        if split is not None:                            # the KV cache split over cp
+            if step == 0:
+                split.prefilled(self.shards[mb], batch.lengths)
+            else:
+                split.decoded(batch.lengths + step - 1)
+        if not stage.last:
+            self.outputs[mb] = y
+        else:
+            self._sample(batch, step, y)
+        if step == 0 and mb == len(self.mbs) - 1:
+            self.prefill_done_at = perf_counter()
+
+    def decode_rows(self, batch: MicroBatch, step: int) -> AttentionRows:
+        """Decode step ``step``'s rows: one token per row over a cache that holds the prompt
+        and the tokens of the steps before (this rank's part of them under cp)."""
+        if self.split[batch.index] is not None:
+            return self.split[batch.index].decode_rows(self.xp, batch.lengths + step - 1)
+        return AttentionRows.build(self.xp, np.ones(batch.size, np.int64),
+                                   batch.lengths + step, from_start=False)
+
+    # ---- the last stage ---------------------------------------------------------------------
+
+    def _sample(self, batch: MicroBatch, step: int, y) -> None:
+        stage = self.stage
+        if step == 0:
+            if self.settings.save_logits:                # (no cp: the engine refuses it)
+                local = stage.logits(y)                               # (b, L, vocab_i)
+                full = self.backend.to_host(stage.head.full_logits(local))
+                self.prompt_logits[batch.index] = full
+                last = local[self.xp.arange(batch.size), self.xp.asarray(batch.lengths - 1)]
+            else:
+                h = self.last_states(y, batch.lengths, self.prefill_keep(batch.lengths),
+                                     self.shards.pop(batch.index))    # each row's last token
+                last = stage.logits(h)[:, 0]
+        else:
+            last = stage.logits(y)[:, 0]                              # (b, vocab_i)
+        tokens = next_tokens(stage.head, last, self.sampling, batch.rows, step,
+                             self.backend.to_host)
+        self._record(batch, step, tokens)
+
+    def _record(self, batch: MicroBatch, step: int, tokens: np.ndarray) -> None:
+        """Store step ``step``'s tokens; rows already done (EOS, or their own limit) get the
+        pad id."""
+        rows = self._local(batch)
+        done = self.done[rows]
+        tokens = np.where(done, self.pad_id, tokens)
+        self.tokens[rows, step] = tokens
+        hit = ~done & (np.isin(tokens, self.eos) | (step + 1 >= self.limit[rows]))
+        if self.stops is not None:                   # rows still going, not yet ending
+            for j in np.flatnonzero(~done & ~hit):
+                hit[j] = self.met_stop_string(rows.start + int(j), step + 1)
+        self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
+        self.done[rows] = done | hit
+        if self.on_rows is not None:
+            self.on_rows(int(hit.sum()), int((~done).sum()))

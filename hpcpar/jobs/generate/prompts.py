@@ -1,0 +1,277 @@
+"""Reading and checking prompts: a ``.npy`` of token ids, a ``.jsonl`` of ids or text, or
+random ids for demos and benchmarks. Every problem is one line naming the file and the row."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...models.config import ModelConfig
+from ...parallel.errors import HpcparError
+from ..settings import problem
+from ...models.chat import check_messages, one_line, unicode_problem
+from .sampling import PromptSampling, SamplingParams
+from ...models.tokenizer import StoredTokenizer
+
+
+class PromptError(HpcparError):
+    pass
+
+
+# the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+SOURCE_KEYS = ("ids", "text", "messages")          # what a line's prompt is given as
+PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "stop", *SAMPLING_KEYS)
+CHAT_FOR_GENERATION = "for generation"   # ``chat`` of a reader whose lines may not be chats
+
+
+@dataclass(frozen=True)
+class Prompts:
+    ids: list[np.ndarray]               # one int64 array per prompt, lengths may differ
+    texts: list[str] | None = None      # the source text, when prompts were given as text
+    max_new_tokens: list[int | None] | None = None   # a prompt's own limit (None: the job's)
+    sampling: list[dict] | None = None  # a prompt's own sampling settings (absent: the job's)
+    stops: list[tuple[str, ...] | None] | None = None  # a prompt's own stop strings
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def limits(self, job_max: int) -> np.ndarray:
+        """(prompts,) the new tokens each prompt may get: its own limit, else the job's."""
+        own = self.max_new_tokens or [None] * len(self)
+        return np.array([job_max if k is None else k for k in own], dtype=np.int64)
+
+    def sampling_for(self, job: SamplingParams) -> PromptSampling:
+        """Each prompt's sampling settings: its own, else the job's."""
+        return PromptSampling.build(job, self.sampling or [{}] * len(self))
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(p) for p in self.ids]
+
+
+def load_prompts(path: str | Path, tokenizer=None, chat=CHAT_FOR_GENERATION) -> Prompts:
+    """Prompts from ``path``: ``.npy`` int array (batch, seq), or ``.jsonl`` whose lines are
+    ``{"ids": [...]}``, ``{"text": "..."}`` (text needs ``tokenizer``) or, for generation,
+    ``{"messages": [...]}`` rendered with ``chat`` (the checkpoint's ``ChatTemplate``, None
+    when it has none); other readers leave ``chat`` out and refuse conversations."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptError(f"{path}: no such prompt file; pass a .npy of token ids or a .jsonl "
+                          "with {\"ids\": [...]} or {\"text\": \"...\"} per line")
+    if path.suffix == ".npy":
+        return _load_npy(path)
+    if path.suffix in (".jsonl", ".json"):
+        return _load_jsonl(path, tokenizer, chat)
+    raise PromptError(f"{path}: prompts must be a .npy or .jsonl file, not {path.suffix or 'a file without suffix'}")
+
+
+def _load_npy(path: Path) -> Prompts:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise PromptError(f"{path}: not a readable .npy array ({e})") from None
+    if array.ndim == 1:
+        array = array[None, :]
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        raise PromptError(f"{path}: expected an integer array [batch, seq], got {array.dtype} "
+                          f"{list(array.shape)}")
+    if array.shape[0] == 0 or array.shape[1] == 0:
+        raise PromptError(f"{path}: holds no prompts (shape {list(array.shape)})")
+    return Prompts([row.astype(np.int64) for row in array])
+
+
+def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
+    ids, texts, limits, sampling, stops = [], [], [], [], []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the "
+                          "prompt file as UTF-8") from None
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or sum(k in record for k in SOURCE_KEYS) != 1:
+            raise PromptError(f"{path}:{n}: each line needs exactly one of \"ids\", \"text\" "
+                              "or \"messages\"")
+        bad = _invalid_text(record)
+        if bad:
+            raise PromptError(f"{path}:{n}: {bad[0]} holds invalid Unicode ({bad[1]}): a JSON "
+                              "\\ud800-\\udfff escape must be one of a pair; fix the line")
+        unknown = sorted(set(record) - set(PROMPT_KEYS))
+        if unknown:
+            raise PromptError(f"{path}:{n}: unknown key {unknown[0]!r}; a prompt line holds "
+                              f"{' / '.join(repr(k) for k in PROMPT_KEYS)}")
+        limit = record.get("max_new_tokens")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
+            raise PromptError(f"{path}:{n}: \"max_new_tokens\" must be an integer, "
+                              f"got {json.dumps(limit)}")
+        wrong = problem("generate.max_new_tokens", limit)
+        if wrong:                                   # the line's key, without the section
+            raise PromptError(f"{path}:{n}: {wrong.removeprefix('generate.')}")
+        limits.append(limit)
+        sampling.append(_own_sampling(record, f"{path}:{n}"))
+        stops.append(_own_stops(record, f"{path}:{n}"))
+        row, text = _line_ids(record, tokenizer, chat, f"{path}:{n}")
+        ids.append(row)
+        texts.append(text)
+        if len(ids[-1]) == 0:
+            raise PromptError(f"{path}:{n}: the prompt is empty (no tokens)")
+    if not ids:
+        raise PromptError(f"{path}: the prompt file is empty; add one JSON object per line")
+    return Prompts(ids, texts if any(t is not None for t in texts) else None,
+                   limits if any(k is not None for k in limits) else None,
+                   sampling if any(sampling) else None,
+                   stops if any(s is not None for s in stops) else None)
+
+
+def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, str | None]:
+    """A line's prompt ids, and its text when it was given as text or a conversation."""
+    if "ids" in record:
+        row = record["ids"]
+        if not isinstance(row, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in row):
+            raise PromptError(f"{where}: \"ids\" must be a list of integers")
+        if any(not -2 ** 63 <= t < 2 ** 63 for t in row):
+            raise PromptError(f"{where}: token id {max(row, key=abs)} is out of range")
+        return np.asarray(row, dtype=np.int64), None
+    if tokenizer is None:
+        raise PromptError(f"{where}: text and conversations need the tokenizer, and this "
+                          "checkpoint has none; convert the model from a Hugging Face folder "
+                          "that holds tokenizer.json, or give token ids")
+    if "text" in record:
+        if not isinstance(record["text"], str):
+            raise PromptError(f"{where}: \"text\" must be a string")
+        tokenizer = _parsed(tokenizer, where, "text")
+        return _encode(tokenizer, record["text"], True, where, "text"), record["text"]
+    if chat is CHAT_FOR_GENERATION:
+        raise PromptError(f"{where}: \"messages\" lines are conversations for generation; "
+                          "give \"ids\" or \"text\" here")
+    if chat is None:
+        raise PromptError(f"{where}: a \"messages\" line is rendered with the checkpoint's chat "
+                          "template, and this checkpoint has none; convert from a Hugging Face "
+                          "folder whose tokenizer_config.json or chat_template.jinja holds one, "
+                          "or give the prompt as \"text\"")
+    messages = check_messages(record["messages"], where)
+    tokenizer = _parsed(tokenizer, where, "a conversation")
+    text = chat.render(messages, where)
+    # the template writes the special tokens itself, as apply_chat_template's tokenizing does
+    return _encode(tokenizer, text, False, where, "a conversation"), text
+
+
+def _parsed(tokenizer, where: str, what: str):
+    """The tokenizer itself: the checkpoint's is read on first use, and one that cannot be
+    is an error naming the line that needed it."""
+    if isinstance(tokenizer, StoredTokenizer):
+        return tokenizer.require(f"{where}: {what} needs the tokenizer, and ")
+    return tokenizer
+
+
+def _encode(tokenizer, text: str, special: bool, where: str, what: str) -> np.ndarray:
+    """``text``'s ids; a tokenizer that fails is one error naming the line."""
+    try:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=special).ids, np.int64)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:                        # noqa: BLE001 (tokenizers' panics too)
+        raise PromptError(f"{where}: the tokenizer failed on the {what} "
+                          f"({type(e).__name__}: {one_line(e)})") from None
+
+
+def _invalid_text(value, place: str = "") -> tuple[str, str] | None:
+    """The first string of a prompt line (a key or a value, token ids aside) that is not
+    valid Unicode: (where in the line, what is wrong), or None."""
+    if isinstance(value, str):
+        bad = unicode_problem(value)
+        return (place, bad) if bad else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if place == "" and key == "ids":
+                continue                                  # integers, checked on their own
+            found = (_invalid_text(key, f"{place or 'the line'}'s key {json.dumps(key)}")
+                     or _invalid_text(item, f"{place}[{json.dumps(key)}]" if place
+                                      else json.dumps(key)))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for k, item in enumerate(value):
+            found = _invalid_text(item, f"{place}[{k}]")
+            if found:
+                return found
+    return None
+
+
+def _own_stops(record: dict, where: str) -> tuple[str, ...] | None:
+    """A line's own stop strings: a string or a list of them, none empty."""
+    if "stop" not in record:
+        return None
+    value = record["stop"]
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
+        raise PromptError(f"{where}: \"stop\" must be a non-empty string or a list of them, "
+                          f"got {json.dumps(record['stop'])[:80]}")
+    return tuple(value)
+
+
+def _own_sampling(record: dict, where: str) -> dict:
+    """A prompt line's sampling settings, each checked as the job's are."""
+    own = {key: record[key] for key in SAMPLING_KEYS if key in record}
+    for key, value in own.items():
+        whole = key in ("top_k", "seed")
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            raise PromptError(f"{where}: \"{key}\" must be {'an integer' if whole else 'a number'}"
+                              f", got {json.dumps(value)}")
+    problems = SamplingParams(**own).problems()
+    if problems:                                    # the line's key, without the section
+        raise PromptError(f"{where}: {problems[0].removeprefix('generate.')}")
+    return own
+
+
+def random_prompts(count: int, lengths: tuple[int, int], vocab_size: int,
+                   seed: int = 0) -> Prompts:
+    """``count`` prompts of random ids with lengths drawn from [lo, hi] (for demos and
+    benchmarks); the same on every rank for a given seed."""
+    lo, hi = lengths
+    if count < 1 or not 1 <= lo <= hi:
+        raise PromptError(f"random prompts need count >= 1 and 1 <= min length <= max length, "
+                          f"got count {count}, lengths [{lo}, {hi}]")
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(lo, hi + 1, size=count)
+    return Prompts([rng.integers(0, vocab_size, size=int(n), dtype=np.int64) for n in sizes])
+
+
+def check_prompts(prompts: Prompts, cfg: ModelConfig, max_new_tokens: int,
+                  source: str) -> None:
+    """Every prompt fits the model: ids in [0, vocab_size), prompt plus new tokens within
+    max_position_embeddings."""
+    if len(prompts) == 0:
+        raise PromptError(f"{source}: no prompts")
+    limits = prompts.limits(max_new_tokens)
+    for n, row in enumerate(prompts.ids):
+        if limits[n] > max_new_tokens:
+            raise PromptError(f"{source}: prompt {n} asks for max_new_tokens {limits[n]}, more "
+                              f"than the job's {max_new_tokens}; raise --max-new-tokens or "
+                              "lower the prompt's")
+        if len(row) == 0:
+            raise PromptError(f"{source}: prompt {n} is empty")
+        bad = row[(row < 0) | (row >= cfg.vocab_size)]
+        if bad.size:
+            raise PromptError(f"{source}: prompt {n} holds token id {int(bad[0])}, outside the "
+                              f"model's vocabulary [0, {cfg.vocab_size})")
+        positions = cfg.max_position_embeddings
+        if len(row) >= positions:
+            raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, and the model "
+                              f"holds {positions} positions in all; shorten it to at most "
+                              f"{positions - 1} tokens to leave room for a new one")
+        if len(row) + limits[n] > positions:
+            raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, which plus "
+                              f"{limits[n]} new tokens exceeds the model's "
+                              f"max_position_embeddings {positions}; lower max_new_tokens to "
+                              f"{positions - len(row)} or shorten the prompt")

@@ -1,0 +1,118 @@
+"""What a generation or a scoring job sets up on every rank before its first forward: the
+checkpoint (a file, or a preset's random model in the cache folder) and its tokenizer, the
+mesh and its communicators, the device, and this rank's stage of the model built from its
+slices of the checkpoint. Training finds its checkpoint and tokenizer here too."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...checkpoint import Checkpoint, init_checkpoint, load_shard
+from ...parallel.comm import CommStats
+from ..layout import ParallelConfig
+from ...parallel.errors import HpcparError
+from ..faults import fault_point
+from ..job import PRESET_PREFIX, Job
+from ..launch import everyone, phase
+from ...parallel.mesh import Mesh
+from ...models.decoder import DecoderStage
+from ...parallel.ops import ops_for
+from ...parallel.pipeline.partition import stage_layers
+from ..runtime import close_runtime, open_runtime
+from ..settings import environment_value
+from ...models.tensors import stage_tensors
+from ..watchdog import ActionBoard
+from ...models.tokenizer import StoredTokenizer
+
+
+def cache_dir() -> Path:
+    root = environment_value("HPCPAR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcpar")
+    return Path(root)
+
+
+def resolve_checkpoint(comm, spec: str) -> Path:
+    """The checkpoint file for ``spec``: a path, or ``preset:NAME`` for a random model of that
+    preset kept in the cache folder (rank 0 creates it on first use). Collective."""
+    if not spec.startswith(PRESET_PREFIX):
+        return Path(spec)
+    name = spec[len(PRESET_PREFIX):]
+    path = cache_dir() / f"{name}-seed0.h5"
+
+    def create():
+        if comm.Get_rank() == 0 and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            init_checkpoint(path, name, seed=0)
+
+    with phase(f"creating the {name} checkpoint in {path.parent}"):
+        everyone(comm, create)
+    return path
+
+
+def eos_ids(ckpt: Checkpoint) -> tuple[int, ...]:
+    """Every id that ends a row, as transformers' ``generate`` takes them: config.json's
+    ``eos_token_id`` and generation_config.json's (Llama 3 instruct lists three), in order,
+    each once."""
+    ids = list(ckpt.config.eos_token_id)
+    raw = ckpt.tokenizer_files().get("generation_config.json")
+    if raw:
+        try:
+            extra = json.loads(raw).get("eos_token_id")
+        except (ValueError, AttributeError):
+            raise HpcparError(f"{ckpt.path}: its generation_config.json is not a JSON object; "
+                              "convert the model again from a folder with a valid one") from None
+        extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
+            raise HpcparError(f"{ckpt.path}: generation_config.json's eos_token_id {extra} is "
+                              "not a list of token ids")
+        ids += [t for t in extra if t not in ids]
+    return tuple(ids)
+
+
+def load_tokenizer(ckpt: Checkpoint) -> StoredTokenizer | None:
+    """The checkpoint's tokenizer, read when a job first needs it (token ids do not: a damaged
+    one fails only the jobs that need it), or None when it has none."""
+    data = ckpt.tokenizer_files().get("tokenizer.json")
+    return None if data is None else StoredTokenizer(data, ckpt.path)
+
+
+@dataclass
+class InferenceRank:
+    mesh: Mesh
+    backend: object
+    stats: CommStats
+    tp: object                  # the tensor-parallel group (MPI or NCCL)
+    pp: object                  # the pipeline group (MPI)
+    world: object               # every rank, host arrays (MPI)
+    board: ActionBoard
+    stage: DecoderStage
+    shard: object               # the loaded slices' figures (seconds, bytes read)
+    cp: object = None           # the context-parallel ring group, where cp > 1
+
+    def close(self) -> None:
+        """Free the job's communicators and board (collective; at the job's end)."""
+        close_runtime(self.mesh, self.board)
+
+
+def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
+               dtype: np.dtype) -> InferenceRank:
+    """Collective over ``comm``: this rank's place, device, communicators and stage."""
+    cfg = ckpt.config
+    rt = open_runtime(comm, job, layout, dtype)
+    mesh, backend, tp = rt.mesh, rt.backend, rt.tp
+    layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.coord("pp"), layout.stage_layers)
+    specs = stage_tensors(cfg, layers, mesh.is_first("pp"), mesh.is_last("pp"))
+    with phase("loading the checkpoint"):
+        fault_point("load")
+        shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,
+                         backend=backend)
+    stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first("pp"),
+                                    mesh.is_last("pp"), tp, ops_for(backend, rt.cp), dtype)
+    backend.release_unused_device_memory()
+    return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard,
+                         rt.cp)

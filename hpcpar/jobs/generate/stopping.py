@@ -1,0 +1,93 @@
+"""How a row ends: an EOS id, a stop string, or its own max_new_tokens.
+
+Stop strings are text, so a row is read as text after each of its tokens: it ends once its
+decoded text (special tokens skipped, as in the output) contains one of its stop strings,
+the job's (``generate.stop``, ``--stop``) or its prompt line's own (``"stop"``). The tokens
+up to the one that completed the string are kept; the text is cut before the string, as vLLM
+does. Every stage that keeps the books decides alike: the decision is a pure function of the
+row's tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...parallel.errors import HpcparError
+from ...models.chat import unicode_problem
+from ...models.tokenizer import StoredTokenizer
+
+FINISH_REASONS = ("eos", "stop", "length")
+
+
+class StopStrings:
+    """Each prompt's stop strings (by global prompt index) and the tokenizer that reads a
+    row's text."""
+
+    def __init__(self, per_prompt: list[tuple[str, ...]], tokenizer):
+        self.per_prompt, self.tokenizer = per_prompt, tokenizer
+
+    @classmethod
+    def of(cls, job_stops: tuple[str, ...], own: list[tuple[str, ...] | None] | None,
+           count: int, tokenizer) -> "StopStrings | None":
+        """The job's stop strings for every prompt, a line's own where it has them; None
+        when no prompt has any. Stop strings need the tokenizer: the checkpoint's is read
+        here, and one that cannot be is an error."""
+        for k, stop in enumerate(job_stops):
+            bad = unicode_problem(stop)
+            if bad:
+                raise HpcparError(f"--stop / generate.stop: stop string {k} holds invalid "
+                                  f"Unicode ({bad}); give stop strings as UTF-8 text")
+        own = own or [None] * count
+        per_prompt = [tuple(job_stops) if o is None else tuple(o) for o in own]
+        if not any(per_prompt):
+            return None
+        if isinstance(tokenizer, StoredTokenizer):
+            tokenizer.require("stop strings are matched in the decoded text, and ")
+        return cls(per_prompt, tokenizer)
+
+    def text(self, ids) -> str:
+        return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
+
+    def hit(self, prompt: int, ids) -> bool:
+        """Whether the row of ``prompt`` with new tokens ``ids`` has met one of its strings."""
+        stops = self.per_prompt[prompt]
+        if not stops:
+            return False
+        text = self.text(ids)
+        return any(s in text for s in stops)
+
+    def cut(self, prompt: int, text: str) -> tuple[str, bool]:
+        """``text`` up to its first stop string, and whether one was there."""
+        found = [i for s in self.per_prompt[prompt] if (i := text.find(s)) >= 0]
+        return (text[:min(found)], True) if found else (text, False)
+
+
+def finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...],
+                   stop_at_eos: bool, stopped: list[bool] | None = None) -> list[str]:
+    """Why each row ended: ``eos`` when its last new token is an EOS id it stopped at, else
+    ``stop`` when its text met a stop string (``stopped``), else ``length``: it reached its
+    max_new_tokens."""
+    last = tokens[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
+    ended = stop_at_eos & (lengths > 0) & np.isin(last, np.asarray(eos, dtype=np.int64))
+    stopped = stopped or [False] * len(lengths)
+    return ["eos" if e else "stop" if s else "length" for e, s in zip(ended, stopped)]
+
+
+def decode_rows(tokenizer, tokens: np.ndarray, lengths: np.ndarray,
+                stops: StopStrings | None, rows=None) -> tuple[list[str] | None, list[bool]]:
+    """Each row's text (cut at a stop string) and whether a stop string ended it; no text
+    without a tokenizer, or with the checkpoint's damaged one. ``rows``: the global prompt
+    indices of ``tokens``' rows (all)."""
+    rows = range(len(lengths)) if rows is None else rows
+    if tokenizer is None or (isinstance(tokenizer, StoredTokenizer) and not tokenizer.usable()):
+        return None, [False] * len(lengths)          # token ids only (a note says why)
+    texts, stopped = [], []
+    for r, row, n in zip(rows, tokens, lengths):
+        text = tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+        if stops is not None:
+            text, hit = stops.cut(r, text)
+        else:
+            hit = False
+        texts.append(text)
+        stopped.append(hit)
+    return texts, stopped

@@ -1,0 +1,159 @@
+"""``hpcpar plan``: what a layout costs, computed from the config alone (no MPI, no weights).
+
+For each pipeline stage: its layers, the bytes of parameters a rank of that stage holds, its
+KV cache for the job's batch and length, and the bytes it all-reduces over tp and sends to
+the next stage per token; then the pipeline bubble and the prefill schedule, drawn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..models.config import ModelConfig
+
+from .layout import ParallelConfig
+from ..models.kv_cache import kv_cache_bytes
+from ..parallel.context import ContextShard
+from ..parallel.pipeline.partition import stage_layers
+from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
+from ..models.sharding import shard_of
+from ..models.tensors import layer_tensors, stage_tensors
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layers: range
+    weight_bytes: int          # per rank of this stage
+    kv_cache_bytes: int        # per rank, for the largest replica's batch
+    all_reduce_bytes_per_token: int
+    send_bytes_per_token: int
+
+
+def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
+                max_new_tokens: int, itemsize: int) -> list[StagePlan]:
+    replica_batch = -(-batch // layout.dp)
+    k_proj = next(spec for spec in layer_tensors(cfg, 0) if spec.role == "k")
+    kv_heads = shard_of(k_proj, cfg, 0, layout.tp).shape[0] // cfg.head_dim   # per rank
+    out = []
+    for s in range(layout.pp):
+        layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)
+        first, last = s == 0, s == layout.pp - 1
+        specs = stage_tensors(cfg, layers, first, last)
+        weights = sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape)) for spec in specs)
+        reduces = (2 * len(layers) + (1 if first else 0)) if layout.tp > 1 else 0
+        out.append(StagePlan(
+            s, layers, weights * itemsize,
+            kv_cache_bytes(len(layers), replica_batch, kv_heads,
+                           prompt_length + max_new_tokens, cfg.head_dim, itemsize),
+            reduces * cfg.hidden_size * itemsize,
+            0 if last else cfg.hidden_size * itemsize))
+    return out
+
+
+def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
+                max_new_tokens: int, itemsize: int, model_name: str) -> str:
+    stages = plan_stages(cfg, layout, batch, prompt_length, max_new_tokens, itemsize)
+    total_params = sum(int(np.prod(s.shape)) for s in stage_tensors(
+        cfg, range(cfg.num_hidden_layers), True, True))
+    M = layout.micro_batches
+    lines = [
+        f"model: {model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, vocab "
+        f"{cfg.vocab_size}, {total_params / 1e6:.1f} M parameters",
+        f"layout: dp {layout.dp} x pp {layout.pp} x tp {layout.tp} = {layout.world_size} ranks; "
+        f"batch {batch} ({-(-batch // layout.dp)} per replica), prompt length {prompt_length}, "
+        f"{max_new_tokens} new tokens, {itemsize}-byte values",
+        "",
+        f"{'stage':>5} {'layers':>8} {'weights/rank':>13} {'KV cache/rank':>14} "
+        f"{'tp all-reduce/token':>20} {'pp send/token':>14}",
+    ]
+    for s in stages:
+        span = f"{s.layers.start}-{s.layers.stop - 1}"
+        lines.append(f"{s.stage:>5} {span:>8} {_size(s.weight_bytes):>13} "
+                     f"{_size(s.kv_cache_bytes):>14} {_size(s.all_reduce_bytes_per_token):>20} "
+                     f"{_size(s.send_bytes_per_token):>14}")
+    peak = max(s.weight_bytes + s.kv_cache_bytes for s in stages)
+    lines += [
+        "",
+        f"largest rank: {_size(peak)} of weights and KV cache (activations and logits extra)",
+        f"pipeline bubble with {M} micro-batch(es): (S-1)/(S+M-1) = "
+        f"{bubble_fraction(layout.pp, M):.1%}",
+        "prefill schedule (GPipe forward; F<m> = micro-batch m computing, . = idle):",
+        draw(gpipe_forward(layout.pp, M)),
+    ]
+    return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: int,
+                      global_batch: int, seq_len: int, optimizer: str, recompute: bool,
+                      model_name: str, zero: int = 0) -> str:
+    """Training: per stage, parameters, weights + gradients + optimizer state (split over dp
+    with ZeRO-1), activations of one micro-batch and at the schedule's peak; the bubble and
+    the drawn schedule."""
+    from ..parallel.pipeline.training_schedules import (bubble_formula, micro_batch_problems,
+                                              peak_activations_formula, training_schedule)
+    from .train.setup import chunk_layers
+    from .train.memory import activation_bytes, state_bytes
+
+    p, M, V = layout.pp, layout.micro_batches, virtual_stages
+    kind = layout.schedule
+    rows = global_batch // (layout.dp * M)
+    # under context parallelism a rank keeps the activations of its own positions, and the
+    # optimizer state is split over dp x cp (the ranks that hold the same weights)
+    here = ContextShard(seq_len, layout.cp, 0).max_local if layout.cp > 1 else seq_len
+    holders = layout.dp * layout.cp
+    lines = [
+        f"model: {model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}",
+        f"layout: {layout.describe()} = {layout.world_size} ranks; "
+        f"{kind} with {M} micro-batch(es) of {rows} x {seq_len} tokens per replica"
+        + (f" ({here} positions per rank of cp {layout.cp})" if layout.cp > 1 else "")
+        + (f", {V} chunks per stage" if V > 1 else "")
+        + f"; {optimizer}; recompute {'full' if recompute else 'none'}"
+        + (f"; ZeRO-1 over dp x cp {holders}" if zero and holders > 1 else ""),
+        "",
+        f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
+        f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
+    ]
+    for s in range(p):
+        chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
+        count, act = 0, 0
+        for c, layers in enumerate(chunks):
+            v = c * p + s
+            first, last = v == 0, v == p * V - 1
+            count += sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
+                         for spec in stage_tensors(cfg, layers, first, last))
+            act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
+                                    recompute)
+        per_mb = act // len(chunks)
+        peak = peak_activations_formula(kind, p, M, s, V) * per_mb
+        st = state_bytes(count, optimizer)
+        if zero:
+            st["optimizer"] = -(-st["optimizer"] // holders)
+        span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
+        lines.append(f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
+                     f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "
+                     f"{_size(per_mb):>17} {_size(peak):>10} "
+                     f"{_size(sum(st.values()) + peak):>10}")
+    problems = micro_batch_problems(kind, p, M, V)
+    if problems:
+        return "\n".join(lines + ["", "cannot run: " + "; ".join(problems)])
+    lines += [
+        "",
+        f"pipeline bubble: {bubble_formula(kind, p, M, V):.1%} by the {kind} formula "
+        "(F = 1, B = 2, I = W = 1 units)",
+        "schedule (F<m> forward, B<m> backward, I<m>/W<m> its input/weight halves, "
+        ".<c> chunk c, . idle):",
+        draw(training_schedule(kind, p, M, V)),
+    ]
+    return "\n".join(lines)

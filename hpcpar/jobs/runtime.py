@@ -1,0 +1,71 @@
+"""What every job sets up on every rank before its first step, written once for generation,
+scoring and training: the mesh, the device, the communicators and the watchdog's board.
+
+The tensor-parallel and data-parallel groups use the job's communicator choice (MPI or
+NCCL); pipeline and context-parallel (ring) messages stay on MPI (NCCL point-to-point on one
+stream would queue compute behind receives posted ahead, and a ring's sends and receives
+would wait on each other); ``world`` carries host metadata over MPI. Gradients are summed
+over dp and cp together: the ranks of a cp group hold the same weights and saw different
+tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..parallel.backend import NUMPY, ArrayBackend, select_backend
+from ..parallel.comm import CommStats, Communicator, create_communicator
+from .layout import ParallelConfig
+from .job import Job
+from .launch import everyone, local_rank, set_board, set_location
+from ..parallel.mesh import Mesh
+from .layout import describe_rank, grad_axes, job_mesh
+from .watchdog import ActionBoard
+
+
+@dataclass
+class Runtime:
+    mesh: Mesh
+    backend: ArrayBackend
+    stats: CommStats
+    tp: Communicator
+    pp: Communicator
+    dp: Communicator | None     # dp x cp: only where the job reduces gradients (training)
+    cp: Communicator | None     # the context-parallel ring, where cp > 1
+    world: Communicator         # every rank, host arrays (MPI)
+    board: ActionBoard
+
+    def close(self) -> None:
+        """Free the job's communicators and its board (collective; at the job's end). A
+        process that runs many jobs (a library user, a test session) would otherwise run out
+        of MPI's few thousand communicators."""
+        close_runtime(self.mesh, self.board)
+
+
+def close_runtime(mesh: Mesh, board: ActionBoard) -> None:
+    set_board(None)
+    board.free()
+    mesh.free()
+
+
+def open_runtime(comm, job: Job, layout: ParallelConfig, dtype: np.dtype,
+                 data_parallel: bool = False) -> Runtime:
+    """Collective over ``comm``: this rank's place in the mesh, device and communicators."""
+    mesh = job_mesh(comm, layout)
+    set_location(describe_rank(mesh.rank, layout))
+    backend = everyone(comm, select_backend, job.parallel.backend, local_rank(comm), dtype)
+    stats, timeout, kind = CommStats(), job.parallel.timeout, job.parallel.comm
+
+    def over(axes, comm_kind: str, name: str) -> Communicator:
+        return create_communicator(mesh.group(axes).mpi_comm, comm_kind, backend, stats, name,
+                                   timeout, check=False)
+
+    tp, pp = over("tp", kind, "tp"), over("pp", "mpi", "pp")
+    dp = over(grad_axes(layout), kind, "dp") if data_parallel else None
+    cp = over("cp", "mpi", "cp") if layout.cp > 1 else None
+    world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout, check=False)
+    board = ActionBoard(comm, layout)
+    set_board(board)
+    return Runtime(mesh, backend, stats, tp, pp, dp, cp, world, board)

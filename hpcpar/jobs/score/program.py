@@ -1,0 +1,112 @@
+"""What one pipeline stage computes in a scoring job (the executor's ``StageProgram``).
+
+Each micro-batch is one forward pass over whole sequences (no KV cache: the keys are the
+sequence's own). The last stage turns it into log p(ids[t] | ids[:t]) for every position,
+a block of positions at a time, so that no rank ever holds a [rows, seq, vocab] array: the
+vocabulary-parallel log-softmax of the training loss (one AllReduce of the row max and one of
+the sums over tp), the target's logit taken where it lives.
+
+Under context parallelism (a ``cp`` group) each rank of the group runs its two chunks of
+every row (``parallel.context``; rows shorter than the group are padded to it) and scores
+those positions; ``gather_over_cp`` then gives every rank of the last stage the whole rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..faults import fault_point
+from ..generate.batching import MicroBatch
+from ...models.decoder import DecoderStage
+from ...parallel.vocab import VocabParallelCrossEntropy
+from ...parallel.context import ContextShard, split_batch
+from ...parallel.pipeline.schedule import Action
+
+# float32 logits of one block of positions, per rank (the head's output is [rows, block,
+# vocab/tp]): about 256 MiB, 512 positions of 16 rows of a 128k vocabulary at tp 1
+LOGITS_BLOCK_BYTES = 256 << 20
+
+
+class ScoringProgram:
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], backend,
+                 after_batch: Callable[[], None] | None = None, cp=None):
+        """``after_batch()``: called after each micro-batch's forward; ``cp``: the
+        context-parallel group (a ``Communicator``), or None."""
+        self.stage, self.mbs, self.backend, self.xp = stage, mbs, backend, backend.xp
+        self.after_batch, self.cp = after_batch, cp
+        self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
+        width = max((mb.length for mb in mbs), default=0)
+        # this replica's rows, each from its first token: column t holds log p(ids[t] | ...)
+        self.logprobs = np.full((sum(mb.size for mb in mbs), width), np.nan, dtype=np.float32)
+        self.inputs: dict[int, object] = {}
+        self.outputs: dict[int, object] = {}
+        if stage.last:
+            self.loss = VocabParallelCrossEntropy(stage.ops, stage.cfg.vocab_size, stage.tp)
+
+    # ---- StageProgram ----------------------------------------------------------------------
+
+    def payload(self, a: Action):
+        batch = self.mbs[a.mb]
+        shard = ContextShard.of(batch.length, self.cp)         # this rank's part, under cp
+        here = batch.length if shard is None else shard.local_length()
+        return (batch.size, here, self.stage.hidden_size), self.stage.dtype
+
+    def finished(self, mb: int) -> bool:
+        return False
+
+    def receive(self, a: Action, payload) -> None:
+        self.inputs[a.mb] = payload
+
+    def outgoing(self, a: Action):
+        return self.outputs.pop(a.mb)
+
+    def compute(self, a: Action) -> None:
+        fault_point("score", a.mb + 1)
+        stage, batch, xp = self.stage, self.mbs[a.mb], self.xp
+        ids, rows, shard = split_batch(xp, batch.ids, batch.lengths, self.cp)
+        positions = np.arange(batch.length) if shard is None else shard.positions
+        x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
+        y = stage.forward(x, rows, None)
+        if stage.last:
+            self._score(batch, stage.final_hidden(y), positions)
+        else:
+            self.outputs[a.mb] = y
+        if self.after_batch is not None:
+            self.after_batch()
+
+    # ---- the last stage ---------------------------------------------------------------------
+
+    def _score(self, batch: MicroBatch, h, positions: np.ndarray) -> None:
+        """Fill this micro-batch's rows of ``logprobs`` from the final hidden states h of the
+        rows' ``positions``: column p + 1 holds log p(ids[p + 1] | ids[:p + 1])."""
+        xp, head = self.xp, self.stage.head
+        b, L = batch.ids.shape
+        # the label of position t is the token at t + 1; -1 past each row's last token
+        following = np.full((b, max(L, int(positions.max()) + 1)), -1, dtype=np.int64)
+        following[:, :L - 1] = batch.ids[:, 1:]
+        following[np.arange(following.shape[1])[None, :] >= (batch.lengths - 1)[:, None]] = -1
+        labels = following[:, positions]                                   # (b, n)
+        scored = np.flatnonzero((labels >= 0).any(axis=0))                 # columns to run
+        vocab_local = int(head.weight.data.shape[0])          # this block, padding included
+        width = max(1, LOGITS_BLOCK_BYTES // (4 * b * vocab_local))
+        first = int(self.offsets[batch.index])
+        for k0 in range(0, len(scored), width):
+            cols = scored[k0:k0 + width]
+            logits = head.local_logits(h[:, xp.asarray(cols)])             # (b, c, vocab_i)
+            nll = self.loss.token_losses(logits.reshape(b * len(cols), -1),
+                                         xp.asarray(labels[:, cols].reshape(-1)))
+            lp = -self.backend.to_host(nll).reshape(b, len(cols)).astype(np.float32)
+            r, c = np.nonzero(labels[:, cols] >= 0)
+            self.logprobs[first + r, positions[cols[c]] + 1] = lp[r, c]
+            del logits, nll               # before the next block's: one block at a time
+
+    def gather_over_cp(self) -> None:
+        """Every rank of the cp group's scored positions in ``logprobs`` (last stage; each
+        position is scored on exactly one rank of the group, NaN elsewhere)."""
+        if self.cp is None or not self.stage.last:
+            return
+        mine = np.where(np.isnan(self.logprobs), -np.inf, self.logprobs)
+        self.cp.on_host().all_reduce(mine, op="max")
+        self.logprobs = np.where(np.isneginf(mine), np.nan, mine).astype(np.float32)

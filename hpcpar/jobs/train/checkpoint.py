@@ -1,0 +1,226 @@
+"""Training checkpoints (DESIGN §4): a weights checkpoint plus the optimizer state and the
+training state, written by every rank's own slices and read back under any layout.
+
+    DIR/step-S.h5       the model tensors (float32 master weights, Hugging Face names),
+                        optimizer/<tensor name>/<state name> of the same shapes, and a
+                        ``train`` group whose attributes hold the step, the samples consumed
+                        and the run's settings; the source checkpoint's tokenizer
+    DIR/latest          the file name of the newest complete checkpoint
+
+Writing: rank 0 creates every dataset in a temporary file; then, one rank at a time, each
+rank that counts a slice (``Param.counted`` on dp rank 0: exactly one rank per element)
+writes its slices into place; rank 0 renames the file into place and updates ``latest``. No
+rank ever holds more than its own shard, and a crash leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ...checkpoint import Checkpoint, CheckpointError, load_shard, open_checkpoint
+from ...checkpoint.format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION,
+                                 TOKENIZER_GROUP, chunk_shape)
+from ...parallel.errors import HpcparError
+from ...checkpoint.files import check_space, reserve, write_point, write_text, writing
+from ...models.sharding import shard_of
+from ...models.tensors import model_tensors, stored_tensors
+from .params import Param
+
+TRAIN_GROUP = "train"
+OPTIMIZER_GROUP = "optimizer"
+LATEST = "latest"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step}.h5"
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def checkpoint_bytes(source: Checkpoint, state_names: tuple[str, ...]) -> int:
+    """The bytes of a training checkpoint of ``source``'s model: float32 weights and each
+    optimizer state, and the tokenizer files kept with them."""
+    values = sum(int(np.prod(spec.shape)) for spec in model_tensors(source.config))
+    return values * 4 * (1 + len(state_names)) + sum(
+        len(data) for data in source.tokenizer_files().values())
+
+
+def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
+                train_attrs: dict) -> None:
+    """Rank 0: every dataset of the checkpoint, empty, in the temporary file."""
+    cfg = source.config
+    tokenizer = source.tokenizer_files()
+    specs = model_tensors(cfg)           # the computation's tensors: optimizer state each
+    check_space(path, checkpoint_bytes(source, state_names))
+    # every dataset's space assigned now (not filled), then reserved below: the ranks'
+    # writes into it cannot meet a full disk
+    early = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    early.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    early.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    with writing(path), h5py.File(_tmp(path), "w") as f:
+        f.attrs[ATTR_VERSION] = FORMAT_VERSION
+        f.attrs[ATTR_CONFIG] = json.dumps(source.hf_config, sort_keys=True)
+        f.attrs[ATTR_DTYPE] = "float32"
+        f.attrs["source"] = f"hpcpar train, step {train_attrs['step']}"
+        for spec in stored_tensors(cfg):        # the weights, fused tensors whole
+            f.create_dataset(spec.name, spec.shape, dtype=np.float32,
+                             chunks=chunk_shape(spec, cfg, 4), dcpl=early.copy())
+        for spec in specs:
+            for state in state_names:
+                f.create_dataset(f"{OPTIMIZER_GROUP}/{spec.name}/{state}", spec.shape,
+                                 dtype=np.float32, chunks=chunk_shape(spec, cfg, 4),
+                                 dcpl=early.copy())
+        group = f.create_group(TRAIN_GROUP)
+        for k, v in train_attrs.items():
+            group.attrs[k] = v
+        for name, data in tokenizer.items():
+            f.require_group(TOKENIZER_GROUP).create_dataset(
+                name, data=np.frombuffer(data, dtype=np.uint8))
+        write_point(path)
+    reserve(_tmp(path))
+
+
+def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, tp_rank: int,
+                 tp_size: int, to_host) -> None:
+    """This rank's counted slices of every param and of its optimizer state (``states``
+    may leave params out: ZeRO writes their state by segments)."""
+    with writing(path), h5py.File(_tmp(path), "r+") as f:
+        write_point(path)
+        for p in params:
+            if not p.counted:
+                continue
+            shard = shard_of(p.spec, cfg, tp_rank, tp_size)
+            f[p.spec.file_name][p.spec.file_region(shard.source)] = to_host(p.master)[shard.dest]
+            for state, value in states.get(p.name, {}).items():
+                f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][shard.source] = \
+                    to_host(value)[shard.dest]
+
+
+def write_segments(path: Path, segments: list[Param], offsets: dict[str, int],
+                   states: dict[str, dict], cfg, tp_rank: int, tp_size: int, to_host) -> None:
+    """ZeRO: the optimizer state of this rank's segments. A segment is elements
+    [a, a + n) of a param's local shard, flattened; it is written as the rectangles of the
+    full tensor those elements cover."""
+    with writing(path), h5py.File(_tmp(path), "r+") as f:
+        write_point(path)
+        for seg in segments:
+            if not seg.counted:
+                continue
+            shard = shard_of(seg.spec, cfg, tp_rank, tp_size)
+            for state, value in states.get(seg.name, {}).items():
+                dset = f[f"{OPTIMIZER_GROUP}/{seg.name}/{state}"]
+                _write_flat(dset, shard, offsets[seg.name], to_host(value))
+
+
+def _write_flat(dset, shard, a: int, values: np.ndarray) -> None:
+    """Elements [a, a + len(values)) of the local shard (C order) into the full tensor,
+    skipping vocabulary padding rows (outside ``shard.dest``)."""
+    for region, start in _rectangles(shard.shape, a, a + values.size):
+        extents = [r.stop - r.start for r in region]
+        block = values[start - a:start - a + int(np.prod(extents))].reshape(extents)
+        src, sub = [], []
+        for r, d, s in zip(region, shard.dest, shard.source):
+            lo, hi = max(r.start, d.start), min(r.stop, d.stop)
+            if lo >= hi:
+                break
+            sub.append(slice(lo - r.start, hi - r.start))
+            src.append(slice(s.start + lo - d.start, s.start + hi - d.start))
+        else:
+            dset[tuple(src)] = block[tuple(sub)]
+
+
+def _rectangles(shape: tuple[int, ...], a: int, b: int):
+    """Elements [a, b) of a C-ordered 1-D or 2-D array as rectangles: (region, flat start)."""
+    if len(shape) == 1:
+        yield (slice(a, b),), a
+        return
+    cols = shape[1]
+    r0, c0 = divmod(a, cols)
+    r1, c1 = divmod(b, cols)
+    if r0 == r1:
+        yield (slice(r0, r0 + 1), slice(c0, c1)), a
+        return
+    if c0:
+        yield (slice(r0, r0 + 1), slice(c0, cols)), a
+        r0 += 1
+    if r1 > r0:
+        yield (slice(r0, r1), slice(0, cols)), r0 * cols
+    if c1:
+        yield (slice(r1, r1 + 1), slice(0, c1)), r1 * cols
+
+
+def remove_partial(out_dir: Path) -> None:
+    """Checkpoints a crashed run left half-written (the folder's lock is held)."""
+    for tmp in out_dir.glob(".step-*.h5.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def discard(path: Path) -> None:
+    """Rank 0: drop the half-written checkpoint ``path`` (a write failed); ``latest`` still
+    names the previous one."""
+    _tmp(path).unlink(missing_ok=True)
+
+
+def commit(path: Path) -> None:
+    """Rank 0: move the finished file into place, then point ``latest`` at it."""
+    with writing(path):
+        os.replace(_tmp(path), path)
+    write_text(path.parent / LATEST, path.name + "\n")
+
+
+def resolve_resume(spec: str | None, out_dir: Path) -> Path | None:
+    """The checkpoint to resume from: a path, ``auto`` (DIR/latest if it exists), or None."""
+    if not spec:
+        return None
+    if spec != "auto":
+        return Path(spec)
+    latest = out_dir / LATEST
+    if not latest.exists():
+        return None
+    name = latest.read_text().strip()
+    path = out_dir / name
+    if not path.exists():
+        raise HpcparError(f"{latest} names {name}, which does not exist; remove {latest} or "
+                          "resume from an explicit --resume PATH")
+    return path
+
+
+def open_resume(path: Path, model: Checkpoint) -> tuple[Checkpoint, dict]:
+    """Validate a training checkpoint to resume from; returns it and its train attributes."""
+    ckpt = open_checkpoint(path)
+    with ckpt.open() as f:
+        group = f.get(TRAIN_GROUP)
+        if group is None:
+            raise CheckpointError(f"{path}: not a training checkpoint (no '{TRAIN_GROUP}' "
+                                  "group); give it as --checkpoint to start a new training")
+        attrs = {k: _plain(v) for k, v in group.attrs.items()}
+    if ckpt.config != model.config:
+        diff = [k for k in ckpt.config.__dataclass_fields__
+                if getattr(ckpt.config, k) != getattr(model.config, k)]
+        raise CheckpointError(f"{path}: its model differs from --checkpoint {model.path} "
+                              f"({', '.join(diff)}); resume with the checkpoint it was "
+                              "trained from")
+    return ckpt, attrs
+
+
+def load_optimizer_state(ckpt: Checkpoint, specs, state_names, tp_rank: int, tp_size: int,
+                         backend) -> dict[str, dict]:
+    """name -> {state name -> this rank's slice} from a training checkpoint."""
+    out: dict[str, dict] = {}
+    for state in state_names:
+        shard = load_shard(ckpt, specs, tp_rank, tp_size, np.float32, backend,
+                           dataset=f"{OPTIMIZER_GROUP}/{{}}/{state}")
+        for name, value in shard.tensors.items():
+            out.setdefault(name, {})[state] = value
+    return out
+
+
+def _plain(v):
+    return v.item() if isinstance(v, np.generic) else v

@@ -1,0 +1,168 @@
+"""One model chunk for training: a contiguous run of decoder layers on one (pp, tp) rank, with
+the embedding when it is the first chunk of the model and the final norm, head and loss when
+it is the last.
+
+A pipeline stage holds one chunk, or V non-adjacent ones under the interleaved schedule.
+
+    x = embed(ids)                                 first chunk
+    x = layer_i(x) for each layer                  (ctx kept for backward, or only x with
+                                                    recompute: the layer is re-run in backward)
+    loss = CE(head(final_norm(x)), labels)         last chunk
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...parallel.comm import Communicator
+from ...models.config import ModelConfig
+from ...models.decoder import DecoderStage
+from ...parallel.context import ContextShard
+from ...parallel.vocab import VocabParallelCrossEntropy
+from ...parallel.ops import AttentionRows, Ops
+from .memory import activation_bytes
+from .params import GradSink, Param
+
+
+@dataclass
+class Batch:
+    """One micro-batch on the device: T = L - 1 input positions per row.
+
+    ``ids`` (B, T), each row's real tokens first and 0 after them, ``lengths`` (B,) int32
+    the real tokens of each row, ``labels`` (B*T,) the next token (-1: ignored), ``weights``
+    (B*T,) each label's share of the global loss (1 / labels in the global batch, 0 when
+    ignored). Under context parallelism ids, labels and weights are this rank's positions
+    of each row (``shard``: which ones), the lengths the whole rows'."""
+
+    ids: object
+    lengths: object
+    labels: object
+    weights: object
+    shard: ContextShard | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.ids.shape)
+
+
+class ModelChunk:
+    """Training's driver of a ``DecoderStage`` (the layers generation runs), built over this
+    chunk's ``Param``s: the forward keeps each layer's ctx (or only its input, with
+    recompute), the last chunk adds the loss, and the backward runs the layers in reverse."""
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, Param], layers: range,
+                 first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False):
+        self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
+        self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
+        self.stage = DecoderStage.from_params(cfg, params, layers, first, last, tp, ops)
+        if last:
+            self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
+        self.params = list(params.values())
+        self.groups = self._backward_groups(params)
+
+    def recompute_saving(self, batch: Batch) -> int:
+        """Activation bytes recompute saves on one micro-batch (0 without recompute)."""
+        if not self.recompute:
+            return 0
+        B, T = batch.shape
+        args = (self.cfg, self.tp.size, len(self.layers), B, T, self.first, self.last)
+        itemsize = self.params[0].data.dtype.itemsize
+        return (activation_bytes(*args, recompute=False, itemsize=itemsize)
+                - activation_bytes(*args, recompute=True, itemsize=itemsize))
+
+    def _backward_groups(self, params: dict[str, Param]) -> list[list[Param]]:
+        """The chunk's parameters grouped by when their gradient is complete in a backward
+        pass: the head and final norm, then each layer from the last, then the embedding
+        (a tied head is the embedding: complete only at the end)."""
+        stage = self.stage
+        by_layer: dict[int | None, list[Param]] = {}
+        for p in params.values():
+            by_layer.setdefault(p.spec.layer, []).append(p)
+        groups = []
+        if self.last:
+            tied_here = self.first and stage.head.weight is stage.embedding.weight
+            groups.append([stage.final_norm] + ([] if tied_here else [stage.head.weight]))
+        groups += [by_layer[i] for i in reversed(self.layers)]
+        if self.first:
+            groups.append([stage.embedding.weight])
+        return groups
+
+    def forward(self, x, batch: Batch):
+        """``x``: activations (B, T, hidden), or ignored on the first chunk (it embeds the
+        batch's ids). Returns (activations, ctx), or (loss, ctx) on the last chunk: the
+        loss is this micro-batch's share of the global mean, a 0-d array."""
+        xp, stage = self.xp, self.stage
+        B, T = batch.shape
+        ctx: dict = {}
+        if self.first:
+            x, ctx["embed"] = stage.embedding.forward(batch.ids)
+            x = stage.scale_embedding(x)
+        rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True,
+                             context=batch.shard)
+        cos, sin = stage.rope.tables(rows.positions(xp, T))                    # (B, T)
+        ctx["rope"] = (cos, sin, rows)
+        saved = []
+        for layer in stage.decoder:
+            saved.append(x if self.recompute else None)
+            x, m, lctx = layer.forward(x, None, cos, sin, rows, train=True)
+            x = x + m
+            if not self.recompute:
+                saved[-1] = lctx
+        ctx["layers"] = saved
+        if not self.last:
+            return x, ctx
+        h, ctx["final_norm"] = stage.norm.forward(x, train=True)
+        logits = stage.head.local_logits(h).reshape(B * T, -1)                # (N, V/p)
+        loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
+        ctx["h"] = h
+        return loss, ctx
+
+    def backward(self, ctx: dict, dy, sink: GradSink, group_done=None):
+        """dy: the gradient of the loss w.r.t. this chunk's output (ignored on the last chunk,
+        whose output is the loss). Returns dx for the previous chunk, None on the first.
+        ``group_done(k)`` is called as soon as ``self.groups[k]`` has its gradient added."""
+        stage = self.stage
+        done = iter(range(len(self.groups)))
+
+        def finished_group():
+            k = next(done)
+            if group_done is not None:
+                group_done(k)
+
+        if self.last:
+            dz = self.loss.backward(ctx.pop("loss"))                           # (N, V/p)
+            dh = stage.head.backward(dz, ctx.pop("h"), sink)
+            dy = stage.norm.backward(dh, ctx.pop("final_norm"), sink)
+            finished_group()
+        cos, sin, rows = ctx["rope"]
+        saved = ctx.pop("layers")
+        for layer in reversed(stage.decoder):
+            lctx = saved.pop()
+            if self.recompute:
+                _, _, lctx = layer.forward(lctx, None, cos, sin, rows, train=True)
+            dy = layer.backward(dy, lctx, sink)
+            finished_group()
+        if self.first:
+            stage.embedding.backward(stage.scale_embedding(dy), ctx.pop("embed"), sink)
+            finished_group()
+            return None
+        return dy
+
+
+def held_bytes(ctx) -> int:
+    """Bytes of the distinct arrays a ctx keeps alive (the activation memory it holds)."""
+    seen: set[int] = set()
+
+    def walk(v) -> int:
+        if isinstance(v, dict):
+            return sum(walk(x) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return sum(walk(x) for x in v)
+        base = getattr(v, "base", None)
+        owner = v if base is None else base
+        if hasattr(owner, "nbytes") and id(owner) not in seen:
+            seen.add(id(owner))
+            return int(owner.nbytes)
+        return 0
+
+    return walk(ctx)

@@ -1,0 +1,236 @@
+"""Training data: token sequences and the order the steps read them in (DESIGN §3).
+
+A dataset is a list of samples of L + 1 tokens each (inputs ``row[:-1]``, labels ``row[1:]``):
+
+- ``.npy`` of int ids ``[rows, L + 1]``, one sample per row; negative ids at the start of a
+  row are left padding (its labels are ignored, and so is the label of the first real token,
+  which has no context);
+- ``.bin``, a flat token file (uint16 when the vocabulary fits, else uint32): sample i is
+  tokens ``[i L, i L + L + 1)`` with ``--seq-len L``;
+- ``.jsonl`` of ``{"ids": [...]}`` or ``{"text": "..."}`` lines, tokenized, joined (EOS
+  between documents when the model has one) and cut like a ``.bin``;
+- ``synthetic``: generated sequences a model can learn (each token is followed by a fixed
+  successor 90% of the time), for demos and benchmarks without data files.
+
+Order: step s (1-based) reads global samples (s-1) B .. s B - 1, wrapping around the dataset;
+with ``shuffle`` each epoch is a permutation drawn from a generator keyed by (seed, epoch).
+The position is a global sample index, so it survives any change of dp or micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...models.config import ModelConfig
+from ...parallel.errors import HpcparError
+
+
+class DataError(HpcparError):
+    pass
+
+
+@dataclass
+class Dataset:
+    samples: np.ndarray          # (n, L + 1) int64 (or a memmap view cut into windows)
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def seq_len(self) -> int:
+        """Input positions per sample (L)."""
+        return self.samples.shape[1] - 1
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The dtype of a ``.bin`` token file for this vocabulary."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _windows(tokens: np.ndarray, seq_len: int, source: str) -> np.ndarray:
+    """Samples i = tokens[i L, i L + L + 1) as a strided view (no copy of a memmap)."""
+    n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        raise DataError(f"{source}: {len(tokens)} tokens do not fill one sample of "
+                        f"seq_len {seq_len} + 1")
+    stride = tokens.strides[0]
+    return np.lib.stride_tricks.as_strided(tokens, (n, seq_len + 1), (seq_len * stride, stride),
+                                           writeable=False)
+
+
+SYNTHETIC = "synthetic"
+SYNTHETIC_ROWS = 4096
+
+
+def synthetic_samples(vocab_size: int, seq_len: int, rows: int = SYNTHETIC_ROWS,
+                      seed: int = 0) -> np.ndarray:
+    """Sequences where token t is followed by successor[t] with probability 0.9 and by a
+    uniform random token otherwise: a loss that falls from log(vocab) towards ~0.5 nats."""
+    rng = np.random.default_rng([seed, 1])
+    successor = rng.permutation(vocab_size)
+    out = np.empty((rows, seq_len + 1), dtype=np.int64)
+    out[:, 0] = rng.integers(0, vocab_size, rows)
+    for t in range(1, seq_len + 1):
+        noise = rng.random(rows) < 0.1
+        out[:, t] = np.where(noise, rng.integers(0, vocab_size, rows), successor[out[:, t - 1]])
+    return out
+
+
+def load_dataset(path: str | Path, cfg: ModelConfig, seq_len: int | None = None,
+                 tokenizer=None) -> Dataset:
+    """Read and check a dataset; every problem is a one-line ``DataError``."""
+    if str(path) == SYNTHETIC:
+        check_positions(seq_len or 64, cfg, SYNTHETIC)
+        return Dataset(synthetic_samples(cfg.vocab_size, seq_len or 64), SYNTHETIC)
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such data file (.npy rows, .bin tokens or .jsonl)")
+    suffix = path.suffix
+    if suffix == ".npy":
+        try:
+            rows = np.load(path, allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise DataError(f"{path}: not a readable .npy array ({e})") from None
+        if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer):
+            raise DataError(f"{path}: expected int token ids of shape [rows, L + 1], got "
+                            f"{rows.dtype} {rows.shape}")
+        samples = rows.astype(np.int64, copy=False)
+    elif suffix in (".bin", ".jsonl"):
+        if not seq_len:
+            raise DataError(f"{path}: a {suffix} dataset needs --seq-len (tokens per sample)")
+        if suffix == ".bin":
+            tokens = _token_file(path, token_dtype(cfg.vocab_size))
+        else:
+            tokens = _jsonl_tokens(path, cfg, tokenizer)
+        samples = _windows(tokens, seq_len, str(path))
+    else:
+        raise DataError(f"{path}: unknown data format {suffix!r}; use .npy, .bin or .jsonl")
+    if seq_len and samples.shape[1] != seq_len + 1:
+        raise DataError(f"{path}: rows hold {samples.shape[1]} tokens, --seq-len {seq_len} "
+                        f"needs {seq_len + 1}")
+    check_positions(samples.shape[1] - 1, cfg, str(path))
+    check_samples(samples, cfg, str(path))
+    return Dataset(samples, str(path))
+
+
+def _token_file(path: Path, dtype: np.dtype) -> np.ndarray:
+    """A ``.bin`` token file as a read-only memmap, its size checked first."""
+    size = path.stat().st_size
+    if size == 0 or size % dtype.itemsize:
+        raise DataError(f"{path}: {size} bytes is not a whole number of {dtype.name} tokens "
+                        f"({dtype.itemsize} bytes each, as this vocabulary needs); the file is "
+                        "truncated or was written for another vocabulary" if size else
+                        f"{path}: the token file is empty")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def check_positions(seq_len: int, cfg: ModelConfig, source: str) -> None:
+    """A sample's inputs fit the model's positions, as a generated sequence must."""
+    if seq_len > cfg.max_position_embeddings:
+        raise DataError(f"{source}: samples of {seq_len} input tokens exceed the model's "
+                        f"max_position_embeddings {cfg.max_position_embeddings}; lower "
+                        f"--seq-len to at most {cfg.max_position_embeddings}")
+
+
+def _jsonl_tokens(path: Path, cfg: ModelConfig, tokenizer) -> np.ndarray:
+    """Every line's ids (or its text through the tokenizer) joined, EOS after each."""
+    from ..generate.prompts import load_prompts     # the same {"ids"} / {"text"} lines
+    eos = np.asarray(cfg.eos_token_id[:1], dtype=np.int64)
+    docs = load_prompts(str(path), tokenizer).ids
+    return np.concatenate([part for doc in docs for part in (doc, eos)])
+
+
+def check_samples(samples: np.ndarray, cfg: ModelConfig, source: str,
+                  block_rows: int = 1 << 16) -> None:
+    """Every id below the vocabulary, padding only at the start of a row, and at least two
+    real tokens per sample. Reads the data in blocks of rows (a token file may be larger
+    than memory)."""
+    if len(samples) == 0:
+        raise DataError(f"{source}: the dataset holds no samples")
+    if samples.shape[1] < 2:
+        raise DataError(f"{source}: samples of {samples.shape[1]} token(s); training needs at "
+                        "least 2 (an input and its next-token label)")
+    signed = np.issubdtype(samples.dtype, np.signedinteger)
+    for first in range(0, len(samples), block_rows):
+        block = np.asarray(samples[first:first + block_rows])
+        top = int(block.max())
+        if top >= cfg.vocab_size:
+            where = np.argwhere(block >= cfg.vocab_size)[0]
+            raise DataError(f"{source}: token id {top} >= vocab_size {cfg.vocab_size} (first "
+                            f"at sample {first + where[0]}, position {where[1]})")
+        if not signed:
+            continue                                   # token files hold no padding
+        pad = pad_lengths(block)
+        inner = (block >= 0).sum(axis=1) != block.shape[1] - pad
+        if inner.any():
+            raise DataError(f"{source}: sample {first + int(np.argmax(inner))} has padding "
+                            "(negative ids) after a real token; only left padding is allowed")
+        short = block.shape[1] - pad < 2
+        if short.any():
+            raise DataError(f"{source}: sample {first + int(np.argmax(short))} has fewer than 2 "
+                            "real tokens; training needs an input and a label")
+
+
+def pad_lengths(samples: np.ndarray) -> np.ndarray:
+    """Leading negative ids per row."""
+    real = samples >= 0
+    return np.where(real.any(axis=1), real.argmax(axis=1), samples.shape[1]).astype(np.int64)
+
+
+def sample_indices(first: int, count: int, num_samples: int, shuffle: bool,
+                   seed: int) -> np.ndarray:
+    """The dataset rows of global samples first .. first + count - 1 (step s of batch B
+    reads first = (s - 1) B)."""
+    g = np.arange(first, first + count, dtype=np.int64)
+    if not shuffle:
+        return g % num_samples
+    epochs, within = np.divmod(g, num_samples)
+    out = np.empty_like(g)
+    for epoch in np.unique(epochs):
+        perm = np.random.default_rng([seed, int(epoch)]).permutation(num_samples)
+        pick = epochs == epoch
+        out[pick] = perm[within[pick]]
+    return out
+
+
+@dataclass
+class HostBatch:
+    """One micro-batch on the host (see ``chunk.Batch`` for the meaning of the fields)."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    labels: np.ndarray
+    weights: np.ndarray
+
+
+def label_count(samples: np.ndarray) -> int:
+    """How many labels count in the loss: per row, L + 1 - pad - 1 (the first real token
+    has no label)."""
+    return int((samples.shape[1] - 1 - pad_lengths(samples)).sum())
+
+
+def make_batches(samples: np.ndarray, num_micro_batches: int, total_labels: int,
+                 dtype) -> list[HostBatch]:
+    """Split a replica's samples into micro-batches of inputs, labels and loss weights.
+
+    A sample's left padding (negative ids) moves to its end: each row's real tokens come
+    first, the layout attention takes (per-row lengths). Positions restart at 0 on the first
+    real token either way, so the loss and every gradient are the same."""
+    out = []
+    for part in np.array_split(samples, num_micro_batches):
+        pad = pad_lengths(part)
+        B, T = part.shape[0], part.shape[1] - 1
+        lengths = T - pad                                           # real inputs per row
+        inputs = np.zeros((B, T), dtype=np.int64)
+        labels = np.full((B, T), -1, dtype=np.int64)
+        for j in range(B):
+            inputs[j, :lengths[j]] = part[j, pad[j]:-1]
+            labels[j, :lengths[j]] = part[j, pad[j] + 1:]
+        labels = labels.reshape(-1)
+        weights = np.where(labels < 0, 0.0, 1.0 / total_labels).astype(dtype)
+        out.append(HostBatch(inputs, lengths, labels, weights))
+    return out

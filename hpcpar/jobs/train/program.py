@@ -1,0 +1,111 @@
+"""What one pipeline stage computes in a training step (the executor's ``StageProgram``).
+
+The stage holds one model chunk per virtual stage it runs (one, or V when interleaved).
+Forward passes keep their ctx until the backward of the same (micro-batch, chunk); the last
+chunk of the model turns its forward into the micro-batch's share of the loss, and its
+backward starts from that loss. A zero-bubble schedule's I pass computes the input
+gradient and leaves the weight gradients in a deferred ``GradSink`` that its W pass flushes.
+
+When the last backward of a chunk adds a group of gradients, ``grad_done`` hears of it, so
+the data-parallel reduction of that bucket can start while the backward goes on.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ...parallel.pipeline.schedule import Action, Op
+from .chunk import Batch, ModelChunk, held_bytes
+from .params import GradSink, Param
+
+
+class TrainingProgram:
+    def __init__(self, chunks: list[ModelChunk], batches: list[Batch], pp_size: int,
+                 stage: int, hidden_size: int, dtype, xp,
+                 grad_done: Callable[[list[Param]], None] | None = None):
+        self.chunks, self.batches = chunks, batches
+        self.p, self.stage, self.hidden, self.dtype, self.xp = (pp_size, stage, hidden_size,
+                                                                np.dtype(dtype), xp)
+        self.grad_done = grad_done
+        self.loss = 0.0                       # this stage's sum of micro-batch losses
+        self.ctxs: dict[tuple[int, int], tuple] = {}   # (mb, chunk) -> ctx, its bytes, ...
+        self.inputs: dict[tuple[int, int], object] = {}
+        self.out_grads: dict[tuple[int, int], object] = {}
+        self.outputs: dict[tuple[int, int], object] = {}
+        self.back_grads: dict[tuple[int, int], object] = {}
+        self.sinks: dict[tuple[int, int], GradSink] = {}
+        self.backwards_done = [0] * len(chunks)   # weight-gradient passes finished per chunk
+        self.held = self.peak_held = 0            # activation bytes kept for backward
+        self.held_full = self.peak_held_full = 0  # ... had recompute been off
+
+    def _virtual(self, chunk: int) -> int:
+        return chunk * self.p + self.stage
+
+    # ---- StageProgram ----------------------------------------------------------------------
+
+    def payload(self, a: Action):
+        B, T = self.batches[a.mb].shape
+        return (B, T, self.hidden), self.dtype
+
+    def finished(self, mb: int) -> bool:
+        return False
+
+    def receive(self, a: Action, payload) -> None:
+        store = self.inputs if a.op is Op.RECV else self.out_grads
+        store[(a.mb, a.chunk)] = payload
+
+    def outgoing(self, a: Action):
+        store = self.outputs if a.op is Op.SEND else self.back_grads
+        return store.pop((a.mb, a.chunk))
+
+    def compute(self, a: Action) -> None:
+        key, chunk = (a.mb, a.chunk), self.chunks[a.chunk]
+        if a.op is Op.FORWARD:
+            out, ctx = chunk.forward(self.inputs.pop(key, None), self.batches[a.mb])
+            nbytes = held_bytes(ctx)
+            full = nbytes + chunk.recompute_saving(self.batches[a.mb])
+            self.ctxs[key] = (ctx, nbytes, full)
+            self.held += nbytes
+            self.held_full += full
+            self.peak_held = max(self.peak_held, self.held)
+            self.peak_held_full = max(self.peak_held_full, self.held_full)
+            if chunk.last:
+                self.loss += float(out)
+            else:
+                self.outputs[(a.mb, (self._virtual(a.chunk) + 1) // self.p)] = out
+        elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            ctx, nbytes, full = self.ctxs.pop(key)
+            split = a.op is Op.BACKWARD_INPUT
+            sink = GradSink(self.xp, defer=split)
+            last_pass = not split and self.backwards_done[a.chunk] == len(self.batches) - 1
+            notify = self._notifier(chunk) if last_pass else None
+            dx = chunk.backward(ctx, self.out_grads.pop(key, None), sink, notify)
+            self.held -= nbytes
+            self.held_full -= full
+            if dx is not None:
+                self.back_grads[(a.mb, (self._virtual(a.chunk) - 1) // self.p)] = dx
+            if split:
+                self.sinks[key] = sink
+            else:
+                self._weight_pass_done(a.chunk, None)
+        elif a.op is Op.BACKWARD_WEIGHT:
+            self.sinks.pop(key).flush()
+            self._weight_pass_done(a.chunk, chunk)
+        else:
+            raise ValueError(f"not a compute action: {a}")
+
+    def _notifier(self, chunk: ModelChunk):
+        if self.grad_done is None:
+            return None
+        return lambda k: self.grad_done(chunk.groups[k])
+
+    def _weight_pass_done(self, index: int, flushed: ModelChunk | None) -> None:
+        """Count a finished weight-gradient pass; after a chunk's last W every group of it
+        is complete at once (a B pass reported its groups as it went)."""
+        self.backwards_done[index] += 1
+        if (flushed is not None and self.grad_done is not None
+                and self.backwards_done[index] == len(self.batches)):
+            for group in flushed.groups:
+                self.grad_done(group)

@@ -1,0 +1,107 @@
+"""A training job's settings checked and resolved before any rank communicates: the layout
+and schedule, the optimizer, the data, the output folder, the checkpoint to resume from,
+and which layers each model chunk of a stage holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...checkpoint import Checkpoint
+from ..layout import ParallelConfig
+from ...parallel.dtypes import float_dtype
+from ...parallel.errors import HpcparError
+from ..generate.setup import load_tokenizer
+from ..job import Job
+from ...parallel.pipeline.partition import stage_layers
+from ...parallel.pipeline.training_schedules import micro_batch_problems
+from ...checkpoint.files import check_output, check_space
+from . import checkpoint as tc
+from .data import Dataset, load_dataset
+from ...parallel.optim import STATE_NAMES
+from ...parallel.optim_settings import OptimizerSettings
+
+RECOMPUTE = ("none", "full")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TrainPlan:
+    layout: ParallelConfig
+    dtype: np.dtype                    # compute dtype (master weights are float32)
+    virtual_stages: int
+    optimizer: OptimizerSettings
+    dataset: Dataset
+    out_dir: Path
+    resume: tuple[Checkpoint, dict] | None
+    start_step: int
+    samples_start: int
+
+
+def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
+    cfg, tr = ckpt.config, job.train
+    layout = job.parallel.layout(world_size, default_schedule="1f1b")
+    V = job.parallel.virtual_stages
+    problems = layout.problems(cfg, world_size)
+    if not problems:
+        problems += micro_batch_problems(layout.schedule, layout.pp, layout.micro_batches, V)
+    if layout.schedule == "interleaved" and V > 1:
+        if cfg.num_hidden_layers % (layout.pp * V):
+            problems.append(f"the interleaved schedule cuts the {cfg.num_hidden_layers} layers "
+                            f"into pp * virtual_stages = {layout.pp * V} equal chunks; choose "
+                            "pp and virtual_stages whose product divides the layers")
+        if layout.stage_layers is not None:
+            problems.append("stage_layers cannot be combined with the interleaved schedule")
+    replicas_x_mbs = layout.dp * layout.micro_batches
+    if tr.global_batch < 1 or tr.global_batch % replicas_x_mbs:
+        problems.append(f"global batch {tr.global_batch} is not divisible by dp * micro_batches"
+                        f" = {layout.dp} * {layout.micro_batches} = {replicas_x_mbs}")
+    if tr.recompute not in RECOMPUTE:
+        problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if job.model.dtype not in COMPUTE_DTYPES:
+        problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
+                        f"weights), not {job.model.dtype}")
+    settings = OptimizerSettings.of(tr)
+    problems += settings.problems()
+    if not job.data.dataset:
+        problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
+    if not job.output.path:
+        problems.append("no output folder: give --out DIR")
+    if problems:
+        raise HpcparError("invalid training job: " + "; ".join(problems))
+    dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt))
+    if dataset.seq_len < layout.cp:
+        raise HpcparError(f"cp {layout.cp} splits each sequence over {layout.cp} ranks, but the "
+                          f"sequences have {dataset.seq_len} positions: every rank needs at "
+                          f"least one; use a cp of at most {dataset.seq_len} or longer "
+                          "sequences (--seq-len)")
+    out_dir = Path(job.output.path)
+    check_output(out_dir, {"checkpoint": ckpt.path, "data": dataset.source}, folder=True)
+    # room for a checkpoint now, not after every step has run (each save checks again)
+    check_space(out_dir / "step-1.h5", tc.checkpoint_bytes(ckpt, STATE_NAMES[settings.optimizer]))
+    resume = None
+    start_step = samples_start = 0
+    resume_path = tc.resolve_resume(tr.resume, out_dir)
+    if resume_path is not None:
+        resume = tc.open_resume(resume_path, ckpt)
+        attrs = resume[1]
+        if attrs.get("optimizer") != settings.optimizer:
+            raise HpcparError(f"{resume_path}: trained with optimizer {attrs.get('optimizer')!r}"
+                              f", this job uses {settings.optimizer!r}; keep the optimizer to "
+                              "resume")
+        start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
+    return TrainPlan(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir, resume,
+                     start_step, samples_start)
+
+
+def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
+                 virtual_stages: int) -> list[range]:
+    """The layers of each chunk of ``stage``: one contiguous range, or with V chunks the
+    ranges of virtual stages stage, stage + p, ... (equal pieces of num_layers / pV)."""
+    if virtual_stages == 1:
+        return [stage_layers(num_layers, layout.pp, stage, layout.stage_layers)]
+    per = num_layers // (layout.pp * virtual_stages)
+    return [range(v * per, (v + 1) * per)
+            for v in range(stage, layout.pp * virtual_stages, layout.pp)]

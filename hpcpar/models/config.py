@@ -1,0 +1,319 @@
+"""Typed configuration of a model, from a Hugging Face ``config.json``.
+
+A frozen dataclass. Validation never stops at the first problem: it returns every
+problem with the numbers involved, so one run tells the user everything to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..parallel.errors import HpcparError
+from ..parallel.splits import unit_split_problem
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_tanh")          # the gated MLP's: SwiGLU, GeGLU
+
+
+class ConfigError(HpcparError):
+    """One or more problems in a configuration; ``problems`` lists each with its numbers."""
+
+    def __init__(self, what: str, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"{what}: " + "; ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``llama3`` is the Llama 3.1/3.2 piecewise rule. ``where``
+    names the config.json field the parameters came from (for messages)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    where: str = field(default="rope_parameters", compare=False)
+
+    def problems(self) -> list[str]:
+        """Parameters out of their domain for this rope type (a factor <= 0 divides every
+        frequency by zero or flips it; high = low divides by zero)."""
+        out = []
+        used = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+        for name in used.get(self.rope_type, ()):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                out.append(f"{self.where} {name} must be a positive finite number, got {value}")
+        if self.rope_type == "llama3":
+            if self.high_freq_factor == self.low_freq_factor:
+                out.append(f"{self.where} high_freq_factor {self.high_freq_factor} equals "
+                           "low_freq_factor: llama3 rope divides by their difference")
+            old = self.original_max_position_embeddings
+            if not isinstance(old, int) or isinstance(old, bool) or old < 1:
+                out.append(f"{self.where} original_max_position_embeddings must be a positive "
+                           f"integer, got {old!r}")
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The fields of a Hugging Face config that define the computation: Llama's, and the
+    features by which the other families differ (``hpcpar.models``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False               # biases on q, k, v (Qwen2; Llama's attention_bias)
+    o_bias: bool = False                 # a bias on o (Llama's attention_bias)
+    mlp_bias: bool = False
+    qk_norm: bool = False                # per-head RMSNorm of q and k before rotary (Qwen3)
+    norm_offset: float = 0.0             # RMSNorm scales by (offset + w) (Gemma: 1)
+    embed_scale: float = 1.0             # the embedding's output times this (Gemma: sqrt(h))
+    activation: str = "silu"             # the gated MLP's: silu (SwiGLU), gelu_tanh (GeGLU)
+    sliding_window: int | None = None    # attention to the last W keys only (Mistral)
+    mixed_windows: bool = False          # a window on some layers only (Qwen2's, refused)
+    partial_rotary: float = 1.0          # the share of head_dim rotary turns (Phi-3.5/4 < 1)
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], source: str = "config") -> "ModelConfig":
+        """Parse a ``config.json`` dict as written by transformers 4.x or 5.x, into the model
+        transformers' class of its family builds from it, or refuse it in one line.
+
+        4.x keeps ``rope_theta`` and ``rope_scaling`` at the top level; 5.x folds both into
+        ``rope_parameters``. The family (``model_type``) says how the rest reads and what a
+        field left out means (its transformers class's default); a ``model_type`` of no
+        family is one error naming the supported ones. A field of the wrong JSON type, a
+        value transformers refuses, or one hpcpar cannot compute exactly (an activation or
+        rope type it does not have, a number out of its domain) is refused with its value.
+        """
+        from . import FAMILIES
+        from .family import FieldError, MalformedField
+        if not isinstance(hf, Mapping):
+            raise ConfigError(source, [f"holds a JSON {_json_kind(hf)}, not an object of "
+                                       "fields; a model's config.json is one JSON object"])
+        model_type = hf.get("model_type", "llama")
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
+            raise ConfigError(source, [f"model_type {model_type!r} is not supported; hpcpar "
+                                       f"runs {', '.join(sorted(FAMILIES))}"])
+        family = FAMILIES[model_type]
+        archs = hf.get("architectures") or [family.architecture]
+        if not isinstance(archs, list) or family.architecture not in archs:
+            raise ConfigError(source, [
+                f"architectures {archs!r} is not [{family.architecture!r}], the causal LM of "
+                f"model_type {model_type!r}; hpcpar runs causal LMs only"])
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ConfigError(source, [f"missing required field(s) {', '.join(missing)}"])
+
+        full = family.defaults | dict(hf)          # what transformers' class takes for the rest
+        try:
+            cfg = cls._build(full, source, family.features(full) | {"model_type": model_type})
+        except FieldError as e:
+            malformed = "malformed value: " if isinstance(e, MalformedField) else ""
+            raise ConfigError(source, [malformed + str(e)]) from None
+        except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+            raise ConfigError(source, [f"malformed value ({type(e).__name__}: {e}); fields must "
+                                       "be numbers as transformers writes them"]) from None
+        problems = cfg.problems()
+        rope_type = cfg.rope_scaling.rope_type
+        if family.rope_types is not None and rope_type not in family.rope_types:
+            problems.append(f"rope type {rope_type!r} is not one {family.architecture} runs "
+                            f"(transformers accepts {', '.join(family.rope_types)})")
+        if problems:
+            raise ConfigError(source, problems)
+        return cfg
+
+    @classmethod
+    def _build(cls, hf: Mapping[str, Any], source: str, features: dict) -> "ModelConfig":
+        from .family import flag
+        heads = hf["num_attention_heads"]
+        kv_heads = hf.get("num_key_value_heads")              # null: as many as the heads
+        kv_heads = heads if kv_heads is None else kv_heads
+        head_dim = hf.get("head_dim")                         # null: hidden / heads
+        if head_dim is None:
+            head_dim = hf["hidden_size"] // heads if heads else 0
+        rope_theta, scaling, partial = _parse_rope(hf)
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(**dict(
+            vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim,
+            rms_norm_eps=_number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            rope_theta=rope_theta, rope_scaling=scaling, partial_rotary=partial,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=flag(hf, "tie_word_embeddings"),
+            bos_token_id=hf.get("bos_token_id"), eos_token_id=eos_ids,
+            pad_token_id=hf.get("pad_token_id")) | features)
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            hf = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise HpcparError(f"{path}: no such file; a Hugging Face model folder holds "
+                              "config.json beside its weights") from None
+        except (IsADirectoryError, UnicodeDecodeError) as e:
+            raise HpcparError(f"{path}: not a readable config.json ({e})") from None
+        except json.JSONDecodeError as e:
+            raise HpcparError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_hf(hf, source=str(path))
+
+    def problems(self) -> list[str]:
+        """Internal inconsistencies, each with its numbers (empty when the config is usable)."""
+        out = []
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(f"{name} must be a positive integer, got {value!r}")
+        if out:
+            return out
+        if self.num_attention_heads % self.num_key_value_heads:
+            out.append(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                       f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            out.append(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_token_id):
+            out.append(f"eos_token_id must be an integer or a list of integers, got "
+                       f"{list(self.eos_token_id)}")
+        for name in ("bos_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                out.append(f"{name} must be an integer or null, got {value!r}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            out.append(f"rms_norm_eps must be a positive finite number, got {self.rms_norm_eps}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            out.append(f"rope_theta must be a positive finite number, got {self.rope_theta}")
+        out += self.rope_scaling.problems()
+        if self.activation not in ACTIVATIONS:
+            out.append(f"activation {self.activation!r} is not supported (supported: "
+                       f"{', '.join(ACTIVATIONS)})")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                                   or window < 1):
+            out.append(f"sliding_window must be a positive integer or null, got {window!r}")
+        if self.partial_rotary != 1.0:
+            out.append(f"partial rotary embeddings (partial_rotary_factor "
+                       f"{self.partial_rotary}) are not supported yet; only rotary over the "
+                       "whole head runs exactly")
+        if self.mixed_windows:
+            out.append("a sliding window on some layers only (use_sliding_window with "
+                       "max_window_layers) is not supported yet; only full causal attention, "
+                       "or one window on every layer, runs exactly")
+        if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
+            out.append(f"rope type {self.rope_scaling.rope_type!r} is not supported "
+                       f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        return out
+
+    def valid_tp_sizes(self, limit: int = 64) -> list[int]:
+        """Tensor-parallel sizes this model can be split over (see ``tp_problems``)."""
+        return [tp for tp in range(1, limit + 1) if not tp_problems(self, tp)]
+
+
+# the parameters each rope type needs, which transformers refuses a config without
+ROPE_REQUIRED = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+def _parse_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling, float]:
+    """(rope_theta, the scaling, partial_rotary_factor) as transformers 5 reads them: a
+    non-empty ``rope_scaling`` (4.x) wins over ``rope_parameters`` (5.x); ``rope_theta`` and
+    ``partial_rotary_factor`` inside it win over the top-level fields; llama3's
+    ``original_max_position_embeddings`` is the top-level field where there is one, else the
+    rope's own, else ``max_position_embeddings``. A rope field that is not an object, a
+    parameter that is not a number, or a required one left out is a ``FieldError``."""
+    from .family import FieldError, MalformedField
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf.get(key)
+        if value is not None and not isinstance(value, Mapping):
+            raise MalformedField(f"{key} must be an object of rope parameters or null, got "
+                                 f"a JSON {_json_kind(value)} {value!r:.60}")
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(where) or {}
+    nested = [k for k, v in rope.items() if isinstance(v, Mapping)]
+    if nested:
+        raise FieldError(f"{where} per layer type ({', '.join(map(str, nested))}) is not "
+                         "supported; hpcpar runs one rope for every layer")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise MalformedField(f"{where} rope_type must be a string, got {rope_type!r}")
+    missing = [k for k in ROPE_REQUIRED.get(rope_type, ()) if k not in rope]
+    if missing:
+        raise FieldError(f"{where} of rope_type {rope_type!r} lacks {', '.join(missing)} "
+                         "(transformers refuses it too)")
+    theta = _number(rope.get("rope_theta", hf.get("rope_theta", 10000.0)), "rope_theta")
+    partial = _number(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)),
+                      "partial_rotary_factor")
+    old = hf.get("original_max_position_embeddings",
+                 rope.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
+    if rope_type != "llama3":
+        old = 8192                                          # unused
+    return theta, RopeScaling(
+        rope_type=rope_type,
+        factor=_number(rope.get("factor", 1.0), f"{where} factor"),
+        low_freq_factor=_number(rope.get("low_freq_factor", 1.0), f"{where} low_freq_factor"),
+        high_freq_factor=_number(rope.get("high_freq_factor", 4.0),
+                                 f"{where} high_freq_factor"),
+        original_max_position_embeddings=old, where=where), partial
+
+
+def _number(value, name: str) -> float:
+    """A JSON number as a float (domains are checked by ``problems``), or a ``FieldError``:
+    ``true``, a string or null is not a number here, though Python would take some."""
+    from .family import FieldError, MalformedField
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MalformedField(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise FieldError(f"{name} {value} is too large for a float") from None
+
+
+def _json_kind(value) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def tp_problems(model: ModelConfig, tp: int) -> list[str]:
+    """Why ``model`` cannot be split over ``tp`` ranks (empty when it can)."""
+    out = []
+    if model.num_attention_heads % tp:
+        out.append(f"num_attention_heads {model.num_attention_heads} is not divisible by tp {tp}")
+    kv_problem = unit_split_problem(model.num_key_value_heads, tp)     # KV heads may replicate
+    if kv_problem:
+        out.append(f"num_key_value_heads {kv_problem.replace(' of ', ' of tp ')}")
+    if model.intermediate_size % tp:
+        out.append(f"intermediate_size {model.intermediate_size} is not divisible by tp {tp}")
+    return out

@@ -1,0 +1,314 @@
+"""The decoder every family runs, as one pipeline stage on one tensor-parallel rank, for
+generation and training alike.
+
+    x = embed(ids) * embed_scale                      first stage only
+    for each layer of this stage:
+        x = x + o_proj(attention(rope(q, k), v))      over rms_norm(x); q, k each through
+                                                      a per-head rms_norm first (qk_norm)
+        x = x + down_proj(act(gate_proj(h)) * up_proj(h)),  h = rms_norm(x)
+    logits = lm_head(rms_norm(x))                     last stage only
+
+rms_norm scales by (norm_offset + w); act is silu (SwiGLU) or the tanh GELU (GeGLU). With
+the config's features at Llama's values this is Hugging Face's ``LlamaForCausalLM``
+exactly, and with each family's, that family's class (``hpcpar.models``). Split by
+``hpcpar.models.sharding``: two AllReduces per layer over tp (o_proj, down_proj), one for the
+embedding, none for the head. With tied embeddings the last stage's head is the embedding's
+weight.
+
+Generation builds a stage from loaded tensors (``DecoderStage.from_tensors``: frozen weights,
+projections merged) and runs ``forward`` over a KV cache. Training builds it from its
+``Param``s (``DecoderStage.from_params``) and runs the same layers with ``train=True``, each
+keeping what its ``backward`` needs (``train.chunk`` drives them and adds the loss).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..parallel.backend import host_array
+from ..parallel.comm import Communicator
+from .config import ModelConfig
+from ..parallel.ops import AttentionRows, Ops
+from ..parallel.ops.attention import at_positions
+from .tensors import TensorSpec
+from .attention import Attention
+from .kv_cache import KVCache, kv_cache_bytes
+from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear,
+                              column_parallel, frozen_matrix, row_parallel)
+from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
+from .rope import RotaryEmbedding
+
+
+# Positions per pass of a long prefill: one chunk's activations stay in a CPU's caches (the
+# MLP's of 8192 positions are 150 MB), and GEMMs of 1024 rows still run at the BLAS's peak.
+PREFILL_CHUNK = 1024
+
+
+class Norm:
+    """RMSNorm with the config's scale (w, or 1 + w for Gemma), over the last dimension of
+    any shape (a per-head norm reads (B, T, heads, head_dim))."""
+
+    def __init__(self, ops: Ops, weight, eps: float, offset: float = 0.0):
+        self.ops, self.weight, self.eps, self.offset = ops, weight, eps, offset
+
+    def scale(self):
+        w = self.weight.data
+        return w + self.offset if self.offset else w
+
+    def forward(self, x, train: bool = False):
+        """(y, ctx): ctx is what ``backward`` needs when ``train``, else None."""
+        if train:
+            return self.ops.rms_norm.forward_train(x, self.scale(), self.eps)
+        return self.ops.rms_norm.forward(x, self.scale(), self.eps), None
+
+    def add_forward(self, branch, x, train: bool = False):
+        """(rms_norm(x + branch), x + branch, ctx)."""
+        if train:
+            return self.ops.rms_norm.add_forward_train(branch, x, self.scale(), self.eps)
+        h, x = self.ops.rms_norm.add_forward(branch, x, self.scale(), self.eps)
+        return h, x, None
+
+    def backward(self, dy, ctx, sink):
+        """dx; adds dw (the offset's derivative is 1). Replicated over tp: no communication."""
+        dx, dw = self.ops.rms_norm.backward(dy, ctx, self.scale())
+        sink.add(self.weight, lambda: dw)
+        return dx
+
+
+def norm_backward(ops: Ops, dy, ctx, w, sink):
+    """The RMSNorm op's backward for a plain weight ``w``: returns dx, adds dw."""
+    return Norm(ops, w, eps=0.0).backward(dy, ctx, sink)      # eps is the forward's only
+
+
+class Mlp:
+    """down(act(gate(x)) * up(x)); gate/up column-parallel, down row-parallel; ``act`` the
+    gated activation op (SwiGLU's silu, GeGLU's tanh GELU).
+    Communication: one AllReduce forward (in down), one backward (after gate/up)."""
+
+    def __init__(self, ops: Ops, gate_up: ColumnParallelLinear, down: RowParallelLinear,
+                 activation: str = "silu"):
+        self.ops, self.gate_up, self.down = ops, gate_up, down
+        self.act = ops.gated(activation)
+
+    @classmethod
+    def of(cls, ops: Ops, w: dict, tp: Communicator, merge: bool = False,
+           activation: str = "silu") -> "Mlp":
+        """From a layer's weights by role (gate, up, down and their biases)."""
+        return cls(ops, column_parallel(ops, w, ("gate", "up"), tp, merge),
+                   row_parallel(ops, w, "down", tp, merge), activation)
+
+    def forward(self, x, train: bool = False):
+        gate, up = self.gate_up(x)
+        act = self.act.forward(gate, up)
+        return self.down(act), ((x, gate, up, act) if train else None)
+
+    def backward(self, dy, ctx, sink):
+        x, gate, up, act = ctx
+        dact = self.down.backward(dy, act, sink)                      # g backward: identity
+        dgate, dup = self.act.backward(dact, gate, up)
+        return self.gate_up.backward([dgate, dup], x, sink)
+
+
+class DecoderLayer:
+    """h = x + attention(norm1(x));  y = h + mlp(norm2(h)), the residual adds fused into the
+    next norm: the layer takes and returns (x, pending), pending being the branch output not
+    yet added to the residual stream x (None before the first layer).
+
+    ``w`` maps the layer's roles (``tensors.layer_tensors``) to weights: ``Param``s, used as
+    they are, or (``merge``) frozen arrays, whose projections are merged and transposed."""
+
+    def __init__(self, cfg: ModelConfig, w: dict, tp: Communicator, ops: Ops, merge: bool):
+        def norm(role: str) -> Norm:
+            return Norm(ops, w[role], cfg.rms_norm_eps, cfg.norm_offset)
+
+        qk_norms = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else None
+        self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms,
+                                      cfg.sliding_window)
+        self.mlp = Mlp.of(ops, w, tp, merge, cfg.activation)
+        self.input_norm, self.post_norm = norm("input_norm"), norm("post_attention_norm")
+        self.ops = ops
+
+    def forward(self, x, pending, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
+                layer: int = 0, train: bool = False, keep=None):
+        """(x, pending, ctx): ctx is what ``backward`` needs when ``train``, else None. With
+        ``keep`` (B,) host positions, x and pending come back at those alone, (B, 1, hidden)
+        (``Attention.forward``'s ``keep``)."""
+        h, x, n1 = self._norm(pending, x, self.input_norm, train)
+        a, actx = self.attention.forward(h, cos, sin, rows, cache, layer, train, keep)
+        if keep is not None:
+            x = at_positions(self.ops.xp, x, keep)
+        h, x, n2 = self._norm(a, x, self.post_norm, train)
+        m, mctx = self.mlp.forward(h, train)
+        return x, m, ((n1, actx, n2, mctx) if train else None)
+
+    @staticmethod
+    def _norm(branch, x, norm: Norm, train: bool):
+        """(rms_norm(x + branch), x + branch, ctx); no add when ``branch`` is None."""
+        if branch is None:
+            h, ctx = norm.forward(x, train)
+            return h, x, ctx
+        return norm.add_forward(branch, x, train)
+
+    def backward(self, dy, ctx, sink):
+        """The gradient of the layer's input residual (x + pending) from that of its output
+        (x + pending after it)."""
+        n1, actx, n2, mctx = ctx
+        dx1 = dy + self.post_norm.backward(self.mlp.backward(dy, mctx, sink), n2, sink)
+        return dx1 + self.input_norm.backward(self.attention.backward(dx1, actx, sink), n1,
+                                              sink)
+
+
+class DecoderStage:
+    """The layers ``layers`` of the model on this (pp, tp) rank, plus the embedding on the
+    first stage and the final norm and head on the last.
+
+    ``weights`` maps each layer (None: the embedding, final norm and head) to its weights by
+    role (``tensors.TensorSpec.role``); ``merge`` as in ``DecoderLayer``. The layers take
+    each layer's weights out of ``weights`` as they are built, so that merged copies replace
+    the originals one layer at a time.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict, layers: range, first: bool,
+                 last: bool, tp: Communicator, ops: Ops, dtype, merge: bool):
+        self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
+        xp = ops.xp
+        self.ops, self.xp, self.dtype, self.tp = ops, xp, dtype, tp
+        top = weights.get(None, {})
+        self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp,
+                                                 cfg.pad_token_id) if first else None)
+        self.decoder = [DecoderLayer(cfg, weights.pop(i), tp, ops, merge) for i in layers]
+        if last:
+            self.final_norm = top["final_norm"]
+            self.norm = Norm(ops, self.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
+            head = top["embed"] if cfg.tie_word_embeddings else top["head"]
+            if merge and not (first and cfg.tie_word_embeddings):
+                # stored transposed; a tied head beside its embedding reads that table
+                head = frozen_matrix(xp, [head.data])
+            self.head = ParallelLMHead(ops, head, cfg.vocab_size, tp)
+        self.rope = RotaryEmbedding(cfg, xp, dtype)
+        self.hidden_size = cfg.hidden_size
+        self.weight_bytes = 0
+        # chunked prefill has not run on a GPU yet: there a prompt goes whole
+        self.prefill_chunk = None if ops.device else PREFILL_CHUNK
+
+    @classmethod
+    def from_tensors(cls, cfg: ModelConfig, specs: list[TensorSpec], tensors: dict,
+                     layers: range, first: bool, last: bool, tp: Communicator, ops: Ops,
+                     dtype) -> "DecoderStage":
+        """For generation, from this rank's loaded slices (``load_shard``'s tensors by Hugging
+        Face name, taken out of ``tensors``): frozen, in ``dtype``, projections merged."""
+        by_layer: dict = {}
+        for spec in specs:
+            by_layer.setdefault(spec.layer, {})[spec.role] = Frozen(
+                tensors.pop(spec.name).astype(dtype, copy=False))
+        weight_bytes = sum(w.data.nbytes for group in by_layer.values() for w in group.values())
+        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=True)
+        stage.weight_bytes = weight_bytes
+        return stage
+
+    @classmethod
+    def from_params(cls, cfg: ModelConfig, params: dict, layers: range, first: bool,
+                    last: bool, tp: Communicator, ops: Ops) -> "DecoderStage":
+        """For training, over ``Param``s by Hugging Face name (their ``data`` in the compute
+        dtype, read at every call)."""
+        by_layer: dict = {}
+        for p in params.values():
+            by_layer.setdefault(p.spec.layer, {})[p.spec.role] = p
+        dtype = next(iter(params.values())).data.dtype
+        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=False)
+        stage.weight_bytes = sum(p.data.nbytes for p in params.values())
+        return stage
+
+    @property
+    def kv_heads(self) -> int:
+        """The KV heads this rank holds (per layer)."""
+        return self.decoder[0].attention.kv_heads if self.decoder else 0
+
+    def kv_bytes_per_row(self, capacity: int) -> int:
+        """KV-cache bytes one row of ``capacity`` tokens takes on this stage."""
+        return kv_cache_bytes(len(self.decoder), 1, self.kv_heads, capacity, self.cfg.head_dim,
+                              np.dtype(self.dtype).itemsize)
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """This stage's KV cache for a micro-batch of ``batch`` rows and ``capacity`` slots."""
+        return KVCache(self.ops, len(self.decoder), batch, self.kv_heads, capacity,
+                       self.cfg.head_dim, self.dtype)
+
+    def embed(self, ids):
+        """(B, T) token ids -> (B, T, hidden) (first stage)."""
+        return self.scale_embedding(self.embedding.forward(ids)[0])
+
+    def scale_embedding(self, x):
+        """x times the config's ``embed_scale`` (Gemma: sqrt(hidden), rounded to x's dtype as
+        transformers does); the same for the gradient. Llama: x itself."""
+        if self.cfg.embed_scale == 1.0:
+            return x
+        return x * self.xp.asarray(self.cfg.embed_scale, dtype=x.dtype)
+
+    def positions(self, rows: AttentionRows, T: int):
+        """The rotary tables (cos, sin) of each row's T positions from its start (this rank's
+        positions of the rows, under context parallelism)."""
+        return self.rope.tables(rows.positions(self.xp, T))
+
+    def forward(self, x, rows: AttentionRows, cache: KVCache | None, keep=None):
+        """Run this stage's layers on x (B, T, hidden): row b's T tokens sit at positions
+        [starts[b], starts[b] + T) of its sequence (``rows``), and go to those cache slots
+        (no cache: the T tokens are whole sequences, their keys their own).
+
+        ``keep`` (B,) host indices into T (the last stage of a prefill: each row's last
+        token, all the head reads): the states at those alone, (B, 1, hidden). The last
+        layer then runs its attention, MLP and residual adds at them only; its keys and
+        values, which the cache keeps, at every position.
+
+        A prefill longer than ``prefill_chunk`` positions runs a chunk at a time
+        (``_prefill_in_chunks``); with device kernels, ``prefill_chunk`` is None: whole."""
+        if (cache is not None and rows.from_start and rows.context is None
+                and self.prefill_chunk is not None and x.shape[1] > self.prefill_chunk):
+            return self._prefill_in_chunks(x, rows, cache, keep)
+        return self._forward(x, rows, cache, keep)
+
+    def _prefill_in_chunks(self, x, rows: AttentionRows, cache, keep):
+        """``forward`` of a prefill of whole prompts, ``prefill_chunk`` positions at a time
+        through every layer, each chunk's attention reading the chunks before it from the
+        cache. Causal attention sees nothing later, so the states are the same; the
+        activations are one chunk's, not the prompt's, and stay in cache: long prefills run
+        faster and in less memory (vLLM's chunked prefill). Every row's chunk starts at
+        the same position; a row whose prompt ended before it has padding queries only."""
+        xp = self.xp
+        B, T = x.shape[:2]
+        lengths = host_array(rows.q_lengths).astype(np.int64)
+        out = None
+        for c0 in range(0, T, self.prefill_chunk):
+            c1 = min(c0 + self.prefill_chunk, T)
+            queries = np.clip(lengths - c0, 0, c1 - c0)
+            part = AttentionRows.build(xp, queries, c0 + queries, from_start=c0 == 0)
+            if keep is None:
+                y = self._forward(x[:, c0:c1], part, cache)
+                out = xp.empty((B, T) + y.shape[2:], dtype=y.dtype) if out is None else out
+                out[:, c0:c1] = y
+                continue
+            y = self._forward(x[:, c0:c1], part, cache, np.clip(keep - c0, 0, c1 - c0 - 1))
+            out = xp.zeros_like(y) if out is None else out
+            here = np.flatnonzero((keep >= c0) & (keep < c1))
+            if len(here):
+                out[xp.asarray(here)] = y[xp.asarray(here)]
+        return out
+
+    def _forward(self, x, rows: AttentionRows, cache: KVCache | None, keep=None):
+        cos, sin = self.positions(rows, x.shape[1])
+        pending = None
+        last = len(self.decoder) - 1
+        for i, layer in enumerate(self.decoder):
+            x, pending, _ = layer.forward(x, pending, cos, sin, rows, cache, i,
+                                          keep=keep if i == last else None)
+        if keep is not None and last < 0:
+            x = at_positions(self.xp, x, keep)
+        return x + pending if pending is not None else x
+
+    def final_hidden(self, x):
+        """The final norm of x (B, T, hidden): what the head reads (last stage)."""
+        return self.norm.forward(x)[0]
+
+    def logits(self, x):
+        """(B, T, hidden) -> this rank's (B, T, vocab_per_partition) float32 logits (last)."""
+        return self.head.local_logits(self.final_hidden(x))

@@ -1,0 +1,60 @@
+"""The per-device math of the layers and models, one operation per module, each written once.
+
+Every op is a class whose methods are the NumPy reference (they run on any array module:
+NumPy, the strict test backend, CuPy); a device subclass in ``ops/cuda/`` overrides the
+methods it has a kernel for. ``ops_for(backend)`` picks the classes once, when the backend is
+chosen, as vLLM's ``CustomOp`` picks ``forward_native`` or ``forward_cuda``: the model code
+calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
+
+    linear       Y = X W^T, one 2-D GEMM over the flattened rows (weights stored [in, out])
+    rms_norm     y = w * x / rms(x), with the residual add fused in front, and its backward
+    rotary       rope on q and k together, and its backward
+    swiglu       silu(gate) * up, and its backward
+    geglu        gelu_tanh(gate) * up, and its backward (Gemma)
+    attention    causal GQA softmax attention over per-row lengths (prefill, decode over a
+                 KV cache, training with backward): in tiles with an online softmax, or
+                 a whole sequence's with its shift known up front (``tiled_attention``);
+                 the full-matrix version stays as the reference
+    embedding    the vocab-parallel lookup and its scatter backward
+    kv_write     a step's keys and values into the KV cache, each row at its own slots
+    cross_entropy  the vocab-parallel cross-entropy's local pieces, and its backward
+    top_k        the vocab-parallel sampling reductions: local candidates, and their merge
+"""
+
+from __future__ import annotations
+
+from .attention import Attention, AttentionRows
+from .cross_entropy import CrossEntropy
+from .embedding import embedding_lookup
+from .kv_write import KVWrite
+from .linear import Linear, linear, linear_input_grad
+from .rms_norm import RMSNorm
+from .rotary import Rotary
+from .swiglu import SwiGLU
+from .geglu import GeGLU
+from .top_k import TopK
+from .table import Ops, native_ops
+
+
+def ops_for(backend, cp=None) -> Ops:
+    """NumPy references everywhere, except on a CUDA backend, where each op that has a kernel
+    in ``ops/cuda`` runs it (``HPCPAR_OPS=native`` keeps the references there, for checks).
+    With a context-parallel group ``cp`` (a ``Communicator`` of more than one rank) attention
+    is ring attention over it (``parallel.context``), its tiles the NumPy reference's."""
+    from dataclasses import replace
+
+    from ..environment import environment_value
+    xp = backend.xp
+    if cp is not None and cp.size > 1:
+        from ..context import RingAttention
+        from .tiled_attention import TiledAttention
+        return replace(ops_for(backend), attention=RingAttention(TiledAttention(xp), cp))
+    if backend.is_gpu and environment_value("HPCPAR_OPS") != "native":
+        from .cuda import cuda_ops
+        return cuda_ops(xp)
+    return native_ops(xp)
+
+
+__all__ = ["Attention", "AttentionRows", "CrossEntropy", "GeGLU", "KVWrite", "Linear", "Ops",
+           "RMSNorm", "Rotary", "SwiGLU", "TopK", "embedding_lookup", "linear", "linear_input_grad", "native_ops",
+           "ops_for"]
