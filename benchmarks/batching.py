@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     comm = MPI.COMM_WORLD
     rank0 = comm.Get_rank() == 0
     from hpcpar.checkpoint import open_checkpoint
-    from hpcpar.jobs.generate.setup import resolve_checkpoint
+    from hpcpar.jobs.runtime import resolve_checkpoint
     checkpoint = str(resolve_checkpoint(comm, args.checkpoint))
     vocab = open_checkpoint(checkpoint).config.vocab_size
     prompts = mix(args.prompts, vocab, args.max_new, args.seed)

@@ -109,7 +109,7 @@ def main():
                 rows.append((n, f"{n} rank(s) pp {pp} tp {tp}",
                              run_hpcpar(mpiexec, n, pp, tp, args.micro_batches, work)))
         base = rows[0][2]
-        from hpcpar.jobs.generate.setup import cache_dir
+        from hpcpar.jobs.runtime import cache_dir
         from hpcpar.jobs.generate.prompts import random_prompts
         from hpcpar.checkpoint import open_checkpoint
         ckpt_path = cache_dir() / f"{args.preset}-seed0.h5"

@@ -72,7 +72,7 @@ def run_hpcpar(mpiexec, n, flags, args, work: Path) -> dict:
 
 
 def run_torch(args, samples: np.ndarray):
-    from hpcpar.jobs.generate.setup import cache_dir
+    from hpcpar.jobs.runtime import cache_dir
     model = transformers_llama(cache_dir() / f"{args.preset}-seed0.h5", threads=1)
     if model is None:
         return None
@@ -115,7 +115,7 @@ def main():
         rows = [(name, run_hpcpar(mpiexec, n, flags, args, Path(tmp)))
                 for name, (n, flags) in RUNS.items() if n in ranks]
         from hpcpar.checkpoint import open_checkpoint
-        from hpcpar.jobs.generate.setup import cache_dir
+        from hpcpar.jobs.runtime import cache_dir
         from hpcpar.jobs.train.data import synthetic_samples
         cfg = open_checkpoint(cache_dir() / f"{args.preset}-seed0.h5").config
         # the same samples hpcpar reads (L + 1 tokens: L inputs, L labels)

@@ -179,16 +179,20 @@ def _train_flags(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..parallel.backend import BACKENDS
-    from ..checkpoint import PRESETS
-    from ..parallel.comm import COMM_KINDS
-    from ..parallel.dtypes import FLOAT_DTYPES
-
-    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma models across "
-                                            "ranks with MPI.")
+    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma "
+                                            "models across ranks with MPI.")
     p.add_argument("--version", action="version", version=f"hpcpar {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    for command in (_demo_command, _run_command, _generate_command, _score_command,
+                    _train_command, _submit_command, _plan_command, _convert_command,
+                    _init_command):
+        command(sub)
+    return p
 
+
+def _demo_command(sub) -> None:
+    from ..parallel.backend import BACKENDS
+    from ..parallel.comm import COMM_KINDS
     demo = sub.add_parser("demo", help="the built-in demo job (the default command)")
     demo.add_argument("--checkpoint", help="checkpoint (default: a cached random tiny model)")
     for axis in ("dp", "pp", "tp"):
@@ -197,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--comm", choices=COMM_KINDS, default="auto",
                       help="tensor-parallel communicator")
 
+
+def _run_command(sub) -> None:
     run = sub.add_parser("run", help="run a job file (TOML)")
     run.add_argument("job", type=Path)
     run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -205,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         "output: OUT.h5 or OUT.jsonl (generation), OUT.h5 (scoring), a folder (training)"))
     _train_flags(run)
 
+
+def _generate_command(sub) -> None:
     gen = sub.add_parser("generate", help="batch generation from prompts")
     gen.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     _job_flags(gen, required=True, out_help=(
@@ -212,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--resume", choices=["auto"],
                      help="keep the prompts a stopped run with the same settings finished")
 
+
+def _score_command(sub) -> None:
+    from ..parallel.backend import BACKENDS
+    from ..parallel.comm import COMM_KINDS
     score = sub.add_parser("score", help="log-probabilities of given token sequences")
     score.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     score.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
@@ -226,7 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     score.add_argument("--backend", choices=BACKENDS)
     score.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
 
-    from ..parallel.backend import BACKENDS as _backends
+
+def _train_command(sub) -> None:
+    from ..parallel.backend import BACKENDS
+    from ..parallel.comm import COMM_KINDS
     train = sub.add_parser("train", help="train from a checkpoint on token data")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     train.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
@@ -237,9 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, help="shuffle seed")
     train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                        help="compute dtype over float32 master weights (default float32)")
-    train.add_argument("--backend", choices=_backends)
+    train.add_argument("--backend", choices=BACKENDS)
     train.add_argument("--comm", choices=COMM_KINDS, help="tp and dp communicator")
 
+
+def _submit_command(sub) -> None:
     sub_ = sub.add_parser("submit", help="queue a job file on Slurm (sbatch), one rank per GPU")
     sub_.add_argument("job", type=Path)
     sub_.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -257,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="srun --mpi=pmi2 (mpich wheel), srun --mpi=pmix, or the site mpirun")
     sub_.add_argument("--dry-run", action="store_true", help="print the script, queue nothing")
 
+
+def _plan_command(sub) -> None:
+    from ..checkpoint import PRESETS
     plan = sub.add_parser("plan", help="memory, communication and bubble of a layout (no MPI)")
     plan.add_argument("job", nargs="?", type=Path, help="job file to plan (optional)")
     plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -280,19 +300,25 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--recompute", choices=["none", "full"])
     plan.add_argument("--zero", type=int, choices=[0, 1])
 
+
+def _convert_command(sub) -> None:
+    from ..parallel.dtypes import FLOAT_DTYPES
     conv = sub.add_parser("convert", help="Hugging Face folder -> HDF5 checkpoint")
     conv.add_argument("hf_dir", type=Path)
     conv.add_argument("out", type=Path)
     conv.add_argument("--dtype", choices=[d for d in FLOAT_DTYPES if d != "float64"],
                       help="storage dtype (default: the weights' own)")
 
+
+def _init_command(sub) -> None:
+    from ..checkpoint import PRESETS
+    from ..parallel.dtypes import FLOAT_DTYPES
     init = sub.add_parser("init", help="random weights for a named model shape")
     init.add_argument("--preset", required=True, choices=sorted(PRESETS))
     init.add_argument("out", type=Path)
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--dtype", choices=[d for d in FLOAT_DTYPES if d != "float64"],
                       default="float32")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -447,10 +473,7 @@ def _plan_text(args) -> str:
     layout.check(cfg, world_size)
     if training:
         from .plan import format_train_plan
-        tr = job.train
-        return format_train_plan(cfg, layout, par.virtual_stages, tr.global_batch,
-                                 tr.seq_len or 64, tr.optimizer, tr.recompute == "full", name,
-                                 tr.zero)
+        return format_train_plan(cfg, layout, par.virtual_stages, job.train, name)
     if layout.cp > 1:
         raise HpcparError(f"cp {layout.cp}: plan counts a cp split for training (--train); "
                           "its generation plan (weights, KV cache) does not split over cp yet")

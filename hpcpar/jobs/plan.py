@@ -13,6 +13,7 @@ import numpy as np
 
 from ..models.config import ModelConfig
 
+from .job import TrainSection
 from .layout import ParallelConfig
 from ..models.kv_cache import kv_cache_bytes
 from ..parallel.context import ContextShard
@@ -94,20 +95,19 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+PLAN_SEQ_LEN = 64          # the tokens per sample a training plan assumes when none is given
+
+
 def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: int,
-                      global_batch: int, seq_len: int, optimizer: str, recompute: bool,
-                      model_name: str, zero: int = 0) -> str:
+                      train: TrainSection, model_name: str) -> str:
     """Training: per stage, parameters, weights + gradients + optimizer state (split over dp
     with ZeRO-1), activations of one micro-batch and at the schedule's peak; the bubble and
     the drawn schedule."""
     from ..parallel.pipeline.training_schedules import (bubble_formula, micro_batch_problems,
-                                              peak_activations_formula, training_schedule)
-    from .train.setup import chunk_layers
-    from .train.memory import activation_bytes, state_bytes
-
+                                                        training_schedule)
     p, M, V = layout.pp, layout.micro_batches, virtual_stages
-    kind = layout.schedule
-    rows = global_batch // (layout.dp * M)
+    kind, seq_len = layout.schedule, train.seq_len or PLAN_SEQ_LEN
+    rows = train.global_batch // (layout.dp * M)
     # under context parallelism a rank keeps the activations of its own positions, and the
     # optimizer state is split over dp x cp (the ranks that hold the same weights)
     here = ContextShard(seq_len, layout.cp, 0).max_local if layout.cp > 1 else seq_len
@@ -119,32 +119,13 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         f"{kind} with {M} micro-batch(es) of {rows} x {seq_len} tokens per replica"
         + (f" ({here} positions per rank of cp {layout.cp})" if layout.cp > 1 else "")
         + (f", {V} chunks per stage" if V > 1 else "")
-        + f"; {optimizer}; recompute {'full' if recompute else 'none'}"
-        + (f"; ZeRO-1 over dp x cp {holders}" if zero and holders > 1 else ""),
+        + f"; {train.optimizer}; recompute {'full' if train.recompute == 'full' else 'none'}"
+        + (f"; ZeRO-1 over dp x cp {holders}" if train.zero and holders > 1 else ""),
         "",
         f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
         f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
     ]
-    for s in range(p):
-        chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
-        count, act = 0, 0
-        for c, layers in enumerate(chunks):
-            v = c * p + s
-            first, last = v == 0, v == p * V - 1
-            count += sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
-                         for spec in stage_tensors(cfg, layers, first, last))
-            act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
-                                    recompute)
-        per_mb = act // len(chunks)
-        peak = peak_activations_formula(kind, p, M, s, V) * per_mb
-        st = state_bytes(count, optimizer)
-        if zero:
-            st["optimizer"] = -(-st["optimizer"] // holders)
-        span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
-        lines.append(f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
-                     f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "
-                     f"{_size(per_mb):>17} {_size(peak):>10} "
-                     f"{_size(sum(st.values()) + peak):>10}")
+    lines += [_train_stage_row(cfg, layout, V, s, train, rows, here) for s in range(p)]
     problems = micro_batch_problems(kind, p, M, V)
     if problems:
         return "\n".join(lines + ["", "cannot run: " + "; ".join(problems)])
@@ -157,3 +138,33 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         draw(training_schedule(kind, p, M, V)),
     ]
     return "\n".join(lines)
+
+
+def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
+                     train: TrainSection, rows: int, here: int) -> str:
+    """Stage ``s``'s line of the training plan."""
+    from ..parallel.pipeline.training_schedules import peak_activations_formula
+    from .train.memory import activation_bytes, state_bytes
+    from .train.setup import chunk_layers
+    p, M, kind = layout.pp, layout.micro_batches, layout.schedule
+    chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
+    count, act = 0, 0
+    for c, layers in enumerate(chunks):
+        v = c * p + s
+        first, last = v == 0, v == p * V - 1
+        count += sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
+                     for spec in stage_tensors(cfg, layers, first, last))
+        act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
+                                train.recompute == "full")
+    per_mb = act // len(chunks)
+    peak = peak_activations_formula(kind, p, M, s, V) * per_mb
+    st = state_bytes(count, train.optimizer)
+    if train.zero:
+        st["optimizer"] = -(-st["optimizer"] // (layout.dp * layout.cp))
+    span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
+    return (f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
+            f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "
+            f"{_size(per_mb):>17} {_size(peak):>10} "
+            f"{_size(sum(st.values()) + peak):>10}")
+
+

@@ -1,5 +1,6 @@
 """What every job sets up on every rank before its first step, written once for generation,
-scoring and training: the mesh, the device, the communicators and the watchdog's board.
+scoring and training: its checkpoint (a file, or a preset's random model in the cache folder),
+the mesh, the device, the communicators and the watchdog's board.
 
 The tensor-parallel and data-parallel groups use the job's communicator choice (MPI or
 NCCL); pipeline and context-parallel (ring) messages stay on MPI (NCCL point-to-point on one
@@ -11,18 +12,46 @@ tokens.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from ..parallel.backend import NUMPY, ArrayBackend, select_backend
 from ..parallel.comm import CommStats, Communicator, create_communicator
 from .layout import ParallelConfig
-from .job import Job
-from .launch import everyone, local_rank, set_board, set_location
+from ..checkpoint import init_checkpoint
+from .job import PRESET_PREFIX, Job
+from .launch import everyone, local_rank, phase, set_board, set_location
+from .settings import environment_value
 from ..parallel.mesh import Mesh
 from .layout import describe_rank, grad_axes, job_mesh
 from .watchdog import ActionBoard
+
+
+def cache_dir() -> Path:
+    root = environment_value("HPCPAR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcpar")
+    return Path(root)
+
+
+def resolve_checkpoint(comm, spec: str) -> Path:
+    """The checkpoint file for ``spec``: a path, or ``preset:NAME`` for a random model of that
+    preset kept in the cache folder (rank 0 creates it on first use). Collective."""
+    if not spec.startswith(PRESET_PREFIX):
+        return Path(spec)
+    name = spec[len(PRESET_PREFIX):]
+    path = cache_dir() / f"{name}-seed0.h5"
+
+    def create():
+        if comm.Get_rank() == 0 and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            init_checkpoint(path, name, seed=0)
+
+    with phase(f"creating the {name} checkpoint in {path.parent}"):
+        everyone(comm, create)
+    return path
 
 
 @dataclass

@@ -25,7 +25,6 @@ micro-batch are the ones static batching gives it, in the same rows of the outpu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -37,9 +36,8 @@ from ...parallel.context import SplitKV, split_batch
 from ...parallel.pipeline.schedule import Action, Op
 from .schedule import generation
 from .batching import MicroBatch
-from .program import GenerationSettings, ReplicaProgram
-from .sampling import PromptSampling, next_tokens
-from .stopping import StopStrings
+from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
+from .sampling import next_tokens
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
@@ -70,15 +68,12 @@ class ContinuousProgram(ReplicaProgram):
     results (``tokens``, ``lengths``, ``done``) are in the replica's row order, as
     ``GenerationProgram``'s are."""
 
-    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
-                 eos_ids: tuple[int, ...], pad_id: int, backend, batch_size: int,
-                 steps: int, limits: np.ndarray | None = None,
-                 on_rows: Callable[[int, int], None] | None = None,
-                 stop_requested: Callable[[], bool] | None = None,
-                 sampling: PromptSampling | None = None, stops: StopStrings | None = None,
-                 cp=None):
-        super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
-                         stop_requested, sampling, stops, cp)
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], rules: RowRules, backend,
+                 batch_size: int, steps: int, events: WaveEvents | None = None, cp=None):
+        """``batch_size``: the rows in flight per micro-batch; ``steps``: decode steps per
+        segment (``ReplicaProgram`` says what the other arguments are)."""
+        super().__init__(stage, mbs, rules, backend, events, cp)
+        pad_id = rules.pad_id
         self.steps = steps
         rows = len(self.done)
         self.prompt_ids = [mb.ids[j, :mb.lengths[j]] for mb in mbs for j in range(mb.size)]
@@ -280,8 +275,8 @@ class ContinuousProgram(ReplicaProgram):
                 self.done[p] = True
                 self.lengths[p] = k + 1
                 finished += 1
-        if self.on_rows is not None:
-            self.on_rows(finished, len(producing))
+        if self.events is not None:
+            self.events.rows(finished, len(producing))
 
     def finish(self) -> None:
         """Per micro-batch prompt logits, in the static layout ``_collect`` sends."""

@@ -1,8 +1,9 @@
-"""A generation job from start to end, on every rank of ``comm``.
+"""A generation job from start to end, on every rank of ``comm``, on the job skeleton.
 
     validate (agreed by every rank) -> mesh and communicators -> load this rank's slices
-    -> split prompts over replicas and micro-batches -> pre-flight check of the schedule
-    -> run the pipeline -> collect tokens (and logits) on rank 0 -> report -> write output
+    -> for each wave: split its prompts over replicas and micro-batches -> pre-flight check
+    of the schedule -> run the pipeline -> finished rows to rank 0 and the output as they
+    finish -> collect on rank 0 -> report -> write output
 """
 
 from __future__ import annotations
@@ -17,32 +18,30 @@ from time import perf_counter
 
 import numpy as np
 
-from ... import __version__
-from ...checkpoint import Checkpoint, open_checkpoint
-from ..layout import ParallelConfig
+from ...checkpoint import Checkpoint
+from ...checkpoint.files import check_output
+from ...models.chat import ChatTemplate
 from ...parallel.dtypes import dtype_name, float_dtype
 from ...parallel.errors import HpcparError
-from ..job import Job
-from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase,
-                      print_error, set_timeout)
-from ..faults import fault_point
-from ...checkpoint.files import check_output
-from ..outputs import claimed
-from ..replicas import owners
 from ...parallel.pipeline.executor import PipelineExecutor
-from .schedule import generation
+from ..faults import fault_point
+from ..job import Job
+from ..launch import EXIT_INVALID, JobFailed, everyone, phase, print_error
+from ..layout import ParallelConfig
+from ..replicas import owners
+from ..skeleton import JobRun
 from .batching import micro_batches, replica_rows
-from .output import JsonLines, PartialOutput, RunShape, unpad_into
-from .stopping import StopStrings, decode_rows, finish_reasons
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
-from .program import GenerationProgram, GenerationSettings, any_rank
-from .setup import eos_ids, load_tokenizer, open_stage, resolve_checkpoint
-from .stream import FinishedRows, save_interval
+from .output import JsonLines, PartialOutput, RunShape, unpad_into
+from .program import GenerationProgram, GenerationSettings, RowRules, any_rank
 from .progress import Progress
-from ...models.chat import ChatTemplate
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .report import RankFigures, RunReport
 from .sampling import PromptSampling, SamplingParams
+from .schedule import generation
+from .setup import eos_ids, load_tokenizer, open_stage
+from .stopping import StopStrings, decode_rows, finish_reasons
+from .stream import FinishedRows, save_interval
 
 TAG_LOGITS = 13
 
@@ -104,15 +103,7 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
     source = job.data.prompts
     from_file = prompts is None and source != "random"
     if prompts is None:
-        if source == "random":
-            lengths = job.data.random_lengths
-            if len(lengths) != 2:
-                raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")
-            prompts = random_prompts(job.data.random_count, (lengths[0], lengths[1]),
-                                     cfg.vocab_size, job.data.random_seed)
-        else:
-            prompts = load_prompts(source, tokenizer,
-                                   ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path))
+        prompts = _job_prompts(job, ckpt, tokenizer)
     check_prompts(prompts, cfg, settings.max_new_tokens, source)
     if job.output.path:
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
@@ -137,138 +128,248 @@ def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | No
                  prompts.limits(settings.max_new_tokens), per_prompt, eos_ids(ckpt), stops)
 
 
+def _job_prompts(job: Job, ckpt: Checkpoint, tokenizer) -> Prompts:
+    """The prompts the job's ``[data]`` names: random ones, or a file's."""
+    source = job.data.prompts
+    if source != "random":
+        return load_prompts(source, tokenizer,
+                            ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path))
+    lengths = job.data.random_lengths
+    if len(lengths) != 2:
+        raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")
+    return random_prompts(job.data.random_count, (lengths[0], lengths[1]),
+                          ckpt.config.vocab_size, job.data.random_seed)
+
+
+class GenerationRun(JobRun):
+    """Generation on the job skeleton: the prompts not finished yet, in waves; finished rows
+    reach rank 0 and the output as they finish. A stop request ends the current wave at the
+    first stages' next forward; the finished prompts are saved, and the job exits 3."""
+
+    kind, verb = "generating", "generate"
+
+    def __init__(self, comm, job: Job, prompts: Prompts | None = None, progress: bool = True):
+        super().__init__(comm, job)
+        self.prompts, self.progress = prompts, progress
+        self.out = None                 # the output file, on rank 0 (None: no --out)
+        self.totals, self.micro = None, 0
+
+    def validate(self) -> _Plan:
+        return _validate(self.job, self.ckpt, self.size, self.prompts)
+
+    def open(self) -> None:
+        self.ranks = open_stage(self.comm, self.job, self.plan.layout, self.ckpt,
+                                self.plan.dtype)
+
+    # ---- work: the waves ---------------------------------------------------------------
+
+    def work(self) -> None:
+        plan, cfg, world = self.plan, self.ckpt.config, self.ranks.world
+        eos = plan.eos
+        self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
+        n_prompts, max_new = len(plan.prompts), plan.settings.max_new_tokens
+        with phase("opening the output file"):
+            everyone(self.comm, self._open_output)
+        self.done = np.zeros(n_prompts, dtype=np.int64)    # prompts a stopped run finished
+        if self.out is not None:
+            self.done[:] = self.out.done
+        world.broadcast(self.done)
+        self.todo = waves_of(np.flatnonzero(self.done == 0), self.job.generate.wave_size)
+        if self.rank == 0 and self.progress and self.todo:
+            total = sum(map(len, self.todo))
+            share = sum(len(_wave_rows(w, plan.layout.dp, 0)) for w in self.todo) / total
+            self.bar = Progress(total, share)
+        self.tokens = np.full((n_prompts, max_new), self.pad_id, dtype=np.int64)
+        self.lengths = np.zeros(n_prompts, dtype=np.int64)
+        self.logits = None
+        if self.rank == 0 and plan.settings.save_logits and self.out is None:   # in memory
+            self.logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size),
+                                  np.nan, dtype=np.float32)
+        # finished rows reach rank 0 and the file as they finish; with prompt logits,
+        # the file once those are written (at the end of a wave, or of a stopped run)
+        self.live = bool(self.job.output.path) and not plan.settings.save_logits
+        for i, wave in enumerate(self.todo):
+            self._wave_and_verdict(wave, last=i == len(self.todo) - 1)
+        self.close_bar()
+
+    def _open_output(self) -> None:
+        job, plan = self.job, self.plan
+        if self.rank != 0 or not job.output.path:
+            return
+        shape = RunShape(_fingerprint(job, self.ckpt, plan), plan.settings.max_new_tokens,
+                         np.asarray(plan.prompts.lengths, np.int64), plan.limits,
+                         self.ckpt.config.vocab_size, plan.settings.save_logits)
+        lines = None
+        if Path(job.output.path).suffix.lower() == ".jsonl":
+            lines = JsonLines(Path(job.output.path), partial(_describe, plan))
+        self.out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
+
+    def _received(self, rows, row_tokens, row_lengths) -> None:          # rank 0
+        self.tokens[rows], self.lengths[rows], self.done[rows] = row_tokens, row_lengths, 1
+        if self.live:
+            self.out.finish_rows(rows, row_tokens, row_lengths)
+            if self.out.failed:                 # end the wave soon; reported after it
+                self.stop.requested = True
+        if self.bar:
+            self.bar.rows_saved(len(rows))
+
+    def _wave_and_verdict(self, wave: np.ndarray, last: bool) -> None:
+        """Run ``wave``, save its finished rows, and agree on whether to go on: a failed
+        write ends the job (status 2), a stop with work left saves and exits 3."""
+        figures, micro = self._run_wave(wave)
+        self.micro = max(self.micro, micro)
+        self.totals = figures if self.totals is None else self.totals.combine(figures)
+        unfinished, out = 0, self.out
+        if self.rank == 0:
+            finished = self.done[wave] == 1
+            unfinished = int((~finished).sum())
+            if out is not None and not self.live and finished.any():
+                rows = wave[finished]
+                out.finish_rows(rows, self.tokens[rows], self.lengths[rows])
+        if self.bar:
+            self.bar.wave_done(len(wave) - unfinished)
+        failed = out is not None and out.failed is not None
+        with phase("agreeing whether to go on after the wave"):
+            flag = self.ranks.world.all_reduce(
+                np.array([int(self.stop.requested), unfinished, int(failed)], dtype=np.int64),
+                op="max")
+        if flag[2]:                                   # rank 0 could not write the output
+            self.close_bar()
+            if self.rank == 0:
+                print_error(str(out.failed))
+            raise JobFailed(EXIT_INVALID)
+        if flag[0] and (flag[1] or not last):
+            kept = ("saved; run again with --resume auto to finish the rest"
+                    if out is not None else "not saved (no --out)")
+            self.preempted(f"{self.stop.describe()}: {int(self.done.sum())} of "
+                           f"{len(self.plan.prompts)} prompts are finished and {kept}")
+
+    def _run_wave(self, wave: np.ndarray) -> tuple[RankFigures, int]:
+        """Generate for the prompts of ``wave``; returns this rank's figures and the
+        micro-batches a replica ran, once every replica has finished. Finished rows go to
+        ``_received`` on rank 0 (about every second, and all by the end; a stop request ends
+        the wave early: the rows not finished by then are not). Prompt logits go
+        micro-batch by micro-batch to the output file, or into ``logits`` (rank 0)."""
+        ranks, plan = self.ranks, self.plan
+        world, backend = ranks.world, ranks.backend
+        program, actions, mbs = self._wave_program(wave)
+        executor = PipelineExecutor(ranks.pp, ranks.mesh.coord("pp"), program, backend,
+                                    in_flight=len(mbs), board=ranks.board)
+        with phase("checking the pipeline schedule"):
+            everyone(self.comm, executor.preflight, actions)
+        world.barrier()
+        ranks.stats.reset()
+        start = perf_counter()
+        fault_point("prefill")
+        with phase("generating"):
+            executor.run(actions)
+            if isinstance(program, ContinuousProgram):
+                self._run_segments(program, executor)
+            backend.synchronize()
+        finished = perf_counter()
+        figures = _figures(executor, program, ranks.stats, ranks.stage, backend, start,
+                           finished)
+        self.stream.close()
+        with phase("collecting the outputs on rank 0"):
+            if plan.settings.save_logits:
+                _collect_logits(world, plan.layout, plan.prompts, wave, program, self.out,
+                                self.logits)
+        return figures, len(mbs)
+
+    def _wave_program(self, wave: np.ndarray):
+        """The wave's program (continuous or static batching), its first actions, its
+        micro-batches; ``self.stream`` carries finished rows to rank 0."""
+        ranks, plan, settings = self.ranks, self.plan, self.plan.settings
+        layout, stage, backend = plan.layout, ranks.stage, ranks.backend
+        rows = _wave_rows(wave, layout.dp, ranks.mesh.coord("dp"))
+        mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
+        rules = RowRules(settings, plan.eos, self.pad_id, plan.limits, plan.sampling,
+                         plan.stops)
+        if settings.batching == "continuous":
+            width = rows_in_flight(settings, stage, mbs, plan.limits, backend, ranks.world,
+                                   ranks.cp)
+            program = ContinuousProgram(stage, mbs, rules, backend, width,
+                                        segment_steps(layout.pp), self, ranks.cp)
+            actions = program.start_segment(ranks.pp.on_host())
+        else:
+            program = GenerationProgram(stage, mbs, rules, backend, self, ranks.cp)
+            actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)
+                       [ranks.mesh.coord("pp")] if mbs else [])
+        self.stream = FinishedRows(ranks.world, layout, ranks.board, program,
+                                   settings.max_new_tokens,
+                                   self._received if ranks.world.rank == 0 else None,
+                                   save_interval())
+        return program, actions, mbs
+
+    def rows(self, finished: int, tokens: int) -> None:
+        """After every step's tokens (``WaveEvents``): the progress, and finished rows on
+        their way to rank 0."""
+        if self.bar:
+            self.bar.rows(finished, tokens)
+        self.stream.pump()
+
+    def stop_requested(self) -> bool:
+        return self.stop.requested
+
+    def _run_segments(self, program: ContinuousProgram, executor: PipelineExecutor) -> None:
+        """Continuous batching's later segments, until every row is done or a stop."""
+        ranks = self.ranks
+        pp_host = ranks.pp.on_host()
+        groups = [g for g in (ranks.stage.tp, ranks.cp, pp_host) if g is not None]
+        while not any_rank(self.stop.requested, *groups):
+            actions = program.start_segment(pp_host)
+            if not actions:
+                break
+            executor.run(actions)
+        program.finish()
+
+    # ---- finish: collect, report, write ------------------------------------------------
+
+    def finish(self) -> GenerationResult | None:
+        ranks, plan, world = self.ranks, self.plan, self.ranks.world
+        with phase("collecting the outputs on rank 0"):
+            totals = replace(self.totals or RankFigures(), load_seconds=ranks.shard.seconds,
+                             load_bytes=ranks.shard.bytes_read)
+            table = world.gather(totals.to_array()[None], root=0)       # (ranks, figures)
+        result = self._result(table) if self.rank == 0 else None
+
+        def write():
+            if self.out is not None:
+                s = plan.settings
+                attrs = self.run_attrs(ranks.backend.name, ranks.tp.kind) | {
+                    "prompts": self.job.data.prompts, "max_new_tokens": s.max_new_tokens,
+                    "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
+                    "top_p": s.sampling.top_p, "seed": s.sampling.seed,
+                    "stop_at_eos": s.stop_at_eos}
+                self.out.complete(attrs | result.report.attrs(), result.texts,
+                                  result.finish_reasons)
+
+        with phase("writing the output file"):
+            everyone(self.comm, write)     # the other ranks wait for rank 0's verdict
+        ranks.close()
+        return result
+
+    def _result(self, table: np.ndarray) -> GenerationResult:
+        """Rank 0's result: every prompt's tokens (with those earlier runs finished, from
+        the output), texts, finish reasons and the run's report."""
+        plan, todo = self.plan, self.todo
+        tokens, lengths = (self.out.results() if self.out is not None
+                           else (self.tokens, self.lengths))
+        texts, stopped = decode_rows(plan.tokenizer, tokens, lengths, plan.stops)
+        ran = sum(len(w) for w in todo)
+        ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
+        new_tokens = int(sum(lengths[r] for w in todo for r in w))
+        report = RunReport.build(table, plan.layout, self.micro, ran, ran_tokens, new_tokens)
+        reasons = finish_reasons(tokens, lengths, plan.eos, plan.settings.stop_at_eos, stopped)
+        return GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, np.int64),
+                                self.logits, texts, report, reasons)
+
+
 def run_generation(comm, job: Job, prompts: Prompts | None = None,
                    progress: bool = True) -> GenerationResult | None:
     """Run ``job`` on every rank of ``comm``; returns the result on rank 0, None elsewhere.
     ``prompts`` replaces the job's ``[data]`` (for callers that hold them already)."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    path = resolve_checkpoint(comm, job.model.checkpoint)
-    ckpt = everyone(comm, open_checkpoint, path)
-    cfg = ckpt.config
-    plan = everyone(comm, _validate, job, ckpt, size, prompts)
-    layout, settings = plan.layout, plan.settings
-    set_timeout(job.parallel.timeout)
-    with claimed(comm, job.output.path):   # one writer; the lock goes with the job
-        ranks = open_stage(comm, job, layout, ckpt, plan.dtype)
-        mesh, backend, stats, tp, pp = (ranks.mesh, ranks.backend, ranks.stats, ranks.tp,
-                                        ranks.pp)
-        world, board, stage, shard = ranks.world, ranks.board, ranks.stage, ranks.shard
-        # from here a SIGTERM / SIGUSR1 asks to stop: the first stages retire every
-        # micro-batch at their next forward, the finished prompts are saved, exit 3
-        with StopRequest() as stop:
-            eos = plan.eos
-            pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-            n_prompts = len(plan.prompts)
-            out = None
-
-            def open_output():
-                nonlocal out
-                if rank == 0 and job.output.path:
-                    shape = RunShape(_fingerprint(job, ckpt, plan), settings.max_new_tokens,
-                                     np.asarray(plan.prompts.lengths, np.int64), plan.limits,
-                                     cfg.vocab_size, settings.save_logits)
-                    lines = None
-                    if Path(job.output.path).suffix.lower() == ".jsonl":
-                        lines = JsonLines(Path(job.output.path), partial(_describe, plan))
-                    out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
-
-            with phase("opening the output file"):
-                everyone(comm, open_output)
-            done = np.zeros(n_prompts, dtype=np.int64)          # prompts a stopped run finished
-            if out is not None:
-                done[:] = out.done
-            world.broadcast(done)
-            todo = waves_of(np.flatnonzero(done == 0), job.generate.wave_size)
-            bar = None
-            if rank == 0 and progress and todo:
-                share = sum(len(_wave_rows(w, layout.dp, 0)) for w in todo) / sum(map(len, todo))
-                bar = Progress(sum(map(len, todo)), share)
-            tokens = np.full((n_prompts, settings.max_new_tokens), pad_id, dtype=np.int64)
-            lengths = np.zeros(n_prompts, dtype=np.int64)
-            logits = None
-            if rank == 0 and settings.save_logits and out is None:   # no file: held in memory
-                logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size), np.nan,
-                                 dtype=np.float32)
-            # finished rows reach rank 0 and the file as they finish; with prompt logits,
-            # the file once those are written (at the end of a wave, or of a stopped run)
-            live = bool(job.output.path) and not settings.save_logits
-
-            def received(rows, row_tokens, row_lengths):          # rank 0
-                tokens[rows], lengths[rows], done[rows] = row_tokens, row_lengths, 1
-                if live:
-                    out.finish_rows(rows, row_tokens, row_lengths)
-                    if out.failed:             # end the wave soon; reported after it
-                        stop.requested = True
-                if bar:
-                    bar.rows_saved(len(rows))
-
-            totals = None
-            micro = 0
-            for i, wave in enumerate(todo):
-                figures, micro_w = _run_wave(
-                    comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-                    backend, pp, stats, bar, out, logits, board, stop, received, ranks.cp)
-                micro = max(micro, micro_w)
-                totals = figures if totals is None else totals.combine(figures)
-                unfinished = 0
-                if rank == 0:
-                    finished = done[wave] == 1
-                    unfinished = int((~finished).sum())
-                    if out is not None and not live and finished.any():
-                        rows = wave[finished]
-                        out.finish_rows(rows, tokens[rows], lengths[rows])
-                if bar:
-                    bar.wave_done(len(wave) - unfinished)
-                failed = out is not None and out.failed is not None
-                with phase("agreeing whether to go on after the wave"):
-                    flag = world.all_reduce(np.array([int(stop.requested), unfinished,
-                                                      int(failed)], dtype=np.int64), op="max")
-                if flag[2]:                               # rank 0 could not write the output
-                    if bar:
-                        bar.close()
-                    if rank == 0:
-                        print_error(str(out.failed))
-                    raise JobFailed(EXIT_INVALID)
-                if flag[0] and (flag[1] or i < len(todo) - 1):
-                    if bar:
-                        bar.close()
-                    if rank == 0:
-                        kept = ("saved; run again with --resume auto to finish the rest"
-                                if out is not None else "not saved (no --out)")
-                        print(f"{stop.describe()}: {int(done.sum())} of "
-                              f"{n_prompts} prompts are finished and {kept}", flush=True)
-                    raise JobFailed(EXIT_PREEMPTED)
-        if bar:
-            bar.close()
-
-        with phase("collecting the outputs on rank 0"):
-            totals = replace(totals or RankFigures(), load_seconds=shard.seconds,
-                             load_bytes=shard.bytes_read)
-            table = world.gather(totals.to_array()[None], root=0)       # (ranks, figures)
-        result = None
-        if rank == 0:
-            if out is not None:      # with the prompts earlier runs finished
-                tokens, lengths = out.results()
-            texts, stopped = decode_rows(plan.tokenizer, tokens, lengths, plan.stops)
-            ran = sum(len(w) for w in todo)
-            ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
-            new_tokens = int(sum(lengths[r] for w in todo for r in w))
-            report = RunReport.build(table, layout, micro, ran, ran_tokens, new_tokens)
-            reasons = finish_reasons(tokens, lengths, plan.eos, settings.stop_at_eos, stopped)
-            result = GenerationResult(tokens, lengths,
-                                      np.asarray(plan.prompts.lengths, dtype=np.int64), logits,
-                                      texts, report, reasons)
-
-        def write():
-            if out is not None:
-                attrs = _run_attrs(job, ckpt, layout, plan, backend.name, tp.kind)
-                out.complete(attrs | result.report.attrs(), result.texts,
-                             result.finish_reasons)
-
-        with phase("writing the output file"):
-            everyone(comm, write)     # the other ranks wait for rank 0's verdict
-        ranks.close()
-        return result
+    return GenerationRun(comm, job, prompts, progress).run()
 
 
 def waves_of(prompts: np.ndarray, wave_size: int) -> list[np.ndarray]:
@@ -281,69 +382,6 @@ def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
     """The global prompt ids replica ``dp_rank`` runs in ``wave``."""
     replica = replica_rows(len(wave), dp, dp_rank)
     return wave[replica.start:replica.stop]
-
-
-def _run_wave(comm, world, mesh, layout, stage, plan, settings, wave, eos, pad_id,
-              backend, pp, stats, bar, out, logits, board, stop, received, cp):
-    """Generate for the prompts of ``wave``; returns this rank's figures and the
-    micro-batches a replica ran, once every replica has finished. Finished rows go to
-    ``received`` on rank 0 (about every second, and all by the end; a stop request ends the
-    wave early: the rows not finished by then are not). Prompt logits go micro-batch by
-    micro-batch to the output file, or into ``logits`` (rank 0). ``cp``: the context-parallel
-    group, or None."""
-    rows = _wave_rows(wave, layout.dp, mesh.coord("dp"))
-    mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
-    limits, sampling = plan.limits, plan.sampling
-
-    def on_rows(finished: int, tokens: int) -> None:       # after every step's tokens
-        if bar:
-            bar.rows(finished, tokens)
-        stream.pump()
-
-    continuous = settings.batching == "continuous"
-    if continuous:
-        width = rows_in_flight(settings, stage, mbs, limits, backend, world, cp)
-        program = ContinuousProgram(stage, mbs, settings, eos, pad_id, backend, width,
-                                    segment_steps(layout.pp), limits, on_rows,
-                                    stop_requested=lambda: stop.requested, sampling=sampling,
-                                    stops=plan.stops, cp=cp)
-        pp_host = pp.on_host()
-        actions = program.start_segment(pp_host)
-    else:
-        program = GenerationProgram(stage, mbs, settings, eos, pad_id, backend,
-                                    on_rows=on_rows, limits=limits,
-                                    stop_requested=lambda: stop.requested, sampling=sampling,
-                                    stops=plan.stops, cp=cp)
-        actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)[mesh.coord("pp")]
-                   if mbs else [])
-    stream = FinishedRows(world, layout, board, program, settings.max_new_tokens,
-                          received if world.rank == 0 else None, save_interval())
-    executor = PipelineExecutor(pp, mesh.coord("pp"), program, backend, in_flight=len(mbs),
-                                board=board)
-    with phase("checking the pipeline schedule"):
-        everyone(comm, executor.preflight, actions)
-    world.barrier()
-    stats.reset()
-    start = perf_counter()
-    fault_point("prefill")
-    with phase("generating"):
-        executor.run(actions)
-        if continuous:
-            groups = [g for g in (stage.tp, cp, pp_host) if g is not None]
-            while not any_rank(stop.requested, *groups):
-                actions = program.start_segment(pp_host)
-                if not actions:
-                    break
-                executor.run(actions)
-            program.finish()
-        backend.synchronize()
-    finished = perf_counter()
-    figures = _figures(executor, program, stats, stage, backend, start, finished)
-    stream.close()
-    with phase("collecting the outputs on rank 0"):
-        if settings.save_logits:
-            _collect_logits(world, layout, plan.prompts, wave, program, out, logits)
-    return figures, len(mbs)
 
 
 def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> dict:
@@ -429,16 +467,3 @@ def _prompt_logits(program: GenerationProgram, mb) -> np.ndarray:
     if full is None:
         full = np.full((mb.size, mb.length, program.stage.cfg.vocab_size), np.nan, np.float32)
     return full
-
-
-def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, backend: str,
-               comm_kind: str) -> dict:
-    s = plan.settings
-    return {
-        "hpcpar_version": __version__, "checkpoint": str(ckpt.path),
-        "prompts": job.data.prompts, "dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
-        "micro_batches": layout.micro_batches, "max_new_tokens": s.max_new_tokens,
-        "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
-        "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
-        "compute_dtype": dtype_name(plan.dtype), "backend": backend, "tp_comm": comm_kind,
-    }

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -34,6 +34,31 @@ class GenerationSettings:
     save_logits: bool = False
     batching: str = "continuous"    # or "static" (see ``generate.continuous``)
     batch_size: int = 0             # continuous: rows in flight per micro-batch (0: all)
+
+
+@dataclass(frozen=True)
+class RowRules:
+    """What every row of a generation runs under: the job's settings, the ids that end a row,
+    the pad id, and each prompt's own ``limits`` (max_new_tokens), ``sampling`` and
+    ``stops`` (stop strings), by global prompt index (None: the job's for every prompt; no
+    stop strings)."""
+
+    settings: GenerationSettings
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    limits: np.ndarray | None = None
+    sampling: PromptSampling | None = None
+    stops: StopStrings | None = None
+
+
+class WaveEvents(Protocol):
+    """What a generation program tells its job, and asks it, as it runs."""
+
+    def rows(self, finished: int, tokens: int) -> None:
+        """A step's new tokens and the rows it finished."""
+
+    def stop_requested(self) -> bool:
+        """Whether this rank was asked to stop (polled by the first stage)."""
 
 
 def any_rank(flag: bool, *groups) -> bool:
@@ -66,20 +91,15 @@ class ReplicaProgram(ABC):
     keep of a replica's rows: results in the replica's row order (``global_rows``: each
     row's prompt), each row's limit, the stop agreement and the activations in flight."""
 
-    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
-                 eos_ids: tuple[int, ...], pad_id: int, backend, limits: np.ndarray | None,
-                 on_rows: Callable[[int, int], None] | None,
-                 stop_requested: Callable[[], bool] | None, sampling: PromptSampling | None,
-                 stops: StopStrings | None = None, cp=None):
-        """``limits``: each prompt's own max_new_tokens, by global prompt index (default: the
-        job's for every prompt); ``sampling`` likewise (default: the job's settings);
-        ``stops`` each prompt's stop strings (None: no prompt has any).
-        ``stop_requested``: polled by the first stage before each forward; once its tp ranks
-        agree on a stop, every micro-batch is retired there (the STOP reaches the other
-        stages with the activations) and only finished rows count. ``on_rows(finished,
-        tokens)`` hears of each step's new tokens and finished rows. ``cp``: the
-        context-parallel group (a ``Communicator``) the prompts and KV cache are split over
-        (``parallel.context``), or None."""
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], rules: RowRules, backend,
+                 events: WaveEvents | None = None, cp=None):
+        """``rules``: what the rows run under (``RowRules``). ``events``: told each step's
+        new tokens and finished rows; its ``stop_requested`` is polled by the first stage
+        before each forward, and once its tp ranks agree on a stop, every micro-batch is
+        retired there (the STOP reaches the other stages with the activations) and only
+        finished rows count. ``cp``: the context-parallel group (a ``Communicator``) the
+        prompts and KV cache are split over (``parallel.context``), or None."""
+        settings, limits, pad_id = rules.settings, rules.limits, rules.pad_id
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp
         n = settings.max_new_tokens
@@ -91,15 +111,16 @@ class ReplicaProgram(ABC):
         self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens
         self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
         self.done = np.zeros(rows, dtype=bool)
-        self.eos = np.asarray(eos_ids if settings.stop_at_eos else (), dtype=np.int64)
+        self.eos = np.asarray(rules.eos_ids if settings.stop_at_eos else (), dtype=np.int64)
         self.pad_id = pad_id
         self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
-        self.on_rows = on_rows
-        self.stopping = AgreedStop(stop_requested, stage.tp, cp)
-        self.sampling = sampling if sampling is not None else settings.sampling
-        self.stops = stops
+        self.events = events
+        self.stopping = AgreedStop(events.stop_requested if events is not None else None,
+                                   stage.tp, cp)
+        self.sampling = rules.sampling if rules.sampling is not None else settings.sampling
+        self.stops = rules.stops
         self.cp = cp
 
     def cache_capacity(self, positions: int) -> int:
@@ -144,18 +165,12 @@ class ReplicaProgram(ABC):
 
 
 class GenerationProgram(ReplicaProgram):
-    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], settings: GenerationSettings,
-                 eos_ids: tuple[int, ...], pad_id: int, backend,
-                 on_rows: Callable[[int, int], None] | None = None,
-                 limits: np.ndarray | None = None,
-                 stop_requested: Callable[[], bool] | None = None,
-                 sampling: PromptSampling | None = None, stops: StopStrings | None = None,
-                 cp=None):
+    def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], rules: RowRules, backend,
+                 events: WaveEvents | None = None, cp=None):
         """Static batching: every row of a micro-batch from its prefill to its longest row's
         end (``ReplicaProgram`` says what the arguments are)."""
-        super().__init__(stage, mbs, settings, eos_ids, pad_id, backend, limits, on_rows,
-                         stop_requested, sampling, stops, cp)
-        n = settings.max_new_tokens
+        super().__init__(stage, mbs, rules, backend, events, cp)
+        n = rules.settings.max_new_tokens
         capacity = [self.cache_capacity(mb.length + n) for mb in mbs]
         self.caches = [stage.new_cache(mb.size, c) for mb, c in zip(mbs, capacity)]
         self.split = [self.split_kv(mb.size, c) for mb, c in zip(mbs, capacity)]
@@ -265,5 +280,5 @@ class GenerationProgram(ReplicaProgram):
                 hit[j] = self.met_stop_string(rows.start + int(j), step + 1)
         self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
         self.done[rows] = done | hit
-        if self.on_rows is not None:
-            self.on_rows(int(hit.sum()), int((~done).sum()))
+        if self.events is not None:
+            self.events.rows(int(hit.sum()), int((~done).sum()))

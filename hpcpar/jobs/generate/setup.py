@@ -1,57 +1,29 @@
 """What a generation or a scoring job sets up on every rank before its first forward: the
-checkpoint (a file, or a preset's random model in the cache folder) and its tokenizer, the
-mesh and its communicators, the device, and this rank's stage of the model built from its
-slices of the checkpoint. Training finds its checkpoint and tokenizer here too."""
+checkpoint's tokenizer and end-of-sequence ids, the runtime, and this rank's stage of the
+model built from its slices of the checkpoint. Training finds its tokenizer here too."""
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from ...checkpoint import Checkpoint, init_checkpoint, load_shard
+from ...checkpoint import Checkpoint, load_shard
 from ...parallel.comm import CommStats
 from ..layout import ParallelConfig
 from ...parallel.errors import HpcparError
 from ..faults import fault_point
-from ..job import PRESET_PREFIX, Job
+from ..job import Job
 from ..launch import everyone, phase
 from ...parallel.mesh import Mesh
 from ...models.decoder import DecoderStage
 from ...parallel.ops import ops_for
 from ...parallel.pipeline.partition import stage_layers
 from ..runtime import close_runtime, open_runtime
-from ..settings import environment_value
 from ...models.tensors import stage_tensors
 from ..watchdog import ActionBoard
 from ...models.tokenizer import StoredTokenizer
-
-
-def cache_dir() -> Path:
-    root = environment_value("HPCPAR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hpcpar")
-    return Path(root)
-
-
-def resolve_checkpoint(comm, spec: str) -> Path:
-    """The checkpoint file for ``spec``: a path, or ``preset:NAME`` for a random model of that
-    preset kept in the cache folder (rank 0 creates it on first use). Collective."""
-    if not spec.startswith(PRESET_PREFIX):
-        return Path(spec)
-    name = spec[len(PRESET_PREFIX):]
-    path = cache_dir() / f"{name}-seed0.h5"
-
-    def create():
-        if comm.Get_rank() == 0 and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            init_checkpoint(path, name, seed=0)
-
-    with phase(f"creating the {name} checkpoint in {path.parent}"):
-        everyone(comm, create)
-    return path
 
 
 def eos_ids(ckpt: Checkpoint) -> tuple[int, ...]:

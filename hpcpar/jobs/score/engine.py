@@ -14,30 +14,26 @@ sum of -log p over the row's scored tokens), ``tokens_scored`` [rows], and the a
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from time import perf_counter
 
 import h5py
 import numpy as np
 
-from ... import __version__
-from ...checkpoint import Checkpoint, open_checkpoint
-from ..layout import ParallelConfig
-from ...parallel.dtypes import dtype_name, float_dtype
-from ...parallel.errors import CommTimeout, HpcparError, Stopped
-from ..generate.batching import micro_batches, replica_rows
-from ..generate.setup import load_tokenizer, open_stage, resolve_checkpoint
-from ..job import Job
-from ..launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
+from ...checkpoint.files import (OUTPUT_KIND, AtomicPath, check_output, check_space, write_point,
+                                 writing)
+from ...parallel.dtypes import float_dtype
+from ...parallel.errors import HpcparError, Stopped
 from ...parallel.mesh import Mesh
-from ...checkpoint.files import (OUTPUT_KIND, AtomicPath, check_output, check_space, write_point, writing)
-from ..outputs import claimed
 from ...parallel.pipeline.executor import PipelineExecutor
-from ...parallel import waits
+from ..generate.batching import micro_batches, replica_rows
 from ..generate.schedule import generation
+from ..generate.setup import load_tokenizer, open_stage
+from ..job import Job
+from ..launch import everyone, phase
+from ..layout import ParallelConfig
 from ..replicas import ReplicaChannel, owners
+from ..skeleton import JobRun
 from .data import ScoreData, check_score_data, load_score_data
 from .program import ScoringProgram
 
@@ -70,132 +66,97 @@ class _Plan:
     data: ScoreData
 
 
-def _validate(job: Job, ckpt: Checkpoint, world_size: int) -> _Plan:
-    layout = job.parallel.layout(world_size)
-    layout.check(ckpt.config, world_size)
-    if layout.schedule != "gpipe":
-        raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; scoring runs "
-                          "the 'gpipe' forward schedule")
-    source = job.score.data
-    if not source:
-        raise HpcparError("scoring needs its sequences: --data FILE (.npy ids, left-padded "
-                          "with negative ids, or .jsonl of {\"ids\"} / {\"text\"})")
-    data = load_score_data(source, load_tokenizer(ckpt))
-    check_score_data(data, ckpt.config, source)
-    longest = max(len(row) for row in data.ids)
-    if longest < layout.cp:
-        raise HpcparError(f"cp {layout.cp} splits each row over {layout.cp} ranks, but the "
-                          f"longest row of {source} has {longest} tokens: every rank needs at "
-                          f"least one; use a cp of at most {longest}")
-    if not job.output.path:
-        raise HpcparError("scoring needs an output file: --out OUT.h5")
-    check_output(job.output.path, {"checkpoint": ckpt.path, "data": source}, kind="scores")
-    check_space(job.output.path, output_bytes(len(data), data.width))   # before the work
-    return _Plan(layout, float_dtype(job.model.dtype), data)
+class ScoringRun(JobRun):
+    """Scoring on the job skeleton. It has no step to stop at: a stop request (SIGTERM,
+    SIGUSR1, Ctrl-C to any rank) ends it on every rank of the node at its next micro-batch
+    or wait (``Stopped``), with nothing written."""
+
+    kind, verb = "scoring", "score"
+
+    def validate(self) -> _Plan:
+        job, ckpt = self.job, self.ckpt
+        layout = job.parallel.layout(self.size)
+        layout.check(ckpt.config, self.size)
+        if layout.schedule != "gpipe":
+            raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; scoring "
+                              "runs the 'gpipe' forward schedule")
+        source = job.score.data
+        if not source:
+            raise HpcparError("scoring needs its sequences: --data FILE (.npy ids, left-padded "
+                              "with negative ids, or .jsonl of {\"ids\"} / {\"text\"})")
+        data = load_score_data(source, load_tokenizer(ckpt))
+        check_score_data(data, ckpt.config, source)
+        longest = max(len(row) for row in data.ids)
+        if longest < layout.cp:
+            raise HpcparError(f"cp {layout.cp} splits each row over {layout.cp} ranks, but the "
+                              f"longest row of {source} has {longest} tokens: every rank needs "
+                              f"at least one; use a cp of at most {longest}")
+        if not job.output.path:
+            raise HpcparError("scoring needs an output file: --out OUT.h5")
+        check_output(job.output.path, {"checkpoint": ckpt.path, "data": source}, kind="scores")
+        check_space(job.output.path, output_bytes(len(data), data.width))   # before the work
+        return _Plan(layout, float_dtype(job.model.dtype), data)
+
+    def open(self) -> None:
+        self.ranks = open_stage(self.comm, self.job, self.plan.layout, self.ckpt,
+                                self.plan.dtype)
+        self.ranks.board.stops_waits = True
+
+    def work(self) -> None:
+        layout, ranks, world = self.plan.layout, self.ranks, self.ranks.world
+        mesh, backend, stop = ranks.mesh, ranks.backend, self.stop
+
+        def after_batch():
+            channel.pump()
+            if stop.requested:
+                raise Stopped(stop.signal_name, stop.asked_by if stop.asked_by is not None
+                              else world.rank)
+
+        rows = replica_rows(len(self.plan.data), layout.dp, mesh.coord("dp"))
+        mbs = micro_batches(self.plan.data.ids, rows, _micro_batch_count(self.plan.data, layout))
+        channel = ReplicaChannel(world, layout, ranks.board)  # replicas may end minutes apart
+        self.program = ScoringProgram(ranks.stage, mbs, backend, after_batch=after_batch,
+                                      cp=ranks.cp)
+        actions = generation(layout.pp, len(mbs), 1)[mesh.coord("pp")] if mbs else []
+        executor = PipelineExecutor(ranks.pp, mesh.coord("pp"), self.program, backend,
+                                    in_flight=len(mbs), board=ranks.board)
+        with phase("checking the pipeline schedule"):
+            everyone(self.comm, executor.preflight, actions)
+        world.barrier()
+        start = perf_counter()
+        with phase("scoring"):
+            executor.run(actions)
+            backend.synchronize()
+            self.program.gather_over_cp()
+        elapsed = perf_counter() - start
+        channel.close()
+        self.seconds = float(world.all_reduce(np.array([elapsed]), op="max")[0])
+
+    def finish(self) -> ScoreResult | None:
+        layout, ranks = self.plan.layout, self.ranks
+        with phase("collecting the log-probabilities on rank 0"):
+            logprobs = _collect(ranks.world, ranks.mesh, layout, len(self.plan.data),
+                                self.program)
+        ranks.board.stops_waits = False     # all scored: a stop now lets the output be written
+        result = None
+        if self.rank == 0:
+            result = _result(self.plan.data, logprobs, self.seconds, ranks.shard.seconds)
+
+        def write():
+            if self.rank == 0:
+                attrs = self.run_attrs(ranks.backend.name, ranks.tp.kind) | {
+                    "data": self.job.score.data, "cp": layout.cp}
+                _write(self.job.output.path, result, attrs)
+
+        with phase("writing the output file"):
+            everyone(self.comm, write)
+        ranks.close()
+        return result
 
 
 def run_scoring(comm, job: Job) -> ScoreResult | None:
     """Run the scoring ``job`` on every rank of ``comm``; the result on rank 0, else None."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    ckpt = everyone(comm, open_checkpoint, resolve_checkpoint(comm, job.model.checkpoint))
-    plan = everyone(comm, _validate, job, ckpt, size)
-    set_timeout(job.parallel.timeout)
-    try:
-        with claimed(comm, job.output.path):
-            return _score(comm, job, ckpt, plan)
-    except Stopped as e:          # the output's lock and temporary file are gone by now
-        if rank == 0:
-            print(f"hpcpar: stopped on request ({e}) while scoring: nothing was written; run "
-                  "it again to score", file=sys.stderr, flush=True)
-        _leave_together(comm)
-        raise JobFailed(EXIT_PREEMPTED) from None
-
-
-def _leave_together(comm, seconds: float = 10.0) -> None:
-    """Every stopped rank waits for the others before it exits: the launcher kills what
-    is left of a job once one rank has ended with a failing status, which would cut a
-    rank's own clean-up short. Ranks that never heard of the stop (another node's) are
-    not waited for past ``seconds``."""
-    alarm = waits.current_alarm()
-    waits.listen_for_alarm(None)                # the stop it would raise is known
-    try:
-        waits.wait_bounded(comm.Ibarrier(), seconds, "leaving after the stop")
-        _drop_messages_in_flight(comm)
-    except CommTimeout:
-        pass
-    finally:
-        waits.listen_for_alarm(alarm)
-
-
-def _drop_messages_in_flight(comm) -> None:
-    """Receive and drop what the other ranks sent this one before they stopped (a replica's
-    results or heartbeat, rank 0's pings), all of it here once they have passed the barrier:
-    MPI_Finalize fails on a message left unmatched, and mpiexec then takes the rank for
-    crashed and kills the others, which showed as status 9 (1 stopped run in 12)."""
-    from mpi4py import MPI
-    status = MPI.Status()
-    while comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-        comm.Recv([np.empty(status.Get_count(MPI.BYTE), np.uint8), MPI.BYTE],
-                  status.Get_source(), status.Get_tag())
-
-
-def _score(comm, job: Job, ckpt: Checkpoint, plan: _Plan) -> ScoreResult | None:
-    """The scoring itself, inside the claimed output. Scoring has no step to stop at: a
-    stop request (SIGTERM, SIGUSR1, Ctrl-C to any rank) ends it on every rank of the node
-    at its next micro-batch or wait (``Stopped``), with nothing written."""
-    with StopRequest() as stop:
-        ranks = open_stage(comm, job, plan.layout, ckpt, plan.dtype)
-        ranks.board.stops_waits = True
-        return _score_on(comm, job, ckpt, plan, ranks, stop)
-
-
-def _score_on(comm, job: Job, ckpt: Checkpoint, plan: _Plan, ranks,
-              stop: StopRequest) -> ScoreResult | None:
-    rank, layout = comm.Get_rank(), plan.layout
-    mesh, backend, tp, pp, world = ranks.mesh, ranks.backend, ranks.tp, ranks.pp, ranks.world
-    stage, board, shard = ranks.stage, ranks.board, ranks.shard
-
-    def after_batch():
-        channel.pump()
-        if stop.requested:
-            raise Stopped(stop.signal_name, stop.asked_by if stop.asked_by is not None
-                          else world.rank)
-
-    rows = replica_rows(len(plan.data), layout.dp, mesh.coord("dp"))
-    mbs = micro_batches(plan.data.ids, rows, _micro_batch_count(plan.data, layout))
-    channel = ReplicaChannel(world, layout, board)     # replicas may end minutes apart
-    program = ScoringProgram(stage, mbs, backend, after_batch=after_batch, cp=ranks.cp)
-    actions = generation(layout.pp, len(mbs), 1)[mesh.coord("pp")] if mbs else []
-    executor = PipelineExecutor(pp, mesh.coord("pp"), program, backend, in_flight=len(mbs),
-                                board=board)
-    with phase("checking the pipeline schedule"):
-        everyone(comm, executor.preflight, actions)
-    world.barrier()
-    start = perf_counter()
-    with phase("scoring"):
-        executor.run(actions)
-        backend.synchronize()
-        program.gather_over_cp()
-    elapsed = perf_counter() - start
-    channel.close()
-    seconds = world.all_reduce(np.array([elapsed]), op="max")[0]
-
-    with phase("collecting the log-probabilities on rank 0"):
-        logprobs = _collect(world, mesh, layout, len(plan.data), program)
-    board.stops_waits = False           # all scored: a stop now lets the output be written
-    result = None
-    if rank == 0:
-        result = _result(plan.data, logprobs, float(seconds), shard.seconds)
-
-    def write():
-        if rank == 0:
-            _write(job.output.path, result, _run_attrs(job, ckpt, layout, plan, backend.name,
-                                                       tp.kind))
-
-    with phase("writing the output file"):
-        everyone(comm, write)
-    ranks.close()
-    return result
+    return ScoringRun(comm, job).run()
 
 
 # padded tokens per micro-batch a scoring job aims at when the layout asks for fewer
@@ -264,12 +225,3 @@ def _write(path: str, result: ScoreResult, attrs: dict) -> None:
     except BaseException:
         target.discard()
         raise
-
-
-def _run_attrs(job: Job, ckpt: Checkpoint, layout: ParallelConfig, plan: _Plan, backend: str,
-               comm_kind: str) -> dict:
-    return {"hpcpar_version": __version__, "checkpoint": str(Path(ckpt.path)),
-            "data": job.score.data, "dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
-            "cp": layout.cp, "micro_batches": layout.micro_batches,
-            "compute_dtype": dtype_name(plan.dtype),
-            "backend": backend, "tp_comm": comm_kind}

@@ -1,4 +1,4 @@
-"""A training job from start to end, on every rank of ``comm``.
+"""A training job from start to end, on every rank of ``comm``, on the job skeleton.
 
     validate (agreed by every rank) -> mesh and communicators -> load this rank's slices
     (from --checkpoint, or from the checkpoint --resume names, with its optimizer state)
@@ -17,25 +17,23 @@ from time import perf_counter
 
 import numpy as np
 
-from ...checkpoint import Checkpoint, load_shard, open_checkpoint
+from ...checkpoint import Checkpoint, load_shard
+from ...models.tensors import stage_tensors
 from ...parallel.comm import create_communicator
-from ..faults import fault_point
-from ..generate.setup import resolve_checkpoint
-from ..job import Job
-from ..launch import (EXIT_INVALID, EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase,
-                      print_error, set_timeout)
-from ...parallel.mesh import Mesh
-from ..layout import grad_rank
-from ...parallel.ops import ops_for
-from ..outputs import claimed
 from ...parallel.context import ContextShard
 from ...parallel.data_parallel import GradientReducer, local_sq_norm
+from ...parallel.mesh import Mesh
+from ...parallel.ops import ops_for
 from ...parallel.optim import STATE_NAMES, LossScaler, Optimizer, clip_coefficient
 from ...parallel.optim_settings import learning_rate
 from ...parallel.pipeline.executor import PipelineExecutor
 from ...parallel.pipeline.training_schedules import training_schedule
+from ..faults import fault_point
+from ..job import Job
+from ..launch import EXIT_INVALID, JobFailed, everyone, phase, print_error
+from ..layout import grad_rank
 from ..runtime import open_runtime
-from ...models.tensors import stage_tensors
+from ..skeleton import JobRun
 from . import checkpoint as tc
 from .chunk import Batch, ModelChunk
 from .data import label_count, make_batches, sample_indices
@@ -47,173 +45,292 @@ from .setup import TrainPlan, chunk_layers, validate
 from .zero import ZeroShards
 
 
+class TrainingRun(JobRun):
+    """Training on the job skeleton. A stop request (SIGTERM, SIGUSR1, Ctrl-C to any rank)
+    is agreed at the end of the next step: that step's checkpoint is saved and every rank
+    exits 3 (``--resume auto`` continues)."""
+
+    kind, verb = "training", "train"
+    checking_phase = "checking the training job"
+    output_is_folder = True
+
+    def __init__(self, comm, job: Job, progress: bool = True):
+        super().__init__(comm, job)
+        self.progress = progress
+
+    def validate(self) -> TrainPlan:
+        return validate(self.job, self.ckpt, self.size)
+
+    def has_work(self) -> bool:
+        if self.plan.start_step < self.job.train.steps:
+            return True
+        if self.rank == 0:
+            print(f"nothing to do: the checkpoint is at step {self.plan.start_step} >= steps "
+                  f"{self.job.train.steps}")
+        return False
+
+    def output_path(self) -> Path:
+        return self.plan.out_dir
+
+    # ---- open: the runtime, the model's chunks, the optimizer, the schedule -------------
+
+    def open(self) -> None:
+        plan, tr = self.plan, self.job.train
+        if self.rank == 0:
+            tc.remove_partial(plan.out_dir)
+        self.rt = rt = open_runtime(self.comm, self.job, plan.layout, plan.dtype,
+                                    data_parallel=True)
+        self.xp = rt.backend.xp
+        self.kv_comm = _kv_group(rt.mesh, self.ckpt.config, rt.backend, rt.stats,
+                                 self.job.parallel.timeout)
+        with phase("loading the checkpoint"):
+            self.chunks, self.params, states = _load(
+                self.comm, rt.mesh, plan, self.ckpt, rt.tp, rt.backend,
+                recompute=tr.recompute == "full", cp=rt.cp)
+        self._open_optimizer(states)
+        self._open_schedule()
+        self.metrics = everyone(self.comm, Metrics, plan.out_dir / "metrics.jsonl",
+                                self.rank == 0, plan.start_step)
+        self.per_token = flops_per_token(self.ckpt.config, plan.dataset.seq_len)
+        self.peak = (tr.peak_tflops * 1e12 if tr.peak_tflops
+                     else peak_flops(self.xp, rt.backend))
+        self.figures = TrainFigures()
+        self.bar = _progress_bar(self.rank == 0 and self.progress, tr.steps - plan.start_step)
+
+    def _open_optimizer(self, states) -> None:
+        """Gradient buckets, ZeRO's shards, the optimizer and loss scaler (their state
+        restored when resuming), and the peer of a tied embedding."""
+        plan, tr, rt, mesh = self.plan, self.job.train, self.rt, self.rt.mesh
+        self.tied_peer = None
+        holds_embedding = mesh.is_first("pp") or mesh.is_last("pp")
+        if self.ckpt.config.tie_word_embeddings and plan.layout.pp > 1 and holds_embedding:
+            self.tied_peer = (rt.pp, plan.layout.pp - 1 if mesh.is_first("pp") else 0)
+        groups = [g for chunk in reversed(self.chunks) for g in chunk.groups]
+        # gradients are summed over every rank that holds the same weights: dp x cp
+        self.reducer = (GradientReducer(rt.dp, groups, self.xp,
+                                        bucket_bytes=int(tr.bucket_mb * (1 << 20)))
+                        if rt.dp.size > 1 else None)
+        self.zero = ZeroShards(rt.dp, self.reducer, self.xp) if self.reducer and tr.zero else None
+        self.updated = self.zero.segments if self.zero else self.params   # what is stepped
+        self.optimizer = Optimizer(plan.optimizer, self.updated, self.xp)
+        self.scaler = (LossScaler(tr.loss_scale, growth_interval=tr.loss_scale_window)
+                       if plan.dtype == np.float16 else None)
+        if states is not None:
+            self.optimizer.load_state_dict(self.zero.slice_state(states) if self.zero
+                                           else states)
+            attrs = plan.resume[1]
+            self.optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
+            if self.scaler is not None and "loss_scale" in attrs:
+                self.scaler.scale = float(attrs["loss_scale"])
+                self.scaler.good_steps = int(attrs["good_steps"])
+
+    def _open_schedule(self) -> None:
+        """The pipeline schedule, checked once: every step has the same shapes."""
+        plan, rt, mesh = self.plan, self.rt, self.rt.mesh
+        layout, M, V = plan.layout, plan.layout.micro_batches, plan.virtual_stages
+        T = plan.dataset.seq_len
+        mb_rows = self.job.train.global_batch // (layout.dp * M)
+        self.actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.coord("pp")]
+        T_here = _shard(T, mesh).local_length() if layout.cp > 1 else T     # this rank's
+        shape_only = [Batch(np.zeros((mb_rows, T_here), np.int64), None, None, None)] * M
+        self.executor = PipelineExecutor(rt.pp, mesh.coord("pp"), self._program(shape_only),
+                                         rt.backend, in_flight=M * V, board=rt.board)
+        with phase("checking the pipeline schedule"):
+            everyone(self.comm, self.executor.preflight, self.actions)
+
+    def _program(self, batches, overlap=None) -> TrainingProgram:
+        cfg, layout = self.ckpt.config, self.plan.layout
+        return TrainingProgram(self.chunks, batches, layout.pp, self.rt.mesh.coord("pp"),
+                               cfg.hidden_size, self.plan.dtype, self.xp, overlap)
+
+    # ---- work: the steps ---------------------------------------------------------------
+
+    def work(self) -> None:
+        self.rt.world.barrier()
+        self.rt.stats.reset()
+        self.step = self.saved_at = self.plan.start_step
+        with phase("training"):
+            while self.step < self.job.train.steps:
+                self._train_step()
+
+    def _train_step(self) -> None:
+        """One step: forward and backward over the schedule, gradients summed, the loss,
+        norm and stop agreed, the update, its metrics, and a checkpoint where one is due."""
+        tr, plan = self.job.train, self.plan
+        self.step += 1
+        step, B = self.step, tr.global_batch
+        fault_point("train", step)
+        start = perf_counter()
+        first_sample = plan.samples_start + (step - plan.start_step - 1) * B
+        scale = self.scaler.scale if self.scaler else 1.0
+        program = self._forward_backward(first_sample, scale)
+        loss, norm, stopping = self._agree(program, scale)
+        # float16 gradients that overflowed: skip the step and lower the loss scale
+        overflow = self.scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
+        if not overflow and not (math.isfinite(loss) and math.isfinite(norm)):
+            if self.rank == 0:                                  # the same on every rank
+                print_error(_diverged(step, loss, norm, plan.out_dir, self.saved_at))
+            raise JobFailed(EXIT_INVALID)
+        lr = learning_rate(plan.optimizer, step, tr.steps)
+        self._update(lr, norm, scale, overflow)
+        self._record(program, start, loss, None if overflow else norm, lr)
+        if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
+            with phase(f"saving the checkpoint of step {step}"):
+                self._save(first_sample + B)
+            self.saved_at = step
+        if stopping and step < tr.steps:
+            self.preempted(f"{self.stop.describe(f'at step {step}')}; saved "
+                           f"{plan.out_dir / tc.checkpoint_name(step)}; run again with "
+                           "--resume auto to continue")
+
+    def _forward_backward(self, first_sample: int, scale: float) -> TrainingProgram:
+        """The step's schedule run over this replica's batches, then every gradient summed
+        where its copies are (dp buckets, replicated weights; ZeRO: each rank its piece)."""
+        rt, reducer, zero = self.rt, self.reducer, self.zero
+        batches = _replica_batches(self.plan, rt.mesh, first_sample, self.job.train.global_batch,
+                                   self.job.train, self.xp, scale)
+        for p in self.params:
+            p.grad[...] = 0
+        if reducer:
+            reducer.start_step()
+        program = self._program(batches, reducer.grads_done if reducer and not zero else None)
+        self.executor.program = program
+        with self._overflow_is_expected():
+            self.executor.run(self.actions)
+        t_reduce = perf_counter()
+        if zero:                              # replicated sums first, then each rank its piece
+            sum_replicated(self.params, self.kv_comm, self.tied_peer, self.xp, rt.tp)
+            zero.reduce_scatter()
+        else:
+            if reducer:
+                reducer.finish()
+            sum_replicated(self.params, self.kv_comm, self.tied_peer, self.xp, rt.tp)
+        rt.backend.synchronize()
+        self.figures.reduce += perf_counter() - t_reduce
+        return program
+
+    def _overflow_is_expected(self):
+        """float16 gradients may overflow on purpose (the scaler then skips the step):
+        quietly."""
+        return (np.errstate(over="ignore", invalid="ignore") if self.scaler
+                else contextlib.nullcontext())
+
+    def _agree(self, program: TrainingProgram, scale: float) -> tuple[float, float, bool]:
+        """The step's loss and gradient norm, and whether any rank was asked to stop: one
+        small AllReduce over every rank."""
+        mesh = self.rt.mesh
+        counts_loss = self.chunks[-1].last and mesh.coord("tp") == 0
+        agreed = np.array([program.loss if counts_loss else 0.0,
+                           local_sq_norm(self.updated, self.xp)
+                           if self.zero or grad_rank(mesh) == 0 else 0.0,
+                           1.0 if self.stop.requested else 0.0])
+        self.rt.world.all_reduce(agreed)
+        return float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale, bool(agreed[2] > 0)
+
+    def _update(self, lr: float, norm: float, scale: float, overflow: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        if not overflow:
+            coef = clip_coefficient(norm, self.plan.optimizer.clip_grad)
+            self.optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
+            if self.zero:                             # the updated pieces gathered, then copied
+                self.zero.all_gather()
+                for p in self.params:
+                    p.refresh()
+        self.rt.backend.synchronize()
+
+    def _record(self, program: TrainingProgram, start: float, loss: float,
+                norm: float | None, lr: float) -> None:
+        """The step's figures and metrics line (rank 0 writes; a failure ends all)."""
+        seconds = perf_counter() - start
+        times = self.executor.times
+        self.figures.add_step(times, program.peak_held, program.peak_held_full, seconds)
+        times.compute[0] = times.wait[0] = 0.0
+        tokens = self.job.train.global_batch * self.plan.dataset.seq_len
+        rate = tokens / seconds
+        record = StepRecord(self.step, loss, norm, lr, tokens, seconds, rate,
+                            rate * self.per_token / (self.size * self.peak),
+                            self.scaler.scale if self.scaler else None)
+        everyone(self.comm, self.metrics.write, record)
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+        elif self.rank == 0 and self.progress:
+            print(self.metrics.line(), flush=True)
+
+    def _save(self, samples: int) -> None:
+        """Every rank writes its counted slices in turn into one file (see
+        ``train.checkpoint``); with ZeRO each replica writes the optimizer state of its own
+        segments. Each step agreed: a write that fails on any rank (a full disk) ends the
+        job on all, with one line, the temporary file removed and ``latest`` at the previous
+        checkpoint."""
+        plan, optimizer, zero, mesh = self.plan, self.optimizer, self.zero, self.rt.mesh
+        path, rank, cfg = plan.out_dir / tc.checkpoint_name(self.step), self.rank, self.ckpt.config
+
+        def create():
+            if rank == 0:
+                plan.out_dir.mkdir(exist_ok=True)
+                tc.create_file(path, self.ckpt, optimizer.state_names, self._save_attrs(samples))
+
+        states = {name: {k: st[k] for k in optimizer.state_names}     # the step is an attribute
+                  for name, st in optimizer.state_dict().items()}
+        to_host, tp_rank, tp_size = self.rt.backend.to_host, mesh.coord("tp"), mesh.size("tp")
+
+        def write_mine():
+            if grad_rank(mesh) == 0:
+                tc.write_slices(path, self.params, {} if zero else states, cfg, tp_rank,
+                                tp_size, to_host)
+            if zero:
+                tc.write_segments(path, zero.segments, zero.offset, states, cfg, tp_rank,
+                                  tp_size, to_host)
+
+        def commit():
+            if rank == 0:
+                tc.commit(path)
+
+        try:
+            everyone(self.comm, create)
+            for r in range(self.size):
+                everyone(self.comm, write_mine if r == rank else lambda: None)
+            everyone(self.comm, commit)
+        except JobFailed:
+            if rank == 0:
+                tc.discard(path)
+            raise
+
+    def _save_attrs(self, samples: int) -> dict:
+        plan, tr = self.plan, self.job.train
+        attrs = {"step": self.step, "samples": samples, "optimizer": plan.optimizer.optimizer,
+                 "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
+                 "seq_len": plan.dataset.seq_len, "data": str(plan.dataset.source),
+                 "layout": plan.layout.describe(),
+                 "schedule": plan.layout.schedule, "lr": tr.lr,
+                 "optimizer_steps": self.optimizer.steps, "compute_dtype": self.job.model.dtype}
+        if self.scaler is not None:
+            attrs |= {"loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
+        return attrs
+
+    # ---- finish: the report ------------------------------------------------------------
+
+    def finish(self) -> TrainReport | None:
+        self.close_bar()
+        self.figures.set_comm(self.rt.stats, self.reducer)
+        table = self.rt.world.gather(self.figures.to_array()[None], root=0)  # (ranks, figures)
+        if self.kv_comm is not None:
+            self.kv_comm.mpi_comm.Free()
+        self.rt.close()
+        if self.rank != 0:
+            return None
+        plan = self.plan
+        return TrainReport.build(table, plan.layout, plan.virtual_stages, plan.start_step,
+                                 self.step, self.job.train.global_batch * plan.dataset.seq_len,
+                                 self.metrics)
+
+
 def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     """Run ``job`` on every rank of ``comm``; returns the report on rank 0, None elsewhere.
     Raises ``JobFailed(EXIT_PREEMPTED)`` on every rank after saving when asked to stop."""
-    rank, size = comm.Get_rank(), comm.Get_size()
-    path = resolve_checkpoint(comm, job.model.checkpoint)
-    ckpt = everyone(comm, open_checkpoint, path)
-    cfg, tr = ckpt.config, job.train
-    with phase("checking the training job"):
-        plan = everyone(comm, validate, job, ckpt, size)
-    set_timeout(job.parallel.timeout)
-    layout, V = plan.layout, plan.virtual_stages
-    if plan.start_step >= tr.steps:
-        if rank == 0:
-            print(f"nothing to do: the checkpoint is at step {plan.start_step} >= steps "
-                  f"{tr.steps}")
-        return None
-
-    with claimed(comm, plan.out_dir, folder=True):   # one job writes this folder
-        if rank == 0:
-            tc.remove_partial(plan.out_dir)
-        rt = open_runtime(comm, job, layout, plan.dtype, data_parallel=True)
-        mesh, backend, stats = rt.mesh, rt.backend, rt.stats
-        tp, pp, dp, cp, world, board = rt.tp, rt.pp, rt.dp, rt.cp, rt.world, rt.board
-        xp, timeout = backend.xp, job.parallel.timeout
-        kv_comm = _kv_group(mesh, cfg, backend, stats, timeout)
-
-        with phase("loading the checkpoint"):
-            chunks, params, states = _load(comm, mesh, plan, ckpt, tp, backend,
-                                           recompute=tr.recompute == "full", cp=cp)
-        tied_peer = None
-        holds_embedding = mesh.is_first("pp") or mesh.is_last("pp")
-        if cfg.tie_word_embeddings and layout.pp > 1 and holds_embedding:
-            tied_peer = (pp, layout.pp - 1 if mesh.is_first("pp") else 0)
-        groups = [g for chunk in reversed(chunks) for g in chunk.groups]
-        # gradients are summed over every rank that holds the same weights: dp x cp
-        reducer = (GradientReducer(dp, groups, xp, bucket_bytes=int(tr.bucket_mb * (1 << 20)))
-                   if dp.size > 1 else None)
-        zero = ZeroShards(dp, reducer, xp) if reducer and tr.zero else None
-        updated = zero.segments if zero else params         # what the optimizer steps
-        optimizer = Optimizer(plan.optimizer, updated, xp)
-        scaler = (LossScaler(tr.loss_scale, growth_interval=tr.loss_scale_window)
-                  if plan.dtype == np.float16 else None)
-        # float16 gradients may overflow on purpose (the scaler then skips the step): quietly
-        def overflow_is_expected():
-            return (np.errstate(over="ignore", invalid="ignore") if scaler
-                    else contextlib.nullcontext())
-        if states is not None:
-            optimizer.load_state_dict(zero.slice_state(states) if zero else states)
-            attrs = plan.resume[1]
-            optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
-            if scaler is not None and "loss_scale" in attrs:
-                scaler.scale = float(attrs["loss_scale"])
-                scaler.good_steps = int(attrs["good_steps"])
-
-        # ---- the schedule, checked once: every step has the same shapes ---------------------
-        B, M = tr.global_batch, layout.micro_batches
-        T = plan.dataset.seq_len
-        mb_rows = B // (layout.dp * M)
-        actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.coord("pp")]
-        T_here = _shard(T, mesh).local_length() if layout.cp > 1 else T     # this rank's
-        shape_only = [Batch(np.zeros((mb_rows, T_here), np.int64), None, None, None)] * M
-        executor = PipelineExecutor(pp, mesh.coord("pp"), TrainingProgram(
-            chunks, shape_only, layout.pp, mesh.coord("pp"), cfg.hidden_size, plan.dtype, xp),
-            backend, in_flight=M * V, board=board)
-        with phase("checking the pipeline schedule"):
-            everyone(comm, executor.preflight, actions)
-
-        metrics = everyone(comm, Metrics, plan.out_dir / "metrics.jsonl", rank == 0,
-                           plan.start_step)
-        per_token = flops_per_token(cfg, T)
-        peak = tr.peak_tflops * 1e12 if tr.peak_tflops else peak_flops(xp, backend)
-        figures = TrainFigures()
-        bar = _progress_bar(rank == 0 and progress, tr.steps - plan.start_step)
-        world.barrier()
-        stats.reset()
-        step = plan.start_step
-        saved_at = step
-        with StopRequest() as stop, phase("training"):
-            while step < tr.steps:
-                step += 1
-                fault_point("train", step)
-                start = perf_counter()
-                first_sample = plan.samples_start + (step - plan.start_step - 1) * B
-                scale = scaler.scale if scaler else 1.0
-                batches = _replica_batches(plan, mesh, first_sample, B, tr, xp, scale)
-                for p in params:
-                    p.grad[...] = 0
-                if reducer:
-                    reducer.start_step()
-                overlap = reducer.grads_done if reducer and not zero else None
-                program = TrainingProgram(chunks, batches, layout.pp, mesh.coord("pp"), cfg.hidden_size,
-                                          plan.dtype, xp, overlap)
-                executor.program = program
-                with overflow_is_expected():
-                    executor.run(actions)
-                t_reduce = perf_counter()
-                if zero:                      # replicated sums first, then each rank its piece
-                    sum_replicated(params, kv_comm, tied_peer, xp, tp)
-                    zero.reduce_scatter()
-                else:
-                    if reducer:
-                        reducer.finish()
-                    sum_replicated(params, kv_comm, tied_peer, xp, tp)
-                backend.synchronize()
-                figures.reduce += perf_counter() - t_reduce
-                counts_loss = chunks[-1].last and mesh.coord("tp") == 0
-                agreed = np.array([program.loss if counts_loss else 0.0,
-                                   local_sq_norm(updated, xp)
-                                   if zero or grad_rank(mesh) == 0 else 0.0,
-                                   1.0 if stop.requested else 0.0])
-                world.all_reduce(agreed)
-                loss, norm = float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale
-                stopping = agreed[2] > 0
-                # float16 gradients that overflowed: skip the step and lower the loss scale
-                overflow = scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
-                if not overflow and not (math.isfinite(loss) and math.isfinite(norm)):
-                    if rank == 0:                                  # the same on every rank
-                        print_error(_diverged(step, loss, norm, plan.out_dir, saved_at))
-                    raise JobFailed(EXIT_INVALID)
-                lr = learning_rate(plan.optimizer, step, tr.steps)
-                if scaler is not None:
-                    scaler.update(overflow)
-                if not overflow:
-                    coef = clip_coefficient(norm, plan.optimizer.clip_grad)
-                    optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
-                    if zero:                  # the updated pieces gathered, then copied
-                        zero.all_gather()
-                        for p in params:
-                            p.refresh()
-                backend.synchronize()
-                seconds = perf_counter() - start
-                figures.add_step(executor.times, program.peak_held, program.peak_held_full, seconds)
-                executor.times.compute[0] = executor.times.wait[0] = 0.0
-                tokens = B * T
-                rate = tokens / seconds
-                record = StepRecord(step, loss, None if overflow else norm, lr, tokens, seconds,
-                                    rate, rate * per_token / (size * peak),
-                                    scaler.scale if scaler else None)
-                everyone(comm, metrics.write, record)     # rank 0 writes; a failure ends all
-                if bar:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4f}")
-                elif rank == 0 and progress:
-                    print(metrics.line(), flush=True)
-                if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
-                    with phase(f"saving the checkpoint of step {step}"):
-                        _save(comm, mesh, plan, ckpt, params, optimizer, zero, scaler, step,
-                              first_sample + B, job, backend)
-                    saved_at = step
-                if stopping and step < tr.steps:
-                    if bar:
-                        bar.close()
-                    if rank == 0:
-                        print(f"{stop.describe(f'at step {step}')}; saved "
-                              f"{plan.out_dir / tc.checkpoint_name(step)}; run again with "
-                              "--resume auto to continue", flush=True)
-                    raise JobFailed(EXIT_PREEMPTED)
-        if bar:
-            bar.close()
-        figures.set_comm(stats, reducer)
-        table = world.gather(figures.to_array()[None], root=0)               # (ranks, figures)
-        if kv_comm is not None:
-            kv_comm.mpi_comm.Free()
-        rt.close()
-        if rank != 0:
-            return None
-        return TrainReport.build(table, layout, V, plan.start_step, step, B * T, metrics)
+    return TrainingRun(comm, job, progress).run()
 
 
 def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool,
@@ -287,59 +404,6 @@ def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int)
             else "no checkpoint was written by this run")
     return (f"step {step}: loss is {loss}, gradient norm {norm}; training stopped before the "
             f"update ({kept}); lower --lr or set --clip-grad")
-
-
-def _save(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, params, optimizer,
-          zero: ZeroShards | None, scaler: LossScaler | None, step: int, samples: int,
-          job: Job, backend) -> None:
-    """Every rank writes its counted slices in turn into one file (see ``train.checkpoint``);
-    with ZeRO each replica writes the optimizer state of its own segments."""
-    path = plan.out_dir / tc.checkpoint_name(step)
-    tr = job.train
-    attrs = {"step": step, "samples": samples, "optimizer": plan.optimizer.optimizer,
-             "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
-             "seq_len": plan.dataset.seq_len, "data": str(plan.dataset.source),
-             "layout": plan.layout.describe(),
-             "schedule": plan.layout.schedule, "lr": tr.lr,
-             "optimizer_steps": optimizer.steps, "compute_dtype": job.model.dtype}
-    if scaler is not None:
-        attrs |= {"loss_scale": scaler.scale, "good_steps": scaler.good_steps}
-
-    rank = comm.Get_rank()
-
-    def create():
-        if rank == 0:
-            plan.out_dir.mkdir(exist_ok=True)
-            tc.create_file(path, ckpt, optimizer.state_names, attrs)
-
-    states = {name: {k: st[k] for k in optimizer.state_names}       # the step is an attribute
-              for name, st in optimizer.state_dict().items()}
-    to_host = backend.to_host
-    tp_rank, tp_size = mesh.coord("tp"), mesh.size("tp")
-
-    def write_mine():
-        if grad_rank(mesh) == 0:
-            tc.write_slices(path, params, {} if zero else states, ckpt.config, tp_rank,
-                            tp_size, to_host)
-        if zero:
-            tc.write_segments(path, zero.segments, zero.offset, states, ckpt.config,
-                              tp_rank, tp_size, to_host)
-
-    def commit():
-        if rank == 0:
-            tc.commit(path)
-
-    # each step agreed: a write that fails on any rank (a full disk) ends the job on all,
-    # with one line, the temporary file removed and ``latest`` at the previous checkpoint
-    try:
-        everyone(comm, create)
-        for r in range(comm.Get_size()):
-            everyone(comm, write_mine if r == rank else lambda: None)
-        everyone(comm, commit)
-    except JobFailed:
-        if rank == 0:
-            tc.discard(path)
-        raise
 
 
 def _progress_bar(enabled: bool, total: int):

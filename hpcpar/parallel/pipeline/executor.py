@@ -188,18 +188,7 @@ class PipelineExecutor:
             if a.op in RECVS:
                 if i not in posted:
                     post(i)
-                frame, request = posted.pop(i)
-                request.wait()
-                header = self.backend.to_host(frame.header)
-                op, mb, step, chunk, flags = (int(v) for v in header[:HEADER_WORDS])
-                if (op, mb, step, chunk) != (OP_CODES[_sender_of(a.op)], a.mb, a.step, a.chunk):
-                    raise CommError(f"pipeline stage {self.stage} expected {a} but received "
-                                    f"op {op}, micro-batch {mb}, step {step}, chunk {chunk}")
-                payload = frame.payload
-                if payload is None and not flags & FLAG_STOP:    # described: now its payload
-                    shape, dtype = described(header)
-                    payload = xp.empty(shape, dtype=dtype)
-                    self.pp.irecv(payload, a.peer, tag=OP_CODES[a.op]).wait()
+                flags, payload = self._receive(a, *posted.pop(i))
                 self.times.wait[phase] += perf_counter() - t0
                 if flags & FLAG_STOP:
                     stop_step[a.mb] = a.step
@@ -232,6 +221,21 @@ class PipelineExecutor:
         self.times.wait[1] += end - t0
         wall[last_phase] += end - mark
 
+    def _receive(self, a: Action, frame: Frame, request) -> tuple[int, object]:
+        """The flags and payload of ``a``'s message, once its posted receive completes (a
+        described payload, whose shape came in the header, is received after it)."""
+        request.wait()
+        header = self.backend.to_host(frame.header)
+        op, mb, step, chunk, flags = (int(v) for v in header[:HEADER_WORDS])
+        if (op, mb, step, chunk) != (OP_CODES[_sender_of(a.op)], a.mb, a.step, a.chunk):
+            raise CommError(f"pipeline stage {self.stage} expected {a} but received "
+                            f"op {op}, micro-batch {mb}, step {step}, chunk {chunk}")
+        payload = frame.payload
+        if payload is None and not flags & FLAG_STOP:            # described: now its payload
+            shape, dtype = described(header)
+            payload = self.xp.empty(shape, dtype=dtype)
+            self.pp.irecv(payload, a.peer, tag=OP_CODES[a.op]).wait()
+        return flags, payload
 
     def _send(self, a: Action, stop: bool):
         """Start sending ``a``'s message (a STOP header alone when ``stop``); the request."""
