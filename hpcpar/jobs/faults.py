@@ -6,7 +6,7 @@ world rank 2 fail at decode step 5.
             jobs call ``fault_point`` at: before reading the checkpoint, before a wave's
             prefill, before each decode step, before each training step, before each scoring
             micro-batch, and inside every write of an output, partial, checkpoint or metrics
-            file (``outputs.write_point``)
+            file (``checkpoint.files.write_point``)
     step    decode step (1-based), training step, scoring micro-batch, or the rank's n-th
             write (1-based); absent: the first time the phase comes
     kind    raise (an exception: the normal error path), exit (the process ends with status

@@ -1,9 +1,11 @@
-"""Model families, found by ``model_type`` in one registry.
+"""The models, the layer between the parallel core and the jobs: the config (``config``), the
+tensor inventory (``tensors``), the split plan (``sharding``), the one decoder every family
+runs (``decoder``, ``attention``, ``kv_cache``, ``rope``), a model's text side
+(``tokenizer``, ``chat``), and the families, found by ``model_type`` in one registry (here).
 
 Each family module declares only how it differs from Llama (``family.Family``): the fields
 of its ``config.json`` it reads into the config's features, and its tensor names. The
-decoder (``hpcpar.model``), the split plan (``hpcpar.models.sharding``) and the programs follow the
-features and never name a family.
+decoder, the split plan and the programs follow the features and never name a family.
 
     llama    the reference
     mistral  sliding-window attention

@@ -6,7 +6,7 @@ renders it (``add_generation_prompt=True``), then tokenized without adding speci
 The template is kept at conversion: ``chat_template.jinja``, else the ``chat_template`` of
 ``tokenizer_config.json`` (a string, or named templates of which "default" is used). It is
 untrusted code from a model hub, so it runs in jinja2's immutable sandbox, bounded in time and
-size (``sandbox.py``: ``HPCPAR_TEMPLATE_SECONDS``, ``HPCPAR_TEMPLATE_MB``), with the helpers
+size (``chat_sandbox.py``: ``HPCPAR_TEMPLATE_SECONDS``, ``HPCPAR_TEMPLATE_MB``), with the helpers
 transformers gives templates (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
 non-ASCII text) and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...).
 

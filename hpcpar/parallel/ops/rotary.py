@@ -3,7 +3,7 @@
     rope(x, p) = x cos(p) + R(x) sin(p),    R([x1, x2]) = [-x2, x1]
 
 q (B, T, heads, d) and k (B, T, kv_heads, d) as the qkv GEMM leaves them (views are fine);
-cos and sin (B, T, 1, d) broadcast over the heads (``model.rope.RotaryEmbedding.tables``).
+cos and sin (B, T, 1, d) broadcast over the heads (``models.rope.RotaryEmbedding.tables``).
 R is orthogonal with R^T = -R, so the backward is dx = dy cos - R(dy sin).
 """
 
