@@ -14,10 +14,10 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from ..models.config import ModelConfig
+from ..models.tensors import stored_tensors
 from ..parallel.dtypes import FLOAT_DTYPES, float_dtype
 from ..parallel.errors import HpcparError
 from .files import OutputLock, check_output
-from ..models.tensors import stored_tensors
 from .format import TOKENIZER_FILES
 from .writer import CheckpointWriter
 
@@ -149,7 +149,7 @@ def check_tokenizer_files(hf_dir: Path) -> None:
     tokenizers library, the chat template is UTF-8 text that compiles (and the JSON it sits in
     parses). A damaged one is one error naming it; without it the model converts, for token
     ids (and text, without a chat template)."""
-    from ..models.chat import ChatTemplate            # the jobs' own readers
+    from ..models.chat import ChatTemplate  # the jobs' own readers
     from ..models.tokenizer import StoredTokenizer
     files = {n: (hf_dir / n).read_bytes() for n in TOKENIZER_FILES if (hf_dir / n).is_file()}
     fix = "; repair or download it again, or move it out of the folder to convert without it"

@@ -32,7 +32,6 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-
 from typing import Callable
 
 from ..parallel.errors import HpcparError
@@ -210,6 +209,7 @@ def output_kind(path: str | Path) -> str | None:
     """The kind of hpcpar output ``path`` holds ("generation", "scores", "checkpoint"), or
     None for any other file."""
     import h5py
+
     from .format import ATTR_VERSION
     if Path(path).suffix.lower() == ".jsonl":
         try:

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from ..models.config import ModelConfig
+from ..models.tensors import TensorSpec, stored_tensors
 from ..parallel.errors import HpcparError
 from .files import OutputLock, check_output
-from ..models.tensors import TensorSpec, stored_tensors
 from .writer import CheckpointWriter
 
 

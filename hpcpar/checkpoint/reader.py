@@ -18,14 +18,14 @@ from time import perf_counter
 import h5py
 import numpy as np
 
-from ..parallel.backend import NUMPY, ArrayBackend
 from ..models.config import ConfigError, ModelConfig
-from ..parallel.dtypes import FLOAT_DTYPES, dtype_name, nonfinite
-from ..parallel.errors import HpcparError
 from ..models.sharding import shard_of
 from ..models.tensors import TensorSpec, stored_tensors
-from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
-                     logical_dtype, storage_dtype)
+from ..parallel.backend import NUMPY, ArrayBackend
+from ..parallel.dtypes import FLOAT_DTYPES, dtype_name, nonfinite
+from ..parallel.errors import HpcparError
+from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP, logical_dtype,
+                     storage_dtype)
 
 
 class CheckpointError(HpcparError):

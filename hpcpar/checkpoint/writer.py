@@ -14,10 +14,11 @@ import h5py
 import numpy as np
 
 from ..models.config import ModelConfig
+from ..models.tensors import TensorSpec, stored_tensors
 from ..parallel.dtypes import dtype_name
 from ..parallel.errors import HpcparError
-from .files import (AtomicPath, WriteError, check_space, is_write_failure, quiet_deallocation, write_failure, write_point, writing)
-from ..models.tensors import TensorSpec, stored_tensors
+from .files import (AtomicPath, WriteError, check_space, is_write_failure, quiet_deallocation,
+                    write_failure, write_point, writing)
 from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
                      chunk_shape, storage_dtype, to_storage)
 

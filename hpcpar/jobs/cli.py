@@ -148,8 +148,8 @@ def _float_pair(text: str) -> tuple[float, ...]:
 
 def _train_flags(p) -> None:
     """The flags of ``train`` that ``generate`` does not have (``run`` takes both)."""
-    from ..parallel.pipeline.training_schedules import TRAINING_SCHEDULES
     from ..parallel.optim_settings import LR_SCHEDULES, OPTIMIZERS
+    from ..parallel.pipeline.training_schedules import TRAINING_SCHEDULES
     p.add_argument("--data", help="training data: .npy rows, .bin tokens or .jsonl")
     p.add_argument("--steps", type=int, help="total optimizer steps (counted from step 0)")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step")

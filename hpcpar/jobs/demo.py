@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checkpoint import open_checkpoint
 from ..models.config import ModelConfig
-
-from .layout import ParallelConfig
 from .generate import resolve_checkpoint, run_generation
 from .job import PRESET_PREFIX, DataSection, GenerateSection, Job, ModelSection, ParallelSection
-from ..checkpoint import open_checkpoint
 from .launch import everyone
+from .layout import ParallelConfig
 
 DEMO_CHECKPOINT = PRESET_PREFIX + "tiny"
 

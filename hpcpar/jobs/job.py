@@ -30,10 +30,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from . import settings
-from .layout import ParallelConfig
 from ..parallel.errors import HpcparError
 from ..parallel.optim_settings import OptimizerSettings
+from . import settings
+from .layout import ParallelConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -12,15 +12,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..models.config import ModelConfig
-
-from .job import TrainSection
-from .layout import ParallelConfig
 from ..models.kv_cache import kv_cache_bytes
+from ..models.sharding import shard_of
+from ..models.tensors import layer_tensors, stage_tensors
 from ..parallel.context import ContextShard
 from ..parallel.pipeline.partition import stage_layers
 from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
-from ..models.sharding import shard_of
-from ..models.tensors import layer_tensors, stage_tensors
+from .job import TrainSection
+from .layout import ParallelConfig
 
 
 @dataclass(frozen=True)

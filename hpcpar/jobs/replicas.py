@@ -27,9 +27,8 @@ from typing import Callable
 import numpy as np
 
 from ..parallel.comm import Request
-from .layout import ParallelConfig
 from .launch import phase
-from .layout import MeshCoords, rank_of
+from .layout import MeshCoords, ParallelConfig, rank_of
 
 TAG_REPLICA = 14            # owner -> rank 0: [final, body...]
 TAG_ALIVE = 15              # rank 0 -> waiting ranks: [0] a ping, [1] the release

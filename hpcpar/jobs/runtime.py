@@ -18,15 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint import init_checkpoint
 from ..parallel.backend import NUMPY, ArrayBackend, select_backend
 from ..parallel.comm import CommStats, Communicator, create_communicator
-from .layout import ParallelConfig
-from ..checkpoint import init_checkpoint
+from ..parallel.mesh import Mesh
 from .job import PRESET_PREFIX, Job
 from .launch import everyone, local_rank, phase, set_board, set_location
+from .layout import ParallelConfig, describe_rank, grad_axes, job_mesh
 from .settings import environment_value
-from ..parallel.mesh import Mesh
-from .layout import describe_rank, grad_axes, job_mesh
 from .watchdog import ActionBoard
 
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..parallel.environment import (ENVIRONMENT, POSITIVE, SEED, SEED_LIMIT, YES_NO, Choice,
-                                    Count, Pipe, Range, Text, declare, environment_number,
-                                    environment_value, parse_environment)
+from ..parallel.environment import (ENVIRONMENT, POSITIVE, SEED, SEED_LIMIT, YES_NO, Choice, Count,
+                                    Pipe, Range, Text)
 from ..parallel.environment import check_environment as _check_environment
+from ..parallel.environment import (declare, environment_number, environment_value,
+                                    parse_environment)
 from ..parallel.environment import problem as _problem
 from ..parallel.optim_settings import OPTIMIZER_RULES
 from . import faults  # noqa: F401  (declares HPCPAR_FAULT)

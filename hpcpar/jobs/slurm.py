@@ -141,8 +141,8 @@ def check_layout(job, world_size: int, training: bool) -> None:
     """The job's layout on ``world_size`` ranks, with the errors a run would give."""
     from ..checkpoint import open_checkpoint, preset_config
     from ..models.config import ConfigError, ModelConfig
-    from .job import PRESET_PREFIX
     from ..parallel.pipeline.training_schedules import micro_batch_problems
+    from .job import PRESET_PREFIX
     spec = job.model.checkpoint
     if spec.startswith(PRESET_PREFIX):
         name = spec[len(PRESET_PREFIX):]

@@ -63,7 +63,7 @@ def _turned_on() -> bool:
     """``HPCPAR_SUPERVISE`` (settings' table): 0 turns the keeper off. A bad value keeps it
     on here; the rank reports it as it checks every variable, before any work."""
     from ..parallel.errors import HpcparError
-    from .settings import environment_value      # standard library only, as this module
+    from .settings import environment_value  # standard library only, as this module
     try:
         return environment_value("HPCPAR_SUPERVISE") != "0"
     except HpcparError:

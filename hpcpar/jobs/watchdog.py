@@ -29,8 +29,8 @@ import time
 import numpy as np
 
 from ..parallel.errors import Stopped
-from .layout import describe_rank
 from ..parallel.pipeline.schedule import Action, Op
+from .layout import describe_rank
 
 FIELDS = 9      # world rank, op code (-1: none), mb, step, peer (-1), chunk, since (ms), state
                 # (IN_ACTION, WAITING: for the other replicas, else: neither), process id
@@ -206,6 +206,7 @@ _STOP_TAG = 8
 def _node_comm(world):
     """The ranks that share this rank's memory (``HPCPAR_FAKE_NODES``: blocks of the world)."""
     from mpi4py import MPI
+
     from .settings import environment_value
     fake = environment_value("HPCPAR_FAKE_NODES", world.Get_size())
     if fake is not None:

@@ -22,8 +22,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from ..parallel.errors import HpcparError
 from ..parallel.environment import Range, declare, environment_number
+from ..parallel.errors import HpcparError
 from .chat_sandbox import LimitedSandbox, RenderLimit
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",

@@ -27,17 +27,16 @@ import numpy as np
 
 from ..parallel.backend import host_array
 from ..parallel.comm import Communicator
-from .config import ModelConfig
+from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear, column_parallel,
+                               frozen_matrix, row_parallel)
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
-from .tensors import TensorSpec
-from .attention import Attention
-from .kv_cache import KVCache, kv_cache_bytes
-from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear,
-                              column_parallel, frozen_matrix, row_parallel)
 from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
+from .attention import Attention
+from .config import ModelConfig
+from .kv_cache import KVCache, kv_cache_bytes
 from .rope import RotaryEmbedding
-
+from .tensors import TensorSpec
 
 # Positions per pass of a long prefill: one chunk's activations stay in a CPU's caches (the
 # MLP's of 8192 positions are 150 MB), and GEMMs of 1024 rows still run at the BLAS's peak.

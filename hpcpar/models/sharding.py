@@ -21,9 +21,9 @@ from enum import Enum
 
 import numpy as np
 
-from .config import ModelConfig
 from ..parallel import splits as core_split
 from ..parallel.splits import ShardingError, padded_vocab_size, vocab_range
+from .config import ModelConfig
 from .tensors import TensorSpec
 
 

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .errors import HpcparError
 from .dtypes import accumulator
+from .errors import HpcparError
 from .ops.attention import AttentionRows, at_positions
 from .ops.tiled_attention import TiledAttention, grouped_heads, merge
 

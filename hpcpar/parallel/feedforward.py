@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 
 from .comm.agreement import trusted
-from .errors import HpcparError
 from .darray import DArray
-from .sharded_matmul import matmul_backward, matmul_forward
+from .errors import HpcparError
 from .placement import Replicate, Shard
+from .sharded_matmul import matmul_backward, matmul_forward
 
 FFN_POLICIES = ("megatron", "allgather", "sequence")
 

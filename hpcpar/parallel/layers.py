@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import splits
 from .comm import Communicator
 from .errors import HpcparError
-from .ops import Ops, native_ops
-from . import splits
 from .mappings import CopyToGroup, ReduceFromGroup
+from .ops import Ops, native_ops
 from .params import GradSink, Parameter, join
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .backend import NUMPY, ArrayBackend
-from .comm import Communicator, CommStats, create_communicator
+from .comm import CommStats, Communicator, create_communicator
 from .comm.agreement import ERROR, Check, active, agree_mpi
 from .comm.failfast import abort_on_uncaught_exceptions
 from .errors import HpcparError

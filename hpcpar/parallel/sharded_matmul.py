@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .comm.agreement import trusted
-from .errors import HpcparError
 from .darray import DArray
+from .errors import HpcparError
 from .pieces import attempt, given_key, normalize_placements, placements_text
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import even_sizes
@@ -385,7 +385,8 @@ def _matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements, db_placements):
 def communication(a: DArray, b: DArray, policy: str | None = None, axis=None,
                   out=None) -> list[str]:
     """The collectives ``matmul`` would run, as text (pure: nothing is sent)."""
-    from .redistribute import COMMUNICATING, plan as steps_of
+    from .redistribute import COMMUNICATING
+    from .redistribute import plan as steps_of
     p, sizes, names = _plan(a, b, policy, axis, out), a.mesh.sizes, a.mesh.axis_names
     steps = [("A", steps_of(a.shape, sizes, a.placements, p.a_in)),
              ("B", steps_of(b.shape, sizes, b.placements, p.b_in)),

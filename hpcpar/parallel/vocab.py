@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import splits
 from .comm import Communicator
 from .dtypes import at_least_float32
 from .errors import HpcparError
-from .ops import Ops, embedding_lookup, native_ops
-from . import splits
 from .layers import keep_slice, named_of, product, sink_or_new, weight_grads
 from .mappings import CopyToGroup, ReduceFromGroup
+from .ops import Ops, embedding_lookup, native_ops
 from .params import Parameter
 
 

@@ -1,7 +1,7 @@
 """Batch generation: prompts, micro-batches, the per-stage program, sampling, output."""
 
-from .engine import GenerationResult, run_generation
 from ..runtime import cache_dir, resolve_checkpoint
+from .engine import GenerationResult, run_generation
 from .prompts import PromptError, Prompts, load_prompts, random_prompts
 from .sampling import SamplingParams
 

@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..faults import fault_point
-from ...models.kv_cache import CacheRows
 from ...models.decoder import DecoderStage
-from ...parallel.ops import AttentionRows
+from ...models.kv_cache import CacheRows
 from ...parallel.context import SplitKV, split_batch
+from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
-from .schedule import generation
+from ..faults import fault_point
 from .batching import MicroBatch
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
 from .sampling import next_tokens
+from .schedule import generation
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default

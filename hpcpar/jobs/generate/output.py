@@ -22,8 +22,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ...checkpoint.files import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_space,
+                                 quiet_deallocation, remove_stale_temporaries, reserve,
+                                 write_point, writing)
 from ...parallel.errors import HpcparError
-from ...checkpoint.files import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_space, quiet_deallocation, remove_stale_temporaries, reserve, write_point, writing)
 
 
 def unpad_into(logits, mb, full: np.ndarray) -> None:

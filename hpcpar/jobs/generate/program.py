@@ -16,11 +16,11 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from ..faults import fault_point
 from ...models.decoder import DecoderStage
-from ...parallel.ops import AttentionRows
 from ...parallel.context import ContextShard, SplitKV, last_states, split_batch
+from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
+from ..faults import fault_point
 from .batching import MicroBatch, replica_order
 from .sampling import PromptSampling, SamplingParams, next_tokens
 from .stopping import StopStrings

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ...models.chat import check_messages, one_line, unicode_problem
 from ...models.config import ModelConfig
+from ...models.tokenizer import StoredTokenizer
 from ...parallel.errors import HpcparError
 from ..settings import problem
-from ...models.chat import check_messages, one_line, unicode_problem
 from .sampling import PromptSampling, SamplingParams
-from ...models.tokenizer import StoredTokenizer
 
 
 class PromptError(HpcparError):

@@ -11,9 +11,8 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from ..layout import ParallelConfig
-from ..layout import by_stage
 from ...parallel.pipeline.schedule import bubble_fraction
+from ..layout import ParallelConfig, by_stage
 
 
 @dataclass

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import settings
 from ...parallel.errors import HpcparError
+from .. import settings
 
 
 @dataclass(frozen=True)

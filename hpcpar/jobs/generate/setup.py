@@ -10,20 +10,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...checkpoint import Checkpoint, load_shard
+from ...models.decoder import DecoderStage
+from ...models.tensors import stage_tensors
+from ...models.tokenizer import StoredTokenizer
 from ...parallel.comm import CommStats
-from ..layout import ParallelConfig
 from ...parallel.errors import HpcparError
+from ...parallel.mesh import Mesh
+from ...parallel.ops import ops_for
+from ...parallel.pipeline.partition import stage_layers
 from ..faults import fault_point
 from ..job import Job
 from ..launch import everyone, phase
-from ...parallel.mesh import Mesh
-from ...models.decoder import DecoderStage
-from ...parallel.ops import ops_for
-from ...parallel.pipeline.partition import stage_layers
+from ..layout import ParallelConfig
 from ..runtime import close_runtime, open_runtime
-from ...models.tensors import stage_tensors
 from ..watchdog import ActionBoard
-from ...models.tokenizer import StoredTokenizer
 
 
 def eos_ids(ckpt: Checkpoint) -> tuple[int, ...]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...parallel.errors import HpcparError
 from ...models.chat import unicode_problem
 from ...models.tokenizer import StoredTokenizer
+from ...parallel.errors import HpcparError
 
 FINISH_REASONS = ("eos", "stop", "length")
 

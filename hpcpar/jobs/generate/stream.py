@@ -18,7 +18,6 @@ from ..layout import ParallelConfig
 from ..replicas import ReplicaChannel
 from ..settings import environment_number
 
-
 Receive = Callable[[np.ndarray, np.ndarray, np.ndarray], None]   # (prompts, tokens, lengths)
 
 

@@ -17,12 +17,12 @@ from typing import Callable
 
 import numpy as np
 
-from ..faults import fault_point
-from ..generate.batching import MicroBatch
 from ...models.decoder import DecoderStage
-from ...parallel.vocab import VocabParallelCrossEntropy
 from ...parallel.context import ContextShard, split_batch
 from ...parallel.pipeline.schedule import Action
+from ...parallel.vocab import VocabParallelCrossEntropy
+from ..faults import fault_point
+from ..generate.batching import MicroBatch
 
 # float32 logits of one block of positions, per rank (the head's output is [rows, block,
 # vocab/tp]): about 256 MiB, 512 positions of 16 rows of a 128k vocabulary at tp 1

@@ -23,12 +23,12 @@ import h5py
 import numpy as np
 
 from ...checkpoint import Checkpoint, CheckpointError, load_shard, open_checkpoint
-from ...checkpoint.format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION,
-                                 TOKENIZER_GROUP, chunk_shape)
-from ...parallel.errors import HpcparError
 from ...checkpoint.files import check_space, reserve, write_point, write_text, writing
+from ...checkpoint.format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION,
+                                  TOKENIZER_GROUP, chunk_shape)
 from ...models.sharding import shard_of
 from ...models.tensors import model_tensors, stored_tensors
+from ...parallel.errors import HpcparError
 from .params import Param
 
 TRAIN_GROUP = "train"

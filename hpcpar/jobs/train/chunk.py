@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...parallel.comm import Communicator
 from ...models.config import ModelConfig
 from ...models.decoder import DecoderStage
+from ...parallel.comm import Communicator
 from ...parallel.context import ContextShard
-from ...parallel.vocab import VocabParallelCrossEntropy
 from ...parallel.ops import AttentionRows, Ops
+from ...parallel.vocab import VocabParallelCrossEntropy
 from .memory import activation_bytes
 from .params import GradSink, Param
 

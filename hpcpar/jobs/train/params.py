@@ -18,10 +18,10 @@ elements decides the global gradient norm, so it is decided here, once:
 from __future__ import annotations
 
 from ...models.config import ModelConfig
-from ...parallel.params import GradSink, Parameter
-from ...parallel.splits import unit_replicas
 from ...models.sharding import Split, split_of
 from ...models.tensors import EMBED, TensorSpec
+from ...parallel.params import GradSink, Parameter
+from ...parallel.splits import unit_replicas
 
 PER_HEAD_NORMS = ("q_norm", "k_norm")       # one weight every head reads, heads split over tp
 

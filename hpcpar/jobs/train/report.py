@@ -17,13 +17,11 @@ from time import perf_counter
 
 import numpy as np
 
-from ...models.config import ModelConfig
-
-from ..layout import ParallelConfig
-from ..layout import by_stage
 from ...checkpoint.files import write_point, write_text, writing
-from ...parallel.pipeline.training_schedules import bubble_formula
+from ...models.config import ModelConfig
 from ...models.tensors import EMBED, model_tensors
+from ...parallel.pipeline.training_schedules import bubble_formula
+from ..layout import ParallelConfig, by_stage
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -10,18 +10,18 @@ from pathlib import Path
 import numpy as np
 
 from ...checkpoint import Checkpoint
-from ..layout import ParallelConfig
+from ...checkpoint.files import check_output, check_space
 from ...parallel.dtypes import float_dtype
 from ...parallel.errors import HpcparError
-from ..generate.setup import load_tokenizer
-from ..job import Job
-from ...parallel.pipeline.partition import stage_layers
-from ...parallel.pipeline.training_schedules import micro_batch_problems
-from ...checkpoint.files import check_output, check_space
-from . import checkpoint as tc
-from .data import Dataset, load_dataset
 from ...parallel.optim import STATE_NAMES
 from ...parallel.optim_settings import OptimizerSettings
+from ...parallel.pipeline.partition import stage_layers
+from ...parallel.pipeline.training_schedules import micro_batch_problems
+from ..generate.setup import load_tokenizer
+from ..job import Job
+from ..layout import ParallelConfig
+from . import checkpoint as tc
+from .data import Dataset, load_dataset
 
 RECOMPUTE = ("none", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")

@@ -30,7 +30,8 @@ from .base import Communicator, Request
 def cuda_aware() -> tuple[bool, str]:
     """Whether this MPI takes device pointers, and why (``HPCPAR_CUDA_AWARE`` overrides)."""
     import mpi4py
-    from ..environment import environment_value       # auto, 1 or 0, checked
+
+    from ..environment import environment_value  # auto, 1 or 0, checked
     return choice.cuda_aware(environment_value("HPCPAR_CUDA_AWARE"), library_cuda_support(),
                              mpi4py.__version__)
 

@@ -26,14 +26,14 @@ from __future__ import annotations
 from .attention import Attention, AttentionRows
 from .cross_entropy import CrossEntropy
 from .embedding import embedding_lookup
+from .geglu import GeGLU
 from .kv_write import KVWrite
 from .linear import Linear, linear, linear_input_grad
 from .rms_norm import RMSNorm
 from .rotary import Rotary
 from .swiglu import SwiGLU
-from .geglu import GeGLU
-from .top_k import TopK
 from .table import Ops, native_ops
+from .top_k import TopK
 
 
 def ops_for(backend, cp=None) -> Ops:

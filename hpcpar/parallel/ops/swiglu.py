@@ -8,7 +8,6 @@ gate and up may be views of the merged gate/up GEMM's output.
 
 from __future__ import annotations
 
-
 CACHE_ELEMENTS = 1 << 16       # a block's temporaries fit a core's L2 with room to spare
 
 

@@ -29,8 +29,8 @@ from ..backend import DeviceClock
 from ..comm import Communicator, Request
 from ..dtypes import bfloat16
 from ..errors import CommError, HpcparError
-from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode,
-                       encode, simulate)
+from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode, encode,
+                       simulate)
 
 HEADER_WORDS = 5                    # op, micro-batch, step, chunk, flags
 HEADER_BYTES = HEADER_WORDS * 8

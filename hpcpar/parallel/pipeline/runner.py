@@ -28,14 +28,13 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .. import splits, waits
 from ..comm import Communicator
 from ..errors import HpcparError, PeerFailed
-from .. import waits
-from .. import splits
 from ..params import join, named_parameters
 from .executor import PipelineExecutor
 from .schedule import Action, Op, gpipe_forward
-from .training_schedules import (bubble_formula, micro_batch_problems, training_schedule)
+from .training_schedules import bubble_formula, micro_batch_problems, training_schedule
 
 
 @dataclass
