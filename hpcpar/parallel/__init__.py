@@ -8,20 +8,26 @@ same program). See the README's "Use it as a library" and its reference section.
     w = hp.DArray.from_full(weight, mesh, {"tp": hp.Shard(1)})
     y = hp.matmul(x, w)                      # the policy follows from the placements
 
+The bottom layer of hpcpar: nothing in it names a model or a job (``tests/test_layers.py``).
 The pieces, one module each: ``mesh`` (named axes, groups), ``placement`` (Shard /
-Replicate / Partial), ``splits`` (the split rules), ``darray`` and ``redistribute``
-(distributed arrays), ``sharded_matmul`` and ``feedforward`` (sharded products under named
-policies), ``context`` (context parallelism: a sequence split over a cp group, ring
-attention), ``mappings`` (Megatron's f and g), ``layers`` (column-, row- and vocabulary-parallel
-layers), ``params``, ``data_parallel`` and ``optim`` (parameters, gradient buckets,
-SGD/AdamW), and ``hpcpar.parallel.pipeline`` (schedules as data, and the executor that runs stage
-functions).
+Replicate / Partial), ``splits`` (the split rules), ``pieces`` (where each rank's piece
+lies), ``darray`` and ``redistribute`` (distributed arrays), ``sharded_matmul`` and
+``feedforward`` (sharded products under named policies), ``context`` (context parallelism: a
+sequence split over a cp group, ring attention), ``mappings`` (Megatron's f and g),
+``layers`` and ``vocab`` (column-, row- and vocabulary-parallel layers), ``params``,
+``data_parallel``, ``optim`` and ``optim_settings`` (parameters, gradient buckets,
+SGD/AdamW); and below them ``comm`` (collectives and messages over MPI or NCCL),
+``pipeline`` (schedules as data, and the executor that runs stage functions), ``ops`` (the
+per-device math, a NumPy reference and a CUDA kernel per op), ``backend`` and ``strict``
+(NumPy, CuPy, a pretend device), ``dtypes``, ``waits`` (bounded waits), ``errors`` and
+``environment`` (checked numbers and ``HPCPAR_*`` variables).
 """
 
 from importlib import import_module
 
-# Names load on first use (PEP 562): the pure modules (``splits``, ``placement``) that the
-# configuration and the Llama split plan import stay free of MPI and the array backends.
+# Names load on first use (PEP 562): the pure modules (``splits``, ``placement``,
+# ``environment``) that the models' config and split plan and the jobs' settings import stay
+# free of MPI and the array backends.
 _HOME = {
     ".comm": ("Communicator", "Request", "create_communicator"),
     ".comm.agreement": ("Disagreement",),
