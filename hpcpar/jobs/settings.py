@@ -8,19 +8,18 @@ variable; whichever it came from, it is checked here, before any work, against o
     ENVIRONMENT["HPCPAR_SAVE_SECONDS"]   a finite number >= 0 (0: at every step)
 
 The rule types, the variable table and its reading are the core's (``parallel.environment``);
-this module declares the jobs' variables, and its ``check_environment`` first imports the
-layers that declare theirs, so it knows every one.
+this module declares the jobs' variables and imports the modules that declare the others
+(``models.render_limits``, ``faults``), so its table holds every one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..parallel.environment import (ENVIRONMENT, POSITIVE, SEED, SEED_LIMIT, YES_NO, Choice, Count,
-                                    Pipe, Range, Text)
-from ..parallel.environment import check_environment as _check_environment
-from ..parallel.environment import (declare, environment_number, environment_value,
-                                    parse_environment)
+from ..models import render_limits  # noqa: F401  (declares the chat templates' variables)
+from ..parallel.environment import (ENVIRONMENT, POSITIVE, SEED, SEED_LIMIT, YES_NO, Choice,
+                                    Count, Pipe, Range, Text, check_environment, declare,
+                                    environment_number, environment_value, parse_environment)
 from ..parallel.environment import problem as _problem
 from ..parallel.optim_settings import OPTIMIZER_RULES
 from . import faults  # noqa: F401  (declares HPCPAR_FAULT)
@@ -81,10 +80,3 @@ def problems(section: str, values: dict[str, Any]) -> list[str]:
     """Every out-of-range value of a job section (or of any object's fields named as it)."""
     return [p for key, value in values.items()
             if (p := problem(f"{section}.{key}", value)) is not None]
-
-
-def check_environment(world_size: int | None = None) -> None:
-    """Every ``HPCPAR_*`` variable that is set, read now (``parallel.environment``), with
-    every layer's variables declared."""
-    from ..models import chat  # noqa: F401  (declares the chat templates' variables)
-    _check_environment(world_size)

@@ -22,21 +22,12 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from ..parallel.environment import Range, declare, environment_number
 from ..parallel.errors import HpcparError
 from .chat_sandbox import LimitedSandbox, RenderLimit
+from .render_limits import template_limits
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                   "cls_token", "mask_token")
-
-declare({
-    "HPCPAR_TEMPLATE_SECONDS": (Range(0, note=(
-        "seconds a chat template may render one conversation for; 0: no limit")), 5.0),
-    "HPCPAR_TEMPLATE_MB": (Range(0, note=(
-        "MB of text or of any value a chat template may build for one conversation; 0: no "
-        "limit")), 4.0),
-})
-
 
 class ChatError(HpcparError):
     pass
@@ -68,12 +59,6 @@ def one_line(e: BaseException, limit: int = 200) -> str:
     text = (text.strip().splitlines() or [type(e).__name__])[0]
     text = text if len(text) <= limit else text[:limit] + "..."
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def template_limits() -> tuple[float, int]:
-    """The seconds and characters one conversation's rendering may take (0: no limit)."""
-    return (environment_number("HPCPAR_TEMPLATE_SECONDS"),
-            int(environment_number("HPCPAR_TEMPLATE_MB") * 1e6))
 
 
 class ChatTemplate:
