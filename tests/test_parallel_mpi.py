@@ -11,6 +11,7 @@ and rounds at each step). Redistribution only moves data: it is exact in every d
 
 import itertools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -181,6 +182,30 @@ def test_inner_policy_outputs_on_request(comm):
         y = hp.matmul(a, b, out=out)
         assert y.placements == tuple(out)
         np.testing.assert_allclose(host(mesh, y.full()), a_full @ b_full, rtol=1e-12)
+
+
+def test_one_placement_alone_places_on_a_one_axis_mesh_and_is_one_error_on_more(comm):
+    """``out=Shard(0)`` as the policy table reads: on a mesh of one axis it is that axis'
+    placement; on more axes (which one?) and for what is no placement at all, one
+    ``PlacementError`` on every rank, not a TypeError."""
+    n = comm.Get_size()
+    rng = np.random.default_rng(4)
+    a_full, b_full = rng.standard_normal((2 * n, 8)), rng.standard_normal((8, 3))
+    line = hp.Mesh(comm, {"x": n}, backend=backend(), timeout=60)
+    a = hp.DArray.from_full(a_full, line, S1)
+    b = hp.DArray.from_full(b_full, line, S0)
+    y = hp.matmul(a, b, out=S0)
+    assert y.placements == (S0,)
+    np.testing.assert_allclose(host(line, y.full()), a_full @ b_full, rtol=1e-12)
+    grid = hp.Mesh(comm, {"dp": 1, "tp": n}, backend=backend(), timeout=60)
+    a = hp.DArray.from_full(a_full, grid, {"tp": S1})
+    b = hp.DArray.from_full(b_full, grid, {"tp": S0})
+    for bad, words in [(S0, "one placement, Shard(0), for a mesh of axes ['dp', 'tp']"),
+                       (P, "such as {'tp': Partial()}"), (5, "placements 5: give one per")]:
+        with pytest.raises(hp.PlacementError, match=re.escape(words)):
+            hp.matmul(a, b, out=bad)
+        with pytest.raises(hp.PlacementError, match=re.escape(words)):
+            hp.DArray.from_full(a_full, grid, bad)
 
 
 @pytest.mark.parametrize("policy", hp.FFN_POLICIES)

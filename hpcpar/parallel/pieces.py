@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .comm.agreement import dtype_name
 from .errors import HpcparError
@@ -22,7 +22,18 @@ class PlacementError(HpcparError):
 
 def normalize_placements(mesh: Mesh, placements, ndim: int) -> tuple[Placement, ...]:
     """One placement per mesh axis: from a sequence in axis order, or a mapping by axis
-    name whose missing axes are ``Replicate()``. Pure: remembered for hashable input."""
+    name whose missing axes are ``Replicate()``; one placement alone on a mesh of one axis.
+    Pure: remembered for hashable input."""
+    if isinstance(placements, (Shard, Replicate, Partial)):
+        if len(mesh.axis_names) != 1:
+            example = {mesh.axis_names[-1]: placements}
+            raise PlacementError(f"one placement, {placements!r}, for a mesh of axes "
+                                 f"{list(mesh.axis_names)}: give one per axis, or a dict by "
+                                 f"axis name such as {example}")
+        placements = [placements]
+    elif not isinstance(placements, Iterable) or isinstance(placements, str):
+        raise PlacementError(f"placements {placements!r}: give one per mesh axis (a list) or a "
+                             f"dict by axis name, such as {{{mesh.axis_names[-1]!r}: Shard(0)}}")
     named = isinstance(placements, dict) or (not isinstance(placements, (list, tuple))
                                              and isinstance(placements, Mapping))
     key = tuple(placements.items()) if named else tuple(placements)
@@ -107,6 +118,8 @@ def placements_text(placements) -> str:
     """Placements as the ranks compare them: a dict by axis name, or a list in axis order."""
     if isinstance(placements, Mapping):
         return repr(sorted((str(k), repr(v)) for k, v in placements.items()))
+    if not isinstance(placements, Iterable) or isinstance(placements, str):
+        return repr(placements)                       # (bad input, reported once agreed)
     return repr([repr(p) for p in placements])
 
 
