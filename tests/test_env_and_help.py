@@ -264,7 +264,7 @@ def test_every_command_is_in_the_readme_block():
 
 
 @pytest.mark.parametrize("command", sorted(["demo", "generate", "score", "train", "plan",
-                                            "convert", "init", "submit", "run"]))
+                                            "convert", "export", "init", "submit", "run"]))
 def test_each_commands_help_and_the_readme_block_have_the_same_flags(command):
     parsers = _subparsers()
     text = _readme_commands()[command]

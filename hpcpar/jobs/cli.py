@@ -11,6 +11,7 @@
                  --out DIR [...]
     python -m hpcpar plan [JOB.toml] [--checkpoint C.h5 | --preset NAME] [--world N] [...]
     python -m hpcpar convert HF_DIR OUT.h5 [--dtype float32|float16|bfloat16]
+    python -m hpcpar export CKPT.h5 DIR [--dtype ...] [--shard-size 5GB]
     python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
     python -m hpcpar submit JOB.toml [--nodes N --ranks-per-node R ...]
 
@@ -18,7 +19,8 @@ Every command's flags: ``python -m hpcpar COMMAND --help``, and the README's "Co
 (``tests/test_env_and_help.py`` keeps the two equal).
 
 Every rank parses the same arguments and validates the same inputs; problems are agreed on
-and printed once (see ``hpcpar.jobs.launch``). Serial commands (convert, init, plan) run on rank 0.
+and printed once (see ``hpcpar.jobs.launch``). Serial commands (convert, export, init, plan) run on
+rank 0.
 """
 
 from __future__ import annotations
@@ -185,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     for command in (_demo_command, _run_command, _generate_command, _score_command,
                     _train_command, _submit_command, _plan_command, _convert_command,
-                    _init_command):
+                    _export_command, _init_command):
         command(sub)
     return p
 
@@ -310,6 +312,17 @@ def _convert_command(sub) -> None:
                       help="storage dtype (default: the weights' own)")
 
 
+def _export_command(sub) -> None:
+    from ..checkpoint.export import SAFETENSORS_DTYPES
+    export = sub.add_parser("export", help="HDF5 checkpoint -> Hugging Face folder")
+    export.add_argument("checkpoint", type=Path, help="a checkpoint (a training one too)")
+    export.add_argument("out", type=Path, help="the folder to write (new, or empty)")
+    export.add_argument("--dtype", choices=list(SAFETENSORS_DTYPES),
+                        help="the weights' dtype (default: the checkpoint's own)")
+    export.add_argument("--shard-size", default="5GB",
+                        help="largest safetensors file, as transformers' max_shard_size")
+
+
 def _init_command(sub) -> None:
     from ..checkpoint import PRESETS
     from ..parallel.dtypes import FLOAT_DTYPES
@@ -378,6 +391,8 @@ def _main(argv) -> int:
         from ..checkpoint import convert
         return _on_rank0(comm, f"converting {args.hf_dir}",
                          _wrote(args.out, lambda: convert(args.hf_dir, args.out, args.dtype)))
+    if command == "export":
+        return _on_rank0(comm, f"exporting {args.checkpoint}", lambda: _export(args))
     if command == "init":
         from ..checkpoint import init_checkpoint
         from ..parallel.dtypes import float_dtype
@@ -385,6 +400,15 @@ def _main(argv) -> int:
             args.out, lambda: init_checkpoint(args.out, args.preset, args.seed,
                                               float_dtype(args.dtype))))
     raise AssertionError(command)
+
+
+def _export(args) -> None:
+    from ..checkpoint.export import export, parse_size
+    start = time.perf_counter()
+    files = export(args.checkpoint, args.out, args.dtype, parse_size(args.shard_size))
+    size = sum(f.stat().st_size for f in files)
+    print(f"wrote {args.out} ({len(files)} files, {size / 1e6:.1f} MB) in "
+          f"{time.perf_counter() - start:.1f} s")
 
 
 def _submit(args) -> None:
