@@ -243,7 +243,7 @@ def _readme_commands() -> dict[str, str]:
 
 
 def _subparsers():
-    from hpcpar.jobs.cli import build_parser
+    from hpcpar.jobs.parser import build_parser
     parser = build_parser()
     action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
     return action.choices

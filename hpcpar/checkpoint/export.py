@@ -69,7 +69,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None
     ckpt = open_checkpoint(checkpoint)
     out_dir = Path(out_dir)
     target = float_dtype(dtype) if dtype else np.dtype(ckpt.dtype)
-    _check_target(out_dir, ckpt)
+    _check_target(out_dir)
     entries = [_Entry(s.name, tuple(s.shape), int(np.prod(s.shape)) * target.itemsize)
                for s in stored_tensors(ckpt.config)]
     shards = _shards(entries, shard_size)
@@ -90,15 +90,13 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None
     return [out_dir / p.name for p in written]
 
 
-def _check_target(out_dir: Path, ckpt: Checkpoint) -> None:
+def _check_target(out_dir: Path) -> None:
+    """A new folder, or an empty one (so it cannot hold the checkpoint either)."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise HpcparError(f"{out_dir} exists and is not an empty folder; export writes a new "
                           "folder: remove it or choose another name")
     if not out_dir.parent.is_dir():
         raise HpcparError(f"output folder {out_dir.parent} does not exist; create it first")
-    if Path(ckpt.path).resolve().parent == out_dir.resolve():
-        raise HpcparError(f"the checkpoint {ckpt.path} lies inside the output {out_dir}; "
-                          "choose another output")
 
 
 def _shards(entries: list[_Entry], shard_size: int) -> list[list[_Entry]]:

@@ -1,6 +1,7 @@
 """A generation job from start to end, on every rank of ``comm``, on the job skeleton.
 
-    validate (agreed by every rank) -> mesh and communicators -> load this rank's slices
+    validate (agreed by every rank, ``generate.plan``) -> mesh and communicators -> load this
+    rank's slices
     -> for each wave: split its prompts over replicas and micro-batches -> pre-flight check
     of the schedule -> run the pipeline -> finished rows to rank 0 and the output as they
     finish -> collect on rank 0 -> report -> write output
@@ -8,8 +9,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import resource
 from dataclasses import dataclass, replace
 from functools import partial
@@ -18,11 +17,6 @@ from time import perf_counter
 
 import numpy as np
 
-from ...checkpoint import Checkpoint
-from ...checkpoint.files import check_output
-from ...models.chat import ChatTemplate
-from ...parallel.dtypes import dtype_name, float_dtype
-from ...parallel.errors import HpcparError
 from ...parallel.pipeline.executor import PipelineExecutor
 from ..faults import fault_point
 from ..job import Job
@@ -33,14 +27,14 @@ from ..skeleton import JobRun
 from .batching import micro_batches, replica_rows
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .output import JsonLines, PartialOutput, RunShape, unpad_into
-from .program import GenerationProgram, GenerationSettings, RowRules, any_rank
+from .plan import GenerationPlan, describe_row, fingerprint, validate
+from .program import GenerationProgram, RowRules, any_rank
 from .progress import Progress
-from .prompts import Prompts, check_prompts, load_prompts, random_prompts
+from .prompts import Prompts
 from .report import RankFigures, RunReport
-from .sampling import PromptSampling, SamplingParams
 from .schedule import generation
-from .setup import eos_ids, load_tokenizer, open_stage
-from .stopping import StopStrings, decode_rows, finish_reasons
+from .setup import open_stage
+from .stopping import decode_rows, finish_reasons
 from .stream import FinishedRows, save_interval
 
 TAG_LOGITS = 13
@@ -59,88 +53,6 @@ class GenerationResult:
     finish_reasons: list[str]             # eos or length, by prompt
 
 
-@dataclass
-class _Plan:
-    layout: ParallelConfig
-    dtype: np.dtype
-    settings: GenerationSettings
-    prompts: Prompts
-    tokenizer: object
-    limits: np.ndarray                 # each prompt's max_new_tokens
-    sampling: PromptSampling           # each prompt's sampling settings
-    eos: tuple[int, ...]               # every id that ends a row
-    stops: StopStrings | None          # each prompt's stop strings (None: no prompt has any)
-
-
-def _validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> _Plan:
-    cfg = ckpt.config
-    layout = job.parallel.layout(world_size)
-    layout.check(cfg, world_size)
-    if layout.schedule != "gpipe":
-        raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
-                          "runs the 'gpipe' forward schedule")
-    gen = job.generate
-    if layout.cp > 1 and gen.save_logits:
-        raise HpcparError(f"cp {layout.cp} with --save-logits: the prompt logits of a prompt "
-                          "split over cp are not gathered; drop one of them")
-    if layout.cp > 1 and cfg.sliding_window is not None:
-        raise HpcparError(f"cp {layout.cp}: a KV cache split over cp holds no window of "
-                          f"positions, and this model attends a sliding window of "
-                          f"{cfg.sliding_window}; generate it without --cp")
-    sampling = SamplingParams(gen.temperature, gen.top_k, gen.top_p, gen.seed)
-    sampling.check()
-    if gen.batching not in ("continuous", "static"):
-        raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
-                          f"{gen.batching!r}")
-    if gen.batching == "static" and gen.batch_size:
-        raise HpcparError(f"generate.batch_size {gen.batch_size} applies to continuous "
-                          "batching; static batching runs every prompt of a micro-batch at "
-                          "once: bound it with --micro-batches or --wave-size instead, or "
-                          "drop --batching static")
-    settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
-                                  gen.save_logits, gen.batching, gen.batch_size)
-    tokenizer = load_tokenizer(ckpt)
-    source = job.data.prompts
-    from_file = prompts is None and source != "random"
-    if prompts is None:
-        prompts = _job_prompts(job, ckpt, tokenizer)
-    check_prompts(prompts, cfg, settings.max_new_tokens, source)
-    if job.output.path:
-        inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
-        check_output(job.output.path, inputs, kind="generation")
-        if settings.save_logits and Path(job.output.path).suffix.lower() == ".jsonl":
-            raise HpcparError(f"--save-logits stores the prompt logits in HDF5, and "
-                              f"{job.output.path} is JSON lines; write an .h5 output for them")
-    stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer)
-    if stops is not None and tokenizer is None:
-        raise HpcparError("stop strings are matched in the decoded text, and this checkpoint "
-                          "has no tokenizer; convert the model from a folder that holds "
-                          "tokenizer.json, or drop the stop strings")
-    if any(s == "" for s in gen.stop):
-        raise HpcparError("generate.stop holds an empty string, which every text contains; "
-                          "give non-empty stop strings")
-    per_prompt = prompts.sampling_for(sampling)
-    if (per_prompt.temperature == 0).all() and (gen.top_k or gen.top_p != 1.0):
-        raise HpcparError("top_k / top_p cut the candidates of sampling, and every prompt is "
-                          "greedy (temperature 0), so they would do nothing: set "
-                          "--temperature above 0, or drop them")
-    return _Plan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
-                 prompts.limits(settings.max_new_tokens), per_prompt, eos_ids(ckpt), stops)
-
-
-def _job_prompts(job: Job, ckpt: Checkpoint, tokenizer) -> Prompts:
-    """The prompts the job's ``[data]`` names: random ones, or a file's."""
-    source = job.data.prompts
-    if source != "random":
-        return load_prompts(source, tokenizer,
-                            ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path))
-    lengths = job.data.random_lengths
-    if len(lengths) != 2:
-        raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")
-    return random_prompts(job.data.random_count, (lengths[0], lengths[1]),
-                          ckpt.config.vocab_size, job.data.random_seed)
-
-
 class GenerationRun(JobRun):
     """Generation on the job skeleton: the prompts not finished yet, in waves; finished rows
     reach rank 0 and the output as they finish. A stop request ends the current wave at the
@@ -154,8 +66,8 @@ class GenerationRun(JobRun):
         self.out = None                 # the output file, on rank 0 (None: no --out)
         self.totals, self.micro = None, 0
 
-    def validate(self) -> _Plan:
-        return _validate(self.job, self.ckpt, self.size, self.prompts)
+    def validate(self) -> GenerationPlan:
+        return validate(self.job, self.ckpt, self.size, self.prompts)
 
     def open(self) -> None:
         self.ranks = open_stage(self.comm, self.job, self.plan.layout, self.ckpt,
@@ -196,12 +108,12 @@ class GenerationRun(JobRun):
         job, plan = self.job, self.plan
         if self.rank != 0 or not job.output.path:
             return
-        shape = RunShape(_fingerprint(job, self.ckpt, plan), plan.settings.max_new_tokens,
+        shape = RunShape(fingerprint(job, self.ckpt, plan), plan.settings.max_new_tokens,
                          np.asarray(plan.prompts.lengths, np.int64), plan.limits,
                          self.ckpt.config.vocab_size, plan.settings.save_logits)
         lines = None
         if Path(job.output.path).suffix.lower() == ".jsonl":
-            lines = JsonLines(Path(job.output.path), partial(_describe, plan))
+            lines = JsonLines(Path(job.output.path), partial(describe_row, plan))
         self.out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
 
     def _received(self, rows, row_tokens, row_lengths) -> None:          # rank 0
@@ -382,37 +294,6 @@ def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
     """The global prompt ids replica ``dp_rank`` runs in ``wave``."""
     replica = replica_rows(len(wave), dp, dp_rank)
     return wave[replica.start:replica.stop]
-
-
-def _fingerprint(job: Job, ckpt: Checkpoint, plan: _Plan) -> dict:
-    """What a resumed run must share with the stopped one for the file to be one run's."""
-    digest = hashlib.sha256()
-    for ids in plan.prompts.ids:
-        digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
-    if plan.prompts.max_new_tokens:            # the prompts' own limits (the job's is below)
-        digest.update(json.dumps(plan.prompts.max_new_tokens).encode())
-    if plan.prompts.sampling:
-        digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
-    if plan.prompts.stops:
-        digest.update(json.dumps(plan.prompts.stops).encode())
-    s = plan.settings
-    return {
-        "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
-        "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
-        "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
-        "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
-        "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
-        "stop": list(job.generate.stop),
-        "dtype": dtype_name(plan.dtype)}
-
-
-def _describe(plan: _Plan, prompt: int, row: np.ndarray, length: int):
-    """A finished row's text and why it ended (for the JSON lines, row by row)."""
-    texts, stopped = decode_rows(plan.tokenizer, row[None], np.array([length]), plan.stops,
-                                 [prompt])
-    reason = finish_reasons(row[None], np.array([length]), plan.eos,
-                            plan.settings.stop_at_eos, stopped)[0]
-    return (texts[0] if texts is not None else None), reason
 
 
 def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:

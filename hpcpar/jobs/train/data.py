@@ -25,7 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from ...models.config import ModelConfig
+from ...parallel.context import ContextShard
 from ...parallel.errors import HpcparError
+from ...parallel.mesh import Mesh
+from .chunk import Batch
 
 
 class DataError(HpcparError):
@@ -234,3 +237,31 @@ def make_batches(samples: np.ndarray, num_micro_batches: int, total_labels: int,
         weights = np.where(labels < 0, 0.0, 1.0 / total_labels).astype(dtype)
         out.append(HostBatch(inputs, lengths, labels, weights))
     return out
+
+
+def replica_batches(dataset: Dataset, mesh: Mesh, micro_batches: int, first_sample: int,
+                    train, xp, loss_scale: float = 1.0) -> list[Batch]:
+    """This replica's ``micro_batches`` of the global batch (``train.global_batch`` samples,
+    ``train.shuffle``d by ``train.seed``) starting at ``first_sample``, each label weighted
+    by loss_scale / (labels in the whole global batch); under context parallelism, this
+    rank's positions of each row."""
+    B, dp, d = train.global_batch, mesh.size("dp"), mesh.coord("dp")
+    rows = np.asarray(dataset.samples[sample_indices(first_sample, B, len(dataset),
+                                                     train.shuffle, train.seed)], np.int64)
+    mine = rows[d * B // dp:(d + 1) * B // dp]
+    batches = []
+    for b in make_batches(mine, micro_batches, label_count(rows), np.float32):
+        ids, labels, weights = b.ids, b.labels, b.weights * np.float32(loss_scale)
+        shard = context_shard(ids.shape[1], mesh) if mesh.size("cp") > 1 else None
+        if shard is not None:
+            rows_of = ids.shape
+            ids, labels, weights = (shard.take(a.reshape(rows_of)) for a in (ids, labels, weights))
+            labels, weights = labels.reshape(-1), weights.reshape(-1)
+        batches.append(Batch(xp.asarray(ids), xp.asarray(b.lengths.astype(np.int32)),
+                             xp.asarray(labels), xp.asarray(weights), shard))
+    return batches
+
+
+def context_shard(length: int, mesh: Mesh) -> ContextShard:
+    """This rank's part of sequences of ``length`` positions."""
+    return ContextShard(length, mesh.size("cp"), mesh.coord("cp"))

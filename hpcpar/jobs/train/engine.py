@@ -17,14 +17,8 @@ from time import perf_counter
 
 import numpy as np
 
-from ...checkpoint import Checkpoint, load_shard
-from ...models.tensors import stage_tensors
-from ...parallel.comm import create_communicator
-from ...parallel.context import ContextShard
 from ...parallel.data_parallel import GradientReducer, local_sq_norm
-from ...parallel.mesh import Mesh
-from ...parallel.ops import ops_for
-from ...parallel.optim import STATE_NAMES, LossScaler, Optimizer, clip_coefficient
+from ...parallel.optim import LossScaler, Optimizer, clip_coefficient
 from ...parallel.optim_settings import learning_rate
 from ...parallel.pipeline.executor import PipelineExecutor
 from ...parallel.pipeline.training_schedules import training_schedule
@@ -35,13 +29,12 @@ from ..layout import grad_rank
 from ..runtime import open_runtime
 from ..skeleton import JobRun
 from . import checkpoint as tc
-from .chunk import Batch, ModelChunk
-from .data import label_count, make_batches, sample_indices
+from .chunk import Batch
+from .data import context_shard, replica_batches
 from .grads import sum_replicated
-from .params import kv_replicas, make_params
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
-from .setup import TrainPlan, chunk_layers, validate
+from .setup import TrainPlan, kv_group, load_chunks, validate
 from .zero import ZeroShards
 
 
@@ -81,10 +74,10 @@ class TrainingRun(JobRun):
         self.rt = rt = open_runtime(self.comm, self.job, plan.layout, plan.dtype,
                                     data_parallel=True)
         self.xp = rt.backend.xp
-        self.kv_comm = _kv_group(rt.mesh, self.ckpt.config, rt.backend, rt.stats,
+        self.kv_comm = kv_group(rt.mesh, self.ckpt.config, rt.backend, rt.stats,
                                  self.job.parallel.timeout)
         with phase("loading the checkpoint"):
-            self.chunks, self.params, states = _load(
+            self.chunks, self.params, states = load_chunks(
                 self.comm, rt.mesh, plan, self.ckpt, rt.tp, rt.backend,
                 recompute=tr.recompute == "full", cp=rt.cp)
         self._open_optimizer(states)
@@ -131,7 +124,7 @@ class TrainingRun(JobRun):
         T = plan.dataset.seq_len
         mb_rows = self.job.train.global_batch // (layout.dp * M)
         self.actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.coord("pp")]
-        T_here = _shard(T, mesh).local_length() if layout.cp > 1 else T     # this rank's
+        T_here = context_shard(T, mesh).local_length() if layout.cp > 1 else T     # this rank's
         shape_only = [Batch(np.zeros((mb_rows, T_here), np.int64), None, None, None)] * M
         self.executor = PipelineExecutor(rt.pp, mesh.coord("pp"), self._program(shape_only),
                                          rt.backend, in_flight=M * V, board=rt.board)
@@ -187,8 +180,8 @@ class TrainingRun(JobRun):
         """The step's schedule run over this replica's batches, then every gradient summed
         where its copies are (dp buckets, replicated weights; ZeRO: each rank its piece)."""
         rt, reducer, zero = self.rt, self.reducer, self.zero
-        batches = _replica_batches(self.plan, rt.mesh, first_sample, self.job.train.global_batch,
-                                   self.job.train, self.xp, scale)
+        batches = replica_batches(self.plan.dataset, rt.mesh, self.plan.layout.micro_batches,
+                                  first_sample, self.job.train, self.xp, scale)
         for p in self.params:
             p.grad[...] = 0
         if reducer:
@@ -331,71 +324,6 @@ def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:
     """Run ``job`` on every rank of ``comm``; returns the report on rank 0, None elsewhere.
     Raises ``JobFailed(EXIT_PREEMPTED)`` on every rank after saving when asked to stop."""
     return TrainingRun(comm, job, progress).run()
-
-
-def _load(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool,
-          cp=None):
-    """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
-    being resumed) and, when resuming, the optimizer state of those parameters."""
-    cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
-    source = plan.resume[0] if plan.resume else ckpt
-    ops = ops_for(backend, cp)
-    chunks, params, all_specs = [], [], []
-    for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.coord("pp"), V)):
-        v = c * layout.pp + mesh.coord("pp")
-        first, last = v == 0, v == layout.pp * V - 1
-        specs = stage_tensors(cfg, layers, first, last)
-        fault_point("load")
-        shard = everyone(comm, load_shard, source, specs, mesh.coord("tp"), layout.tp, np.float32,
-                         backend)
-        chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
-                                   last_stage_tied_copy=last and not first, dtype=plan.dtype)
-        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, ops, recompute))
-        params += chunk_params.values()
-        all_specs += specs
-    states = None
-    if plan.resume:
-        states = everyone(comm, tc.load_optimizer_state, plan.resume[0], all_specs,
-                          STATE_NAMES[plan.optimizer.optimizer], mesh.coord("tp"), layout.tp,
-                          backend)
-    backend.release_unused_device_memory()
-    return chunks, params, states
-
-
-def _replica_batches(plan: TrainPlan, mesh: Mesh, first_sample: int, B: int, tr, xp,
-                     loss_scale: float = 1.0):
-    """This replica's micro-batches of the global batch starting at ``first_sample``, each
-    label weighted by loss_scale / (labels in the whole global batch); under context
-    parallelism, this rank's positions of each row."""
-    dp = plan.layout.dp
-    rows = np.asarray(plan.dataset.samples[sample_indices(first_sample, B, len(plan.dataset),
-                                                          tr.shuffle, tr.seed)], np.int64)
-    mine = rows[mesh.coord("dp") * B // dp:(mesh.coord("dp") + 1) * B // dp]
-    batches = []
-    for b in make_batches(mine, plan.layout.micro_batches, label_count(rows), np.float32):
-        ids, labels, weights = b.ids, b.labels, b.weights * np.float32(loss_scale)
-        shard = _shard(ids.shape[1], mesh) if plan.layout.cp > 1 else None
-        if shard is not None:
-            rows_of = ids.shape
-            ids, labels, weights = (shard.take(a.reshape(rows_of)) for a in (ids, labels, weights))
-            labels, weights = labels.reshape(-1), weights.reshape(-1)
-        batches.append(Batch(xp.asarray(ids), xp.asarray(b.lengths.astype(np.int32)),
-                             xp.asarray(labels), xp.asarray(weights), shard))
-    return batches
-
-
-def _shard(length: int, mesh: Mesh) -> ContextShard:
-    """This rank's part of sequences of ``length`` positions."""
-    return ContextShard(length, mesh.size("cp"), mesh.coord("cp"))
-
-
-def _kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):
-    """The tp ranks that hold the same KV head, when kv_heads < tp (else None)."""
-    replicas = kv_replicas(cfg, mesh.size("tp"))
-    if replicas == 1:
-        return None
-    sub = mesh.group("tp").mpi_comm.Split(mesh.coord("tp") // replicas, mesh.coord("tp"))
-    return create_communicator(sub, "mpi", backend, stats, "kv", timeout, check=False)
 
 
 def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int) -> str:

@@ -1,6 +1,7 @@
 """A training job's settings checked and resolved before any rank communicates: the layout
 and schedule, the optimizer, the data, the output folder, the checkpoint to resume from,
-and which layers each model chunk of a stage holds."""
+which layers each model chunk of a stage holds, and this rank's chunks loaded from the
+checkpoint (with the optimizer state when resuming)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,27 @@ from pathlib import Path
 
 import numpy as np
 
-from ...checkpoint import Checkpoint
+from ...checkpoint import Checkpoint, load_shard
 from ...checkpoint.files import check_output, check_space
+from ...models.tensors import stage_tensors
+from ...parallel.comm import create_communicator
 from ...parallel.dtypes import float_dtype
 from ...parallel.errors import HpcparError
+from ...parallel.mesh import Mesh
+from ...parallel.ops import ops_for
 from ...parallel.optim import STATE_NAMES
 from ...parallel.optim_settings import OptimizerSettings
 from ...parallel.pipeline.partition import stage_layers
 from ...parallel.pipeline.training_schedules import micro_batch_problems
+from ..faults import fault_point
 from ..generate.setup import load_tokenizer
 from ..job import Job
+from ..launch import everyone
 from ..layout import ParallelConfig
 from . import checkpoint as tc
+from .chunk import ModelChunk
 from .data import Dataset, load_dataset
+from .params import kv_replicas, make_params
 
 RECOMPUTE = ("none", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -105,3 +114,41 @@ def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
     per = num_layers // (layout.pp * virtual_stages)
     return [range(v * per, (v + 1) * per)
             for v in range(stage, layout.pp * virtual_stages, layout.pp)]
+
+
+def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool,
+          cp=None):
+    """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
+    being resumed) and, when resuming, the optimizer state of those parameters."""
+    cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
+    source = plan.resume[0] if plan.resume else ckpt
+    ops = ops_for(backend, cp)
+    chunks, params, all_specs = [], [], []
+    for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.coord("pp"), V)):
+        v = c * layout.pp + mesh.coord("pp")
+        first, last = v == 0, v == layout.pp * V - 1
+        specs = stage_tensors(cfg, layers, first, last)
+        fault_point("load")
+        shard = everyone(comm, load_shard, source, specs, mesh.coord("tp"), layout.tp, np.float32,
+                         backend)
+        chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
+                                   last_stage_tied_copy=last and not first, dtype=plan.dtype)
+        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, ops, recompute))
+        params += chunk_params.values()
+        all_specs += specs
+    states = None
+    if plan.resume:
+        states = everyone(comm, tc.load_optimizer_state, plan.resume[0], all_specs,
+                          STATE_NAMES[plan.optimizer.optimizer], mesh.coord("tp"), layout.tp,
+                          backend)
+    backend.release_unused_device_memory()
+    return chunks, params, states
+
+
+def kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):
+    """The tp ranks that hold the same KV head, when kv_heads < tp (else None)."""
+    replicas = kv_replicas(cfg, mesh.size("tp"))
+    if replicas == 1:
+        return None
+    sub = mesh.group("tp").mpi_comm.Split(mesh.coord("tp") // replicas, mesh.coord("tp"))
+    return create_communicator(sub, "mpi", backend, stats, "kv", timeout, check=False)

@@ -1,0 +1,138 @@
+"""What a generation job is checked and planned as, on every rank before any work: the
+layout, the settings, the prompts (a file's, random, or given) with each one's limit,
+sampling and stop strings, and the fingerprint a resumed run must share."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...checkpoint import Checkpoint
+from ...checkpoint.files import check_output
+from ...models.chat import ChatTemplate
+from ...parallel.dtypes import dtype_name, float_dtype
+from ...parallel.errors import HpcparError
+from ..job import Job
+from ..layout import ParallelConfig
+from .program import GenerationSettings
+from .prompts import Prompts, check_prompts, load_prompts, random_prompts
+from .sampling import PromptSampling, SamplingParams
+from .setup import eos_ids, load_tokenizer
+from .stopping import StopStrings, decode_rows, finish_reasons
+
+
+@dataclass
+class GenerationPlan:
+    layout: ParallelConfig
+    dtype: np.dtype
+    settings: GenerationSettings
+    prompts: Prompts
+    tokenizer: object
+    limits: np.ndarray                 # each prompt's max_new_tokens
+    sampling: PromptSampling           # each prompt's sampling settings
+    eos: tuple[int, ...]               # every id that ends a row
+    stops: StopStrings | None          # each prompt's stop strings (None: no prompt has any)
+
+
+def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> GenerationPlan:
+    cfg = ckpt.config
+    layout = job.parallel.layout(world_size)
+    layout.check(cfg, world_size)
+    if layout.schedule != "gpipe":
+        raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
+                          "runs the 'gpipe' forward schedule")
+    gen = job.generate
+    if layout.cp > 1 and gen.save_logits:
+        raise HpcparError(f"cp {layout.cp} with --save-logits: the prompt logits of a prompt "
+                          "split over cp are not gathered; drop one of them")
+    if layout.cp > 1 and cfg.sliding_window is not None:
+        raise HpcparError(f"cp {layout.cp}: a KV cache split over cp holds no window of "
+                          f"positions, and this model attends a sliding window of "
+                          f"{cfg.sliding_window}; generate it without --cp")
+    sampling = SamplingParams(gen.temperature, gen.top_k, gen.top_p, gen.seed)
+    sampling.check()
+    if gen.batching not in ("continuous", "static"):
+        raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
+                          f"{gen.batching!r}")
+    if gen.batching == "static" and gen.batch_size:
+        raise HpcparError(f"generate.batch_size {gen.batch_size} applies to continuous "
+                          "batching; static batching runs every prompt of a micro-batch at "
+                          "once: bound it with --micro-batches or --wave-size instead, or "
+                          "drop --batching static")
+    settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
+                                  gen.save_logits, gen.batching, gen.batch_size)
+    tokenizer = load_tokenizer(ckpt)
+    source = job.data.prompts
+    from_file = prompts is None and source != "random"
+    if prompts is None:
+        prompts = _job_prompts(job, ckpt, tokenizer)
+    check_prompts(prompts, cfg, settings.max_new_tokens, source)
+    if job.output.path:
+        inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
+        check_output(job.output.path, inputs, kind="generation")
+        if settings.save_logits and Path(job.output.path).suffix.lower() == ".jsonl":
+            raise HpcparError(f"--save-logits stores the prompt logits in HDF5, and "
+                              f"{job.output.path} is JSON lines; write an .h5 output for them")
+    stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer)
+    if stops is not None and tokenizer is None:
+        raise HpcparError("stop strings are matched in the decoded text, and this checkpoint "
+                          "has no tokenizer; convert the model from a folder that holds "
+                          "tokenizer.json, or drop the stop strings")
+    if any(s == "" for s in gen.stop):
+        raise HpcparError("generate.stop holds an empty string, which every text contains; "
+                          "give non-empty stop strings")
+    per_prompt = prompts.sampling_for(sampling)
+    if (per_prompt.temperature == 0).all() and (gen.top_k or gen.top_p != 1.0):
+        raise HpcparError("top_k / top_p cut the candidates of sampling, and every prompt is "
+                          "greedy (temperature 0), so they would do nothing: set "
+                          "--temperature above 0, or drop them")
+    return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
+                 prompts.limits(settings.max_new_tokens), per_prompt, eos_ids(ckpt), stops)
+
+
+def _job_prompts(job: Job, ckpt: Checkpoint, tokenizer) -> Prompts:
+    """The prompts the job's ``[data]`` names: random ones, or a file's."""
+    source = job.data.prompts
+    if source != "random":
+        return load_prompts(source, tokenizer,
+                            ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path))
+    lengths = job.data.random_lengths
+    if len(lengths) != 2:
+        raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")
+    return random_prompts(job.data.random_count, (lengths[0], lengths[1]),
+                          ckpt.config.vocab_size, job.data.random_seed)
+
+
+def fingerprint(job: Job, ckpt: Checkpoint, plan: GenerationPlan) -> dict:
+    """What a resumed run must share with the stopped one for the file to be one run's."""
+    digest = hashlib.sha256()
+    for ids in plan.prompts.ids:
+        digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
+    if plan.prompts.max_new_tokens:            # the prompts' own limits (the job's is below)
+        digest.update(json.dumps(plan.prompts.max_new_tokens).encode())
+    if plan.prompts.sampling:
+        digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
+    if plan.prompts.stops:
+        digest.update(json.dumps(plan.prompts.stops).encode())
+    s = plan.settings
+    return {
+        "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
+        "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
+        "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
+        "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
+        "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
+        "stop": list(job.generate.stop),
+        "dtype": dtype_name(plan.dtype)}
+
+
+def describe_row(plan: GenerationPlan, prompt: int, row: np.ndarray, length: int):
+    """A finished row's text and why it ended (for the JSON lines, row by row)."""
+    texts, stopped = decode_rows(plan.tokenizer, row[None], np.array([length]), plan.stops,
+                                 [prompt])
+    reason = finish_reasons(row[None], np.array([length]), plan.eos,
+                            plan.settings.stop_at_eos, stopped)[0]
+    return (texts[0] if texts is not None else None), reason
