@@ -90,15 +90,19 @@ def test_bad_export_input_is_one_error_and_nothing_written(tmp_path):
     _, checkpoint = build_hf_model("qwen3", tmp_path)
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
+    (tmp_path / "a-file.txt").write_text("mine too")
     for args, words in [
         (["taken"], "taken exists and is not an empty folder"),
         (["new", "--shard-size", "lots"], "--shard-size 'lots' is not a size"),
+        (["new", "--shard-size", "inf"], "--shard-size 'inf' is not a size"),
+        (["a-file.txt"], "a-file.txt is a file; export writes a new folder"),
         (["missing/new"], "output folder missing does not exist"),
     ]:
         proc = _python("export", str(checkpoint), *args, cwd=tmp_path)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+    assert (tmp_path / "a-file.txt").read_text() == "mine too"
     assert not (tmp_path / "new").exists()
     assert not list(tmp_path.glob(".new.tmp-*"))
 

@@ -18,6 +18,7 @@ end, after the free space was checked.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -47,7 +48,7 @@ def parse_size(text: str) -> int:
         value = float(raw[:len(raw) - len(unit)]) * _UNITS.get(unit, 1)
     except ValueError:
         value = 0
-    if not value >= 1:
+    if not (math.isfinite(value) and value >= 1):
         raise HpcparError(f"--shard-size {text!r} is not a size; give bytes or a number with "
                           "KB, MB, GB (or KiB, MiB, GiB), such as 5GB")
     return int(value)
@@ -92,7 +93,10 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None
 
 def _check_target(out_dir: Path) -> None:
     """A new folder, or an empty one (so it cannot hold the checkpoint either)."""
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and not out_dir.is_dir():
+        raise HpcparError(f"{out_dir} is a file; export writes a new folder: choose another "
+                          "name")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
         raise HpcparError(f"{out_dir} exists and is not an empty folder; export writes a new "
                           "folder: remove it or choose another name")
     if not out_dir.parent.is_dir():
