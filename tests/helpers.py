@@ -230,6 +230,22 @@ HF_CONFIGS = {
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                   head_dim=16, max_position_embeddings=128,
                   hidden_activation="gelu_pytorch_tanh"),
+    # mixtures of experts: every layer routed (Mixtral), a dense layer between routed ones
+    # and renormalised weights (Qwen3-MoE), a shared expert and raw weights (Qwen2-MoE)
+    "mixtral": dict(model_type="mixtral", vocab_size=250, hidden_size=64,
+                    intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=128, num_local_experts=4,
+                    num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=250, hidden_size=64,
+                      intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=128, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=250, hidden_size=64,
+                      intermediate_size=96, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -251,6 +267,9 @@ def build_hf_model(name: str, folder, **changes):
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif pname.endswith("mlp.gate.weight"):
+                # routers far from a tie: summation order never changes an expert chosen
+                p.copy_(torch.randn_like(p))
             elif pname.endswith("bias"):
                 p.copy_(0.02 * torch.randn_like(p))
     model.save_pretrained(folder / "hf", safe_serialization=True)

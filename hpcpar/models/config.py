@@ -87,6 +87,17 @@ class ModelConfig:
     sliding_window: int | None = None    # attention to the last W keys only (Mistral)
     mixed_windows: bool = False          # a window on some layers only (Qwen2's, refused)
     partial_rotary: float = 1.0          # the share of head_dim rotary turns (Phi-3.5/4 < 1)
+    # mixture of experts (Mixtral, Qwen-MoE): the layers in ``moe_layers`` route each token to
+    # ``experts_per_token`` of ``num_experts`` experts (``hpcpar.parallel.moe``)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0       # an expert's intermediate size
+    moe_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = False         # the k weights renormalised to sum to 1 (Mixtral)
+    shared_expert_size: int = 0          # a shared expert beside the routed ones (Qwen2-MoE)
+    router_aux_loss_coef: float = 0.0    # training's load-balancing loss (when the config
+                                         # sets output_router_logits), else 0
+    router_jitter_noise: float = 0.0     # Mixtral's training-time input jitter
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -99,6 +110,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is routed experts."""
+        return layer in self.moe_layers
+
+    @property
+    def dense_layers(self) -> int:
+        return self.num_hidden_layers - len(self.moe_layers)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config") -> "ModelConfig":
@@ -232,9 +251,33 @@ class ModelConfig:
             out.append("a sliding window on some layers only (use_sliding_window with "
                        "max_window_layers) is not supported yet; only full causal attention, "
                        "or one window on every layer, runs exactly")
+        out += self._moe_problems()
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
             out.append(f"rope type {self.rope_scaling.rope_type!r} is not supported "
                        f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        return out
+
+    def _moe_problems(self) -> list[str]:
+        if not self.moe_layers:
+            return []
+        out = []
+        for name in ("num_experts", "experts_per_token", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(f"{name} must be a positive integer in a mixture of experts, got "
+                           f"{value!r}")
+        if out:
+            return out
+        if self.experts_per_token > self.num_experts:
+            out.append(f"num_experts_per_tok {self.experts_per_token} is more than the "
+                       f"{self.num_experts} experts")
+        size = self.shared_expert_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            out.append(f"shared_expert_intermediate_size must be an integer >= 0, got {size!r}")
+        for name in ("router_aux_loss_coef", "router_jitter_noise"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                out.append(f"{name} must be a finite number >= 0, got {value}")
         return out
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
@@ -314,6 +357,25 @@ def tp_problems(model: ModelConfig, tp: int) -> list[str]:
     kv_problem = unit_split_problem(model.num_key_value_heads, tp)     # KV heads may replicate
     if kv_problem:
         out.append(f"num_key_value_heads {kv_problem.replace(' of ', ' of tp ')}")
-    if model.intermediate_size % tp:
+    if model.dense_layers and model.intermediate_size % tp:
         out.append(f"intermediate_size {model.intermediate_size} is not divisible by tp {tp}")
+    if model.moe_layers and model.moe_intermediate_size % tp:
+        out.append(f"the experts' intermediate size {model.moe_intermediate_size} is not "
+                   f"divisible by tp {tp}")
+    if model.moe_layers and model.shared_expert_size % tp:
+        out.append(f"shared_expert_intermediate_size {model.shared_expert_size} is not "
+                   f"divisible by tp {tp}")
     return out
+
+
+def ep_problems(model: ModelConfig, ep: int) -> list[str]:
+    """Why ``model``'s experts cannot be split over ``ep`` ranks (empty when they can)."""
+    if ep == 1:
+        return []
+    if not model.moe_layers:
+        return [f"ep {ep} splits a mixture of experts' experts, but {model.model_type} has "
+                "none; use ep 1"]
+    if model.num_experts % ep:
+        return [f"ep {ep} does not divide the {model.num_experts} experts; choose an ep that "
+                f"divides {model.num_experts}"]
+    return []

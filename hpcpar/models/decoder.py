@@ -28,7 +28,8 @@ import numpy as np
 from ..parallel.backend import host_array
 from ..parallel.comm import Communicator
 from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear, column_parallel,
-                               frozen_matrix, row_parallel)
+                               frozen_matrix, product, row_parallel, weight_grads)
+from ..parallel.moe import Experts, ExpertDispatch, MoE, TopKRouter
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
 from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
@@ -108,6 +109,64 @@ class Mlp:
         return self.gate_up.backward([dgate, dup], x, sink)
 
 
+class MoeMlp:
+    """A mixture-of-experts layer's MLP: the core's routed experts (``parallel.moe.MoE``: the
+    router, this rank's ep block of experts, each split over tp, and the all_to_alls between
+    them), plus, in Qwen2-MoE, a shared expert every token runs, added through a sigmoid
+    gate: y = moe(x) + sigmoid(x g^T) * shared(x)."""
+
+    def __init__(self, ops: Ops, moe: MoE, shared: Mlp | None = None, shared_gate=None):
+        self.ops, self.moe, self.shared, self.shared_gate = ops, moe, shared, shared_gate
+
+    @classmethod
+    def of(cls, ops: Ops, cfg: ModelConfig, w: dict, tp: Communicator,
+           ep: Communicator | None, merge: bool) -> "MoeMlp":
+        """From a layer's weights by key (``TensorSpec.key``): its experts are this rank's
+        ep block, each expert's (role, e) keys."""
+        xp = ops.xp
+        dispatch = ExpertDispatch(cfg.num_experts, ep, xp)
+        mine = range(dispatch.first, dispatch.first + dispatch.local)
+        held = sorted(e for role, e in (k for k in w if isinstance(k, tuple))
+                      if role == "expert_down")
+        if held != list(mine):
+            raise ValueError(f"this rank holds experts {held}, its ep block is {list(mine)}")
+        gates, ups, downs = ([w.pop((role, e)) for e in mine]
+                             for role in ("expert_gate", "expert_up", "expert_down"))
+        if merge:
+            experts = Experts.frozen(ops, gates, ups, downs, cfg.activation)
+        else:
+            experts = Experts(ops, [[g, u] for g, u in zip(gates, ups)], downs, cfg.activation)
+        router = frozen_matrix(xp, [w["router"].data]) if merge else w["router"]
+        moe = MoE(ops, TopKRouter(ops, router, cfg.experts_per_token, cfg.norm_topk_prob),
+                  experts, dispatch, tp)
+        if not cfg.shared_expert_size:
+            return cls(ops, moe)
+        roles = {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]}
+        gate = w["shared_expert_gate"]
+        return cls(ops, moe, Mlp.of(ops, roles, tp, merge, cfg.activation),
+                   frozen_matrix(xp, [gate.data]) if merge else gate)
+
+    def forward(self, x, train: bool = False):
+        y, ctx = self.moe.forward(x, train)
+        if self.shared is None:
+            return y, ctx
+        s, shared_ctx = self.shared.forward(x, train)
+        z = product(self.ops, x, self.shared_gate)
+        gate = 1.0 / (1.0 + self.ops.xp.exp(-z))
+        y += gate * s
+        return y, ((ctx, shared_ctx, x, s, gate) if train else None)
+
+    def backward(self, dy, ctx, sink):
+        if self.shared is None:
+            return self.moe.backward(dy, ctx, sink)
+        ctx, shared_ctx, x, s, gate = ctx
+        dx = self.moe.backward(dy, ctx, sink)
+        dx += self.shared.backward(dy * gate, shared_ctx, sink)
+        dz = (dy * s).sum(axis=-1, keepdims=True) * gate * (1.0 - gate)
+        dx += weight_grads(self.ops, dz, x, self.shared_gate, None, sink)
+        return dx
+
+
 class DecoderLayer:
     """h = x + attention(norm1(x));  y = h + mlp(norm2(h)), the residual adds fused into the
     next norm: the layer takes and returns (x, pending), pending being the branch output not
@@ -116,14 +175,16 @@ class DecoderLayer:
     ``w`` maps the layer's roles (``tensors.layer_tensors``) to weights: ``Param``s, used as
     they are, or (``merge``) frozen arrays, whose projections are merged and transposed."""
 
-    def __init__(self, cfg: ModelConfig, w: dict, tp: Communicator, ops: Ops, merge: bool):
+    def __init__(self, cfg: ModelConfig, w: dict, tp: Communicator, ops: Ops, merge: bool,
+                 layer: int = 0, ep: Communicator | None = None):
         def norm(role: str) -> Norm:
             return Norm(ops, w[role], cfg.rms_norm_eps, cfg.norm_offset)
 
         qk_norms = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else None
         self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms,
                                       cfg.sliding_window)
-        self.mlp = Mlp.of(ops, w, tp, merge, cfg.activation)
+        self.mlp = (MoeMlp.of(ops, cfg, w, tp, ep, merge) if cfg.is_moe(layer)
+                    else Mlp.of(ops, w, tp, merge, cfg.activation))
         self.input_norm, self.post_norm = norm("input_norm"), norm("post_attention_norm")
         self.ops = ops
 
@@ -168,14 +229,15 @@ class DecoderStage:
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, layers: range, first: bool,
-                 last: bool, tp: Communicator, ops: Ops, dtype, merge: bool):
+                 last: bool, tp: Communicator, ops: Ops, dtype, merge: bool,
+                 ep: Communicator | None = None):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         xp = ops.xp
         self.ops, self.xp, self.dtype, self.tp = ops, xp, dtype, tp
         top = weights.get(None, {})
         self.embedding = (VocabParallelEmbedding(xp, top["embed"], cfg.vocab_size, tp,
                                                  cfg.pad_token_id) if first else None)
-        self.decoder = [DecoderLayer(cfg, weights.pop(i), tp, ops, merge) for i in layers]
+        self.decoder = [DecoderLayer(cfg, weights.pop(i), tp, ops, merge, i, ep) for i in layers]
         if last:
             self.final_norm = top["final_norm"]
             self.norm = Norm(ops, self.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
@@ -193,28 +255,29 @@ class DecoderStage:
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, specs: list[TensorSpec], tensors: dict,
                      layers: range, first: bool, last: bool, tp: Communicator, ops: Ops,
-                     dtype) -> "DecoderStage":
+                     dtype, ep: Communicator | None = None) -> "DecoderStage":
         """For generation, from this rank's loaded slices (``load_shard``'s tensors by Hugging
         Face name, taken out of ``tensors``): frozen, in ``dtype``, projections merged."""
         by_layer: dict = {}
         for spec in specs:
-            by_layer.setdefault(spec.layer, {})[spec.role] = Frozen(
+            by_layer.setdefault(spec.layer, {})[spec.key] = Frozen(
                 tensors.pop(spec.name).astype(dtype, copy=False))
         weight_bytes = sum(w.data.nbytes for group in by_layer.values() for w in group.values())
-        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=True)
+        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=True, ep=ep)
         stage.weight_bytes = weight_bytes
         return stage
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params: dict, layers: range, first: bool,
-                    last: bool, tp: Communicator, ops: Ops) -> "DecoderStage":
+                    last: bool, tp: Communicator, ops: Ops,
+                    ep: Communicator | None = None) -> "DecoderStage":
         """For training, over ``Param``s by Hugging Face name (their ``data`` in the compute
         dtype, read at every call)."""
         by_layer: dict = {}
         for p in params.values():
-            by_layer.setdefault(p.spec.layer, {})[p.spec.role] = p
+            by_layer.setdefault(p.spec.layer, {})[p.spec.key] = p
         dtype = next(iter(params.values())).data.dtype
-        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=False)
+        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=False, ep=ep)
         stage.weight_bytes = sum(p.data.nbytes for p in params.values())
         return stage
 

@@ -86,8 +86,9 @@ class Family:
     # the rope types transformers' class accepts (None: every type transformers has)
     rope_types: tuple[str, ...] | None = None
 
-    def layer_name(self, role: str, layer: int) -> str:
-        return f"model.layers.{layer}.{self.names[role]}"
+    def layer_name(self, role: str, layer: int, expert: int | None = None) -> str:
+        """A layer's tensor of ``role`` (an expert's: of expert ``expert``)."""
+        return f"model.layers.{layer}.{self.names[role].format(e=expert)}"
 
     def fused_name(self, roles: tuple[str, ...], layer: int) -> str:
         name = next(n for n, group in self.fused.items() if group == roles)

@@ -44,6 +44,10 @@ SPLIT_OF_ROLE = {
     "o_bias": Split.REPLICATED, "down_bias": Split.REPLICATED,
     "input_norm": Split.REPLICATED, "post_attention_norm": Split.REPLICATED,
     "q_norm": Split.REPLICATED, "k_norm": Split.REPLICATED,      # one weight for every head
+    # a mixture of experts: every expert split as the dense MLP is, the router replicated
+    "router": Split.REPLICATED, "shared_expert_gate": Split.REPLICATED,
+    "expert_gate": Split.COLUMN, "expert_up": Split.COLUMN, "expert_down": Split.ROW,
+    "shared_gate": Split.COLUMN, "shared_up": Split.COLUMN, "shared_down": Split.ROW,
     "fused": Split.COLUMN,      # a stored fused tensor, whole (its parts are split each)
     "final_norm": Split.REPLICATED,
 }

@@ -26,11 +26,18 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    role: str            # "embed", "q", "k", "v", "o", "gate", "up", "down", "*_bias", norms, "head"
+    role: str            # "embed", "q", "k", "v", "o", "gate", "up", "down", "*_bias", norms,
+                         # "head"; a MoE layer's "router", "expert_*", "shared_*"
     layer: int | None    # decoder layer index, None for embedding / final norm / head
     stored: str | None = None                  # the fused tensor this is rows of
     offset: int = 0                            # its first row there
     stored_shape: tuple[int, ...] | None = None
+    expert: int | None = None                  # an expert's tensor: which expert
+
+    @property
+    def key(self):
+        """Its key among its layer's tensors: the role, or (role, expert) for an expert's."""
+        return self.role if self.expert is None else (self.role, self.expert)
 
     @property
     def numel(self) -> int:
@@ -65,14 +72,25 @@ def stored_tensors(cfg: ModelConfig) -> list[TensorSpec]:
     return out
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """A decoder layer's tensors by role, with their shapes: those the config's features
-    call for."""
+EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")
+
+
+def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Decoder layer ``layer``'s tensors by role, with their shapes: those the config's
+    features call for (an expert's once, for every expert)."""
     h, q, kv, inter, hd = (cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size,
                            cfg.head_dim)
     out = {"input_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q),
-           "post_attention_norm": (h,), "gate": (inter, h), "up": (inter, h),
-           "down": (h, inter)}
+           "post_attention_norm": (h,)}
+    if cfg.is_moe(layer):
+        e, s = cfg.moe_intermediate_size, cfg.shared_expert_size
+        out |= {"router": (cfg.num_experts, h), "expert_gate": (e, h), "expert_up": (e, h),
+                "expert_down": (h, e)}
+        if s:
+            out |= {"shared_gate": (s, h), "shared_up": (s, h), "shared_down": (h, s),
+                    "shared_expert_gate": (1, h)}
+    else:
+        out |= {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
     if cfg.qkv_bias:
         out |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
     if cfg.o_bias:
@@ -84,14 +102,21 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
+def layer_tensors(cfg: ModelConfig, i: int, experts: range | None = None) -> list[TensorSpec]:
     """The tensors of decoder layer ``i``, named as the model's family names them; the parts
-    of a fused tensor are named ``FUSED[role]``."""
+    of a fused tensor are named ``FUSED[role]``. A MoE layer's experts: ``experts`` only
+    (default: every one), each expert's gate, up and down together."""
     from . import family_of
     family = family_of(cfg.model_type)
-    shapes = layer_shapes(cfg)
+    shapes = layer_shapes(cfg, i)
     out, fused_done = [], set()
     for role, shape in shapes.items():
+        if role in EXPERT_ROLES:
+            if role == EXPERT_ROLES[0]:
+                for e in experts if experts is not None else range(cfg.num_experts):
+                    out += [TensorSpec(family.layer_name(r, i, e), shapes[r], r, i, expert=e)
+                            for r in EXPERT_ROLES]
+            continue
         group = next((g for g in family.fused.values() if role in g), None)
         if group is None:
             out.append(TensorSpec(family.layer_name(role, i), shape, role, i))
@@ -109,15 +134,17 @@ def layer_tensors(cfg: ModelConfig, i: int) -> list[TensorSpec]:
     return out
 
 
-def stage_tensors(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[TensorSpec]:
-    """The tensors a pipeline stage needs: its layers, the embedding on the first stage, the
-    final norm and head on the last. With tied embeddings the last stage reads the embedding
-    as its head."""
+def stage_tensors(cfg: ModelConfig, layers: range, first: bool, last: bool,
+                  experts: range | None = None) -> list[TensorSpec]:
+    """The tensors a pipeline stage needs: its layers (of a MoE layer, the experts
+    ``experts`` only: this rank's ep block), the embedding on the first stage, the final
+    norm and head on the last. With tied embeddings the last stage reads the embedding as
+    its head."""
     out = []
     if first or (last and cfg.tie_word_embeddings):
         out.append(TensorSpec(EMBED, (cfg.vocab_size, cfg.hidden_size), "embed", None))
     for i in layers:
-        out += layer_tensors(cfg, i)
+        out += layer_tensors(cfg, i, experts)
     if last:
         out.append(TensorSpec(FINAL_NORM, (cfg.hidden_size,), "final_norm", None))
         if not cfg.tie_word_embeddings:

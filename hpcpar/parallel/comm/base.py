@@ -163,6 +163,36 @@ class Communicator(ABC):
             *_block_fields(x, concat_axis, concat_sizes, "concat_sizes")), error)
         return exchange(x)
 
+    def all_to_all_rows(self, x, send_rows: Sequence[int],
+                        recv_rows: Sequence[int] | None = None):
+        """Rows of ``x`` sent in blocks, ``send_rows[j]`` of them (in order) to rank j, as a
+        mixture of experts sends tokens: returns (what every rank sent this one, stacked in
+        rank order, the rows that came from each rank). The counts go first (one all_to_all
+        of one integer per rank), then the rows; ``recv_rows``, when the caller knows them
+        (the way back of an exchange), saves the first."""
+        send = [int(n) for n in send_rows]
+        error = None
+        if len(send) != self.size or sum(send) != x.shape[0] or min(send, default=0) < 0:
+            error = HpcparError(f"all_to_all_rows on {self.name}: send_rows {send} must give "
+                                f"each of the {self.size} ranks a count >= 0 summing to the "
+                                f"{x.shape[0]} rows of x")
+        self._agree("all_to_all_rows", lambda: _array_fields(x, 0), error)
+        if recv_rows is None:
+            recv = self.on_host().all_to_all(np.asarray(send, dtype=np.int64).reshape(-1, 1),
+                                             0, 1).reshape(-1).tolist()
+        else:
+            recv = [int(n) for n in recv_rows]
+        row = math.prod(x.shape[1:])
+        out = self.xp.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype)
+        if self.size == 1:
+            out[...] = x
+            return out, recv
+        nbytes = (x.size + out.size) * np.dtype(x.dtype).itemsize
+        self._run("all_to_all", nbytes, self._all_to_all,
+                  self.xp.ascontiguousarray(x).reshape(-1), [n * row for n in send],
+                  out.reshape(-1), [n * row for n in recv])
+        return out, recv
+
     # ---- prepared operations --------------------------------------------------------------
     # A collective worked out once for operands of one shape and dtype: the lengths, counts
     # and layouts checked and computed when it is made, so a loop that repeats it (a
