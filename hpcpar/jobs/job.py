@@ -59,6 +59,7 @@ class ParallelSection:
     pp: int | None = None
     tp: int | None = None
     cp: int = 1                        # context parallelism: each sequence split over cp ranks
+    ep: int = 1                        # expert parallelism: experts split over ep dp replicas
     micro_batches: int = 1
     schedule: str | None = None        # generation: gpipe; training: 1f1b
     virtual_stages: int = 1            # model chunks per stage (interleaved schedule)
@@ -70,7 +71,7 @@ class ParallelSection:
     def layout(self, world_size: int, default_schedule: str = "gpipe") -> ParallelConfig:
         """The layout on ``world_size`` ranks, absent factors inferred (not yet checked)."""
         return ParallelConfig.infer(world_size, dp=self.dp, pp=self.pp, tp=self.tp, cp=self.cp,
-                                    micro_batches=self.micro_batches,
+                                    ep=self.ep, micro_batches=self.micro_batches,
                                     schedule=self.schedule or default_schedule,
                                     stage_layers=self.stage_layers)
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..models.config import ConfigError, ModelConfig, tp_problems
+from ..models.config import ConfigError, ModelConfig, ep_problems, tp_problems
 from ..parallel.mesh import Mesh, group_members, mesh_coords, mesh_rank
 from . import settings
 
@@ -65,6 +65,8 @@ class ParallelConfig:
     cp: int = 1
     schedule: str = "gpipe"
     stage_layers: tuple[int, ...] | None = None
+    ep: int = 1          # expert parallelism: each MoE layer's experts split over ep of the
+                         # dp replicas (carved out of dp, as Megatron-Core does)
 
     @property
     def world_size(self) -> int:
@@ -99,7 +101,7 @@ class ParallelConfig:
     def problems(self, model: ModelConfig | None = None,
                  world_size: int | None = None) -> list[str]:
         """Every reason this layout cannot run ``model`` on ``world_size`` ranks."""
-        sizes = {name: getattr(self, name) for name in ("dp", "pp", "cp", "tp",
+        sizes = {name: getattr(self, name) for name in ("dp", "pp", "cp", "tp", "ep",
                                                           "micro_batches")}
         out = [f"{name} must be an integer, got {value!r}" for name, value in sizes.items()
                if not isinstance(value, int) or isinstance(value, bool)]
@@ -112,6 +114,10 @@ class ParallelConfig:
         elif world_size is not None and self.world_size != world_size:
             out.append(f"{self.product_text()} = {self.world_size} != world size "
                        f"{world_size}; change the layout or the number of ranks")
+        if self.dp % self.ep:
+            out.append(f"ep {self.ep} does not divide dp {self.dp}: the ep groups are carved out "
+                       f"of the data-parallel replicas; choose an ep among "
+                       f"{', '.join(map(str, _divisors(self.dp)))}")
         if self.schedule not in SCHEDULES:
             out.append(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         if model is None:
@@ -121,6 +127,7 @@ class ParallelConfig:
             valid = model.valid_tp_sizes(limit=max(8, self.tp))
             out += tp_issues
             out.append(f"tp sizes this model supports: {', '.join(map(str, valid))}")
+        out += ep_problems(model, self.ep)
         layers = model.num_hidden_layers
         if self.pp > layers:
             out.append(f"pp {self.pp} stages > num_hidden_layers {layers}: every stage needs at "
@@ -144,12 +151,22 @@ class ParallelConfig:
     def describe(self) -> str:
         """'dp 2 x pp 2 x tp 2', with cp where it is > 1 (reports, checkpoints)."""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
-        return f"dp {self.dp} x pp {self.pp}{cp} x tp {self.tp}"
+        ep = f" (ep {self.ep})" if self.ep > 1 else ""
+        return f"dp {self.dp}{ep} x pp {self.pp}{cp} x tp {self.tp}"
 
     def check(self, model: ModelConfig | None = None, world_size: int | None = None) -> None:
         problems = self.problems(model, world_size)
         if problems:
             raise ConfigError("invalid parallel layout", problems)
+
+
+def inference_ep_problem(layout: ParallelConfig, job: str) -> str | None:
+    """Expert parallelism runs in training so far; generation and scoring split a mixture of
+    experts over tp (and pp)."""
+    if layout.ep == 1:
+        return None
+    return (f"ep {layout.ep}: {job} does not split experts over ep yet (training does); "
+            "split the experts over tp and pp instead, and use ep 1")
 
 
 def _divisors(n: int) -> list[int]:

@@ -16,7 +16,7 @@ JOB_FLAGS = {
     "checkpoint": ("model", "checkpoint"), "dtype": ("model", "dtype"),
     "prompts": ("data", "prompts"),
     "dp": ("parallel", "dp"), "pp": ("parallel", "pp"), "tp": ("parallel", "tp"),
-    "cp": ("parallel", "cp"),
+    "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
     "micro_batches": ("parallel", "micro_batches"), "stage_layers": ("parallel", "stage_layers"),
     "backend": ("parallel", "backend"), "comm": ("parallel", "comm"),
     "timeout": ("parallel", "timeout"),
@@ -68,6 +68,8 @@ def _layout_flags(p, stage_layers: bool = True) -> None:
         p.add_argument(f"--{axis}", type=int, help=f"{axis} size (default: inferred)")
     p.add_argument("--cp", type=int, help="context-parallel size: each sequence split over cp "
                                           "ranks, attention as ring attention (default 1)")
+    p.add_argument("--ep", type=int, help="expert-parallel size: each MoE layer's experts split "
+                                          "over ep of the dp replicas (default 1)")
     p.add_argument("--micro-batches", type=int, help="micro-batches per replica")
     if stage_layers:
         p.add_argument("--stage-layers", type=_int_list, metavar="N,N,...",

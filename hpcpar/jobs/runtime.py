@@ -64,11 +64,16 @@ class Runtime:
     cp: Communicator | None     # the context-parallel ring, where cp > 1
     world: Communicator         # every rank, host arrays (MPI)
     board: ActionBoard
+    ep: Communicator | None = None     # the ep replicas whose experts a MoE layer splits
+    edp: Communicator | None = None    # the ranks holding this rank's experts (training)
 
     def close(self) -> None:
         """Free the job's communicators and its board (collective; at the job's end). A
         process that runs many jobs (a library user, a test session) would otherwise run out
         of MPI's few thousand communicators."""
+        for group in (self.ep, self.edp):
+            if group is not None:
+                group.mpi_comm.Free()
         close_runtime(self.mesh, self.board)
 
 
@@ -96,4 +101,17 @@ def open_runtime(comm, job: Job, layout: ParallelConfig, dtype: np.dtype,
     world = create_communicator(comm, "mpi", NUMPY, None, "world", timeout, check=False)
     board = ActionBoard(comm, layout)
     set_board(board)
-    return Runtime(mesh, backend, stats, tp, pp, dp, cp, world, board)
+    runtime = Runtime(mesh, backend, stats, tp, pp, dp, cp, world, board)
+    if layout.ep > 1:
+        # dp replica d is rank d % ep of ep group d // ep, and holds the experts of the
+        # replicas d' = d (mod ep) (with each cp rank: the ranks of a cp group hold the same)
+        d, ep = mesh.coord("dp"), layout.ep
+
+        def split(group: str, color: int, name: str) -> Communicator:
+            sub = mesh.group(group).mpi_comm.Split(color, mesh.group(group).rank)
+            return create_communicator(sub, "mpi", backend, stats, name, timeout, check=False)
+
+        runtime.ep = split("dp", d // ep, "ep")
+        if data_parallel:
+            runtime.edp = split(grad_axes(layout), d % ep, "edp")
+    return runtime

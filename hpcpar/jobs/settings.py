@@ -30,7 +30,7 @@ __all__ = ["ENVIRONMENT", "RULES", "SEED_LIMIT", "check_environment", "environme
 # "section.key" of a job (the flags and --set use the same names) -> its range
 RULES: dict[str, Range] = {
     "parallel.dp": POSITIVE, "parallel.pp": POSITIVE, "parallel.tp": POSITIVE,
-    "parallel.cp": POSITIVE,
+    "parallel.cp": POSITIVE, "parallel.ep": POSITIVE,
     "parallel.micro_batches": POSITIVE, "parallel.virtual_stages": POSITIVE,
     "parallel.stage_layers": POSITIVE,
     "parallel.timeout": Range(0, note="seconds; 0 waits forever"),

@@ -31,7 +31,7 @@ from ..generate.schedule import generation
 from ..generate.setup import load_tokenizer, open_stage
 from ..job import Job
 from ..launch import everyone, phase
-from ..layout import ParallelConfig
+from ..layout import ParallelConfig, inference_ep_problem
 from ..replicas import ReplicaChannel, owners
 from ..skeleton import JobRun
 from .data import ScoreData, check_score_data, load_score_data
@@ -80,6 +80,8 @@ class ScoringRun(JobRun):
         if layout.schedule != "gpipe":
             raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; scoring "
                               "runs the 'gpipe' forward schedule")
+        if inference_ep_problem(layout, "scoring"):
+            raise HpcparError(inference_ep_problem(layout, "scoring"))
         source = job.score.data
         if not source:
             raise HpcparError("scoring needs its sequences: --data FILE (.npy ids, left-padded "

@@ -51,10 +51,11 @@ class ModelChunk:
     recompute), the last chunk adds the loss, and the backward runs the layers in reverse."""
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Param], layers: range,
-                 first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False):
+                 first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False,
+                 ep: Communicator | None = None):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
-        self.stage = DecoderStage.from_params(cfg, params, layers, first, last, tp, ops)
+        self.stage = DecoderStage.from_params(cfg, params, layers, first, last, tp, ops, ep)
         if last:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values())

@@ -17,7 +17,7 @@ from time import perf_counter
 
 import numpy as np
 
-from ...parallel.data_parallel import GradientReducer, local_sq_norm
+from ...parallel.data_parallel import local_sq_norm
 from ...parallel.optim import LossScaler, Optimizer, clip_coefficient
 from ...parallel.optim_settings import learning_rate
 from ...parallel.pipeline.executor import PipelineExecutor
@@ -35,7 +35,7 @@ from .grads import sum_replicated
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
 from .setup import TrainPlan, kv_group, load_chunks, validate
-from .zero import ZeroShards
+from .holders import holders
 
 
 class TrainingRun(JobRun):
@@ -79,7 +79,7 @@ class TrainingRun(JobRun):
         with phase("loading the checkpoint"):
             self.chunks, self.params, states = load_chunks(
                 self.comm, rt.mesh, plan, self.ckpt, rt.tp, rt.backend,
-                recompute=tr.recompute == "full", cp=rt.cp)
+                recompute=tr.recompute == "full", cp=rt.cp, ep=rt.ep)
         self._open_optimizer(states)
         self._open_schedule()
         self.metrics = everyone(self.comm, Metrics, plan.out_dir / "metrics.jsonl",
@@ -99,18 +99,19 @@ class TrainingRun(JobRun):
         if self.ckpt.config.tie_word_embeddings and plan.layout.pp > 1 and holds_embedding:
             self.tied_peer = (rt.pp, plan.layout.pp - 1 if mesh.is_first("pp") else 0)
         groups = [g for chunk in reversed(self.chunks) for g in chunk.groups]
-        # gradients are summed over every rank that holds the same weights: dp x cp
-        self.reducer = (GradientReducer(rt.dp, groups, self.xp,
-                                        bucket_bytes=int(tr.bucket_mb * (1 << 20)))
-                        if rt.dp.size > 1 else None)
-        self.zero = ZeroShards(rt.dp, self.reducer, self.xp) if self.reducer and tr.zero else None
-        self.updated = self.zero.segments if self.zero else self.params   # what is stepped
+        # gradients are summed over every rank that holds the same weights: dp x cp, and
+        # with ep the experts over their own replicas (``holders``)
+        self.held = holders(self.params, rt.dp, rt.edp, grad_rank(mesh) == 0)
+        for group in self.held:
+            group.open(groups, self.xp, int(tr.bucket_mb * (1 << 20)), tr.zero)
+        self.zero = any(group.zero for group in self.held)
+        self.updated = [p for group in self.held for p in group.updated]   # what is stepped
         self.optimizer = Optimizer(plan.optimizer, self.updated, self.xp)
         self.scaler = (LossScaler(tr.loss_scale, growth_interval=tr.loss_scale_window)
                        if plan.dtype == np.float16 else None)
         if states is not None:
-            self.optimizer.load_state_dict(self.zero.slice_state(states) if self.zero
-                                           else states)
+            self.optimizer.load_state_dict({name: state for group in self.held
+                                            for name, state in group.slice_state(states).items()})
             attrs = plan.resume[1]
             self.optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
             if self.scaler is not None and "loss_scale" in attrs:
@@ -179,23 +180,31 @@ class TrainingRun(JobRun):
     def _forward_backward(self, first_sample: int, scale: float) -> TrainingProgram:
         """The step's schedule run over this replica's batches, then every gradient summed
         where its copies are (dp buckets, replicated weights; ZeRO: each rank its piece)."""
-        rt, reducer, zero = self.rt, self.reducer, self.zero
+        rt, zero = self.rt, self.zero
+        reducers = [group.reducer for group in self.held if group.reducer]
+        # the backward starts each bucket's sum as it completes: one group's buckets only
+        overlap = reducers[0].grads_done if len(self.held) == 1 and reducers and not zero \
+            else None
         batches = replica_batches(self.plan.dataset, rt.mesh, self.plan.layout.micro_batches,
                                   first_sample, self.job.train, self.xp, scale)
         for p in self.params:
             p.grad[...] = 0
-        if reducer:
+        for reducer in reducers:
             reducer.start_step()
-        program = self._program(batches, reducer.grads_done if reducer and not zero else None)
+        program = self._program(batches, overlap)
         self.executor.program = program
         with self._overflow_is_expected():
             self.executor.run(self.actions)
         t_reduce = perf_counter()
         if zero:                              # replicated sums first, then each rank its piece
             sum_replicated(self.params, self.kv_comm, self.tied_peer, self.xp, rt.tp)
-            zero.reduce_scatter()
+            for group in self.held:
+                if group.zero:
+                    group.zero.reduce_scatter()
+                elif group.reducer:
+                    group.reducer.finish()
         else:
-            if reducer:
+            for reducer in reducers:
                 reducer.finish()
             sum_replicated(self.params, self.kv_comm, self.tied_peer, self.xp, rt.tp)
         rt.backend.synchronize()
@@ -214,8 +223,8 @@ class TrainingRun(JobRun):
         mesh = self.rt.mesh
         counts_loss = self.chunks[-1].last and mesh.coord("tp") == 0
         agreed = np.array([program.loss if counts_loss else 0.0,
-                           local_sq_norm(self.updated, self.xp)
-                           if self.zero or grad_rank(mesh) == 0 else 0.0,
+                           sum(local_sq_norm(group.updated, self.xp) for group in self.held
+                               if group.zero or group.first),
                            1.0 if self.stop.requested else 0.0])
         self.rt.world.all_reduce(agreed)
         return float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale, bool(agreed[2] > 0)
@@ -227,7 +236,9 @@ class TrainingRun(JobRun):
             coef = clip_coefficient(norm, self.plan.optimizer.clip_grad)
             self.optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
             if self.zero:                             # the updated pieces gathered, then copied
-                self.zero.all_gather()
+                for group in self.held:
+                    if group.zero:
+                        group.zero.all_gather()
                 for p in self.params:
                     p.refresh()
         self.rt.backend.synchronize()
@@ -257,7 +268,7 @@ class TrainingRun(JobRun):
         segments. Each step agreed: a write that fails on any rank (a full disk) ends the
         job on all, with one line, the temporary file removed and ``latest`` at the previous
         checkpoint."""
-        plan, optimizer, zero, mesh = self.plan, self.optimizer, self.zero, self.rt.mesh
+        plan, optimizer, mesh = self.plan, self.optimizer, self.rt.mesh
         path, rank, cfg = plan.out_dir / tc.checkpoint_name(self.step), self.rank, self.ckpt.config
 
         def create():
@@ -270,11 +281,13 @@ class TrainingRun(JobRun):
         to_host, tp_rank, tp_size = self.rt.backend.to_host, mesh.coord("tp"), mesh.size("tp")
 
         def write_mine():
-            if grad_rank(mesh) == 0:
-                tc.write_slices(path, self.params, {} if zero else states, cfg, tp_rank,
-                                tp_size, to_host)
-            if zero:
-                tc.write_segments(path, zero.segments, zero.offset, states, cfg, tp_rank,
+            for group in self.held:
+                if group.first:
+                    tc.write_slices(path, group.params, {} if group.zero else states, cfg,
+                                    tp_rank, tp_size, to_host)
+                if group.zero:
+                    tc.write_segments(path, group.zero.segments, group.zero.offset, states, cfg,
+                                      tp_rank,
                                   tp_size, to_host)
 
         def commit():
@@ -307,7 +320,8 @@ class TrainingRun(JobRun):
 
     def finish(self) -> TrainReport | None:
         self.close_bar()
-        self.figures.set_comm(self.rt.stats, self.reducer)
+        self.figures.set_comm(self.rt.stats, next((g.reducer for g in self.held if g.reducer),
+                                                  None))
         table = self.rt.world.gather(self.figures.to_array()[None], root=0)  # (ranks, figures)
         if self.kv_comm is not None:
             self.kv_comm.mpi_comm.Free()

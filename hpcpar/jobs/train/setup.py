@@ -72,6 +72,15 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
     if job.model.dtype not in COMPUTE_DTYPES:
         problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
                         f"weights), not {job.model.dtype}")
+    if cfg.router_aux_loss_coef:
+        problems.append(f"the checkpoint's config asks for the router's load-balancing loss "
+                        f"(output_router_logits, router_aux_loss_coef "
+                        f"{cfg.router_aux_loss_coef}), which hpcpar does not add yet; set "
+                        "output_router_logits false in its config.json and convert again")
+    if cfg.router_jitter_noise:
+        problems.append(f"router_jitter_noise {cfg.router_jitter_noise}: Mixtral's random "
+                        "jitter of the router's input in training is not supported; set it to "
+                        "0 in config.json and convert again")
     settings = OptimizerSettings.of(tr)
     problems += settings.problems()
     if not job.data.dataset:
@@ -117,9 +126,10 @@ def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
 
 
 def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool,
-          cp=None):
+                cp=None, ep=None):
     """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
-    being resumed) and, when resuming, the optimizer state of those parameters."""
+    being resumed; of a MoE layer, this rank's ep block of experts only) and, when resuming,
+    the optimizer state of those parameters."""
     cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
     source = plan.resume[0] if plan.resume else ckpt
     ops = ops_for(backend, cp)
@@ -127,13 +137,14 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
     for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.coord("pp"), V)):
         v = c * layout.pp + mesh.coord("pp")
         first, last = v == 0, v == layout.pp * V - 1
-        specs = stage_tensors(cfg, layers, first, last)
+        specs = stage_tensors(cfg, layers, first, last, expert_block(cfg, ep))
         fault_point("load")
         shard = everyone(comm, load_shard, source, specs, mesh.coord("tp"), layout.tp, np.float32,
                          backend)
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
                                    last_stage_tied_copy=last and not first, dtype=plan.dtype)
-        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, ops, recompute))
+        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, ops, recompute,
+                                 ep))
         params += chunk_params.values()
         all_specs += specs
     states = None
@@ -143,6 +154,14 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
                           backend)
     backend.release_unused_device_memory()
     return chunks, params, states
+
+
+def expert_block(cfg, ep) -> range | None:
+    """The experts this rank holds of each MoE layer: its ep group rank's block (None: all)."""
+    if ep is None or ep.size == 1:
+        return None
+    per = cfg.num_experts // ep.size
+    return range(ep.rank * per, (ep.rank + 1) * per)
 
 
 def kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):

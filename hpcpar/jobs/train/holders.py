@@ -1,0 +1,64 @@
+"""Who holds which weights: the parameters of a training rank in groups, each summed over the
+ranks that hold the same copies of them.
+
+Without expert parallelism every weight of a (pp, tp) position is held by the dp x cp ranks:
+one group. With ep, a MoE layer's experts are split over each ep group of dp replicas, so an
+expert is held by the dp / ep replicas with the same ep rank (times cp): the ``edp`` group.
+Dense weights (attention, norms, the router, the embedding) stay with dp x cp, as in
+Megatron-Core. Each group has its own gradient buckets and, with ZeRO, its own optimizer
+shards; its first rank counts its gradients in the norm and writes its weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...parallel.comm import Communicator
+from ...parallel.data_parallel import GradientReducer
+from .params import Param
+from .zero import ZeroShards
+
+
+@dataclass
+class Holders:
+    """``params`` and ``comm``, the ranks holding the same copies (None: this rank alone);
+    ``first``: this rank counts and writes them."""
+
+    params: list[Param]
+    comm: Communicator | None
+    first: bool
+    reducer: GradientReducer | None = None
+    zero: ZeroShards | None = None
+
+    @property
+    def updated(self) -> list[Param]:
+        """What the optimizer steps: the params, or with ZeRO this rank's segments of them."""
+        return self.zero.segments if self.zero else self.params
+
+    def open(self, backward_groups: list[list[Param]], xp, bucket_bytes: int,
+             zero: bool) -> None:
+        """Buckets over the group (``backward_groups``: all params in the order their
+        gradients complete, filtered to these) and ZeRO's shards."""
+        if self.comm is None or self.comm.size == 1:
+            return
+        mine = {id(p) for p in self.params}
+        groups = [kept for g in backward_groups if (kept := [p for p in g if id(p) in mine])]
+        self.reducer = GradientReducer(self.comm, groups, xp, bucket_bytes=bucket_bytes)
+        self.zero = ZeroShards(self.comm, self.reducer, xp) if zero else None
+
+    def slice_state(self, states: dict[str, dict]) -> dict[str, dict]:
+        """The checkpoint's optimizer state of these params, as ``updated`` takes it."""
+        if self.zero:
+            return self.zero.slice_state(states)
+        return {p.name: states[p.name] for p in self.params if p.name in states}
+
+
+def holders(params: list[Param], dp: Communicator | None, edp: Communicator | None,
+            first: bool) -> list[Holders]:
+    """One group of every param over ``dp`` (x cp), or with ep two: dense weights over dp and
+    experts over ``edp``. ``first``: this rank is dp x cp's first."""
+    if edp is None:
+        return [Holders(list(params), dp, first)]
+    dense = [p for p in params if p.spec.expert is None]
+    experts = [p for p in params if p.spec.expert is not None]
+    return [Holders(dense, dp, first), Holders(experts, edp, edp.rank == 0)]
