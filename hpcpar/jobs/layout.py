@@ -160,15 +160,6 @@ class ParallelConfig:
             raise ConfigError("invalid parallel layout", problems)
 
 
-def inference_ep_problem(layout: ParallelConfig, job: str) -> str | None:
-    """Expert parallelism runs in training so far; generation and scoring split a mixture of
-    experts over tp (and pp)."""
-    if layout.ep == 1:
-        return None
-    return (f"ep {layout.ep}: {job} does not split experts over ep yet (training does); "
-            "split the experts over tp and pp instead, and use ep 1")
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

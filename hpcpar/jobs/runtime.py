@@ -115,3 +115,11 @@ def open_runtime(comm, job: Job, layout: ParallelConfig, dtype: np.dtype,
         if data_parallel:
             runtime.edp = split(grad_axes(layout), d % ep, "edp")
     return runtime
+
+
+def expert_block(cfg, ep) -> range | None:
+    """The experts this rank holds of each MoE layer: its ep group rank's block (None: all)."""
+    if ep is None or ep.size == 1:
+        return None
+    per = cfg.num_experts // ep.size
+    return range(ep.rank * per, (ep.rank + 1) * per)

@@ -367,6 +367,24 @@ class DecoderStage:
             x = at_positions(self.xp, x, keep)
         return x + pending if pending is not None else x
 
+    @property
+    def routes_over_ep(self) -> bool:
+        """Whether this stage's forward meets the other replicas of an ep group."""
+        return any(isinstance(layer.mlp, MoeMlp) and layer.mlp.moe.dispatch.ep is not None
+                   for layer in self.decoder)
+
+    def serve_experts(self) -> None:
+        """What a replica whose work is done runs while the others of its ep group still
+        send tokens to its experts: forwards with no tokens of its own, every MoE layer's
+        all_to_alls in order, each meeting a forward of theirs, until every replica of the
+        group is serving (``MoE.serve``)."""
+        moes = [layer.mlp.moe for layer in self.decoder if isinstance(layer.mlp, MoeMlp)]
+        if not moes or moes[0].dispatch.ep is None:
+            return
+        done = False
+        while not done:
+            done = [moe.serve() for moe in moes][0]     # every layer, as a forward runs them
+
     def final_hidden(self, x):
         """The final norm of x (B, T, hidden): what the head reads (last stage)."""
         return self.norm.forward(x)[0]

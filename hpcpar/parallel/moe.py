@@ -16,7 +16,9 @@ all_to_all of counts and one of rows (``Communicator.all_to_all_rows``). There t
 regrouped by expert, each expert runs once on its rows (a loop over experts, never over
 tokens), and the outputs go back the same way; the source adds each token's k outputs,
 weighted (the combine). A rank with no tokens takes part with zero rows: its group's
-all_to_alls need every rank.
+all_to_alls need every rank. A rank whose own work is done while the others of its group
+still run (generation's replicas finish at different times) keeps serving its experts
+(``MoE.serve``) until every rank of the group is serving: the counts carry that flag.
 
 Under tp each expert is split as the dense MLP is (gate/up by output features, down by
 input features): an expert's output is a partial sum over tp, added once after the combine
@@ -170,6 +172,7 @@ class _Route:
     recv: list[int]           # rows from each ep rank
     regroup: object           # received rows -> by expert (None without ep)
     counts: list[int]         # rows of each local expert
+    all_serving: bool = True  # every rank of the group came with no work of its own
 
 
 class ExpertDispatch:
@@ -184,8 +187,9 @@ class ExpertDispatch:
         self.local = num_experts // size
         self.first = (ep.rank if ep is not None else 0) * self.local
 
-    def forward(self, x2, experts) -> tuple[object, list[int], _Route]:
-        """(this rank's rows, by expert; the rows of each of its experts; the route)."""
+    def forward(self, x2, experts, serving: bool = False) -> tuple[object, list[int], _Route]:
+        """(this rank's rows, by expert; the rows of each of its experts; the route).
+        ``serving``: this rank has no work of its own left (``MoE.serve``)."""
         xp = self.xp
         tokens, top_k = experts.shape
         flat = experts.reshape(-1)
@@ -196,12 +200,16 @@ class ExpertDispatch:
             return rows, counts.tolist(), _Route(order, tokens, top_k, [], [], None,
                                                  counts.tolist())
         P, L = self.ep.size, self.local
-        by_source = self.ep.on_host().all_to_all(counts.reshape(P, 1, L), 0, 1).reshape(P, L)
+        # each rank's counts for every expert of a rank, and whether it is only serving
+        outgoing = np.concatenate([counts.reshape(P, L), np.full((P, 1), int(serving))], 1)
+        incoming = self.ep.on_host().all_to_all(outgoing.reshape(P, 1, L + 1), 0, 1)
+        by_source, flags = incoming.reshape(P, L + 1)[:, :L], incoming.reshape(P, L + 1)[:, L]
         send, recv = counts.reshape(P, L).sum(axis=1).tolist(), by_source.sum(axis=1).tolist()
         arrived, _ = self.ep.all_to_all_rows(rows, send, recv)
         regroup = xp.asarray(_expert_major(by_source))
         local = by_source.sum(axis=0).tolist()
-        return arrived[regroup], local, _Route(order, tokens, top_k, send, recv, regroup, local)
+        return arrived[regroup], local, _Route(order, tokens, top_k, send, recv, regroup, local,
+                                               bool(flags.all()))
 
     def back(self, y_local, route: _Route):
         """The experts' outputs (by expert, as ``forward`` gave the rows) back at their
@@ -213,11 +221,11 @@ class ExpertDispatch:
             y_local, _ = self.ep.all_to_all_rows(grouped, route.recv, route.send)
         slots = xp.empty_like(y_local)
         slots[route.order] = y_local
-        return slots.reshape(route.tokens, route.top_k, -1)
+        return slots.reshape(route.tokens, route.top_k, y_local.shape[-1])
 
     def to_experts(self, slots, route: _Route):
         """``back``'s backward: (N, k, hidden) per slot -> by expert on the expert's rank."""
-        rows = slots.reshape(route.tokens * route.top_k, -1)[route.order]
+        rows = slots.reshape(route.tokens * route.top_k, slots.shape[-1])[route.order]
         if self.ep is None:
             return rows
         arrived, _ = self.ep.all_to_all_rows(rows, route.send, route.recv)
@@ -252,6 +260,7 @@ class MoE:
         self.ops, self.router, self.experts, self.dispatch = ops, router, experts, dispatch
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.reset_load()
+        self.all_serving = True
 
     @classmethod
     def from_full(cls, router, gate, up, down, top_k: int, normalize: bool = True, *,
@@ -305,12 +314,22 @@ class MoE:
     def reset_load(self) -> None:
         self.tokens_per_expert = np.zeros(self.dispatch.local, dtype=np.int64)
 
-    def forward(self, x, train: bool = False):
+    def serve(self) -> bool:
+        """A forward with no tokens of this rank's own: the other ranks of the ep group may
+        still send tokens to its experts. True when every rank of the group was serving
+        too: the group's work is done (each rank learns it in the same call)."""
+        x = self.ops.xp.empty((0, self.router.weight.data.shape[1]),
+                              dtype=self.router.weight.data.dtype)
+        self.forward(x, serving=True)
+        return self.all_serving
+
+    def forward(self, x, train: bool = False, serving: bool = False):
         """(y, ctx) for x (..., hidden); ctx is what ``backward`` needs when ``train``."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         routing = self.router.forward(x2)
-        rows, counts, route = self.dispatch.forward(x2, routing.experts)
+        rows, counts, route = self.dispatch.forward(x2, routing.experts, serving)
+        self.all_serving = route.all_serving
         self.tokens_per_expert += counts
         out, expert_ctx = self.experts.forward(rows, counts, train)
         slots = self.dispatch.back(out, route)                     # partial over tp

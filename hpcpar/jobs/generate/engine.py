@@ -177,6 +177,9 @@ class GenerationRun(JobRun):
             executor.run(actions)
             if isinstance(program, ContinuousProgram):
                 self._run_segments(program, executor)
+            # the replicas of an ep group meet in every MoE layer: one that is done serves
+            # its experts to the others until they are done too
+            ranks.stage.serve_experts()
             backend.synchronize()
         finished = perf_counter()
         figures = _figures(executor, program, ranks.stats, ranks.stage, backend, start,

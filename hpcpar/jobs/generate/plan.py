@@ -17,7 +17,7 @@ from ...models.chat import ChatTemplate
 from ...parallel.dtypes import dtype_name, float_dtype
 from ...parallel.errors import HpcparError
 from ..job import Job
-from ..layout import ParallelConfig, inference_ep_problem
+from ..layout import ParallelConfig
 from .program import GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .sampling import PromptSampling, SamplingParams
@@ -46,8 +46,6 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
                           "runs the 'gpipe' forward schedule")
     gen = job.generate
-    if inference_ep_problem(layout, "generation"):
-        raise HpcparError(inference_ep_problem(layout, "generation"))
     if layout.cp > 1 and gen.save_logits:
         raise HpcparError(f"cp {layout.cp} with --save-logits: the prompt logits of a prompt "
                           "split over cp are not gathered; drop one of them")

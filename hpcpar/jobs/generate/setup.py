@@ -22,7 +22,7 @@ from ..faults import fault_point
 from ..job import Job
 from ..launch import everyone, phase
 from ..layout import ParallelConfig
-from ..runtime import close_runtime, open_runtime
+from ..runtime import expert_block, open_runtime
 from ..watchdog import ActionBoard
 
 
@@ -65,10 +65,16 @@ class InferenceRank:
     stage: DecoderStage
     shard: object               # the loaded slices' figures (seconds, bytes read)
     cp: object = None           # the context-parallel ring group, where cp > 1
+    runtime: object = None      # the runtime the groups above come from
+
+    @property
+    def ep(self):
+        """The ep group whose replicas' tokens this rank's experts serve, where ep > 1."""
+        return self.runtime.ep
 
     def close(self) -> None:
         """Free the job's communicators and board (collective; at the job's end)."""
-        close_runtime(self.mesh, self.board)
+        self.runtime.close()
 
 
 def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
@@ -78,13 +84,15 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
     rt = open_runtime(comm, job, layout, dtype)
     mesh, backend, tp = rt.mesh, rt.backend, rt.tp
     layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.coord("pp"), layout.stage_layers)
-    specs = stage_tensors(cfg, layers, mesh.is_first("pp"), mesh.is_last("pp"))
+    specs = stage_tensors(cfg, layers, mesh.is_first("pp"), mesh.is_last("pp"),
+                          expert_block(cfg, rt.ep))
     with phase("loading the checkpoint"):
         fault_point("load")
         shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,
                          backend=backend)
     stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first("pp"),
-                                    mesh.is_last("pp"), tp, ops_for(backend, rt.cp), dtype)
+                                    mesh.is_last("pp"), tp, ops_for(backend, rt.cp), dtype,
+                                    rt.ep)
     backend.release_unused_device_memory()
     return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard,
-                         rt.cp)
+                         rt.cp, rt)

@@ -31,7 +31,7 @@ from ..generate.schedule import generation
 from ..generate.setup import load_tokenizer, open_stage
 from ..job import Job
 from ..launch import everyone, phase
-from ..layout import ParallelConfig, inference_ep_problem
+from ..layout import ParallelConfig
 from ..replicas import ReplicaChannel, owners
 from ..skeleton import JobRun
 from .data import ScoreData, check_score_data, load_score_data
@@ -80,8 +80,6 @@ class ScoringRun(JobRun):
         if layout.schedule != "gpipe":
             raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; scoring "
                               "runs the 'gpipe' forward schedule")
-        if inference_ep_problem(layout, "scoring"):
-            raise HpcparError(inference_ep_problem(layout, "scoring"))
         source = job.score.data
         if not source:
             raise HpcparError("scoring needs its sequences: --data FILE (.npy ids, left-padded "
@@ -128,6 +126,9 @@ class ScoringRun(JobRun):
         start = perf_counter()
         with phase("scoring"):
             executor.run(actions)
+            # the replicas of an ep group meet in every MoE layer: one with fewer micro-
+            # batches serves its experts to the others until they are done
+            ranks.stage.serve_experts()
             backend.synchronize()
             self.program.gather_over_cp()
         elapsed = perf_counter() - start

@@ -27,6 +27,7 @@ from ..generate.setup import load_tokenizer
 from ..job import Job
 from ..launch import everyone
 from ..layout import ParallelConfig
+from ..runtime import expert_block
 from . import checkpoint as tc
 from .chunk import ModelChunk
 from .data import Dataset, load_dataset
@@ -154,14 +155,6 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
                           backend)
     backend.release_unused_device_memory()
     return chunks, params, states
-
-
-def expert_block(cfg, ep) -> range | None:
-    """The experts this rank holds of each MoE layer: its ep group rank's block (None: all)."""
-    if ep is None or ep.size == 1:
-        return None
-    per = cfg.num_experts // ep.size
-    return range(ep.rank * per, (ep.rank + 1) * per)
 
 
 def kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):

@@ -190,7 +190,7 @@ class Communicator(ABC):
         nbytes = (x.size + out.size) * np.dtype(x.dtype).itemsize
         self._run("all_to_all", nbytes, self._all_to_all,
                   self.xp.ascontiguousarray(x).reshape(-1), [n * row for n in send],
-                  out.reshape(-1), [n * row for n in recv])
+                  out.reshape(-1), [n * row for n in recv], True)
         return out, recv
 
     # ---- prepared operations --------------------------------------------------------------
@@ -572,9 +572,11 @@ class Communicator(ABC):
 
     @abstractmethod
     def _all_to_all(self, send, send_counts: list[int], recv,
-                    recv_counts: list[int]) -> None:
+                    recv_counts: list[int], uneven: bool = False) -> None:
         """Flat buffers: block j of ``send`` (``send_counts[j]`` elements, in order) to rank
-        j; block j of ``recv`` from rank j."""
+        j; block j of ``recv`` from rank j. ``uneven``: the ranks' counts may differ, so no
+        rank may take a path of equal blocks on its own (MPI's Alltoall and Alltoallv do
+        not match each other)."""
 
     @abstractmethod
     def _isend(self, buf, dest: int, tag: int) -> Request: ...

@@ -171,7 +171,7 @@ class NcclCommunicator(Communicator):
             self._comm.recv(recv.data.ptr, recv.size, self._t(recv), root, self._stream())
         self._lib.groupEnd()
 
-    def _all_to_all(self, send, send_counts, recv, recv_counts) -> None:
+    def _all_to_all(self, send, send_counts, recv, recv_counts, uneven=False) -> None:
         # NCCL has no all-to-all of uneven blocks: grouped point-to-point, as its examples do
         self._lib.groupStart()
         for r, part in _pieces(send, send_counts):
