@@ -119,6 +119,8 @@ class TrainSection(OptimizerSettings):
     shuffle: bool = False
     peak_tflops: float = 0.0            # per rank, for MFU; 0: measured by a GEMM probe
     bucket_mb: float = 25.0             # dp gradient bucket size in MiB (PyTorch DDP's)
+    aux_loss_coef: float | None = None  # a MoE router's load-balancing loss; None: the
+                                        # config's (when it sets output_router_logits)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ TRAIN_FLAGS = {
         "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
         "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
         "zero",
-        "save_every", "resume", "shuffle", "peak_tflops", "bucket_mb")},
+        "save_every", "resume", "shuffle", "peak_tflops", "bucket_mb", "aux_loss_coef")},
 }
 # (job section, key) -> the flag that sets it, for the messages
 FLAG_NAMES = {target: "--" + dest.replace("_", "-")
@@ -158,6 +158,9 @@ def _train_flags(p) -> None:
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per rank, for MFU")
     p.add_argument("--bucket-mb", type=float,
                    help="data-parallel gradient bucket size in MiB (default 25, as DDP)")
+    p.add_argument("--aux-loss-coef", type=float,
+                   help="a mixture of experts' load-balancing loss coefficient (default: the "
+                        "config's router_aux_loss_coef when output_router_logits, else 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,7 @@ RULES: dict[str, Range] = {
         0, note="0: only at the end"),
     "train.seed": SEED, "train.peak_tflops": Range(0, note="0: measured by a GEMM probe"),
     "train.bucket_mb": Range(0, low_open=True),
+    "train.aux_loss_coef": Range(0, note="0 turns the router's load-balancing loss off"),
     **{f"train.{key}": rule for key, rule in OPTIMIZER_RULES.items()},
 }
 

@@ -156,11 +156,12 @@ class MoeMlp:
         y += gate * s
         return y, ((ctx, shared_ctx, x, s, gate) if train else None)
 
-    def backward(self, dy, ctx, sink):
+    def backward(self, dy, ctx, sink, dprobs=None):
+        """``dprobs``: an auxiliary loss's gradient of the router's probabilities."""
         if self.shared is None:
-            return self.moe.backward(dy, ctx, sink)
+            return self.moe.backward(dy, ctx, sink, dprobs)
         ctx, shared_ctx, x, s, gate = ctx
-        dx = self.moe.backward(dy, ctx, sink)
+        dx = self.moe.backward(dy, ctx, sink, dprobs)
         dx += self.shared.backward(dy * gate, shared_ctx, sink)
         dz = (dy * s).sum(axis=-1, keepdims=True) * gate * (1.0 - gate)
         dx += weight_grads(self.ops, dz, x, self.shared_gate, None, sink)
@@ -209,11 +210,13 @@ class DecoderLayer:
             return h, x, ctx
         return norm.add_forward(branch, x, train)
 
-    def backward(self, dy, ctx, sink):
+    def backward(self, dy, ctx, sink, dprobs=None):
         """The gradient of the layer's input residual (x + pending) from that of its output
-        (x + pending after it)."""
+        (x + pending after it); ``dprobs`` as ``MoeMlp.backward``'s (a MoE layer)."""
         n1, actx, n2, mctx = ctx
-        dx1 = dy + self.post_norm.backward(self.mlp.backward(dy, mctx, sink), n2, sink)
+        dmlp = (self.mlp.backward(dy, mctx, sink) if dprobs is None
+                else self.mlp.backward(dy, mctx, sink, dprobs))
+        dx1 = dy + self.post_norm.backward(dmlp, n2, sink)
         return dx1 + self.input_norm.backward(self.attention.backward(dx1, actx, sink), n1,
                                               sink)
 

@@ -83,6 +83,32 @@ def route_backward(xp, routing: Routing, dweights, normalize: bool, dprobs=None)
     return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
 
 
+def load_balancing_loss(xp, routings: list[Routing], mask, group=None):
+    """Switch Transformer's auxiliary loss as transformers' ``load_balancing_loss_func``
+    computes it, the routings of several layers pooled: E * sum_e f_e p_e, with f_e the
+    share of the top-k choices that went to expert e and p_e its mean probability, over
+    every (layer, token) pair whose token is in ``mask`` (N,) bool. ``group``: the ranks
+    holding the rest of the tokens (context parallelism), whose sums are added first.
+    Returns (loss, the gradient of every layer's probabilities per unit of loss, (N, E)):
+    the choices have none, so it is E f_e / (tokens x layers) for each token in ``mask``."""
+    E = routings[0].probs.shape[1]
+    weight = mask.astype(np.float64)
+    sums = xp.zeros(2 * E + 1, dtype=np.float64)
+    for r in routings:
+        sums[:E] += xp.bincount(r.experts.reshape(-1),
+                                weights=xp.repeat(weight, r.experts.shape[1]), minlength=E)
+        sums[E:2 * E] += (r.probs * weight[:, None]).sum(axis=0)
+        sums[2 * E] += weight.sum()
+    if group is not None and group.size > 1:
+        group.all_reduce(sums)
+    choices, probs, rows = sums[:E], sums[E:2 * E], sums[2 * E]
+    if float(rows) == 0:
+        return 0.0, xp.zeros(routings[0].probs.shape, dtype=np.float32)
+    loss = float(E * (choices * probs).sum() / rows ** 2)
+    dprobs = (E * choices / rows ** 2).astype(np.float32)[None, :] * mask[:, None]
+    return loss, dprobs.astype(np.float32)
+
+
 class TopKRouter:
     """logits = x R^T (R: (E, hidden), replicated over tp), then ``route``."""
 
@@ -313,6 +339,7 @@ class MoE:
 
     def reset_load(self) -> None:
         self.tokens_per_expert = np.zeros(self.dispatch.local, dtype=np.int64)
+        self.routing: Routing | None = None       # the last forward's
 
     def serve(self) -> bool:
         """A forward with no tokens of this rank's own: the other ranks of the ep group may
@@ -329,7 +356,7 @@ class MoE:
         x2 = x.reshape(-1, shape[-1])
         routing = self.router.forward(x2)
         rows, counts, route = self.dispatch.forward(x2, routing.experts, serving)
-        self.all_serving = route.all_serving
+        self.all_serving, self.routing = route.all_serving, routing
         self.tokens_per_expert += counts
         out, expert_ctx = self.experts.forward(rows, counts, train)
         slots = self.dispatch.back(out, route)                     # partial over tp

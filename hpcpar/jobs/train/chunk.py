@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...models.config import ModelConfig
-from ...models.decoder import DecoderStage
+from ...models.decoder import DecoderStage, MoeMlp
+from ...parallel.backend import host_array
 from ...parallel.comm import Communicator
 from ...parallel.context import ContextShard
+from ...parallel.moe import load_balancing_loss
 from ...parallel.ops import AttentionRows, Ops
 from ...parallel.vocab import VocabParallelCrossEntropy
 from .memory import activation_bytes
@@ -45,6 +49,20 @@ class Batch:
         return tuple(self.ids.shape)
 
 
+@dataclass(frozen=True)
+class AuxLoss:
+    """A mixture of experts' load-balancing loss in training: ``coef`` times the mean over the
+    step's ``micro_batches`` (every replica's) of each micro-batch's loss, its MoE layers
+    pooled as transformers' ``load_balancing_loss_func`` pools them. ``group``: the ranks
+    holding the rest of each micro-batch's tokens (cp); ``counted``: this rank adds the
+    value to the reported loss (one rank of the cp group)."""
+
+    coef: float
+    micro_batches: int
+    group: object = None
+    counted: bool = True
+
+
 class ModelChunk:
     """Training's driver of a ``DecoderStage`` (the layers generation runs), built over this
     chunk's ``Param``s: the forward keeps each layer's ctx (or only its input, with
@@ -52,7 +70,7 @@ class ModelChunk:
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Param], layers: range,
                  first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False,
-                 ep: Communicator | None = None):
+                 ep: Communicator | None = None, aux: AuxLoss | None = None):
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
         self.stage = DecoderStage.from_params(cfg, params, layers, first, last, tp, ops, ep)
@@ -60,6 +78,11 @@ class ModelChunk:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values())
         self.groups = self._backward_groups(params)
+        self.aux = aux if aux is not None and aux.coef and first and last else None
+        self.aux_sum = 0.0                   # this step's micro-batches' aux losses
+        # per MoE layer, the real tokens' top-k choices of each expert this step (on device)
+        self.load = {i: self.xp.zeros(cfg.num_experts, np.int64) for i in layers
+                     if cfg.is_moe(i)}
 
     def recompute_saving(self, batch: Batch) -> int:
         """Activation bytes recompute saves on one micro-batch (0 without recompute)."""
@@ -102,21 +125,58 @@ class ModelChunk:
                              context=batch.shard)
         cos, sin = stage.rope.tables(rows.positions(xp, T))                    # (B, T)
         ctx["rope"] = (cos, sin, rows)
-        saved = []
-        for layer in stage.decoder:
+        saved, routings = [], []
+        for i, layer in zip(self.layers, stage.decoder):
             saved.append(x if self.recompute else None)
             x, m, lctx = layer.forward(x, None, cos, sin, rows, train=True)
             x = x + m
             if not self.recompute:
                 saved[-1] = lctx
+            if isinstance(layer.mlp, MoeMlp):
+                routing = layer.mlp.moe.routing
+                routings.append(routing)
+                self.load[i] += self._real_choices(routing, rows, batch, T)
         ctx["layers"] = saved
+        aux = self._aux_loss(routings, rows, batch, T, ctx) if self.aux else 0.0
         if not self.last:
             return x, ctx
         h, ctx["final_norm"] = stage.norm.forward(x, train=True)
         logits = stage.head.local_logits(h).reshape(B * T, -1)                # (N, V/p)
         loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
         ctx["h"] = h
+        if aux and self.aux.counted:
+            loss = loss + aux
         return loss, ctx
+
+    def _real(self, rows, batch: Batch, T: int):
+        """(B*T,) whether each position holds a real token (not padding)."""
+        positions = rows.positions(self.xp, T)
+        return (positions < self.xp.asarray(batch.lengths)[:, None]).reshape(-1)
+
+    def _real_choices(self, routing, rows, batch: Batch, T: int):
+        """(E,) how many of the real tokens' top-k choices went to each expert."""
+        real = self._real(rows, batch, T)
+        weights = self.xp.repeat(real.astype(np.int64), routing.experts.shape[1])
+        return self.xp.bincount(routing.experts.reshape(-1), weights=weights,
+                                minlength=self.cfg.num_experts).astype(np.int64)
+
+    def take_load(self) -> dict[int, np.ndarray]:
+        """The step's choices per expert of each MoE layer (host), counting from 0 again."""
+        out = {i: host_array(load).copy() for i, load in self.load.items()}
+        for load in self.load.values():
+            load[...] = 0
+        return out
+
+    def _aux_loss(self, routings: list, rows, batch: Batch, T: int, ctx: dict) -> float:
+        """This micro-batch's share of the step's load-balancing loss (coef / micro-batches
+        times its own); the router's gradient per unit of loss goes to ``ctx["aux"]``."""
+        value, dprobs = load_balancing_loss(self.xp, routings, self._real(rows, batch, T),
+                                            self.aux.group)
+        scale = self.aux.coef / self.aux.micro_batches
+        ctx["aux"] = dprobs * np.float32(scale)
+        if self.aux.counted:
+            self.aux_sum += value
+        return scale * value
 
     def backward(self, ctx: dict, dy, sink: GradSink, group_done=None):
         """dy: the gradient of the loss w.r.t. this chunk's output (ignored on the last chunk,
@@ -136,12 +196,13 @@ class ModelChunk:
             dy = stage.norm.backward(dh, ctx.pop("final_norm"), sink)
             finished_group()
         cos, sin, rows = ctx["rope"]
-        saved = ctx.pop("layers")
+        saved, dprobs = ctx.pop("layers"), ctx.pop("aux", None)
         for layer in reversed(stage.decoder):
             lctx = saved.pop()
             if self.recompute:
                 _, _, lctx = layer.forward(lctx, None, cos, sin, rows, train=True)
-            dy = layer.backward(dy, lctx, sink)
+            moe = dprobs is not None and isinstance(layer.mlp, MoeMlp)
+            dy = layer.backward(dy, lctx, sink, dprobs if moe else None)
             finished_group()
         if self.first:
             stage.embedding.backward(stage.scale_embedding(dy), ctx.pop("embed"), sink)

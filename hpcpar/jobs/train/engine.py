@@ -225,9 +225,29 @@ class TrainingRun(JobRun):
         agreed = np.array([program.loss if counts_loss else 0.0,
                            sum(local_sq_norm(group.updated, self.xp) for group in self.held
                                if group.zero or group.first),
-                           1.0 if self.stop.requested else 0.0])
+                           1.0 if self.stop.requested else 0.0,
+                           sum(c.aux_sum for c in self.chunks) if counts_loss else 0.0])
         self.rt.world.all_reduce(agreed)
+        for chunk in self.chunks:
+            chunk.aux_sum = 0.0
+        layout = self.plan.layout
+        self.aux_loss = (float(agreed[3]) / (layout.dp * layout.micro_batches)
+                         if self.plan.aux_coef else None)
         return float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale, bool(agreed[2] > 0)
+
+    def _expert_load(self) -> list | None:
+        """Per MoE layer, [min, max] over the experts of the real tokens' top-k choices this
+        step, every replica's summed (one small AllReduce over every rank)."""
+        cfg = self.ckpt.config
+        if not cfg.moe_layers:
+            return None
+        loads = np.zeros((cfg.num_hidden_layers, cfg.num_experts), np.int64)
+        for chunk in self.chunks:
+            for i, load in chunk.take_load().items():
+                if self.rt.mesh.coord("tp") == 0:      # the tp ranks route alike
+                    loads[i] = load
+        self.rt.world.all_reduce(loads)
+        return [[int(loads[i].min()), int(loads[i].max())] for i in cfg.moe_layers]
 
     def _update(self, lr: float, norm: float, scale: float, overflow: bool) -> None:
         if self.scaler is not None:
@@ -254,7 +274,8 @@ class TrainingRun(JobRun):
         rate = tokens / seconds
         record = StepRecord(self.step, loss, norm, lr, tokens, seconds, rate,
                             rate * self.per_token / (self.size * self.peak),
-                            self.scaler.scale if self.scaler else None)
+                            self.scaler.scale if self.scaler else None, self.aux_loss,
+                            self._expert_load())
         everyone(self.comm, self.metrics.write, record)
         if self.bar:
             self.bar.update(1)

@@ -55,6 +55,9 @@ class StepRecord:
     tokens_per_s: float
     mfu: float
     loss_scale: float | None = None
+    aux_loss: float | None = None        # a MoE router's load-balancing loss (mean over
+                                         # micro-batches, before its coefficient)
+    expert_load: list | None = None      # per MoE layer, [min, max] tokens of an expert
 
     def __post_init__(self):
         self.peak_host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -86,8 +89,9 @@ class Metrics:
             return
         self.path.parent.mkdir(exist_ok=True)
         row = asdict(record) | {"peak_host_mb": record.peak_host_mb}
-        if row["loss_scale"] is None:
-            del row["loss_scale"]
+        for key in ("loss_scale", "aux_loss", "expert_load"):
+            if row[key] is None:
+                del row[key]
         with writing(self.path), open(self.path, "a") as f:
             write_point(self.path)
             f.write(json.dumps(row, allow_nan=False) + "\n")

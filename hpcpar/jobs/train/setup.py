@@ -29,7 +29,7 @@ from ..launch import everyone
 from ..layout import ParallelConfig
 from ..runtime import expert_block
 from . import checkpoint as tc
-from .chunk import ModelChunk
+from .chunk import AuxLoss, ModelChunk
 from .data import Dataset, load_dataset
 from .params import kv_replicas, make_params
 
@@ -48,6 +48,7 @@ class TrainPlan:
     resume: tuple[Checkpoint, dict] | None
     start_step: int
     samples_start: int
+    aux_coef: float = 0.0              # the router's load-balancing loss (MoE)
 
 
 def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
@@ -73,11 +74,15 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
     if job.model.dtype not in COMPUTE_DTYPES:
         problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
                         f"weights), not {job.model.dtype}")
-    if cfg.router_aux_loss_coef:
-        problems.append(f"the checkpoint's config asks for the router's load-balancing loss "
-                        f"(output_router_logits, router_aux_loss_coef "
-                        f"{cfg.router_aux_loss_coef}), which hpcpar does not add yet; set "
-                        "output_router_logits false in its config.json and convert again")
+    aux = cfg.router_aux_loss_coef if tr.aux_loss_coef is None else tr.aux_loss_coef
+    if aux and not cfg.moe_layers:
+        problems.append(f"aux_loss_coef {aux}: the router's load-balancing loss belongs to a "
+                        f"mixture of experts; {cfg.model_type} has none (drop --aux-loss-coef)")
+    elif aux and layout.pp > 1:
+        problems.append(f"aux_loss_coef {aux} with pp {layout.pp}: the load-balancing loss "
+                        "pools every layer's routing of a micro-batch, which no stage holds "
+                        "alone; run it with pp 1 (tp, cp, dp and ep split the rest), or "
+                        "--aux-loss-coef 0")
     if cfg.router_jitter_noise:
         problems.append(f"router_jitter_noise {cfg.router_jitter_noise}: Mixtral's random "
                         "jitter of the router's input in training is not supported; set it to "
@@ -112,7 +117,7 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
                               "resume")
         start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
     return TrainPlan(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir, resume,
-                     start_step, samples_start)
+                     start_step, samples_start, float(aux or 0.0))
 
 
 def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
@@ -135,6 +140,8 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
     source = plan.resume[0] if plan.resume else ckpt
     ops = ops_for(backend, cp)
     chunks, params, all_specs = [], [], []
+    aux = (AuxLoss(plan.aux_coef, layout.dp * layout.micro_batches, cp, mesh.coord("cp") == 0)
+           if plan.aux_coef else None)
     for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.coord("pp"), V)):
         v = c * layout.pp + mesh.coord("pp")
         first, last = v == 0, v == layout.pp * V - 1
@@ -145,7 +152,7 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
                                    last_stage_tied_copy=last and not first, dtype=plan.dtype)
         chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, ops, recompute,
-                                 ep))
+                                 ep, aux))
         params += chunk_params.values()
         all_specs += specs
     states = None
