@@ -173,7 +173,7 @@ def _plan_text(args) -> str:
     from .job import PRESET_PREFIX, load_job
 
     flags = {("parallel", k): getattr(args, k) for k in
-             ("dp", "pp", "tp", "cp", "micro_batches", "stage_layers", "schedule",
+             ("dp", "pp", "tp", "cp", "ep", "micro_batches", "stage_layers", "schedule",
               "virtual_stages")}
     flags.update({("train", k): getattr(args, k) for k in
                   ("global_batch", "seq_len", "optimizer", "recompute", "zero")})

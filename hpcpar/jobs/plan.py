@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..models.config import ModelConfig
+from ..models.config import ModelConfig, ep_problems
 from ..models.kv_cache import kv_cache_bytes
 from ..models.sharding import shard_of
 from ..models.tensors import layer_tensors, stage_tensors
@@ -30,6 +30,20 @@ class StagePlan:
     kv_cache_bytes: int        # per rank, for the largest replica's batch
     all_reduce_bytes_per_token: int
     send_bytes_per_token: int
+    expert_bytes: int = 0              # per rank: its ep block of every MoE layer's experts
+    all_to_all_bytes_per_token: int = 0
+
+
+def expert_block(cfg: ModelConfig, ep: int) -> range | None:
+    """The experts ep rank 0 holds (every ep rank as many)."""
+    return range(cfg.num_experts // ep) if cfg.moe_layers and not ep_problems(cfg, ep) else None
+
+
+def all_to_all_bytes(cfg: ModelConfig, layers: range, ep: int, itemsize: int) -> int:
+    """Bytes a token sends and receives over ep in these layers, uniform routing assumed: each
+    MoE layer sends k copies of it, (ep - 1) / ep of them to other ranks, and gets them back."""
+    moe = sum(cfg.is_moe(i) for i in layers)
+    return int(moe * 2 * cfg.experts_per_token * cfg.hidden_size * itemsize * (ep - 1) / ep)
 
 
 def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
@@ -41,15 +55,19 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
     for s in range(layout.pp):
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)
         first, last = s == 0, s == layout.pp - 1
-        specs = stage_tensors(cfg, layers, first, last)
-        weights = sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape)) for spec in specs)
+        specs = stage_tensors(cfg, layers, first, last, expert_block(cfg, layout.ep))
+        sizes = {spec.name: int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
+                 for spec in specs}
+        weights = sum(sizes.values())
+        experts = sum(sizes[spec.name] for spec in specs if spec.expert is not None)
         reduces = (2 * len(layers) + (1 if first else 0)) if layout.tp > 1 else 0
         out.append(StagePlan(
             s, layers, weights * itemsize,
             kv_cache_bytes(len(layers), replica_batch, kv_heads,
                            prompt_length + max_new_tokens, cfg.head_dim, itemsize),
             reduces * cfg.hidden_size * itemsize,
-            0 if last else cfg.hidden_size * itemsize))
+            0 if last else cfg.hidden_size * itemsize, experts * itemsize,
+            all_to_all_bytes(cfg, layers, layout.ep, itemsize)))
     return out
 
 
@@ -63,18 +81,23 @@ def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         f"model: {model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, vocab "
         f"{cfg.vocab_size}, {total_params / 1e6:.1f} M parameters",
-        f"layout: dp {layout.dp} x pp {layout.pp} x tp {layout.tp} = {layout.world_size} ranks; "
+        f"layout: {layout.describe()} = {layout.world_size} ranks; "
         f"batch {batch} ({-(-batch // layout.dp)} per replica), prompt length {prompt_length}, "
         f"{max_new_tokens} new tokens, {itemsize}-byte values",
         "",
         f"{'stage':>5} {'layers':>8} {'weights/rank':>13} {'KV cache/rank':>14} "
         f"{'tp all-reduce/token':>20} {'pp send/token':>14}",
     ]
+    moe = bool(cfg.moe_layers)
+    if moe:
+        lines[-1] += f" {'experts/rank':>13} {'ep all-to-all/token':>20}"
     for s in stages:
         span = f"{s.layers.start}-{s.layers.stop - 1}"
         lines.append(f"{s.stage:>5} {span:>8} {_size(s.weight_bytes):>13} "
                      f"{_size(s.kv_cache_bytes):>14} {_size(s.all_reduce_bytes_per_token):>20} "
-                     f"{_size(s.send_bytes_per_token):>14}")
+                     f"{_size(s.send_bytes_per_token):>14}"
+                     + (f" {_size(s.expert_bytes):>13} "
+                        f"{_size(s.all_to_all_bytes_per_token):>20}" if moe else ""))
     peak = max(s.weight_bytes + s.kv_cache_bytes for s in stages)
     lines += [
         "",
@@ -124,6 +147,10 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
         f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
     ]
+    if cfg.moe_layers:
+        lines.insert(2, f"experts: {cfg.num_experts} per MoE layer, top-{cfg.experts_per_token}"
+                     f", {cfg.num_experts // max(1, layout.ep)} per rank (ep {layout.ep}); "
+                     "expert gradients summed over the dp / ep replicas holding them")
     lines += [_train_stage_row(cfg, layout, V, s, train, rows, here) for s in range(p)]
     problems = micro_batch_problems(kind, p, M, V)
     if problems:
@@ -152,7 +179,8 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
         v = c * p + s
         first, last = v == 0, v == p * V - 1
         count += sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
-                     for spec in stage_tensors(cfg, layers, first, last))
+                     for spec in stage_tensors(cfg, layers, first, last,
+                                               expert_block(cfg, layout.ep)))
         act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
                                 train.recompute == "full")
     per_mb = act // len(chunks)

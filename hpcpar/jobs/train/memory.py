@@ -36,11 +36,17 @@ def activation_bytes(cfg: ModelConfig, tp: int, num_layers: int, rows: int, seq_
     heads = cfg.num_attention_heads // tp
     q = heads * cfg.head_dim
     inter = cfg.intermediate_size // tp
+    # a MoE layer keeps, per token, its k rows at the experts (input, gate, up, activation)
+    # and back (outputs), the routing (float32 probabilities, int64 choices and order)
+    k, moe_inter = cfg.experts_per_token, cfg.moe_intermediate_size // tp
+    moe_share = len(cfg.moe_layers) / cfg.num_hidden_layers
+    mlp = ((1 - moe_share) * 3 * inter + moe_share * k * (2 * h + 3 * moe_inter)) * itemsize \
+        + moe_share * (4 * cfg.num_experts + 24 * k)
     if recompute:
         per_layer = B * T * h * itemsize
     else:
-        per_layer = (B * T * (4 * h + 2 + 3 * q + 2 * kv + 3 * inter)
-                     + B * heads * T) * itemsize
+        per_layer = int(B * T * ((4 * h + 2 + 3 * q + 2 * kv) * itemsize + mlp)
+                        + B * heads * T * itemsize)
     total = num_layers * per_layer + 2 * B * T * cfg.head_dim * itemsize
     if first:
         total += 9 * B * T
