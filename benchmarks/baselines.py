@@ -4,6 +4,7 @@ checkpoint, in float32 (as the runs it is compared with)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,37 @@ def transformers_llama(checkpoint: Path, threads: int):
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     state = {name: torch.from_numpy(read_tensor(ckpt, name).astype(np.float32))
              for name in ckpt.tensors}
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight"
+                                          and ckpt.config.tie_word_embeddings)]
+    if missing or unexpected:       # a baseline on random weights would be a wrong number
+        raise SystemExit(f"{checkpoint}: transformers' class does not take the checkpoint's "
+                         f"tensors as they are (missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]}); a MoE model stacks its experts (benchmarks/moe.py "
+                         "builds its baseline with transformers instead)")
     if ckpt.config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def torch_adamw_steps(model, samples: np.ndarray, batch: int, steps: int):
+    """(seconds, loss) of each of ``steps`` training steps of ``model`` on consecutive
+    batches of ``samples``, as torch users run them: loss.backward(), then
+    torch.optim.AdamW(fused=True), torch's fastest AdamW on the CPU (one fused kernel)."""
+    import torch
+    model.train()
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+    except (RuntimeError, TypeError):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    times, losses = [], []
+    for s in range(steps):
+        ids = torch.from_numpy(samples[s * batch:(s + 1) * batch])
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    return times, losses

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+from baselines import torch_adamw_steps
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {"1 rank": (1, []), "dp 2 x ep 2": (2, ["--dp", "2", "--ep", "2"])}
@@ -80,7 +81,8 @@ def hpcpar_train(mpiexec, n, flags, work: Path, args) -> dict:
     out = work / f"train-{n}"
     _run(mpiexec, n, ["train", "--checkpoint", str(work / "model.h5"), "--data",
                       str(work / "samples.npy"), "--global-batch", str(args.batch), "--steps",
-                      str(args.steps), "--lr", "1e-4", "--out", str(out), *flags])
+                      str(args.steps), "--lr", "1e-4", "--weight-decay", "0", "--out", str(out),
+                      *flags])
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     timed = metrics[1:] or metrics
     return {"tokens_per_s": sum(m["tokens"] for m in timed) / sum(m["seconds"] for m in timed),
@@ -108,22 +110,7 @@ def transformers_generate(model, prompts: np.ndarray, args) -> dict:
 
 
 def torch_train(model, samples: np.ndarray, args) -> dict:
-    import torch
-    model.train()
-    try:                          # torch's fastest AdamW on the CPU
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    except (RuntimeError, TypeError):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    times, losses = [], []
-    for s in range(args.steps):
-        ids = torch.from_numpy(samples[s * args.batch:(s + 1) * args.batch])
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    times, losses = torch_adamw_steps(model, samples, args.batch, args.steps)
     timed = times[1:] or times
     return {"tokens_per_s": args.batch * args.seq_len * len(timed) / sum(timed),
             "loss": losses}

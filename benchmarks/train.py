@@ -23,11 +23,10 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
-from baselines import transformers_llama
+from baselines import torch_adamw_steps, transformers_llama
 
 REPO = Path(__file__).resolve().parents[1]
 # name -> (ranks, flags)
@@ -76,22 +75,7 @@ def run_torch(args, samples: np.ndarray):
     model = transformers_llama(cache_dir() / f"{args.preset}-seed0.h5", threads=1)
     if model is None:
         return None
-    import torch
-    model.train()
-    try:    # torch's fastest AdamW on the CPU (one fused kernel per step)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
-    except (RuntimeError, TypeError):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    times, losses = [], []
-    for s in range(args.steps):
-        ids = torch.from_numpy(samples[s * args.batch:(s + 1) * args.batch])
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+    times, losses = torch_adamw_steps(model, samples, args.batch, args.steps)
     timed = times[1:] or times
     tokens = args.batch * args.seq_len
     return {"tokens_per_s": tokens * len(timed) / sum(timed), "step_s": float(np.mean(timed)),
