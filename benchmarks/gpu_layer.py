@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     from hpcpar.parallel.dtypes import float_dtype
     from hpcpar.models.decoder import DecoderStage
     from hpcpar.parallel.ops import AttentionRows, ops_for
-    from hpcpar.models.tensors import stage_tensors
+    from hpcpar.models.tensors import StageSpan, stage_tensors
 
     dtype = float_dtype(args.dtype)
     backend = select_backend("cupy", 0, dtype)
@@ -41,8 +41,8 @@ def main(argv=None) -> None:
     rng = cp.random.default_rng(0)
     weights = {s.name: (rng.standard_normal(s.shape, dtype=cp.float32) * 0.02).astype(dtype)
                for s in specs}
-    stage = DecoderStage.from_tensors(cfg, specs, weights, range(1), False, False,
-                                    MpiCommunicator(MPI.COMM_SELF), ops, dtype)
+    stage = DecoderStage.from_tensors(cfg, specs, weights, StageSpan(range(1), False, False),
+                                      MpiCommunicator(MPI.COMM_SELF), ops, dtype)
     B, P = args.batch, args.prompt_length
     cache = stage.new_cache(B, P + 128)
     layer = stage.decoder[0]

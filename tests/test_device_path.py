@@ -129,7 +129,7 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     from hpcpar.checkpoint import load_shard, open_checkpoint
     from hpcpar.parallel.comm import MpiCommunicator
     from hpcpar.models.decoder import DecoderStage
-    from hpcpar.models.tensors import stage_tensors
+    from hpcpar.models.tensors import StageSpan, stage_tensors
     from mpi4py import MPI
     path, _ = make_checkpoint(tmp_path, cfg)
     ckpt = open_checkpoint(path)
@@ -140,8 +140,8 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     tp = MpiCommunicator(MPI.COMM_SELF)
     from hpcpar.parallel.backend import NUMPY
     from hpcpar.parallel.ops import ops_for
-    stage = DecoderStage.from_tensors(ckpt.config, specs, shard.tensors, layers, True, True, tp,
-                                    ops_for(NUMPY), np.dtype(np.float32))
+    stage = DecoderStage.from_tensors(ckpt.config, specs, shard.tensors, StageSpan(layers), tp,
+                                      ops_for(NUMPY), np.dtype(np.float32))
     assert not shard.tensors                          # the stage took them all
     rope = _held_bytes(stage.rope)                   # position tables, not weights
     assert _held_bytes(stage) - rope == loaded == stage.weight_bytes

@@ -157,17 +157,17 @@ def test_a_prefill_computes_its_last_layer_at_each_rows_last_token_alone(tmp_pat
     from hpcpar.parallel.comm import MpiCommunicator
     from hpcpar.models.decoder import DecoderStage
     from hpcpar.parallel.ops import AttentionRows, ops_for
-    from hpcpar.models.tensors import stage_tensors
+    from hpcpar.models.tensors import StageSpan, stage_tensors
     cfg = {"gqa": GQA, "tied": TIED, "mistral": MISTRAL}[name]
     path, tensors = make_checkpoint(tmp_path, cfg)
     ckpt = open_checkpoint(path)
     layers = range(ckpt.config.num_hidden_layers)
     specs = stage_tensors(ckpt.config, layers, True, True)
     stage = DecoderStage.from_tensors(ckpt.config, specs, load_shard(ckpt, specs).tensors,
-                                      layers, True, True, MpiCommunicator(MPI.COMM_SELF),
+                                      StageSpan(layers), MpiCommunicator(MPI.COMM_SELF),
                                       ops_for(NUMPY), np.dtype(np.float32))
     whole = DecoderStage.from_tensors(ckpt.config, specs, load_shard(ckpt, specs).tensors,
-                                      layers, True, True, MpiCommunicator(MPI.COMM_SELF),
+                                      StageSpan(layers), MpiCommunicator(MPI.COMM_SELF),
                                       ops_for(NUMPY), np.dtype(np.float32))
     if chunk is not None:
         stage.prefill_chunk = chunk

@@ -17,7 +17,7 @@ from hpcpar.models.config import ModelConfig
 from hpcpar.models.rope import RotaryEmbedding
 from hpcpar.parallel.ops import AttentionRows, ops_for
 from hpcpar.models.sharding import split
-from hpcpar.models.tensors import TensorSpec, stage_tensors
+from hpcpar.models.tensors import StageSpan, TensorSpec, stage_tensors
 from hpcpar.jobs.train.chunk import Batch, ModelChunk
 from hpcpar.jobs.train.data import label_count, make_batches
 from hpcpar.models.attention import Attention
@@ -171,7 +171,7 @@ def build_chunk(cfg_dict, tensors, tp, recompute=False):
     specs = stage_tensors(cfg, layers, True, True)
     shards = {s.name: split(tensors[s.name], s, cfg, tp.size)[tp.rank] for s in specs}
     params = make_params(cfg, specs, shards, np, tp.rank, tp.size)
-    return ModelChunk(cfg, params, layers, True, True, tp, OPS, recompute), params
+    return ModelChunk(cfg, params, StageSpan(layers), tp, OPS, recompute), params
 
 
 def batch_of(rows, pad=None):

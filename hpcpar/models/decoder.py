@@ -37,7 +37,7 @@ from .attention import Attention
 from .config import ModelConfig
 from .kv_cache import KVCache, kv_cache_bytes
 from .rope import RotaryEmbedding
-from .tensors import TensorSpec
+from .tensors import StageSpan, TensorSpec
 
 # Positions per pass of a long prefill: one chunk's activations stay in a CPU's caches (the
 # MLP's of 8192 positions are 150 MB), and GEMMs of 1024 rows still run at the BLAS's peak.
@@ -222,8 +222,9 @@ class DecoderLayer:
 
 
 class DecoderStage:
-    """The layers ``layers`` of the model on this (pp, tp) rank, plus the embedding on the
-    first stage and the final norm and head on the last.
+    """The layers of ``span`` on this (pp, tp) rank, plus the embedding on the first stage
+    and the final norm and head on the last; a MoE layer's experts are this rank's block of
+    them over ``ep`` (None: all of them).
 
     ``weights`` maps each layer (None: the embedding, final norm and head) to its weights by
     role (``tensors.TensorSpec.role``); ``merge`` as in ``DecoderLayer``. The layers take
@@ -231,9 +232,9 @@ class DecoderStage:
     the originals one layer at a time.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict, layers: range, first: bool,
-                 last: bool, tp: Communicator, ops: Ops, dtype, merge: bool,
-                 ep: Communicator | None = None):
+    def __init__(self, cfg: ModelConfig, weights: dict, span: StageSpan, tp: Communicator,
+                 ops: Ops, dtype, merge: bool, ep: Communicator | None = None):
+        layers, first, last = span.layers, span.first, span.last
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         xp = ops.xp
         self.ops, self.xp, self.dtype, self.tp = ops, xp, dtype, tp
@@ -257,8 +258,8 @@ class DecoderStage:
 
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, specs: list[TensorSpec], tensors: dict,
-                     layers: range, first: bool, last: bool, tp: Communicator, ops: Ops,
-                     dtype, ep: Communicator | None = None) -> "DecoderStage":
+                     span: StageSpan, tp: Communicator, ops: Ops, dtype,
+                     ep: Communicator | None = None) -> "DecoderStage":
         """For generation, from this rank's loaded slices (``load_shard``'s tensors by Hugging
         Face name, taken out of ``tensors``): frozen, in ``dtype``, projections merged."""
         by_layer: dict = {}
@@ -266,21 +267,20 @@ class DecoderStage:
             by_layer.setdefault(spec.layer, {})[spec.key] = Frozen(
                 tensors.pop(spec.name).astype(dtype, copy=False))
         weight_bytes = sum(w.data.nbytes for group in by_layer.values() for w in group.values())
-        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=True, ep=ep)
+        stage = cls(cfg, by_layer, span, tp, ops, dtype, merge=True, ep=ep)
         stage.weight_bytes = weight_bytes
         return stage
 
     @classmethod
-    def from_params(cls, cfg: ModelConfig, params: dict, layers: range, first: bool,
-                    last: bool, tp: Communicator, ops: Ops,
-                    ep: Communicator | None = None) -> "DecoderStage":
+    def from_params(cls, cfg: ModelConfig, params: dict, span: StageSpan, tp: Communicator,
+                    ops: Ops, ep: Communicator | None = None) -> "DecoderStage":
         """For training, over ``Param``s by Hugging Face name (their ``data`` in the compute
         dtype, read at every call)."""
         by_layer: dict = {}
         for p in params.values():
             by_layer.setdefault(p.spec.layer, {})[p.spec.key] = p
         dtype = next(iter(params.values())).data.dtype
-        stage = cls(cfg, by_layer, layers, first, last, tp, ops, dtype, merge=False, ep=ep)
+        stage = cls(cfg, by_layer, span, tp, ops, dtype, merge=False, ep=ep)
         stage.weight_bytes = sum(p.data.nbytes for p in params.values())
         return stage
 

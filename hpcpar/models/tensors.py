@@ -18,6 +18,16 @@ LM_HEAD = "lm_head.weight"
 
 
 @dataclass(frozen=True)
+class StageSpan:
+    """The decoder layers a pipeline stage (or one model chunk of it) holds, and whether it
+    holds the embedding (``first``) and the final norm and head (``last``)."""
+
+    layers: range
+    first: bool = True
+    last: bool = True
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     """One tensor the model computes with. Most are stored as themselves; a part of a fused
     tensor (Phi-3's q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``) is rows

@@ -11,7 +11,7 @@ import numpy as np
 
 from ...checkpoint import Checkpoint, load_shard
 from ...models.decoder import DecoderStage
-from ...models.tensors import stage_tensors
+from ...models.tensors import StageSpan, stage_tensors
 from ...models.tokenizer import StoredTokenizer
 from ...parallel.comm import CommStats
 from ...parallel.errors import HpcparError
@@ -90,9 +90,9 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
         fault_point("load")
         shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,
                          backend=backend)
-    stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, layers, mesh.is_first("pp"),
-                                    mesh.is_last("pp"), tp, ops_for(backend, rt.cp), dtype,
-                                    rt.ep)
+    span = StageSpan(layers, mesh.is_first("pp"), mesh.is_last("pp"))
+    stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, span, tp,
+                                      ops_for(backend, rt.cp), dtype, rt.ep)
     backend.release_unused_device_memory()
     return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard,
                          rt.cp, rt)

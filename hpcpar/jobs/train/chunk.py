@@ -18,6 +18,7 @@ import numpy as np
 
 from ...models.config import ModelConfig
 from ...models.decoder import DecoderStage, MoeMlp
+from ...models.tensors import StageSpan
 from ...parallel.backend import host_array
 from ...parallel.comm import Communicator
 from ...parallel.context import ContextShard
@@ -68,12 +69,13 @@ class ModelChunk:
     chunk's ``Param``s: the forward keeps each layer's ctx (or only its input, with
     recompute), the last chunk adds the loss, and the backward runs the layers in reverse."""
 
-    def __init__(self, cfg: ModelConfig, params: dict[str, Param], layers: range,
-                 first: bool, last: bool, tp: Communicator, ops: Ops, recompute: bool = False,
+    def __init__(self, cfg: ModelConfig, params: dict[str, Param], span: StageSpan,
+                 tp: Communicator, ops: Ops, recompute: bool = False,
                  ep: Communicator | None = None, aux: AuxLoss | None = None):
+        layers, first, last = span.layers, span.first, span.last
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
-        self.stage = DecoderStage.from_params(cfg, params, layers, first, last, tp, ops, ep)
+        self.stage = DecoderStage.from_params(cfg, params, span, tp, ops, ep)
         if last:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values())

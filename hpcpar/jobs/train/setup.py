@@ -12,7 +12,7 @@ import numpy as np
 
 from ...checkpoint import Checkpoint, load_shard
 from ...checkpoint.files import check_output, check_space
-from ...models.tensors import stage_tensors
+from ...models.tensors import StageSpan, stage_tensors
 from ...parallel.comm import create_communicator
 from ...parallel.dtypes import float_dtype
 from ...parallel.errors import HpcparError
@@ -75,18 +75,7 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
         problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
                         f"weights), not {job.model.dtype}")
     aux = cfg.router_aux_loss_coef if tr.aux_loss_coef is None else tr.aux_loss_coef
-    if aux and not cfg.moe_layers:
-        problems.append(f"aux_loss_coef {aux}: the router's load-balancing loss belongs to a "
-                        f"mixture of experts; {cfg.model_type} has none (drop --aux-loss-coef)")
-    elif aux and layout.pp > 1:
-        problems.append(f"aux_loss_coef {aux} with pp {layout.pp}: the load-balancing loss "
-                        "pools every layer's routing of a micro-batch, which no stage holds "
-                        "alone; run it with pp 1 (tp, cp, dp and ep split the rest), or "
-                        "--aux-loss-coef 0")
-    if cfg.router_jitter_noise:
-        problems.append(f"router_jitter_noise {cfg.router_jitter_noise}: Mixtral's random "
-                        "jitter of the router's input in training is not supported; set it to "
-                        "0 in config.json and convert again")
+    problems += _router_problems(cfg, aux, layout.pp)
     settings = OptimizerSettings.of(tr)
     problems += settings.problems()
     if not job.data.dataset:
@@ -120,6 +109,24 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
                      start_step, samples_start, float(aux or 0.0))
 
 
+def _router_problems(cfg, aux: float, pp: int) -> list[str]:
+    """Why a mixture of experts' router cannot train as asked (``aux``: the load-balancing
+    loss's coefficient)."""
+    out = []
+    if aux and not cfg.moe_layers:
+        out.append(f"aux_loss_coef {aux}: the router's load-balancing loss belongs to a mixture "
+                   f"of experts; {cfg.model_type} has none (drop --aux-loss-coef)")
+    elif aux and pp > 1:
+        out.append(f"aux_loss_coef {aux} with pp {pp}: the load-balancing loss pools every "
+                   "layer's routing of a micro-batch, which no stage holds alone; run it with "
+                   "pp 1 (tp, cp, dp and ep split the rest), or --aux-loss-coef 0")
+    if cfg.router_jitter_noise:
+        out.append(f"router_jitter_noise {cfg.router_jitter_noise}: Mixtral's random jitter of "
+                   "the router's input in training is not supported; set it to 0 in "
+                   "config.json and convert again")
+    return out
+
+
 def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
                  virtual_stages: int) -> list[range]:
     """The layers of each chunk of ``stage``: one contiguous range, or with V chunks the
@@ -151,8 +158,8 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
                          backend)
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
                                    last_stage_tied_copy=last and not first, dtype=plan.dtype)
-        chunks.append(ModelChunk(cfg, chunk_params, layers, first, last, tp, ops, recompute,
-                                 ep, aux))
+        chunks.append(ModelChunk(cfg, chunk_params, StageSpan(layers, first, last), tp, ops,
+                                 recompute, ep, aux))
         params += chunk_params.values()
         all_specs += specs
     states = None
