@@ -29,7 +29,7 @@ from ..parallel.backend import host_array
 from ..parallel.comm import Communicator
 from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear, column_parallel,
                                frozen_matrix, product, row_parallel, weight_grads)
-from ..parallel.moe import Experts, ExpertDispatch, MoE, TopKRouter
+from ..parallel.moe import ExpertDispatch, Experts, MoE, TopKRouter
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
 from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
