@@ -252,7 +252,7 @@ class DecoderStage:
             self.head = ParallelLMHead(ops, head, cfg.vocab_size, tp)
         self.rope = RotaryEmbedding(cfg, xp, dtype)
         self.hidden_size = cfg.hidden_size
-        self.weight_bytes = 0
+        self.weight_bytes = self.expert_bytes = 0        # set by the constructors
         # chunked prefill has not run on a GPU yet: there a prompt goes whole
         self.prefill_chunk = None if ops.device else PREFILL_CHUNK
 
@@ -267,8 +267,10 @@ class DecoderStage:
             by_layer.setdefault(spec.layer, {})[spec.key] = Frozen(
                 tensors.pop(spec.name).astype(dtype, copy=False))
         weight_bytes = sum(w.data.nbytes for group in by_layer.values() for w in group.values())
+        expert_bytes = sum(w.data.nbytes for group in by_layer.values()
+                           for key, w in group.items() if isinstance(key, tuple))
         stage = cls(cfg, by_layer, span, tp, ops, dtype, merge=True, ep=ep)
-        stage.weight_bytes = weight_bytes
+        stage.weight_bytes, stage.expert_bytes = weight_bytes, expert_bytes
         return stage
 
     @classmethod

@@ -312,6 +312,8 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         prefill_end=program.prefill_seconds(t, start), total=finished - start,
         tp_all_reduce_bytes=nbytes("tp.all_reduce"),
         tp_all_gather_bytes=nbytes("tp.all_gather"),
+        ep_all_to_all_bytes=nbytes("ep.all_to_all"),
+        expert_bytes=stage.expert_bytes,
         pp_send_bytes=nbytes("pp.send"),
         pp_recv_bytes=nbytes("pp.recv"),
         peak_host_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -34,6 +34,8 @@ class RankFigures:
     weight_bytes: float = 0.0
     load_seconds: float = 0.0     # reading this rank's slices to its device
     load_bytes: float = 0.0
+    ep_all_to_all_bytes: float = 0.0     # a mixture of experts' tokens to their experts
+    expert_bytes: float = 0.0            # the experts' share of ``weight_bytes``
 
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
@@ -41,7 +43,7 @@ class RankFigures:
     def combine(self, later: "RankFigures") -> "RankFigures":
         """Two waves of one run: times and bytes add up, memory is the larger."""
         peaks = ("peak_host_bytes", "device_bytes", "kv_cache_bytes", "weight_bytes",
-                 "load_seconds", "load_bytes")
+                 "load_seconds", "load_bytes", "expert_bytes")
         return RankFigures(**{f.name: (max if f.name in peaks else sum)(
             (getattr(self, f.name), getattr(later, f.name))) for f in fields(self)})
 
@@ -79,7 +81,8 @@ class RunReport:
     weight_mb: list[float]
     load_seconds: float
     load_gb_per_s: float          # all ranks' bytes over the slowest rank's seconds
-
+    ep_all_to_all_bytes: int = 0
+    expert_mb: list[float] | None = None     # a mixture of experts: per rank
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
               prompt_tokens: int, new_tokens: int) -> "RunReport":
@@ -114,7 +117,9 @@ class RunReport:
             weight_mb=[f.weight_bytes / 1e6 for f in ranks],
             load_seconds=max(f.load_seconds for f in ranks),
             load_gb_per_s=(sum(f.load_bytes for f in ranks) / 1e9
-                           / max(max(f.load_seconds for f in ranks), 1e-9)))
+                           / max(max(f.load_seconds for f in ranks), 1e-9)),
+            ep_all_to_all_bytes=int(sum(f.ep_all_to_all_bytes for f in ranks)),
+            expert_mb=[f.expert_bytes / 1e6 for f in ranks])
 
     def attrs(self) -> dict:
         """Flat HDF5-friendly attributes, prefixed ``report_``."""
@@ -135,12 +140,16 @@ class RunReport:
         ]
         lines += [f"{s:>5} {c:>10.3f} {w:>10.3f}"
                   for s, (c, w) in enumerate(zip(self.stage_compute_s, self.stage_wait_s))]
+        ep = (f", ep all-to-all {_mb(self.ep_all_to_all_bytes)}"
+              if self.ep_all_to_all_bytes else "")
         lines.append(f"communicated (all ranks): tp all-reduce {_mb(self.tp_all_reduce_bytes)}, "
                      f"tp all-gather {_mb(self.tp_all_gather_bytes)}, pp send/recv "
-                     f"{_mb(self.pp_send_recv_bytes)}")
+                     f"{_mb(self.pp_send_recv_bytes)}{ep}")
+        experts = (f" (experts {max(self.expert_mb):.1f} MB)"
+                   if self.expert_mb and max(self.expert_mb) else "")
         memory = (f"peak host memory per rank: {min(self.peak_host_mb):.0f}-"
-                  f"{max(self.peak_host_mb):.0f} MB; weights {max(self.weight_mb):.1f} MB, "
-                  f"KV cache {max(self.kv_cache_mb):.1f} MB on the largest rank")
+                  f"{max(self.peak_host_mb):.0f} MB; weights {max(self.weight_mb):.1f} MB"
+                  f"{experts}, KV cache {max(self.kv_cache_mb):.1f} MB on the largest rank")
         if max(self.device_mb) > 0:
             memory += f"; GPU pool {max(self.device_mb):.0f} MB"
         lines.append(memory)
