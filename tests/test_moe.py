@@ -8,6 +8,7 @@ The families' parity at one rank (generation, scoring, training against torch, e
 in the suites that take every model of ``helpers.HF_CONFIGS``, which holds one of each."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -82,6 +83,24 @@ def test_the_moe_layer_is_the_dense_computation_forward_and_backward(normalize):
     np.testing.assert_allclose(dx.reshape(-1, HIDDEN), ref_dx, rtol=1e-5, atol=1e-6)
     _check_grads(moe, ref_grads, range(E), slice(0, INTER))
     assert moe.tokens_per_expert.sum() == 10 * TOP_K
+
+
+def test_arrays_that_are_not_one_moe_layer_are_one_error():
+    import hpcpar.parallel as hp
+    from hpcpar.parallel.comm import create_communicator
+    ep = create_communicator(MPI.COMM_SELF, "mpi", name="ep")
+    router, gate, up, down = _layer()
+    for change, words in [({"top_k": E + 1}, "top_k 9 must be an integer from 1 to the 8"),
+                          ({"top_k": 0}, "top_k 0 must be"),
+                          ({"up": up[:, :-1]}, "up (8, 11, 16) (expected (8, 12, 16))"),
+                          ({"down": down[..., :5]}, "down (8, 16, 5) (expected (8, 16, 12))"),
+                          ({"router": router[:, :3]}, "router (8, 3) (expected (8, 16))")]:
+        args = dict(router=router, gate=gate, up=up, down=down, top_k=TOP_K) | change
+        with pytest.raises(hp.HpcparError, match=re.escape(words)):
+            hp.MoE.from_full(**args, ep=ep)
+    moe = hp.MoE.from_full(router, gate, up, down, TOP_K, ep=ep)
+    with pytest.raises(hp.HpcparError, match="the layer takes 16 features"):
+        moe.forward(np.zeros((3, HIDDEN - 1)))
 
 
 @pytest.mark.mpi(min_size=2)

@@ -40,8 +40,9 @@ def expert_block(cfg: ModelConfig, ep: int) -> range | None:
 
 
 def all_to_all_bytes(cfg: ModelConfig, layers: range, ep: int, itemsize: int) -> int:
-    """Bytes a token sends and receives over ep in these layers, uniform routing assumed: each
-    MoE layer sends k copies of it, (ep - 1) / ep of them to other ranks, and gets them back."""
+    """Bytes of a token that leave their rank over ep in these layers, uniform routing
+    assumed: each MoE layer sends k copies of it, (ep - 1) / ep of them to other ranks, and
+    they come back (the generation report counts the same: rows sent to other ranks)."""
     moe = sum(cfg.is_moe(i) for i in layers)
     return int(moe * 2 * cfg.experts_per_token * cfg.hidden_size * itemsize * (ep - 1) / ep)
 
@@ -174,20 +175,24 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
     from .train.setup import chunk_layers
     p, M, kind = layout.pp, layout.micro_batches, layout.schedule
     chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
-    count, act = 0, 0
+    count, experts, act = 0, 0, 0
     for c, layers in enumerate(chunks):
         v = c * p + s
         first, last = v == 0, v == p * V - 1
-        count += sum(int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
-                     for spec in stage_tensors(cfg, layers, first, last,
-                                               expert_block(cfg, layout.ep)))
+        for spec in stage_tensors(cfg, layers, first, last, expert_block(cfg, layout.ep)):
+            n = int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
+            count += n
+            experts += n if spec.expert is not None else 0
         act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
                                 train.recompute == "full")
     per_mb = act // len(chunks)
     peak = peak_activations_formula(kind, p, M, s, V) * per_mb
     st = state_bytes(count, train.optimizer)
-    if train.zero:
-        st["optimizer"] = -(-st["optimizer"] // (layout.dp * layout.cp))
+    if train.zero:      # dense state over dp x cp, an expert's over the dp / ep holding it
+        dense = state_bytes(count - experts, train.optimizer)["optimizer"]
+        moe = st["optimizer"] - dense
+        st["optimizer"] = (-(-dense // (layout.dp * layout.cp))
+                           + -(-moe // (layout.dp // layout.ep * layout.cp)))
     span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
     return (f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
             f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "

@@ -128,7 +128,7 @@ class JobRun(ABC):
         """What every output records about its run (a job kind adds its own)."""
         layout = self.plan.layout
         return {"hpcpar_version": __version__, "checkpoint": str(self.ckpt.path),
-                "dp": layout.dp, "pp": layout.pp, "tp": layout.tp,
+                "dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "ep": layout.ep,
                 "micro_batches": layout.micro_batches,
                 "compute_dtype": dtype_name(self.plan.dtype), "backend": backend,
                 "tp_comm": comm_kind}

@@ -262,6 +262,27 @@ class ExpertDispatch:
         return self.back(dx_local, route).sum(axis=1)
 
 
+def _check_layer(router, gate, up, down, top_k) -> None:
+    """``MoE.from_full``'s arrays fit one layer of E experts and top_k is one of 1..E."""
+    shapes = {name: tuple(a.shape) for name, a in
+              (("router", router), ("gate", gate), ("up", up), ("down", down))}
+    if len(shapes["gate"]) != 3 or len(shapes["router"]) != 2:
+        raise HpcparError(f"MoE.from_full: router (E, hidden) and gate, up (E, inter, hidden), "
+                          f"down (E, hidden, inter) as transformers stacks them; got {shapes}")
+    E, inter, hidden = shapes["gate"]
+    want = {"router": (E, hidden), "gate": (E, inter, hidden), "up": (E, inter, hidden),
+            "down": (E, hidden, inter)}
+    wrong = [f"{name} {shapes[name]} (expected {want[name]})" for name in want
+             if shapes[name] != want[name]]
+    if wrong:
+        raise HpcparError(f"MoE.from_full: {', '.join(wrong)}: router (E, hidden), gate and up "
+                          "(E, inter, hidden), down (E, hidden, inter)")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) \
+            or not 1 <= top_k <= E:
+        raise HpcparError(f"MoE.from_full: top_k {top_k!r} must be an integer from 1 to the "
+                          f"{E} experts")
+
+
 def _expert_major(by_source: np.ndarray) -> np.ndarray:
     """The received rows' indices in expert-major order: they arrive by source, then by
     expert (``by_source[s, e]`` rows each), and each expert runs on all of its rows."""
@@ -301,11 +322,13 @@ class MoE:
             raise HpcparError("MoE.from_full: give the ep group, the tp group, or both "
                               "(a mesh's groups: mesh.group('ep'))")
         ops = ops or native_ops(group.xp)
+        _check_layer(router, gate, up, down, top_k)
         E, inter = gate.shape[0], gate.shape[1]
         dispatch = ExpertDispatch(E, ep, ops.xp)
         t, p = (tp.rank, tp.size) if tp is not None else (0, 1)
         if inter % p:
-            raise HpcparError(f"experts of {inter} features do not split over tp {p}")
+            raise HpcparError(f"MoE.from_full: experts of {inter} features do not split over "
+                              f"tp {p}; choose a tp that divides {inter}")
         cut = slice(t * inter // p, (t + 1) * inter // p)
         mine = range(dispatch.first, dispatch.first + dispatch.local)
         replicas = tp if tp is not None and tp.size > 1 else None
@@ -351,8 +374,13 @@ class MoE:
         return self.all_serving
 
     def forward(self, x, train: bool = False, serving: bool = False):
-        """(y, ctx) for x (..., hidden); ctx is what ``backward`` needs when ``train``."""
+        """(y, ctx) for x (..., hidden); ctx is what ``backward`` needs when ``train``.
+        ``routing`` keeps the last forward's ``Routing`` (for an auxiliary loss)."""
         shape = x.shape
+        hidden = self.router.weight.data.shape[1]
+        if shape[-1:] != (hidden,):
+            raise HpcparError(f"MoE: input of shape {tuple(shape)}; the layer takes {hidden} "
+                              "features along the last axis")
         x2 = x.reshape(-1, shape[-1])
         routing = self.router.forward(x2)
         rows, counts, route = self.dispatch.forward(x2, routing.experts, serving)

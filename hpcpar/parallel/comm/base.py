@@ -187,7 +187,8 @@ class Communicator(ABC):
         if self.size == 1:
             out[...] = x
             return out, recv
-        nbytes = (x.size + out.size) * np.dtype(x.dtype).itemsize
+        # the bytes that leave this rank (its own block stays)
+        nbytes = (sum(send) - send[self.rank]) * row * np.dtype(x.dtype).itemsize
         self._run("all_to_all", nbytes, self._all_to_all,
                   self.xp.ascontiguousarray(x).reshape(-1), [n * row for n in send],
                   out.reshape(-1), [n * row for n in recv], True)
