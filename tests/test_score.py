@@ -97,11 +97,11 @@ def test_jsonl_rows_start_at_column_zero_and_blocks_of_positions_change_nothing(
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("family", ["gqa-llama3", "qwen2", "qwen3", "gemma"])
+@pytest.mark.parametrize("family", ["gqa-llama3", "qwen2", "qwen3", "gemma", "qwen3_moe"])
 def test_every_layout_scores_as_transformers(tmp_path_factory, family):
     """Every layout against transformers' own class, for Llama, Qwen2 (q/k/v biases split
-    with their heads), Qwen3 (q/k norms over split and replicated KV heads) and Gemma (one
-    KV head)."""
+    with their heads), Qwen3 (q/k norms over split and replicated KV heads), Gemma (one KV
+    head) and Qwen3-MoE (experts split over tp like the dense MLP, a dense layer between)."""
     comm = MPI.COMM_WORLD
     model, folder = None, None
     if comm.Get_rank() == 0:
