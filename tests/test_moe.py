@@ -85,6 +85,31 @@ def test_the_moe_layer_is_the_dense_computation_forward_and_backward(normalize):
     assert moe.tokens_per_expert.sum() == 10 * TOP_K
 
 
+@pytest.mark.gpu
+def test_the_moe_layer_on_cupy_arrays_is_numpys():
+    """One rank on a GPU: the layer's forward and backward keep CuPy arrays on the device and
+    equal the NumPy layer's (not yet run on a GPU)."""
+    import cupy as cp
+
+    import hpcpar.parallel as hp
+    from hpcpar.parallel.backend import select_backend
+    from hpcpar.parallel.comm import create_communicator
+    weights = [w.astype(np.float32) for w in _layer()]
+    rng = np.random.default_rng(1)
+    x, dy = (rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32) for _ in range(2))
+    results = []
+    for backend in (select_backend("numpy"), select_backend("cupy")):
+        ep = create_communicator(MPI.COMM_SELF, "mpi", backend, name="ep")
+        moe = hp.MoE.from_full(*weights, TOP_K, True, ep=ep)
+        y, ctx = moe.forward(backend.xp.asarray(x), train=True)
+        dx = moe.backward(backend.xp.asarray(dy), ctx)
+        if backend.on_device:
+            assert isinstance(y, cp.ndarray) and isinstance(dx, cp.ndarray)
+        results.append([backend.to_host(a) for a in (y, dx, moe.router.weight.grad)])
+    for ours, theirs in zip(*results):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_arrays_that_are_not_one_moe_layer_are_one_error():
     import hpcpar.parallel as hp
     from hpcpar.parallel.comm import create_communicator
