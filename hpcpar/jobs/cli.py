@@ -12,6 +12,7 @@
     python -m hpcpar plan [JOB.toml] [--checkpoint C.h5 | --preset NAME] [--world N] [...]
     python -m hpcpar convert HF_DIR OUT.h5 [--dtype float32|float16|bfloat16]
     python -m hpcpar export CKPT.h5 DIR [--dtype ...] [--shard-size 5GB]
+    python -m hpcpar show OUT [--json] [--page K] [--per-page N]
     python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
     python -m hpcpar submit JOB.toml [--nodes N --ranks-per-node R ...]
 
@@ -19,12 +20,13 @@ Every command's flags: ``python -m hpcpar COMMAND --help``, and the README's "Co
 (``tests/test_env_and_help.py`` keeps the two equal).
 
 Every rank parses the same arguments and validates the same inputs; problems are agreed on
-and printed once (see ``hpcpar.jobs.launch``). Serial commands (convert, export, init, plan) run on
-rank 0.
+and printed once (see ``hpcpar.jobs.launch``). Serial commands (convert, export, init, plan,
+show) run on rank 0.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -92,6 +94,8 @@ def _main(argv) -> int:
                          _wrote(args.out, lambda: convert(args.hf_dir, args.out, args.dtype)))
     if command == "export":
         return _on_rank0(comm, f"exporting {args.checkpoint}", lambda: _export(args))
+    if command == "show":
+        return _on_rank0(comm, f"showing {args.path}", lambda: _show(args))
     if command == "init":
         from ..checkpoint import init_checkpoint
         from ..parallel.dtypes import float_dtype
@@ -108,6 +112,14 @@ def _export(args) -> None:
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {args.out} ({len(files)} files, {size / 1e6:.1f} MB) in "
           f"{time.perf_counter() - start:.1f} s")
+
+
+def _show(args) -> None:
+    from .show import format_summary, summary
+    if args.page < 1 or args.per_page < 1:
+        raise HpcparError(f"--page {args.page} --per-page {args.per_page}: both count from 1")
+    s = summary(args.path, args.page, args.per_page)
+    print(json.dumps(s, allow_nan=True) if args.json else format_summary(s))
 
 
 def _submit(args) -> None:

@@ -164,13 +164,14 @@ def _train_flags(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma "
-                                            "models across ranks with MPI.")
+    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, "
+                                            "Mixtral and Qwen-MoE models across ranks with "
+                                            "MPI.")
     p.add_argument("--version", action="version", version=f"hpcpar {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     for command in (_demo_command, _run_command, _generate_command, _score_command,
                     _train_command, _submit_command, _plan_command, _convert_command,
-                    _export_command, _init_command):
+                    _export_command, _show_command, _init_command):
         command(sub)
     return p
 
@@ -304,6 +305,15 @@ def _export_command(sub) -> None:
                         help="the weights' dtype (default: the checkpoint's own)")
     export.add_argument("--shard-size", default="5GB",
                         help="largest safetensors file, as transformers' max_shard_size")
+
+
+def _show_command(sub) -> None:
+    show = sub.add_parser("show", help="what an output, a training run or a checkpoint holds")
+    show.add_argument("path", type=Path, help="a generation or scoring output, a training "
+                                              "run's folder, or a checkpoint")
+    show.add_argument("--json", action="store_true", help="print it as one JSON object")
+    show.add_argument("--page", type=int, default=1, help="which page of rows (default 1)")
+    show.add_argument("--per-page", type=int, default=20, help="rows per page (default 20)")
 
 
 def _init_command(sub) -> None:

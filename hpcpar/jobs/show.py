@@ -1,0 +1,248 @@
+"""``hpcpar show OUT``: what a person wants first from anything hpcpar writes, without h5py.
+
+    generation output (.h5 or .jsonl)   per prompt: finish reason, token counts, the text
+                                        (a page at a time); the run's report
+    scoring output (.h5)                perplexity, tokens scored; per row: nll, tokens
+    training run folder                 the newest checkpoint, the last steps' metrics
+    checkpoint (.h5)                    family, shape, parameters, dtype, size, step
+
+``summary(path)`` gathers it as plain data (what ``--json`` prints); ``format_summary`` lays
+it out for a terminal. Reading only: nothing is written, and a file that is none of these is
+one error naming what ``show`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint.files import JSONL_KEYS, output_kind
+from ..parallel.errors import HpcparError
+
+PAGE = 20                  # rows per page
+TEXT_WIDTH = 72            # characters of a row's text on one line
+METRIC_STEPS = 10          # the last steps of a training run shown
+
+
+def summary(path: str | Path, page: int = 1, per_page: int = PAGE) -> dict:
+    """The summary of ``path`` as plain data, rows ``page`` (from 1) of ``per_page``."""
+    path = Path(path)
+    if not path.exists():
+        raise HpcparError(f"{path}: no such file or folder")
+    if path.is_dir():
+        return _training_run(path)
+    kind = output_kind(path)
+    if kind == "checkpoint":
+        return _checkpoint(path)
+    if kind == "generation":
+        return (_generation_jsonl(path, page, per_page) if path.suffix.lower() == ".jsonl"
+                else _generation_h5(path, page, per_page))
+    if kind == "scores":
+        return _scores(path, page, per_page)
+    raise HpcparError(f"{path}: not an hpcpar output; show reads a generation output (.h5 or "
+                      ".jsonl), a scoring output, a training run's folder or a checkpoint")
+
+
+def _page(rows: list[dict], page: int, per_page: int) -> dict:
+    pages = max(1, -(-len(rows) // per_page))
+    if not 1 <= page <= pages:
+        raise HpcparError(f"--page {page}: there are {pages} page(s) of {per_page} rows")
+    return {"page": page, "pages": pages, "rows": rows[(page - 1) * per_page:page * per_page]}
+
+
+def _plain(value):
+    """An HDF5 attribute as JSON data."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _generation_h5(path: Path, page: int, per_page: int) -> dict:
+    import h5py
+    with h5py.File(path, "r") as f:
+        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        lengths = f["lengths"][()]
+        reasons = [_plain(r) for r in f["finish_reason"][()]]
+        prompt_lengths = f["prompt_lengths"][()] if "prompt_lengths" in f else None
+        texts = [_plain(t) for t in f["text"][()]] if "text" in f else None
+        tokens = f["tokens"][()]
+    rows = [{"index": i, "finish_reason": reasons[i],
+             "prompt_tokens": int(prompt_lengths[i]) if prompt_lengths is not None else None,
+             "completion_tokens": int(lengths[i]),
+             "text": texts[i] if texts is not None else None,
+             "token_ids": tokens[i, :lengths[i]].tolist()} for i in range(len(lengths))]
+    report = {k[len("report_"):]: v for k, v in attrs.items() if k.startswith("report_")}
+    return {"kind": "generation", "path": str(path), "prompts": len(rows),
+            "finish_reasons": _counts(reasons), "completion_tokens": int(lengths.sum()),
+            "report": report, **_page(rows, page, per_page)}
+
+
+def _generation_jsonl(path: Path, page: int, per_page: int) -> dict:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise HpcparError(f"{path}:{n}: not a JSON line (a run still writing it "
+                                  "leaves its last line whole)") from None
+            if tuple(row) != JSONL_KEYS:
+                raise HpcparError(f"{path}:{n}: not a line of hpcpar's generation output")
+            rows.append(row)
+    rows.sort(key=lambda r: r["index"])
+    return {"kind": "generation", "path": str(path), "prompts": len(rows),
+            "finish_reasons": _counts([r["finish_reason"] for r in rows]),
+            "completion_tokens": sum(r["completion_tokens"] for r in rows), "report": {},
+            **_page(rows, page, per_page)}
+
+
+def _counts(values: list[str]) -> dict:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def _scores(path: Path, page: int, per_page: int) -> dict:
+    import h5py
+    with h5py.File(path, "r") as f:
+        attrs = {k: _plain(v) for k, v in f.attrs.items()}
+        nll, scored = f["nll"][()], f["tokens_scored"][()]
+    rows = [{"index": i, "tokens_scored": int(n), "nll": float(v),
+             "perplexity": float(np.exp(v / n)) if n else None}
+            for i, (v, n) in enumerate(zip(nll, scored))]
+    return {"kind": "scores", "path": str(path), "rows_scored": len(rows),
+            "tokens_scored": int(scored.sum()), "perplexity": attrs.get("perplexity"),
+            "tokens_per_s": attrs.get("tokens_per_s"),
+            "layout": {k: attrs.get(k) for k in ("dp", "pp", "cp", "tp", "ep") if k in attrs},
+            **_page(rows, page, per_page)}
+
+
+def _checkpoint(path: Path) -> dict:
+    from ..checkpoint import open_checkpoint
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    params = sum(int(np.prod(s.shape)) for s in ckpt.tensors.values())
+    out = {"kind": "checkpoint", "path": str(path), "model_type": cfg.model_type,
+           "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+           "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
+           "vocab_size": cfg.vocab_size, "parameters": params, "dtype": str(ckpt.dtype),
+           "bytes": path.stat().st_size,
+           "tokenizer": "tokenizer.json" in ckpt.tokenizer_files()}
+    if cfg.moe_layers:
+        out["experts"] = {"experts": cfg.num_experts, "top_k": cfg.experts_per_token,
+                          "moe_layers": len(cfg.moe_layers)}
+    import h5py
+    with h5py.File(path, "r") as f:
+        if "train" in f:
+            train = {k: _plain(v) for k, v in f["train"].attrs.items()}
+            out["training"] = {k: train[k] for k in ("step", "samples", "optimizer", "layout")
+                               if k in train}
+    return out
+
+
+def _training_run(folder: Path) -> dict:
+    metrics_path = folder / "metrics.jsonl"
+    latest = folder / "latest"
+    if not metrics_path.exists() and not latest.exists():
+        raise HpcparError(f"{folder}: a folder, but not a training run's (no metrics.jsonl or "
+                          "latest); show reads a run folder, an output file or a checkpoint")
+    metrics = []
+    if metrics_path.exists():
+        for line in metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                metrics.append(json.loads(line))
+            except ValueError:
+                continue                        # a line a stopped run left torn
+    newest = None
+    if latest.exists():
+        newest = folder / latest.read_text(encoding="utf-8").strip()
+    report = folder / "report.json"
+    return {"kind": "training", "path": str(folder), "steps_logged": len(metrics),
+            "latest_checkpoint": str(newest) if newest else None,
+            "checkpoints": sorted(p.name for p in folder.glob("step-*.h5")),
+            "last_steps": metrics[-METRIC_STEPS:],
+            "report": json.loads(report.read_text()) if report.exists() else None}
+
+
+def format_summary(s: dict) -> str:
+    """``summary``'s data laid out for a person."""
+    return {"generation": _format_generation, "scores": _format_scores,
+            "training": _format_training, "checkpoint": _format_checkpoint}[s["kind"]](s)
+
+
+def _one_line(text: str | None) -> str:
+    if text is None:
+        return ""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= TEXT_WIDTH else flat[:TEXT_WIDTH - 3] + "..."
+
+
+def _format_generation(s: dict) -> str:
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(s["finish_reasons"].items()))
+    lines = [f"{s['path']}: generation, {s['prompts']} prompts ({reasons}), "
+             f"{s['completion_tokens']:,} tokens generated"]
+    r = s["report"]
+    if r:
+        lines.append(f"layout {r.get('layout')}; prefill {r.get('prefill_tokens_per_s', 0):,.0f} "
+                     f"tokens/s, decode {r.get('decode_tokens_per_s', 0):,.1f} tokens/s")
+    lines.append(f"{'#':>5} {'finish':<7} {'prompt':>6} {'new':>5}  text")
+    for row in s["rows"]:
+        text = row["text"] if row["text"] is not None else str(row["token_ids"])
+        prompt = row["prompt_tokens"] if row["prompt_tokens"] is not None else "-"
+        lines.append(f"{row['index']:>5} {row['finish_reason']:<7} {prompt:>6} "
+                     f"{row['completion_tokens']:>5}  {_one_line(text)}")
+    return "\n".join(lines + [_page_line(s)])
+
+
+def _page_line(s: dict) -> str:
+    more = f"; --page {s['page'] + 1} for the next" if s["page"] < s["pages"] else ""
+    return f"page {s['page']} of {s['pages']}{more}"
+
+
+def _format_scores(s: dict) -> str:
+    layout = " x ".join(f"{k} {v}" for k, v in s["layout"].items())
+    lines = [f"{s['path']}: scores of {s['rows_scored']} rows, {s['tokens_scored']:,} tokens, "
+             f"perplexity {s['perplexity']:.4f}" + (f"; {layout}" if layout else ""),
+             f"{'#':>5} {'tokens':>7} {'nll':>12} {'perplexity':>11}"]
+    for row in s["rows"]:
+        ppl = f"{row['perplexity']:.3f}" if row["perplexity"] is not None else "-"
+        lines.append(f"{row['index']:>5} {row['tokens_scored']:>7} {row['nll']:>12.4f} "
+                     f"{ppl:>11}")
+    return "\n".join(lines + [_page_line(s)])
+
+
+def _format_training(s: dict) -> str:
+    lines = [f"{s['path']}: training run, {s['steps_logged']} steps logged; latest checkpoint "
+             f"{s['latest_checkpoint'] or 'none'}"]
+    steps = s["last_steps"]
+    if steps:
+        lines.append(f"{'step':>6} {'loss':>10} {'grad norm':>10} {'lr':>10} {'tokens/s':>10}")
+        for m in steps:
+            norm = f"{m['grad_norm']:.4f}" if m.get("grad_norm") is not None else "skipped"
+            lines.append(f"{m['step']:>6} {m['loss']:>10.4f} {norm:>10} {m['lr']:>10.3g} "
+                         f"{m['tokens_per_s']:>10,.0f}")
+    return "\n".join(lines)
+
+
+def _format_checkpoint(s: dict) -> str:
+    lines = [f"{s['path']}: {s['model_type']} checkpoint, {s['parameters'] / 1e6:,.1f} M "
+             f"parameters in {s['dtype']} ({s['bytes'] / 1e6:,.1f} MB)",
+             f"{s['layers']} layers, hidden {s['hidden_size']}, {s['heads']} heads / "
+             f"{s['kv_heads']} KV heads, vocab {s['vocab_size']}; tokenizer "
+             f"{'kept' if s['tokenizer'] else 'none'}"]
+    if "experts" in s:
+        e = s["experts"]
+        lines.append(f"mixture of experts: {e['experts']} experts, top-{e['top_k']}, on "
+                     f"{e['moe_layers']} layers")
+    if "training" in s:
+        t = s["training"]
+        lines.append(f"training checkpoint: step {t.get('step')}, {t.get('samples')} samples, "
+                     f"{t.get('optimizer')}, trained under {t.get('layout')}")
+    return "\n".join(lines)
