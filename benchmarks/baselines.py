@@ -41,7 +41,8 @@ def transformers_llama(checkpoint: Path, threads: int):
 
 def torch_adamw_steps(model, samples: np.ndarray, batch: int, steps: int):
     """(seconds, loss) of each of ``steps`` training steps of ``model`` on consecutive
-    batches of ``samples``, as torch users run them: loss.backward(), then
+    batches of ``samples`` (rows of L + 1 tokens: the first L are the inputs, as hpcpar
+    runs them, the last L the labels), as torch users run them: loss.backward(), then
     torch.optim.AdamW(fused=True), torch's fastest AdamW on the CPU (one fused kernel)."""
     import torch
     model.train()
@@ -54,7 +55,8 @@ def torch_adamw_steps(model, samples: np.ndarray, batch: int, steps: int):
         ids = torch.from_numpy(samples[s * batch:(s + 1) * batch])
         t0 = time.perf_counter()
         opt.zero_grad()
-        loss = model(ids, labels=ids).loss
+        logits = model(ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)

@@ -18,6 +18,7 @@ from ..models.tensors import layer_tensors, stage_tensors
 from ..parallel.context import ContextShard
 from ..parallel.pipeline.partition import stage_layers
 from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
+from ..parallel.splits import expert_block
 from .job import TrainSection
 from .layout import ParallelConfig
 
@@ -34,9 +35,11 @@ class StagePlan:
     all_to_all_bytes_per_token: int = 0
 
 
-def expert_block(cfg: ModelConfig, ep: int) -> range | None:
-    """The experts ep rank 0 holds (every ep rank as many)."""
-    return range(cfg.num_experts // ep) if cfg.moe_layers and not ep_problems(cfg, ep) else None
+def rank0_experts(cfg: ModelConfig, ep: int) -> range | None:
+    """The experts ep rank 0 holds (every ep rank as many); None: all, or no experts."""
+    if not cfg.moe_layers or ep_problems(cfg, ep):
+        return None
+    return expert_block(cfg.num_experts, ep, 0)
 
 
 def all_to_all_bytes(cfg: ModelConfig, layers: range, ep: int, itemsize: int) -> int:
@@ -56,7 +59,7 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
     for s in range(layout.pp):
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)
         first, last = s == 0, s == layout.pp - 1
-        specs = stage_tensors(cfg, layers, first, last, expert_block(cfg, layout.ep))
+        specs = stage_tensors(cfg, layers, first, last, rank0_experts(cfg, layout.ep))
         sizes = {spec.name: int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
                  for spec in specs}
         weights = sum(sizes.values())
@@ -179,7 +182,7 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
     for c, layers in enumerate(chunks):
         v = c * p + s
         first, last = v == 0, v == p * V - 1
-        for spec in stage_tensors(cfg, layers, first, last, expert_block(cfg, layout.ep)):
+        for spec in stage_tensors(cfg, layers, first, last, rank0_experts(cfg, layout.ep)):
             n = int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
             count += n
             experts += n if spec.expert is not None else 0

@@ -22,6 +22,7 @@ from ..checkpoint import init_checkpoint
 from ..parallel.backend import NUMPY, ArrayBackend, select_backend
 from ..parallel.comm import CommStats, Communicator, create_communicator
 from ..parallel.mesh import Mesh
+from ..parallel.splits import expert_block
 from .job import PRESET_PREFIX, Job
 from .launch import everyone, local_rank, phase, set_board, set_location
 from .layout import ParallelConfig, describe_rank, grad_axes, job_mesh
@@ -117,9 +118,8 @@ def open_runtime(comm, job: Job, layout: ParallelConfig, dtype: np.dtype,
     return runtime
 
 
-def expert_block(cfg, ep) -> range | None:
-    """The experts this rank holds of each MoE layer: its ep group rank's block (None: all)."""
-    if ep is None or ep.size == 1:
+def experts_held(cfg, ep: Communicator | None) -> range | None:
+    """The experts of each MoE layer this rank holds: its ep rank's block (None: all)."""
+    if ep is None or ep.size == 1 or not cfg.moe_layers:
         return None
-    per = cfg.num_experts // ep.size
-    return range(ep.rank * per, (ep.rank + 1) * per)
+    return expert_block(cfg.num_experts, ep.size, ep.rank)

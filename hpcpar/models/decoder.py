@@ -29,9 +29,10 @@ from ..parallel.backend import host_array
 from ..parallel.comm import Communicator
 from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear, column_parallel,
                                frozen_matrix, product, row_parallel, weight_grads)
-from ..parallel.moe import ExpertDispatch, Experts, MoE, TopKRouter
+from ..parallel.moe import ExpertDispatch, Experts, MoE
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
+from ..parallel.routing import TopKRouter
 from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 from .attention import Attention
 from .config import ModelConfig
@@ -371,12 +372,6 @@ class DecoderStage:
         if keep is not None and last < 0:
             x = at_positions(self.xp, x, keep)
         return x + pending if pending is not None else x
-
-    @property
-    def routes_over_ep(self) -> bool:
-        """Whether this stage's forward meets the other replicas of an ep group."""
-        return any(isinstance(layer.mlp, MoeMlp) and layer.mlp.moe.dispatch.ep is not None
-                   for layer in self.decoder)
 
     def serve_experts(self) -> None:
         """What a replica whose work is done runs while the others of its ep group still

@@ -14,8 +14,9 @@ Replicate / Partial), ``splits`` (the split rules), ``pieces`` (where each rank'
 lies), ``darray`` and ``redistribute`` (distributed arrays), ``sharded_matmul`` and
 ``feedforward`` (sharded products under named policies), ``context`` (context parallelism: a
 sequence split over a cp group, ring attention), ``mappings`` (Megatron's f and g),
-``layers`` and ``vocab`` (column-, row- and vocabulary-parallel layers), ``moe`` (a
-mixture of experts: top-k router, experts, expert-parallel dispatch), ``params``,
+``layers`` and ``vocab`` (column-, row- and vocabulary-parallel layers), ``routing`` and
+``moe`` (a mixture of experts: the top-k router, the experts and their expert-parallel
+dispatch), ``params``,
 ``data_parallel``, ``optim`` and ``optim_settings`` (parameters, gradient buckets,
 SGD/AdamW); and below them ``comm`` (collectives and messages over MPI or NCCL),
 ``pipeline`` (schedules as data, and the executor that runs stage functions), ``ops`` (the
@@ -48,8 +49,8 @@ _HOME = {
     ".feedforward": ("ACTIVATIONS", "FFN_POLICIES", "FeedForward"),
     ".layers": ("ColumnParallelLinear", "RowParallelLinear"),
     ".vocab": ("ParallelLMHead", "VocabParallelCrossEntropy", "VocabParallelEmbedding"),
-    ".moe": ("ExpertDispatch", "Experts", "MoE", "Routing", "TopKRouter", "load_balancing_loss",
-             "route"),
+    ".moe": ("ExpertDispatch", "Experts", "MoE"),
+    ".routing": ("Routing", "TopKRouter", "load_balancing_loss", "route"),
     ".mappings": ("CopyToGroup", "GatherFromGroup", "ReduceFromGroup", "ReduceScatterToGroup",
                   "ScatterToGroup", "f", "g"),
     ".sharded_matmul": ("POLICIES", "PolicyError", "matmul", "matmul_backward",

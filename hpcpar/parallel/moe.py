@@ -1,9 +1,8 @@
-"""Mixture of experts, for any model: a top-k router, this rank's experts run as a grouped
-product, and the expert-parallel dispatch and combine over an ``ep`` group, each with its
-backward.
+"""Mixture of experts, for any model: this rank's experts run as a grouped product, and the
+expert-parallel dispatch and combine over an ``ep`` group, each with its backward; the layer
+(``MoE``) puts them behind the top-k router of ``routing``.
 
-    probs = softmax(x R^T) in float32          (N, E): every expert's probability
-    idx, w = top_k(probs, k)                   (N, k); w / sum(w) when ``normalize``
+    idx, w = route(x)                          (N, k) experts and weights (``routing``)
     y[n] = sum_j w[n, j] expert_idx[n, j](x[n]),   expert_e(x) = down_e(act(gate_e x) * up_e x)
 
 Routing is dropless: every token reaches its k experts (no capacity factor, nothing dropped),
@@ -42,92 +41,8 @@ from .layers import frozen_matrix, keep_slice, product, weight_grads
 from .mappings import CopyToGroup, ReduceFromGroup
 from .ops import Ops, native_ops
 from .params import GradSink, Parameter, join
-
-
-@dataclass
-class Routing:
-    """What the router chose for N tokens: ``experts`` (N, k) int64 and their ``weights``
-    (N, k) float32, from ``probs`` (N, E) float32 (``chosen``: the weights before they are
-    normalized)."""
-
-    experts: object
-    weights: object
-    probs: object
-    chosen: object
-
-
-def route(xp, logits, top_k: int, normalize: bool) -> Routing:
-    """Softmax over every expert in float32, the k most probable (ties: the lower index),
-    their probabilities renormalised to sum to 1 when ``normalize`` (Mixtral; Qwen's
-    ``norm_topk_prob``)."""
-    z = logits.astype(np.float32)
-    p = xp.exp(z - z.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    experts = xp.argsort(-p, axis=-1, kind="stable")[:, :top_k]
-    chosen = xp.take_along_axis(p, experts, axis=-1)
-    weights = chosen / chosen.sum(axis=-1, keepdims=True) if normalize else chosen
-    return Routing(experts, weights, p, chosen)
-
-
-def route_backward(xp, routing: Routing, dweights, normalize: bool, dprobs=None):
-    """d logits (N, E) float32 from the weights' gradient (N, k), plus ``dprobs`` (N, E),
-    the probabilities' own (an auxiliary loss's), when given."""
-    dw = dweights.astype(np.float32)
-    if normalize:          # w = c / S: dc = (dw - sum(dw w)) / S
-        total = routing.chosen.sum(axis=-1, keepdims=True)
-        dw = (dw - (dw * routing.weights).sum(axis=-1, keepdims=True)) / total
-    p = routing.probs
-    dp = xp.zeros_like(p) if dprobs is None else dprobs.astype(np.float32, copy=True)
-    rows = xp.arange(p.shape[0])[:, None]
-    dp[rows, routing.experts] += dw                 # a row's k experts are distinct
-    return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
-
-
-def load_balancing_loss(xp, routings: list[Routing], mask, group=None):
-    """Switch Transformer's auxiliary loss as transformers' ``load_balancing_loss_func``
-    computes it, the routings of several layers pooled: E * sum_e f_e p_e, with f_e the
-    share of the top-k choices that went to expert e and p_e its mean probability, over
-    every (layer, token) pair whose token is in ``mask`` (N,) bool. ``group``: the ranks
-    holding the rest of the tokens (context parallelism), whose sums are added first.
-    Returns (loss, the gradient of every layer's probabilities per unit of loss, (N, E)):
-    the choices have none, so it is E f_e / (tokens x layers) for each token in ``mask``."""
-    E = routings[0].probs.shape[1]
-    weight = mask.astype(np.float64)
-    sums = xp.zeros(2 * E + 1, dtype=np.float64)
-    for r in routings:
-        sums[:E] += xp.bincount(r.experts.reshape(-1),
-                                weights=xp.repeat(weight, r.experts.shape[1]), minlength=E)
-        sums[E:2 * E] += (r.probs * weight[:, None]).sum(axis=0)
-        sums[2 * E] += weight.sum()
-    if group is not None and group.size > 1:
-        group.all_reduce(sums)
-    choices, probs, rows = sums[:E], sums[E:2 * E], sums[2 * E]
-    if float(rows) == 0:
-        return 0.0, xp.zeros(routings[0].probs.shape, dtype=np.float32)
-    loss = float(E * (choices * probs).sum() / rows ** 2)
-    dprobs = (E * choices / rows ** 2).astype(np.float32)[None, :] * mask[:, None]
-    return loss, dprobs.astype(np.float32)
-
-
-class TopKRouter:
-    """logits = x R^T (R: (E, hidden), replicated over tp), then ``route``."""
-
-    def __init__(self, ops: Ops, weight, top_k: int, normalize: bool):
-        self.ops, self.weight, self.top_k, self.normalize = ops, weight, top_k, normalize
-
-    @property
-    def num_experts(self) -> int:
-        return self.weight.data.shape[0]
-
-    def forward(self, x2) -> Routing:
-        """``x2`` (N, hidden) -> the routing of its N tokens."""
-        return route(self.ops.xp, product(self.ops, x2, self.weight), self.top_k,
-                     self.normalize)
-
-    def backward(self, routing: Routing, dweights, x2, sink, dprobs=None):
-        """d x2 from the weights' (and probabilities') gradients; adds R's to ``sink``."""
-        dlogits = route_backward(self.ops.xp, routing, dweights, self.normalize, dprobs)
-        return weight_grads(self.ops, dlogits.astype(x2.dtype), x2, self.weight, None, sink)
+from .routing import Routing, TopKRouter
+from .splits import expert_block
 
 
 class Experts:
@@ -197,7 +112,6 @@ class _Route:
     send: list[int]           # rows to each ep rank
     recv: list[int]           # rows from each ep rank
     regroup: object           # received rows -> by expert (None without ep)
-    counts: list[int]         # rows of each local expert
     all_serving: bool = True  # every rank of the group came with no work of its own
 
 
@@ -205,13 +119,10 @@ class ExpertDispatch:
     """The tokens' trip to their experts and back, over ``ep`` (None: every expert here)."""
 
     def __init__(self, num_experts: int, ep: Communicator | None, xp):
-        size = ep.size if ep is not None else 1
-        if num_experts % size:
-            raise HpcparError(f"{num_experts} experts do not split over ep {size}: choose an "
-                              f"ep that divides {num_experts}")
+        size, rank = (ep.size, ep.rank) if ep is not None else (1, 0)
+        block = expert_block(num_experts, size, rank)
         self.num_experts, self.ep, self.xp = num_experts, ep if size > 1 else None, xp
-        self.local = num_experts // size
-        self.first = (ep.rank if ep is not None else 0) * self.local
+        self.local, self.first = len(block), block.start
 
     def forward(self, x2, experts, serving: bool = False) -> tuple[object, list[int], _Route]:
         """(this rank's rows, by expert; the rows of each of its experts; the route).
@@ -223,8 +134,7 @@ class ExpertDispatch:
         counts = host_array(xp.bincount(flat, minlength=self.num_experts)).astype(np.int64)
         rows = x2[order // top_k]
         if self.ep is None:
-            return rows, counts.tolist(), _Route(order, tokens, top_k, [], [], None,
-                                                 counts.tolist())
+            return rows, counts.tolist(), _Route(order, tokens, top_k, [], [], None)
         P, L = self.ep.size, self.local
         # each rank's counts for every expert of a rank, and whether it is only serving
         outgoing = np.concatenate([counts.reshape(P, L), np.full((P, 1), int(serving))], 1)
@@ -234,7 +144,7 @@ class ExpertDispatch:
         arrived, _ = self.ep.all_to_all_rows(rows, send, recv)
         regroup = xp.asarray(_expert_major(by_source))
         local = by_source.sum(axis=0).tolist()
-        return arrived[regroup], local, _Route(order, tokens, top_k, send, recv, regroup, local,
+        return arrived[regroup], local, _Route(order, tokens, top_k, send, recv, regroup,
                                                bool(flags.all()))
 
     def back(self, y_local, route: _Route):
@@ -308,6 +218,7 @@ class MoE:
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.reset_load()
         self.all_serving = True
+        self.routing: Routing | None = None       # the last forward's
 
     @classmethod
     def from_full(cls, router, gate, up, down, top_k: int, normalize: bool = True, *,
@@ -362,7 +273,6 @@ class MoE:
 
     def reset_load(self) -> None:
         self.tokens_per_expert = np.zeros(self.dispatch.local, dtype=np.int64)
-        self.routing: Routing | None = None       # the last forward's
 
     def serve(self) -> bool:
         """A forward with no tokens of this rank's own: the other ranks of the ep group may
@@ -415,5 +325,4 @@ class MoE:
         return dx.reshape(dy.shape)
 
 
-__all__ = ["Experts", "ExpertDispatch", "MoE", "Routing", "TopKRouter", "route",
-           "route_backward"]
+__all__ = ["ExpertDispatch", "Experts", "MoE"]

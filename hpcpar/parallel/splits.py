@@ -98,6 +98,16 @@ def unit_split_problem(units: int, parts: int, replicate: bool = True) -> str | 
     return f"{units} is not divisible by {parts}"
 
 
+def expert_block(num_experts: int, size: int, rank: int) -> range:
+    """The experts rank ``rank`` of an expert-parallel group of ``size`` holds: a contiguous
+    block of num_experts / size (Megatron-Core's order)."""
+    if num_experts % size:
+        raise ShardingError(f"{num_experts} experts do not split over ep {size}: choose an ep "
+                            f"that divides {num_experts}")
+    per = num_experts // size
+    return range(rank * per, (rank + 1) * per)
+
+
 def is_partition(cuts: list[tuple[int, int]]) -> bool:
     """Whether the blocks tile the dimension in rank order (no unit held twice)."""
     return all(cuts[r][1] == cuts[r + 1][0] for r in range(len(cuts) - 1))

@@ -22,7 +22,7 @@ from ..faults import fault_point
 from ..job import Job
 from ..launch import everyone, phase
 from ..layout import ParallelConfig
-from ..runtime import expert_block, open_runtime
+from ..runtime import experts_held, open_runtime
 from ..watchdog import ActionBoard
 
 
@@ -85,7 +85,7 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
     mesh, backend, tp = rt.mesh, rt.backend, rt.tp
     layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.coord("pp"), layout.stage_layers)
     specs = stage_tensors(cfg, layers, mesh.is_first("pp"), mesh.is_last("pp"),
-                          expert_block(cfg, rt.ep))
+                          experts_held(cfg, rt.ep))
     with phase("loading the checkpoint"):
         fault_point("load")
         shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,

@@ -22,8 +22,8 @@ from ...models.tensors import StageSpan
 from ...parallel.backend import host_array
 from ...parallel.comm import Communicator
 from ...parallel.context import ContextShard
-from ...parallel.moe import load_balancing_loss
 from ...parallel.ops import AttentionRows, Ops
+from ...parallel.routing import load_balancing_loss
 from ...parallel.vocab import VocabParallelCrossEntropy
 from .memory import activation_bytes
 from .params import GradSink, Param
@@ -135,11 +135,15 @@ class ModelChunk:
             if not self.recompute:
                 saved[-1] = lctx
             if isinstance(layer.mlp, MoeMlp):
-                routing = layer.mlp.moe.routing
-                routings.append(routing)
-                self.load[i] += self._real_choices(routing, rows, batch, T)
+                routings.append((i, layer.mlp.moe.routing))
         ctx["layers"] = saved
-        aux = self._aux_loss(routings, rows, batch, T, ctx) if self.aux else 0.0
+        aux = 0.0
+        if routings:
+            real = self._real(rows, batch, T)
+            for i, routing in routings:
+                self.load[i] += self._real_choices(routing, real)
+            if self.aux:
+                aux = self._aux_loss([routing for _, routing in routings], real, ctx)
         if not self.last:
             return x, ctx
         h, ctx["final_norm"] = stage.norm.forward(x, train=True)
@@ -155,9 +159,9 @@ class ModelChunk:
         positions = rows.positions(self.xp, T)
         return (positions < self.xp.asarray(batch.lengths)[:, None]).reshape(-1)
 
-    def _real_choices(self, routing, rows, batch: Batch, T: int):
-        """(E,) how many of the real tokens' top-k choices went to each expert."""
-        real = self._real(rows, batch, T)
+    def _real_choices(self, routing, real):
+        """(E,) how many of the real tokens' (``real``, (B*T,) bool) top-k choices went to
+        each expert."""
         weights = self.xp.repeat(real.astype(np.int64), routing.experts.shape[1])
         return self.xp.bincount(routing.experts.reshape(-1), weights=weights,
                                 minlength=self.cfg.num_experts).astype(np.int64)
@@ -169,11 +173,11 @@ class ModelChunk:
             load[...] = 0
         return out
 
-    def _aux_loss(self, routings: list, rows, batch: Batch, T: int, ctx: dict) -> float:
+    def _aux_loss(self, routings: list, real, ctx: dict) -> float:
         """This micro-batch's share of the step's load-balancing loss (coef / micro-batches
-        times its own); the router's gradient per unit of loss goes to ``ctx["aux"]``."""
-        value, dprobs = load_balancing_loss(self.xp, routings, self._real(rows, batch, T),
-                                            self.aux.group)
+        times its own, over the ``real`` tokens); the router's gradient per unit of loss goes
+        to ``ctx["aux"]``."""
+        value, dprobs = load_balancing_loss(self.xp, routings, real, self.aux.group)
         scale = self.aux.coef / self.aux.micro_batches
         ctx["aux"] = dprobs * np.float32(scale)
         if self.aux.counted:

@@ -27,7 +27,7 @@ from ..generate.setup import load_tokenizer
 from ..job import Job
 from ..launch import everyone
 from ..layout import ParallelConfig
-from ..runtime import expert_block
+from ..runtime import experts_held
 from . import checkpoint as tc
 from .chunk import AuxLoss, ModelChunk
 from .data import Dataset, load_dataset
@@ -152,7 +152,7 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
     for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.coord("pp"), V)):
         v = c * layout.pp + mesh.coord("pp")
         first, last = v == 0, v == layout.pp * V - 1
-        specs = stage_tensors(cfg, layers, first, last, expert_block(cfg, ep))
+        specs = stage_tensors(cfg, layers, first, last, experts_held(cfg, ep))
         fault_point("load")
         shard = everyone(comm, load_shard, source, specs, mesh.coord("tp"), layout.tp, np.float32,
                          backend)
