@@ -204,28 +204,6 @@ def test_a_finished_rows_message_unpacks_to_what_was_packed():
     assert len(p) == len(n) == 0 and t.shape == (0, 5)
 
 
-def test_progress_counts_prompts_and_logs_a_line_per_interval():
-    import io
-    from hpcpar.jobs.generate.progress import Progress
-    log = io.StringIO()
-    progress = Progress(total=10, share=0.5, interval=1e-9, terminal=False, out=log)
-    progress.rows(finished=2, tokens=8)                # replica 0: 2 of its 5 rows
-    assert progress.finished == 4                      # its half stands for the whole
-    progress.rows_saved(3)                             # behind the estimate: not shown
-    assert progress.finished == 4
-    progress.rows_saved(4)                             # every replica's rows rank 0 holds
-    assert progress.finished == 7
-    progress.wave_done(10)
-    assert progress.finished == 10
-    lines = log.getvalue().splitlines()
-    assert lines[0].startswith("progress: 4/10 prompts") and "new tokens/s" in lines[0]
-    assert [line.split()[1] for line in lines] == ["4/10", "4/10", "7/10", "10/10"]
-    assert lines[-1].startswith("progress: 10/10 prompts")
-    quiet = io.StringIO()
-    Progress(total=10, share=1.0, interval=0, terminal=False, out=quiet).rows(3, 3)
-    assert quiet.getvalue() == ""
-
-
 def test_a_signal_to_a_rank_of_another_node_stops_the_generation_within_steps(work):
     """Two (fake) nodes, one rank each, a pipeline of 2 stages: SIGTERM to the last stage
     alone reaches the first stage, on the other node, as a message (it used to learn only

@@ -4,8 +4,9 @@ the others.
 
 Each replica's *owner* (its last stage's tp rank 0, which holds the replica's results) sends
 rank 0, at most every ``interval`` seconds at its next step, what it has new (``outgoing``: an
-int64 array, possibly empty), in one non-blocking send; rank 0 hands each body to ``deliver``
-as it takes the messages at its own steps. At the end every owner sends the rest with a final
+int64 array, possibly empty) and how far it is (``progress``: tokens done, for rank 0's
+progress display), in one non-blocking send; rank 0 hands each body to ``deliver`` and each
+count to ``heard`` as it takes the messages at its own steps. At the end every owner sends the rest with a final
 mark and rank 0 waits for every mark, so no message is left in flight.
 
 Replicas finish apart: one with longer rows, or on a slower node, may run minutes after the
@@ -30,9 +31,10 @@ from ..parallel.comm import Request
 from .launch import phase
 from .layout import MeshCoords, ParallelConfig, rank_of
 
-TAG_REPLICA = 14            # owner -> rank 0: [final, body...]
+TAG_REPLICA = 14            # owner -> rank 0: [final, progress, body...]
 TAG_ALIVE = 15              # rank 0 -> waiting ranks: [0] a ping, [1] the release
 HEARTBEAT_SECONDS = 1.0     # at least this often (and 4 times per --timeout) a replica says so
+PROGRESS_SECONDS = 0.5      # a replica's new progress alone is sent at most this often
 
 
 def owners(layout: ParallelConfig) -> list[int]:
@@ -54,13 +56,19 @@ class ReplicaChannel:
     def __init__(self, world, layout: ParallelConfig, board=None,
                  interval: float = HEARTBEAT_SECONDS,
                  outgoing: Callable[[], np.ndarray] | None = None,
-                 deliver: Callable[[np.ndarray], None] | None = None):
+                 deliver: Callable[[np.ndarray], None] | None = None,
+                 progress: Callable[[], int] | None = None,
+                 heard: Callable[[int, int], None] | None = None):
         """``world``: the job's host communicator (its ``timeout`` is the job's);
         ``board``: the job's ``watchdog.ActionBoard`` (a hang report says who waits);
         ``outgoing()``: an owner's new results (an int64 array, empty: nothing new);
-        ``deliver(body)``: rank 0's sink for them (its own replica's too, when it owns one)."""
+        ``deliver(body)``: rank 0's sink for them (its own replica's too, when it owns one);
+        ``progress()``: an owner's count of its replica's work done (tokens);
+        ``heard(dp_rank, count)``: rank 0's sink for those counts."""
         self.world, self.layout, self.board = world, layout, board
         self.outgoing, self.deliver = outgoing, deliver
+        self.progress, self.heard = progress, heard
+        self.counted = 0                     # the count an owner sent last
         self.owners = owners(layout)
         self.owner = world.rank in self.owners
         self.senders = sum(1 for o in self.owners if o != 0)   # final marks rank 0 waits for
@@ -100,21 +108,26 @@ class ReplicaChannel:
     # ---- the owners ------------------------------------------------------------------------
 
     def _send(self, final: bool) -> None:
-        """What is new (rank 0 keeps its own); an empty message when nothing was for ``beat``
-        seconds (the heartbeat)."""
+        """What is new (rank 0 keeps its own); the progress alone when it moved, and an empty
+        message when nothing did for ``beat`` seconds (the heartbeat)."""
         now = perf_counter()
         body = self.outgoing() if self.outgoing is not None else np.empty(0, np.int64)
+        count = self.progress() if self.progress is not None else 0
         if self.world.rank == 0:
             if len(body):
                 self.deliver(body)
+            if self.heard is not None:
+                self.heard(0, count)
             if final:
                 self._finished(0)
             return
-        if not len(body) and not final and now - self.last_sent < self.beat:
+        quiet = now - self.last_sent
+        moved = count != self.counted and quiet >= PROGRESS_SECONDS
+        if not len(body) and not final and not moved and quiet < self.beat:
             return
-        self.last_sent = now
+        self.last_sent, self.counted = now, count
         self._prune()
-        message = np.concatenate([[int(final)], body]).astype(np.int64)
+        message = np.concatenate([[int(final), count], body]).astype(np.int64)
         self.requests.append(self.world.isend(message, 0, TAG_REPLICA))
 
     # ---- rank 0 ------------------------------------------------------------------------------
@@ -127,8 +140,10 @@ class ReplicaChannel:
                                            what="a heartbeat of the replicas still running")):
             source, count = arrived
             message = self.world.recv(np.empty(count, np.int64), source, TAG_REPLICA)
-            if count > 1:
-                self.deliver(message[1:])
+            if self.heard is not None:
+                self.heard(self.owners.index(source), int(message[1]))
+            if count > 2:
+                self.deliver(message[2:])
             if message[0]:
                 self.senders -= 1
                 self._finished(self.owners.index(source))

@@ -62,7 +62,10 @@ class JobRun(ABC):
                     self.work()
                     return self.finish()
         except Stopped as e:          # the output's lock and temporary file are gone by now
+            self.close_bar(final=False)
             self.stopped_midway(e)
+        finally:                      # a job that failed: no closing progress line
+            self.close_bar(final=False)
 
     def setup(self) -> None:
         """The checkpoint opened and the job validated by every rank (an error on one is
@@ -120,9 +123,10 @@ class JobRun(ABC):
         _leave_together(self.comm)
         raise JobFailed(EXIT_PREEMPTED) from None
 
-    def close_bar(self) -> None:
+    def close_bar(self, final: bool = True) -> None:
+        """End the progress display (``final``: with its closing line; once)."""
         if self.bar:
-            self.bar.close()
+            self.bar.close(final)
 
     def run_attrs(self, backend: str, comm_kind: str) -> dict:
         """What every output records about its run (a job kind adds its own)."""

@@ -268,6 +268,7 @@ class ContinuousProgram(ReplicaProgram):
             if self.done[p]:
                 continue
             k = int(self.generated[p])
+            self.worked += 1 + (len(self.prompt_ids[p]) if k == 0 else 0)
             self.tokens[p, k] = tokens[slot]
             self.generated[p] = k + 1
             if (tokens[slot] in self.eos or k + 1 >= self.limit[p]

@@ -29,7 +29,7 @@ from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .output import JsonLines, PartialOutput, RunShape, unpad_into
 from .plan import GenerationPlan, describe_row, fingerprint, validate
 from .program import GenerationProgram, RowRules, any_rank
-from .progress import Progress
+from .progress import GenerationProgress
 from .prompts import Prompts
 from .report import RankFigures, RunReport
 from .schedule import generation
@@ -88,9 +88,7 @@ class GenerationRun(JobRun):
         world.broadcast(self.done)
         self.todo = waves_of(np.flatnonzero(self.done == 0), self.job.generate.wave_size)
         if self.rank == 0 and self.progress and self.todo:
-            total = sum(map(len, self.todo))
-            share = sum(len(_wave_rows(w, plan.layout.dp, 0)) for w in self.todo) / total
-            self.bar = Progress(total, share)
+            self.bar = GenerationProgress(plan, np.concatenate(self.todo))
         self.tokens = np.full((n_prompts, max_new), self.pad_id, dtype=np.int64)
         self.lengths = np.zeros(n_prompts, dtype=np.int64)
         self.logits = None
@@ -123,7 +121,7 @@ class GenerationRun(JobRun):
             if self.out.failed:                 # end the wave soon; reported after it
                 self.stop.requested = True
         if self.bar:
-            self.bar.rows_saved(len(rows))
+            self.bar.rows_finished(rows, row_lengths)
 
     def _wave_and_verdict(self, wave: np.ndarray, last: bool) -> None:
         """Run ``wave``, save its finished rows, and agree on whether to go on: a failed
@@ -139,7 +137,7 @@ class GenerationRun(JobRun):
                 rows = wave[finished]
                 out.finish_rows(rows, self.tokens[rows], self.lengths[rows])
         if self.bar:
-            self.bar.wave_done(len(wave) - unfinished)
+            self.bar.wave_done()
         failed = out is not None and out.failed is not None
         with phase("agreeing whether to go on after the wave"):
             flag = self.ranks.world.all_reduce(
@@ -210,17 +208,15 @@ class GenerationRun(JobRun):
             program = GenerationProgram(stage, mbs, rules, backend, self, ranks.cp)
             actions = (generation(layout.pp, len(mbs), settings.max_new_tokens)
                        [ranks.mesh.coord("pp")] if mbs else [])
+        rank0 = ranks.world.rank == 0
         self.stream = FinishedRows(ranks.world, layout, ranks.board, program,
-                                   settings.max_new_tokens,
-                                   self._received if ranks.world.rank == 0 else None,
-                                   save_interval())
+                                   settings.max_new_tokens, self._received if rank0 else None,
+                                   save_interval(), self.bar.heard if self.bar else None)
         return program, actions, mbs
 
     def rows(self, finished: int, tokens: int) -> None:
-        """After every step's tokens (``WaveEvents``): the progress, and finished rows on
+        """After every step's tokens (``WaveEvents``): finished rows and the progress on
         their way to rank 0."""
-        if self.bar:
-            self.bar.rows(finished, tokens)
         self.stream.pump()
 
     def stop_requested(self) -> bool:

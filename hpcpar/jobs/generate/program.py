@@ -111,6 +111,7 @@ class ReplicaProgram(ABC):
         self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens
         self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
         self.done = np.zeros(rows, dtype=bool)
+        self.worked = 0          # tokens done: prompts prefilled and tokens generated
         self.eos = np.asarray(rules.eos_ids if settings.stop_at_eos else (), dtype=np.int64)
         self.pad_id = pad_id
         self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
@@ -271,7 +272,7 @@ class GenerationProgram(ReplicaProgram):
         """Store step ``step``'s tokens; rows already done (EOS, or their own limit) get the
         pad id."""
         rows = self._local(batch)
-        done = self.done[rows]
+        done = self.done[rows].copy()           # before this step (a slice is a view)
         tokens = np.where(done, self.pad_id, tokens)
         self.tokens[rows, step] = tokens
         hit = ~done & (np.isin(tokens, self.eos) | (step + 1 >= self.limit[rows]))
@@ -280,5 +281,6 @@ class GenerationProgram(ReplicaProgram):
                 hit[j] = self.met_stop_string(rows.start + int(j), step + 1)
         self.lengths[rows] = np.where(hit, step + 1, self.lengths[rows])
         self.done[rows] = done | hit
+        self.worked += int((~done).sum()) + (int(batch.lengths.sum()) if step == 0 else 0)
         if self.events is not None:
             self.events.rows(int(hit.sum()), int((~done).sum()))

@@ -1,80 +1,55 @@
-"""What a generation job shows while it runs, on rank 0: prompts finished out of the prompts
-this run generates, and new tokens per second. On a terminal a tqdm bar; in a batch log one
-line every ``HPCPAR_PROGRESS_SECONDS`` (default 30; 0: none), so a Slurm log shows that a
-long job moves without filling up.
+"""A generation job's progress on rank 0 (``jobs.progress``): the prompt tokens prefilled and
+the tokens generated, out of the prompts' tokens and each prompt's ``max_new_tokens``.
 
-Rank 0 is the first stage of replica 0: it sees that replica's tokens as they come back to
-be embedded, and the finished rows of every replica about every second (``generate.stream``).
-In between, replica 0's rows are counted at the share of the whole they stand for (dp
-replicas split the prompts evenly and run the same model), and the bar shows that or the
-rows rank 0 holds, whichever is ahead, so it never goes back. The token rate is replica
-0's, scaled the same way."""
+Every replica's owner reports its replica's count with the finished rows it streams to rank 0
+(``generate.stream``, about every half second), so the count is every replica's, exact to
+within that. A row that ends before its limit (EOS, a stop string) takes its unused tokens off
+the work known when rank 0 receives it.
+"""
 
 from __future__ import annotations
 
-import sys
-from time import perf_counter
+import numpy as np
 
-from ..settings import environment_number
+from ..progress import Progress
 
 
-class Progress:
-    def __init__(self, total: int, share: float, interval: float | None = None,
-                 terminal: bool | None = None, out=None):
-        """``total`` prompts; ``share`` the fraction of them replica 0 runs."""
-        self.total, self.share = total, share
-        self.done = 0               # prompts finished in waves already collected
-        self.replica = 0            # replica 0's rows finished in the current wave
-        self.saved = 0              # every replica's rows of the current wave rank 0 holds
-        self.tokens = 0
-        self.start = self.last = perf_counter()
-        self.out = out or sys.stderr
-        if interval is None:
-            interval = environment_number("HPCPAR_PROGRESS_SECONDS")
-        self.interval = interval
-        terminal = self.out.isatty() if terminal is None else terminal
-        self.bar = None
-        if terminal:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, unit="prompt", desc="generating", leave=False,
-                            file=self.out)
+class GenerationProgress:
+    def __init__(self, plan, prompts: np.ndarray, **display):
+        """``plan``: the run's ``GenerationPlan``; ``prompts``: the indices this run
+        generates for; ``display``: ``Progress``'s options."""
+        self.limits = np.asarray(plan.limits, np.int64)
+        lengths = np.asarray(plan.prompts.lengths, np.int64)
+        total = int(lengths[prompts].sum() + self.limits[prompts].sum())
+        self.prompts, self.finished = len(prompts), 0
+        self.earlier = 0                # tokens of the waves already collected
+        self.replicas: dict[int, int] = {}     # the current wave: replica -> tokens done
+        self.display = Progress("generating", total, **display)
+        self._show()
+
+    def heard(self, dp_rank: int, tokens: int) -> None:
+        """Replica ``dp_rank``'s tokens done in the current wave."""
+        self.replicas[dp_rank] = tokens
+        self._show()
+
+    def rows_finished(self, prompts: np.ndarray, lengths: np.ndarray) -> None:
+        """Rank 0 received these finished rows: their unused tokens are no longer work."""
+        self.finished += len(prompts)
+        unused = int((self.limits[prompts] - lengths).sum())
+        self._show(total=self.display.total - unused)
+
+    def wave_done(self) -> None:
+        """Every replica's final count of the wave is in."""
+        self.earlier += sum(self.replicas.values())
+        self.replicas.clear()
+        self._show()
 
     @property
-    def finished(self) -> int:
-        """Prompts finished: collected waves, plus the current wave's rows rank 0 holds or
-        replica 0's scaled up, whichever is ahead (both only grow)."""
-        current = max(self.saved, round(self.replica / self.share))
-        return min(self.total, self.done + current)
+    def done(self) -> int:
+        return self.earlier + sum(self.replicas.values())
 
-    def rows(self, finished: int, tokens: int) -> None:
-        """Replica 0 recorded ``tokens`` new tokens, and ``finished`` of its rows ended."""
-        self.replica += finished
-        self.tokens += tokens
-        self._show()
+    def close(self, final: bool = True) -> None:
+        self.display.close(final)
 
-    def rows_saved(self, prompts: int) -> None:
-        """Rank 0 received ``prompts`` finished rows of the current wave (any replica)."""
-        self.saved += prompts
-        self._show()
-
-    def wave_done(self, prompts: int) -> None:
-        """A wave of ``prompts`` is collected: every replica's rows count exactly."""
-        self.done += prompts
-        self.replica = self.saved = 0
-        self._show()
-
-    def _show(self) -> None:
-        now = perf_counter()
-        rate = self.tokens / self.share / max(now - self.start, 1e-9)
-        if self.bar is not None:
-            self.bar.n = self.finished
-            self.bar.set_postfix_str(f"{rate:,.0f} new tok/s", refresh=False)
-            self.bar.refresh()
-        elif self.interval > 0 and now - self.last >= self.interval:
-            self.last = now
-            print(f"progress: {self.finished}/{self.total} prompts, {rate:,.0f} new tokens/s, "
-                  f"{now - self.start:.0f} s", file=self.out, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def _show(self, total: int | None = None) -> None:
+        self.display.update(self.done, total, f"{self.finished}/{self.prompts} prompts")

@@ -48,13 +48,15 @@ class FinishedRows:
     returns once every replica has finished the wave."""
 
     def __init__(self, world, layout: ParallelConfig, board, program, max_new_tokens: int,
-                 receive: Receive | None, interval: float):
+                 receive: Receive | None, interval: float,
+                 heard: Callable[[int, int], None] | None = None):
         """``program``: this rank's generation program (``global_rows``, ``done``,
-        ``tokens``, ``lengths``); ``receive``: rank 0's sink for finished rows."""
+        ``tokens``, ``lengths``, ``worked``); ``receive``: rank 0's sink for finished rows;
+        ``heard(dp_rank, tokens)``: rank 0's sink for each replica's tokens done."""
         self.program, self.n, self.receive = program, max_new_tokens, receive
         self.sent = np.zeros(len(program.done), dtype=bool)
         self.channel = ReplicaChannel(world, layout, board, interval, self._new_rows,
-                                      self._deliver)
+                                      self._deliver, lambda: program.worked, heard)
         self.pump, self.close = self.channel.pump, self.channel.close
 
     def _new_rows(self) -> np.ndarray:

@@ -32,6 +32,7 @@ from ..generate.setup import load_tokenizer, open_stage
 from ..job import Job
 from ..launch import everyone, phase
 from ..layout import ParallelConfig
+from ..progress import Progress
 from ..replicas import ReplicaChannel, owners
 from ..skeleton import JobRun
 from .data import ScoreData, check_score_data, load_score_data
@@ -72,6 +73,10 @@ class ScoringRun(JobRun):
     or wait (``Stopped``), with nothing written."""
 
     kind, verb = "scoring", "score"
+
+    def __init__(self, comm, job: Job, progress: bool = True):
+        super().__init__(comm, job)
+        self.progress = progress
 
     def validate(self) -> _Plan:
         job, ckpt = self.job, self.ckpt
@@ -114,7 +119,18 @@ class ScoringRun(JobRun):
 
         rows = replica_rows(len(self.plan.data), layout.dp, mesh.coord("dp"))
         mbs = micro_batches(self.plan.data.ids, rows, _micro_batch_count(self.plan.data, layout))
-        channel = ReplicaChannel(world, layout, ranks.board)  # replicas may end minutes apart
+        done: dict[int, int] = {}           # rank 0: each replica's tokens scored
+
+        def heard(dp_rank: int, tokens: int) -> None:
+            done[dp_rank] = tokens
+            self.bar.update(sum(done.values()))
+
+        if self.rank == 0 and self.progress:
+            self.bar = Progress("scoring", sum(len(row) for row in self.plan.data.ids))
+        # replicas may end minutes apart; each one's owner reports its tokens scored
+        channel = ReplicaChannel(world, layout, ranks.board,
+                                 progress=lambda: self.program.worked,
+                                 heard=heard if self.bar else None)
         self.program = ScoringProgram(ranks.stage, mbs, backend, after_batch=after_batch,
                                       cp=ranks.cp)
         actions = generation(layout.pp, len(mbs), 1)[mesh.coord("pp")] if mbs else []
@@ -133,6 +149,7 @@ class ScoringRun(JobRun):
             self.program.gather_over_cp()
         elapsed = perf_counter() - start
         channel.close()
+        self.close_bar()
         self.seconds = float(world.all_reduce(np.array([elapsed]), op="max")[0])
 
     def finish(self) -> ScoreResult | None:
@@ -157,9 +174,10 @@ class ScoringRun(JobRun):
         return result
 
 
-def run_scoring(comm, job: Job) -> ScoreResult | None:
-    """Run the scoring ``job`` on every rank of ``comm``; the result on rank 0, else None."""
-    return ScoringRun(comm, job).run()
+def run_scoring(comm, job: Job, progress: bool = True) -> ScoreResult | None:
+    """Run the scoring ``job`` on every rank of ``comm``; the result on rank 0, else None.
+    ``progress``: rank 0 shows it (``jobs.progress``)."""
+    return ScoringRun(comm, job, progress).run()
 
 
 # padded tokens per micro-batch a scoring job aims at when the layout asks for fewer

@@ -42,6 +42,7 @@ class ScoringProgram:
         self.logprobs = np.full((sum(mb.size for mb in mbs), width), np.nan, dtype=np.float32)
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
+        self.worked = 0                  # tokens of the micro-batches scored (last stage)
         if stage.last:
             self.loss = VocabParallelCrossEntropy(stage.ops, stage.cfg.vocab_size, stage.tp)
 
@@ -71,6 +72,7 @@ class ScoringProgram:
         y = stage.forward(x, rows, None)
         if stage.last:
             self._score(batch, stage.final_hidden(y), positions)
+            self.worked += int(batch.lengths.sum())
         else:
             self.outputs[a.mb] = y
         if self.after_batch is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 from pathlib import Path
 from time import perf_counter
 
@@ -27,6 +26,7 @@ from ..job import Job
 from ..launch import EXIT_INVALID, JobFailed, everyone, phase, print_error
 from ..layout import grad_rank
 from ..runtime import open_runtime
+from ..progress import Progress
 from ..skeleton import JobRun
 from . import checkpoint as tc
 from .chunk import Batch
@@ -88,7 +88,9 @@ class TrainingRun(JobRun):
         self.peak = (tr.peak_tflops * 1e12 if tr.peak_tflops
                      else peak_flops(self.xp, rt.backend))
         self.figures = TrainFigures()
-        self.bar = _progress_bar(self.rank == 0 and self.progress, tr.steps - plan.start_step)
+        if self.rank == 0 and self.progress:
+            self.bar = Progress("training", (tr.steps - plan.start_step) * self._step_tokens())
+            self._show_progress(plan.start_step)
 
     def _open_optimizer(self, states) -> None:
         """Gradient buckets, ZeRO's shards, the optimizer and loss scaler (their state
@@ -270,7 +272,7 @@ class TrainingRun(JobRun):
         times = self.executor.times
         self.figures.add_step(times, program.peak_held, program.peak_held_full, seconds)
         times.compute[0] = times.wait[0] = 0.0
-        tokens = self.job.train.global_batch * self.plan.dataset.seq_len
+        tokens = self._step_tokens()
         rate = tokens / seconds
         record = StepRecord(self.step, loss, norm, lr, tokens, seconds, rate,
                             rate * self.per_token / (self.size * self.peak),
@@ -278,10 +280,18 @@ class TrainingRun(JobRun):
                             self._expert_load())
         everyone(self.comm, self.metrics.write, record)
         if self.bar:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}")
-        elif self.rank == 0 and self.progress:
-            print(self.metrics.line(), flush=True)
+            self._show_progress(self.step, loss)
+            if self.bar.bar is None:        # a log: the step's line too (a bar shows the loss)
+                print(self.metrics.line(), flush=True)
+
+    def _step_tokens(self) -> int:
+        return self.job.train.global_batch * self.plan.dataset.seq_len
+
+    def _show_progress(self, step: int, loss: float | None = None) -> None:
+        detail = f"step {step}/{self.job.train.steps}"
+        if loss is not None:
+            detail += f", loss {loss:.4f}"
+        self.bar.update((step - self.plan.start_step) * self._step_tokens(), detail=detail)
 
     def _save(self, samples: int) -> None:
         """Every rank writes its counted slices in turn into one file (see
@@ -368,9 +378,3 @@ def _diverged(step: int, loss: float, norm: float, out_dir: Path, saved_at: int)
     return (f"step {step}: loss is {loss}, gradient norm {norm}; training stopped before the "
             f"update ({kept}); lower --lr or set --clip-grad")
 
-
-def _progress_bar(enabled: bool, total: int):
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, unit="step", desc="training", leave=False)
