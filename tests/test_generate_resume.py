@@ -118,7 +118,7 @@ def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work
     print(f"uninterrupted: {seconds:.1f} s")
     env = dict(os.environ, OMP_NUM_THREADS="1", HPCPAR_CACHE=str(work / "cache"),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env["HPCPAR_PROGRESS_SECONDS"] = "0.05"
+    env["HPCPAR_PROGRESS_SECONDS"] = env["HPCPAR_SAVE_SECONDS"] = "0.05"  # rows seen soon
     proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, *args, "--out",
                              "mixed.h5"], cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -12,7 +12,7 @@
     python -m hpcpar plan [JOB.toml] [--checkpoint C.h5 | --preset NAME] [--world N] [...]
     python -m hpcpar convert HF_DIR OUT.h5 [--dtype float32|float16|bfloat16]
     python -m hpcpar export CKPT.h5 DIR [--dtype ...] [--shard-size 5GB]
-    python -m hpcpar show OUT [--json] [--page K] [--per-page N]
+    python -m hpcpar show OUT [--json] [--page K] [--per-page N] [--plot OUT.png]
     python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
     python -m hpcpar submit JOB.toml [--nodes N --ranks-per-node R ...]
 
@@ -51,7 +51,8 @@ def _main(argv) -> int:
         from .demo import DemoOptions, run_demo
         opts = DemoOptions(**{k: getattr(args, k, None) for k in ("checkpoint", "dp", "pp", "tp")},
                            backend=getattr(args, "backend", "auto"),
-                           comm=getattr(args, "comm", "auto"))
+                           comm=getattr(args, "comm", "auto"),
+                           trace=getattr(args, "trace", None))
         return run_demo(comm, opts)
     if command == "score" or (command == "run" and everyone(comm, _is_scoring, args)):
         from .job import load_job
@@ -119,7 +120,12 @@ def _show(args) -> None:
     if args.page < 1 or args.per_page < 1:
         raise HpcparError(f"--page {args.page} --per-page {args.per_page}: both count from 1")
     s = summary(args.path, args.page, args.per_page)
+    if args.plot:
+        from .plots import plot
+        plot(args.path, s, args.plot)
     print(json.dumps(s, allow_nan=True) if args.json else format_summary(s))
+    if args.plot and not args.json:
+        print(f"wrote {args.plot}")
 
 
 def _submit(args) -> None:

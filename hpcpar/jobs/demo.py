@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from ..checkpoint import open_checkpoint
 from ..models.config import ModelConfig
 from .generate import resolve_checkpoint, run_generation
-from .job import PRESET_PREFIX, DataSection, GenerateSection, Job, ModelSection, ParallelSection
+from .job import (PRESET_PREFIX, DataSection, GenerateSection, Job, ModelSection, OutputSection,
+                  ParallelSection)
 from .launch import everyone
 from .layout import ParallelConfig
 
@@ -40,6 +41,7 @@ class DemoOptions:
     tp: int | None = None
     backend: str = "auto"
     comm: str = "auto"
+    trace: str | None = None        # a timeline of every rank (``--trace``)
 
 
 def demo_job(opts: DemoOptions, checkpoint: str, cfg: ModelConfig, world_size: int) -> Job:
@@ -53,7 +55,8 @@ def demo_job(opts: DemoOptions, checkpoint: str, cfg: ModelConfig, world_size: i
         parallel=ParallelSection(dp=dp, pp=pp, tp=tp, micro_batches=2 * (pp or 1),
                                  backend=opts.backend, comm=opts.comm),
         data=DataSection(prompts="random", random_count=16, random_lengths=(4, 24)),
-        generate=GenerateSection(max_new_tokens=16, stop_at_eos=False))
+        generate=GenerateSection(max_new_tokens=16, stop_at_eos=False),
+        output=OutputSection(trace=opts.trace))
 
 
 def run_demo(comm, opts: DemoOptions) -> int:

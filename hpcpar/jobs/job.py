@@ -16,6 +16,7 @@
     [score]     data = "texts.jsonl"        sequences to score (.npy ids left-padded with
                                              negative ids, or .jsonl of {ids} / {text})
     [output]    path = "out.h5" (generation) or a folder (training)
+                trace = "trace.json"        a timeline of every rank (Chrome trace format)
 
 Later sources win: the file, then ``--set section.key=value``, then explicit flags. Input
 paths in a file (checkpoint, prompts) are relative to the file, so a job runs from anywhere;
@@ -131,6 +132,7 @@ class ScoreSection:
 @dataclass(frozen=True)
 class OutputSection:
     path: str | None = None
+    trace: str | None = None            # a timeline of every rank (Chrome trace JSON)
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,12 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from time import perf_counter
 from typing import Callable, TypeVar
 
 import numpy as np
 
-from ..parallel import waits
+from ..parallel import trace, waits
 from ..parallel.errors import CommTimeout, HangElsewhere, HpcparError
 from .supervisor import launcher_size, mark_known_exit
 
@@ -66,8 +67,12 @@ def phase(name: str):
     """Name what this rank is doing, for the message if it fails."""
     previous = _state["phase"]
     _state["phase"] = name
+    tracer = trace.current()
+    begin = perf_counter() if tracer is not None else 0.0
     yield
     _state["phase"] = previous  # not on an exception: the report names where it happened
+    if tracer is not None:
+        tracer.add(name, "phase", begin, perf_counter())
 
 
 def set_location(description: str) -> None:
@@ -213,6 +218,11 @@ def _report_hang(e: CommTimeout) -> None:
     where = "".join(f"\n  {line}" for line in board.report())
     _abort(f"{_who()} {what} while {_state['phase']}: {e}; a rank stopped, died or hangs. "
            f"{board.heading()}:{where}", EXIT_HUNG, with_traceback=False, linger=linger)
+
+
+def location() -> str:
+    """This rank's place, as ``set_location`` said it (or its world rank)."""
+    return _who()
 
 
 def _who() -> str:

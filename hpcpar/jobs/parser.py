@@ -26,7 +26,7 @@ JOB_FLAGS = {
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
     "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
     "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
-    "out": ("output", "path"),
+    "out": ("output", "path"), "trace": ("output", "trace"),
 }
 # training flags -> (job section, key); --seed goes to [train] when the job trains
 TRAIN_FLAGS = {
@@ -81,6 +81,13 @@ def _timeout_flag(p) -> None:
     p.add_argument("--timeout", type=float,
                    help="seconds a receive or collective may wait before the job is ended "
                         "with a report of where every rank is (default 600; 0: forever)")
+    _trace_flag(p)
+
+
+def _trace_flag(p) -> None:
+    p.add_argument("--trace", metavar="TRACE.json",
+                   help="write a timeline of every rank (compute, waits, collectives) in the "
+                        "Chrome trace format, for ui.perfetto.dev or chrome://tracing")
 
 
 def _job_flags(p, required: bool, out_help: str) -> None:
@@ -186,6 +193,7 @@ def _demo_command(sub) -> None:
     demo.add_argument("--backend", choices=BACKENDS, default="auto")
     demo.add_argument("--comm", choices=COMM_KINDS, default="auto",
                       help="tensor-parallel communicator")
+    _trace_flag(demo)
 
 
 def _run_command(sub) -> None:
@@ -314,6 +322,9 @@ def _show_command(sub) -> None:
     show.add_argument("--json", action="store_true", help="print it as one JSON object")
     show.add_argument("--page", type=int, default=1, help="which page of rows (default 1)")
     show.add_argument("--per-page", type=int, default=20, help="rows per page (default 20)")
+    show.add_argument("--plot", metavar="OUT.png",
+                      help="draw a training run's curves or a trace's timeline (.png, .svg, "
+                           ".pdf; needs matplotlib: the [plot] extra)")
 
 
 def _init_command(sub) -> None:

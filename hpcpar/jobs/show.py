@@ -5,6 +5,7 @@
     scoring output (.h5)                perplexity, tokens scored; per row: nll, tokens
     training run folder                 the newest checkpoint, the last steps' metrics
     checkpoint (.h5)                    family, shape, parameters, dtype, size, step
+    trace (--trace's .json)             per rank: time computing, waiting and in collectives
 
 ``summary(path)`` gathers it as plain data (what ``--json`` prints); ``format_summary`` lays
 it out for a terminal. Reading only: nothing is written, and a file that is none of these is
@@ -33,6 +34,8 @@ def summary(path: str | Path, page: int = 1, per_page: int = PAGE) -> dict:
         raise HpcparError(f"{path}: no such file or folder")
     if path.is_dir():
         return _training_run(path)
+    if path.suffix.lower() == ".json":
+        return _trace(path)
     kind = output_kind(path)
     if kind == "checkpoint":
         return _checkpoint(path)
@@ -42,7 +45,8 @@ def summary(path: str | Path, page: int = 1, per_page: int = PAGE) -> dict:
     if kind == "scores":
         return _scores(path, page, per_page)
     raise HpcparError(f"{path}: not an hpcpar output; show reads a generation output (.h5 or "
-                      ".jsonl), a scoring output, a training run's folder or a checkpoint")
+                      ".jsonl), a scoring output, a training run's folder, a checkpoint or a "
+                      "trace (.json)")
 
 
 def _page(rows: list[dict], page: int, per_page: int) -> dict:
@@ -171,10 +175,59 @@ def _training_run(folder: Path) -> dict:
             "report": json.loads(report.read_text()) if report.exists() else None}
 
 
+def read_trace(path: Path) -> tuple[dict, dict[int, str], list[dict]]:
+    """A ``--trace`` file's metadata, track names (by pid) and complete events."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        events = data["traceEvents"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise HpcparError(f"{path}: not a trace hpcpar wrote (Chrome trace JSON with "
+                          "traceEvents); show reads the file a job's --trace wrote") from None
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return data.get("otherData", {}), names, [e for e in events if e.get("ph") == "X"]
+
+
+def _trace(path: Path) -> dict:
+    """Per rank, seconds in each kind of span over the span from its first compute to its
+    last (collectives inside compute count in both)."""
+    meta, names, spans = read_trace(path)
+    ranks = []
+    for pid in sorted(names):
+        mine = [e for e in spans if e["pid"] == pid]
+        work = [e for e in mine if e["cat"] == "compute"]
+        window = ((max(e["ts"] + e["dur"] for e in work) - min(e["ts"] for e in work)) / 1e6
+                  if work else 0.0)
+        seconds = {cat: sum(e["dur"] for e in mine if e["cat"] == cat) / 1e6
+                   for cat in ("compute", "wait", "comm")}
+        ranks.append({"rank": pid, "track": names[pid], "window_s": window,
+                      "spans": len(mine), **{f"{k}_s": v for k, v in seconds.items()},
+                      "busy": seconds["compute"] / window if window else None})
+    return {"kind": "trace", "path": str(path), "job": meta.get("job"),
+            "layout": meta.get("layout"), "dropped_spans": meta.get("dropped_spans", 0),
+            "ranks": ranks}
+
+
 def format_summary(s: dict) -> str:
     """``summary``'s data laid out for a person."""
     return {"generation": _format_generation, "scores": _format_scores,
-            "training": _format_training, "checkpoint": _format_checkpoint}[s["kind"]](s)
+            "training": _format_training, "checkpoint": _format_checkpoint,
+            "trace": _format_trace}[s["kind"]](s)
+
+
+def _format_trace(s: dict) -> str:
+    lines = [f"{s['path']}: a trace of a {s['job']} job, {len(s['ranks'])} ranks, "
+             f"{s['layout']}" + (f"; {s['dropped_spans']:,} spans not kept"
+                                 if s["dropped_spans"] else ""),
+             f"{'track':<28} {'window s':>9} {'compute s':>10} {'busy':>6} {'waits s':>8} "
+             f"{'collectives s':>14}"]
+    for r in s["ranks"]:
+        busy = f"{100 * r['busy']:.0f}%" if r["busy"] is not None else "-"
+        lines.append(f"{r['track']:<28} {r['window_s']:>9.3f} {r['compute_s']:>10.3f} "
+                     f"{busy:>6} {r['wait_s']:>8.3f} {r['comm_s']:>14.3f}")
+    lines.append("busy: compute over the window from a rank's first compute to its last; "
+                 "open the file in ui.perfetto.dev for the timeline")
+    return "\n".join(lines)
 
 
 def _one_line(text: str | None) -> str:

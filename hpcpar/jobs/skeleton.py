@@ -30,6 +30,7 @@ from ..parallel.errors import CommTimeout, Stopped
 from .job import Job
 from .launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
 from .outputs import claimed
+from .tracing import JobTrace, check_trace_path
 from .runtime import resolve_checkpoint
 
 
@@ -55,17 +56,25 @@ class JobRun(ABC):
         self.setup()
         if not self.has_work():
             return None
+        tracing = JobTrace(self.comm, self.job.output.trace) if self.job.output.trace else None
         try:
             with claimed(self.comm, self.output_path(), folder=self.output_is_folder):
                 with StopRequest() as self.stop:
+                    if tracing:
+                        tracing.start()
                     self.open()
                     self.work()
-                    return self.finish()
+                    result = self.finish()
+                    if tracing:
+                        tracing.write(self.trace_metadata())
+                    return result
         except Stopped as e:          # the output's lock and temporary file are gone by now
             self.close_bar(final=False)
             self.stopped_midway(e)
-        finally:                      # a job that failed: no closing progress line
+        finally:                      # a job that failed: no closing progress line, no trace
             self.close_bar(final=False)
+            if tracing:
+                tracing.abandon()
 
     def setup(self) -> None:
         """The checkpoint opened and the job validated by every rank (an error on one is
@@ -77,6 +86,8 @@ class JobRun(ABC):
         else:
             with phase(self.checking_phase):
                 self.plan = everyone(self.comm, self.validate)
+        if self.job.output.trace:
+            everyone(self.comm, check_trace_path, self.job.output.trace, self.job.output.path)
         set_timeout(self.job.parallel.timeout)
 
     # ---- the steps a job kind writes -------------------------------------------------------
@@ -105,6 +116,11 @@ class JobRun(ABC):
         """Collect, report and write; free the runtime. The result on rank 0, else None."""
 
     # ---- shared pieces ---------------------------------------------------------------------
+
+    def trace_metadata(self) -> dict:
+        """What a ``--trace`` file says of the run besides its spans."""
+        return {"job": self.verb, "layout": self.plan.layout.describe(), "checkpoint":
+                str(self.ckpt.path)}
 
     def preempted(self, message: str) -> None:
         """Leave after a stop the job acted on: what was finished is saved, ``message``

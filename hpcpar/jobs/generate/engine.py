@@ -217,6 +217,8 @@ class GenerationRun(JobRun):
     def rows(self, finished: int, tokens: int) -> None:
         """After every step's tokens (``WaveEvents``): finished rows and the progress on
         their way to rank 0."""
+        if self.bar:
+            self.bar.heard(0, self.stream.program.worked)
         self.stream.pump()
 
     def stop_requested(self) -> bool:

@@ -2,8 +2,8 @@
 the tokens generated, out of the prompts' tokens and each prompt's ``max_new_tokens``.
 
 Every replica's owner reports its replica's count with the finished rows it streams to rank 0
-(``generate.stream``, about every half second), so the count is every replica's, exact to
-within that. A row that ends before its limit (EOS, a stop string) takes its unused tokens off
+(``generate.stream``, about every second), so the count is every replica's, exact to within
+that; replica 0's rank 0 counts as its steps come. A row that ends before its limit (EOS, a stop string) takes its unused tokens off
 the work known when rank 0 receives it.
 """
 
@@ -28,8 +28,10 @@ class GenerationProgress:
         self._show()
 
     def heard(self, dp_rank: int, tokens: int) -> None:
-        """Replica ``dp_rank``'s tokens done in the current wave."""
-        self.replicas[dp_rank] = tokens
+        """Replica ``dp_rank``'s tokens done in the current wave, from its owner, or for
+        replica 0 from rank 0's own books (its first stage's, a step behind the owner's and
+        never late): the larger count stands."""
+        self.replicas[dp_rank] = max(self.replicas.get(dp_rank, 0), tokens)
         self._show()
 
     def rows_finished(self, prompts: np.ndarray, lengths: np.ndarray) -> None:

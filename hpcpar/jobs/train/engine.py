@@ -16,6 +16,7 @@ from time import perf_counter
 
 import numpy as np
 
+from ...parallel import trace
 from ...parallel.data_parallel import local_sq_norm
 from ...parallel.optim import LossScaler, Optimizer, clip_coefficient
 from ...parallel.optim_settings import learning_rate
@@ -256,7 +257,8 @@ class TrainingRun(JobRun):
             self.scaler.update(overflow)
         if not overflow:
             coef = clip_coefficient(norm, self.plan.optimizer.clip_grad)
-            self.optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
+            with trace.span("optimizer step", "compute"):
+                self.optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
             if self.zero:                             # the updated pieces gathered, then copied
                 for group in self.held:
                     if group.zero:

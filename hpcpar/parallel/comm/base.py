@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .. import trace
 from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
 from ..splits import even_sizes as split_sizes
@@ -31,6 +32,8 @@ class Request:
     """A pending non-blocking send or receive. ``wait()`` completes it, including any copy of
     staged data back to the device, and keeps the buffers alive until then."""
 
+    label = "request"       # what a trace calls its wait ("pp.recv"; set by the communicator)
+
     def __init__(self, wait: Callable[[], None], on_complete: Callable[[], None] | None = None,
                  keepalive: tuple = (), test: Callable[[], bool] | None = None):
         self._wait = wait
@@ -42,8 +45,12 @@ class Request:
     def wait(self) -> None:
         if self.done:
             return
+        tracer = trace.current()
+        begin = perf_counter() if tracer is not None else 0.0
         self._wait()
         self._complete()
+        if tracer is not None:
+            tracer.add(f"wait {self.label}", "wait", begin, perf_counter())
 
     def test(self) -> bool:
         """Whether the operation is complete (then as after ``wait()``), without waiting;
@@ -514,7 +521,8 @@ class Communicator(ABC):
     def _run(self, op: str, nbytes: int, primitive, *args):
         """Call ``primitive``, recording bytes and time, naming op and group if it fails."""
         clock = self._device_clock()
-        start = perf_counter() if clock is None else clock.now()
+        begin = perf_counter()
+        start = begin if clock is None else clock.now()
         try:
             result = primitive(*args)
         except HpcparError:
@@ -522,10 +530,15 @@ class Communicator(ABC):
         except Exception as e:
             raise CommError(f"{op} on the {self.name} group ({self.size} ranks, this is group "
                             f"rank {self.rank}) failed: {type(e).__name__}: {e}") from e
+        end, name = perf_counter(), f"{self.name}.{op}"
         if clock is None:
-            self.stats.record(f"{self.name}.{op}", nbytes, perf_counter() - start)
+            self.stats.record(name, nbytes, end - start)
         else:
-            self.stats.record_on(clock, f"{self.name}.{op}", nbytes, start)
+            self.stats.record_on(clock, name, nbytes, start)
+        if isinstance(result, Request):          # traced where it is waited for
+            result.label = name
+        elif (tracer := trace.current()) is not None:
+            tracer.add(name, "comm", begin, end, {"bytes": nbytes})
         return result
 
     def _device_clock(self):

@@ -25,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from .. import trace
 from ..backend import DeviceClock
 from ..comm import Communicator, Request
 from ..dtypes import bfloat16
@@ -203,9 +204,13 @@ class PipelineExecutor:
                     j = next_recv[j]
                 if j is not None and j not in posted:
                     post(j)
-                started = self.clock.now()
+                started, tracer = self.clock.now(), trace.current()
+                begin = perf_counter() if tracer is not None else 0.0
                 program.compute(a)
                 self.clock.add(self.times.compute, phase, started)
+                if tracer is not None:
+                    tracer.add(f"{a.op.name.lower()} {a.mb}", "compute", begin, perf_counter(),
+                               {"micro-batch": a.mb, "step": a.step, "chunk": a.chunk})
             else:  # a send
                 queue = sends.setdefault((a.op, a.peer), deque())
                 queue.append(self._send(a, a.mb in stop_step))

@@ -1,0 +1,140 @@
+"""Pictures of a run for ``hpcpar show ... --plot OUT.png`` (matplotlib, an optional extra:
+``pip install "hpcpar[plot]"``).
+
+    a training run's folder    loss, learning rate, gradient norm and tokens/s by step
+    a trace (--trace's .json)  every rank's timeline: compute coloured by micro-batch, waits
+                               on messages, and collectives outside compute, so a pipeline's
+                               bubbles and a straggler are seen at a glance
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..checkpoint.files import AtomicPath, writing
+from ..parallel.errors import HpcparError
+
+PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
+          ("tokens_per_s", "tokens/s"))
+WAIT_COLOUR, COMM_COLOUR = "#d62728", "#ff9f1c"
+# micro-batches: no red or orange, which are the waits' and the collectives'
+MICRO_BATCH_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#8c564b", "#7f7f7f",
+                       "#bcbd22", "#e377c2", "#aec7e8", "#98df8a")
+
+
+def plot(source: Path, summary: dict, out: str | Path) -> None:
+    """Draw ``summary`` (``show.summary`` of ``source``) into the image ``out``."""
+    out = Path(out)
+    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise HpcparError(f"--plot {out}: name the picture .png, .svg or .pdf")
+    if not out.resolve().parent.is_dir():
+        raise HpcparError(f"--plot {out}: the folder {out.parent} does not exist")
+    pyplot = _pyplot()
+    if summary["kind"] == "training":
+        figure = _training(pyplot, source, summary)
+    elif summary["kind"] == "trace":
+        figure = _timeline(pyplot, source)
+    else:
+        raise HpcparError(f"--plot draws a training run's folder or a trace (--trace's .json); "
+                          f"{source} is a {summary['kind']} output")
+    target = AtomicPath(out)
+    try:
+        with writing(out):
+            figure.savefig(target.tmp, format=out.suffix[1:].lower(), dpi=120)
+        target.commit()
+    except BaseException:
+        target.discard()
+        raise
+    finally:
+        pyplot.close(figure)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise HpcparError('--plot needs matplotlib: pip install "hpcpar[plot]" (or pip install '
+                          "matplotlib)") from None
+    matplotlib.use("Agg")                     # files only: no display on a cluster node
+    from matplotlib import pyplot
+    return pyplot
+
+
+def _training(pyplot, folder: Path, summary: dict):
+    metrics = []
+    for line in (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        try:
+            metrics.append(json.loads(line))
+        except ValueError:
+            continue                          # a line a stopped run left torn
+    if not metrics:
+        raise HpcparError(f"{folder}: no steps logged yet (metrics.jsonl is empty); nothing to "
+                          "plot")
+    figure, axes = pyplot.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    for ax, (key, title) in zip(axes.flat, PANELS):
+        points = [(m["step"], m[key]) for m in metrics if m.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points), marker="." if len(points) < 50 else None, lw=1.2)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    figure.suptitle(f"{folder.name}: {len(metrics)} steps", fontsize=11)
+    figure.tight_layout()
+    return figure
+
+
+def _timeline(pyplot, path: Path):
+    from .show import read_trace
+    meta, names, spans = read_trace(path)
+    computes = [e for e in spans if e["cat"] == "compute"]
+    if not computes:
+        raise HpcparError(f"{path}: the trace holds no compute spans; nothing to draw")
+    start = min(e["ts"] for e in computes)
+    end = max(e["ts"] + e["dur"] for e in computes)
+    pids = sorted(names)
+    figure, ax = pyplot.subplots(figsize=(12, 0.5 * len(pids) + 1.6))
+    for row, pid in enumerate(pids):
+        mine = [e for e in spans if e["pid"] == pid and e["ts"] < end and e["ts"] + e["dur"]
+                > start]
+        work = [e for e in mine if e["cat"] == "compute"]
+        for mb in sorted({e.get("args", {}).get("micro-batch", 0) for e in work}):
+            bars = [_bar(e, start) for e in work if e.get("args", {}).get("micro-batch", 0) == mb]
+            ax.broken_barh(bars, (row - 0.4, 0.8), lw=0,
+                           color=MICRO_BATCH_COLOURS[mb % len(MICRO_BATCH_COLOURS)])
+        inside = _intervals(work)
+        comm = [_bar(e, start) for e in mine if e["cat"] == "comm" and not _within(e, inside)]
+        ax.broken_barh(comm, (row - 0.4, 0.8), color=COMM_COLOUR, lw=0)
+        waits = [_bar(e, start) for e in mine if e["cat"] == "wait"]
+        ax.broken_barh(waits, (row - 0.15, 0.3), color=WAIT_COLOUR, lw=0)
+    ax.set_yticks(range(len(pids)), [names[p] for p in pids], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, (end - start) / 1e3)
+    ax.set_xlabel("ms from the first compute")
+    ax.set_title(f"{path.name}: {meta.get('job', 'job')}, {meta.get('layout', '')}", fontsize=10)
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(color=MICRO_BATCH_COLOURS[0], label="compute (a colour per "
+                                                                 "micro-batch)"),
+                       Patch(color=WAIT_COLOUR, label="waiting for a message"),
+                       Patch(color=COMM_COLOUR, label="collective outside compute")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / len(pids)), ncol=3,
+              fontsize=8, frameon=False)
+    figure.tight_layout()
+    return figure
+
+
+def _bar(event: dict, start: float) -> tuple[float, float]:
+    """(start, width) in milliseconds from ``start`` (microseconds)."""
+    return (event["ts"] - start) / 1e3, event["dur"] / 1e3
+
+
+def _intervals(events: list[dict]) -> list[tuple[float, float]]:
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+
+
+def _within(event: dict, intervals: list[tuple[float, float]]) -> bool:
+    """Whether ``event`` lies inside one of the sorted ``intervals``."""
+    from bisect import bisect_right
+    i = bisect_right(intervals, (event["ts"], float("inf"))) - 1
+    return i >= 0 and intervals[i][1] >= event["ts"] + event["dur"]

@@ -1,0 +1,92 @@
+"""A job's ``--trace FILE``: a timeline of every rank, one Chrome trace file.
+
+Every rank traces (``parallel.trace``) from a barrier, so the ranks' clocks start together
+(within the barrier's skew, microseconds on one node and tens of them across nodes). When the
+job has finished, rank 0 gathers each rank's spans as JSON bytes through MPI's buffer methods
+(``Gatherv``, never pickled) and writes the file atomically: one track per rank, named by its
+place in the mesh. A job that fails or is stopped writes none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from time import perf_counter
+
+import numpy as np
+
+from .. import __version__
+from ..checkpoint.files import AtomicPath, write_point, writing
+from ..parallel import trace
+from ..parallel.errors import HpcparError
+from .launch import everyone, location, phase
+
+
+def check_trace_path(path: str, output: str | None) -> None:
+    """One line if the trace cannot be written where asked (checked before the work)."""
+    target = Path(path)
+    if target.is_dir():
+        raise HpcparError(f"--trace {path}: is a folder; give a file name, e.g. "
+                          f"{target / 'trace.json'}")
+    if target.suffix.lower() != ".json":
+        raise HpcparError(f"--trace {path}: the trace is Chrome trace JSON; name it "
+                          f"{target.with_suffix('.json').name}")
+    if not target.parent.resolve().is_dir():
+        raise HpcparError(f"--trace {path}: the folder {target.parent} does not exist")
+    if output and target.resolve() == Path(output).resolve():
+        raise HpcparError(f"--trace {path} is also the job's output; give the trace a name "
+                          "of its own")
+
+
+class JobTrace:
+    """``start()`` on every rank before the job opens, ``write(metadata)`` on every rank
+    once it has finished (collective); ``abandon()`` where it ended otherwise."""
+
+    def __init__(self, comm, path: str):
+        self.comm, self.path = comm, Path(path)
+
+    def start(self) -> None:
+        self.comm.Barrier()
+        trace.start(perf_counter())
+
+    def abandon(self) -> None:
+        trace.stop()
+
+    def write(self, metadata: dict) -> None:
+        tracer = trace.stop()
+        comm, rank = self.comm, self.comm.Get_rank()
+        with phase("gathering the trace on rank 0"):
+            part = np.frombuffer(tracer.encoded(rank, location()), dtype=np.uint8)
+            counts = np.zeros(comm.Get_size(), np.int64)
+            comm.Gather(np.array([len(part)], np.int64), counts if rank == 0 else None, root=0)
+            dropped = np.zeros(1, np.int64)
+            comm.Reduce(np.array([tracer.dropped], np.int64), dropped, root=0)
+            gathered = np.empty(int(counts.sum()), np.uint8)
+            displacements = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            comm.Gatherv(part, [gathered, counts, displacements, _byte()] if rank == 0 else None,
+                         root=0)
+        everyone(comm, self._write_file, gathered, counts, metadata, int(dropped[0]))
+
+    def _write_file(self, gathered, counts, metadata: dict, dropped: int) -> None:
+        if self.comm.Get_rank() != 0:
+            return
+        ends = np.cumsum(counts)
+        parts = [gathered[end - n:end].tobytes() for n, end in zip(counts, ends)]
+        info = dict(metadata, hpcpar=__version__, ranks=len(parts), dropped_spans=dropped)
+        target = AtomicPath(self.path)
+        try:
+            with writing(self.path):
+                write_point(self.path)
+                target.tmp.write_bytes(trace.chrome_trace(parts, info))
+            target.commit()
+        except BaseException:
+            target.discard()
+            raise
+        cut = (f"; {dropped:,} spans past {trace.MAX_SPANS:,} per rank were not kept"
+               if dropped else "")
+        print(f"wrote {self.path} (a timeline of {len(parts)} ranks: open it in "
+              f"ui.perfetto.dev or chrome://tracing{cut})", flush=True)
+
+
+def _byte():
+    from mpi4py import MPI
+    return MPI.BYTE

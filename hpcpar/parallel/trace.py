@@ -1,0 +1,102 @@
+"""What this rank did and when, as spans for a timeline: compute, waits on messages and
+collectives, and the job's phases; written as the Chrome trace format that Perfetto
+(ui.perfetto.dev) and chrome://tracing open, one track per rank.
+
+Off (the default), a traced call site costs one read of a module global. On (``start``), a
+span is two clock reads and a tuple appended to a list, far below the microseconds of the
+smallest collective; ``MAX_SPANS`` bounds a long run's memory (later spans are counted, not
+kept). Spans are host time: on a GPU, where compute is queued on a stream, a compute span is
+the time to queue it, and the device's time shows in the waits that follow.
+
+Spans are taken on one thread, around calls that return before the next begins, so they nest:
+a tensor-parallel all-reduce sits inside the forward pass that made it, and that inside the
+job's phase. Library users trace their own code the same way (``span``), and a job's ranks
+write one file together (``hpcpar.jobs.tracing``).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from time import perf_counter
+
+MAX_SPANS = 250_000        # per rank: ~30 MB of JSON
+
+
+class Tracer:
+    """One rank's spans, in seconds since ``origin`` (a ``perf_counter`` reading the ranks
+    agree on, e.g. taken right after a barrier)."""
+
+    def __init__(self, origin: float | None = None):
+        self.origin = perf_counter() if origin is None else origin
+        self.spans: list[tuple] = []     # (name, category, start, end, args or None)
+        self.dropped = 0
+
+    def add(self, name: str, category: str, start: float, end: float,
+            args: dict | None = None) -> None:
+        if len(self.spans) < MAX_SPANS:
+            self.spans.append((name, category, start, end, args))
+        else:
+            self.dropped += 1
+
+    def events(self, pid: int, track: str) -> list[dict]:
+        """This rank's spans as Chrome trace events (complete events, ``"ph": "X"``, in
+        microseconds) on process ``pid`` named ``track``."""
+        out = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": track}},
+               {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}},
+               {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0,
+                "args": {"name": track}}]
+        for name, category, start, end, args in self.spans:
+            event = {"name": name, "cat": category, "ph": "X", "pid": pid, "tid": 0,
+                     "ts": round((start - self.origin) * 1e6, 3),
+                     "dur": round((end - start) * 1e6, 3)}
+            if args:
+                event["args"] = args
+            out.append(event)
+        return out
+
+    def encoded(self, pid: int, track: str) -> bytes:
+        """``events`` as UTF-8 JSON (a list), for sending as bytes."""
+        return json.dumps(self.events(pid, track), separators=(",", ":")).encode()
+
+
+_state: dict = {"tracer": None}
+
+
+def current() -> Tracer | None:
+    """The tracer spans go to, or None (tracing off)."""
+    return _state["tracer"]
+
+
+def start(origin: float | None = None) -> Tracer:
+    """Trace this rank from now on (see ``Tracer``); returns the tracer."""
+    _state["tracer"] = Tracer(origin)
+    return _state["tracer"]
+
+
+def stop() -> Tracer | None:
+    """Stop tracing; returns what was traced (None if it was off)."""
+    tracer, _state["tracer"] = _state["tracer"], None
+    return tracer
+
+
+@contextmanager
+def span(name: str, category: str = "phase", **args):
+    """Trace the block as one span (nothing when tracing is off)."""
+    tracer = _state["tracer"]
+    if tracer is None:
+        yield
+        return
+    begin = perf_counter()
+    try:
+        yield
+    finally:
+        tracer.add(name, category, begin, perf_counter(), args or None)
+
+
+def chrome_trace(parts: list[bytes], metadata: dict) -> bytes:
+    """The trace file from every rank's ``encoded`` events: a JSON object Perfetto and
+    chrome://tracing open (``traceEvents``, ``displayTimeUnit``, and ``otherData``)."""
+    body = b",".join(part.strip()[1:-1] for part in parts if part.strip() not in (b"", b"[]"))
+    head = json.dumps({"displayTimeUnit": "ms", "otherData": metadata})[:-1].encode()
+    return head + b',"traceEvents":[' + body + b"]}\n"
