@@ -197,3 +197,37 @@ def test_tracing_off_records_nothing_and_spans_nest_in_the_file():
     assert _nested(spans) and data["otherData"] == {"job": "test"}
     inner, outer = spans
     assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+
+
+def test_a_long_run_keeps_the_first_spans_and_counts_the_rest(monkeypatch):
+    monkeypatch.setattr(trace, "MAX_SPANS", 3)
+    tracer = trace.Tracer(origin=0.0)
+    for i in range(5):
+        tracer.add(f"span {i}", "compute", i, i + 0.5)
+    assert [s[0] for s in tracer.spans] == ["span 0", "span 1", "span 2"]
+    assert tracer.dropped == 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gather_puts_every_ranks_spans_on_its_own_track_at_the_root():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    tracer = trace.Tracer(origin=0.0)
+    for i in range(rank + 1):                         # rank r: r + 1 spans, of r + 1 bytes
+        tracer.add(f"r{rank}", "comm", float(i), i + 0.25, {"bytes": rank + 1})
+    tracer.dropped = rank
+    gathered = trace.gather(comm, tracer, f"rank {rank} of {size}", {"job": "test"}, root=1)
+    if rank != 1:
+        assert gathered is None
+        return
+    data, info = gathered
+    assert info == {"job": "test", "ranks": size, "dropped_spans": size * (size - 1) // 2}
+    events = json.loads(data)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"rank {r} of {size}" for r in range(size)}
+    for r in range(size):
+        mine = [e for e in events if e["ph"] == "X" and e["pid"] == r]
+        assert [e["name"] for e in mine] == [f"r{r}"] * (r + 1)
+        assert [e["ts"] for e in mine] == [i * 1e6 for i in range(r + 1)]
+        assert all(e["dur"] == 0.25e6 and e["args"] == {"bytes": r + 1} for e in mine)

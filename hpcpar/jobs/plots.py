@@ -112,15 +112,15 @@ def _timeline(pyplot, path: Path):
     ax.invert_yaxis()
     ax.set_xlim(0, (end - start) / 1e3)
     ax.set_xlabel("ms from the first compute")
-    ax.set_title(f"{path.name}: {meta.get('job', 'job')}, {meta.get('layout', '')}", fontsize=10)
+    facts = ", ".join(str(meta[k]) for k in ("job", "layout") if meta.get(k))
+    ax.set_title(f"{path.name}" + (f": {facts}" if facts else ""), fontsize=10)
     from matplotlib.patches import Patch
-    ax.legend(handles=[Patch(color=MICRO_BATCH_COLOURS[0], label="compute (a colour per "
-                                                                 "micro-batch)"),
-                       Patch(color=WAIT_COLOUR, label="waiting for a message"),
-                       Patch(color=COMM_COLOUR, label="collective outside compute")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.6 / len(pids)), ncol=3,
-              fontsize=8, frameon=False)
-    figure.tight_layout()
+    figure.legend(handles=[Patch(color=MICRO_BATCH_COLOURS[0], label="compute (a colour per "
+                                                                     "micro-batch)"),
+                           Patch(color=WAIT_COLOUR, label="waiting for a message"),
+                           Patch(color=COMM_COLOUR, label="collective outside compute")],
+                  loc="lower center", ncol=3, fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.5 / figure.get_figheight(), 1, 1))
     return figure
 
 

@@ -216,9 +216,10 @@ def format_summary(s: dict) -> str:
 
 
 def _format_trace(s: dict) -> str:
-    lines = [f"{s['path']}: a trace of a {s['job']} job, {len(s['ranks'])} ranks, "
-             f"{s['layout']}" + (f"; {s['dropped_spans']:,} spans not kept"
-                                 if s["dropped_spans"] else ""),
+    of = f"a {s['job']} job's trace" if s["job"] else "a trace"
+    layout = f", {s['layout']}" if s["layout"] else ""
+    lines = [f"{s['path']}: {of}, {len(s['ranks'])} ranks{layout}"
+             + (f"; {s['dropped_spans']:,} spans not kept" if s["dropped_spans"] else ""),
              f"{'track':<28} {'window s':>9} {'compute s':>10} {'busy':>6} {'waits s':>8} "
              f"{'collectives s':>14}"]
     for r in s["ranks"]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from time import perf_counter
 
-import numpy as np
-
 from .. import __version__
 from ..checkpoint.files import AtomicPath, write_point, writing
 from ..parallel import trace
@@ -53,40 +51,25 @@ class JobTrace:
 
     def write(self, metadata: dict) -> None:
         tracer = trace.stop()
-        comm, rank = self.comm, self.comm.Get_rank()
         with phase("gathering the trace on rank 0"):
-            part = np.frombuffer(tracer.encoded(rank, location()), dtype=np.uint8)
-            counts = np.zeros(comm.Get_size(), np.int64)
-            comm.Gather(np.array([len(part)], np.int64), counts if rank == 0 else None, root=0)
-            dropped = np.zeros(1, np.int64)
-            comm.Reduce(np.array([tracer.dropped], np.int64), dropped, root=0)
-            gathered = np.empty(int(counts.sum()), np.uint8)
-            displacements = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            comm.Gatherv(part, [gathered, counts, displacements, _byte()] if rank == 0 else None,
-                         root=0)
-        everyone(comm, self._write_file, gathered, counts, metadata, int(dropped[0]))
+            gathered = trace.gather(self.comm, tracer, location(),
+                                    dict(metadata, hpcpar=__version__))
+        everyone(self.comm, self._write_file, gathered)
 
-    def _write_file(self, gathered, counts, metadata: dict, dropped: int) -> None:
-        if self.comm.Get_rank() != 0:
+    def _write_file(self, gathered: tuple[bytes, dict] | None) -> None:
+        if gathered is None:                    # not rank 0
             return
-        ends = np.cumsum(counts)
-        parts = [gathered[end - n:end].tobytes() for n, end in zip(counts, ends)]
-        info = dict(metadata, hpcpar=__version__, ranks=len(parts), dropped_spans=dropped)
+        data, info = gathered
         target = AtomicPath(self.path)
         try:
             with writing(self.path):
                 write_point(self.path)
-                target.tmp.write_bytes(trace.chrome_trace(parts, info))
+                target.tmp.write_bytes(data)
             target.commit()
         except BaseException:
             target.discard()
             raise
-        cut = (f"; {dropped:,} spans past {trace.MAX_SPANS:,} per rank were not kept"
-               if dropped else "")
-        print(f"wrote {self.path} (a timeline of {len(parts)} ranks: open it in "
+        cut = (f"; {info['dropped_spans']:,} spans past {trace.MAX_SPANS:,} per rank were "
+               "not kept" if info["dropped_spans"] else "")
+        print(f"wrote {self.path} (a timeline of {info['ranks']} ranks: open it in "
               f"ui.perfetto.dev or chrome://tracing{cut})", flush=True)
-
-
-def _byte():
-    from mpi4py import MPI
-    return MPI.BYTE

@@ -21,8 +21,9 @@ dispatch), ``params``,
 SGD/AdamW); and below them ``comm`` (collectives and messages over MPI or NCCL),
 ``pipeline`` (schedules as data, and the executor that runs stage functions), ``ops`` (the
 per-device math, a NumPy reference and a CUDA kernel per op), ``backend`` and ``strict``
-(NumPy, CuPy, a pretend device), ``dtypes``, ``waits`` (bounded waits), ``errors`` and
-``environment`` (checked numbers and ``HPCPAR_*`` variables).
+(NumPy, CuPy, a pretend device), ``dtypes``, ``waits`` (bounded waits), ``trace`` (spans
+for a timeline of every rank), ``errors`` and ``environment`` (checked numbers and
+``HPCPAR_*`` variables).
 """
 
 from importlib import import_module
@@ -61,6 +62,7 @@ _HOME = {
     ".params": ("GradSink", "Parameter", "named_parameters", "parameters"),
     ".placement": ("Partial", "Replicate", "Shard"),
     ".splits": ("ShardingError", "bounds", "even_sizes", "merge", "split"),
+    ".trace": ("Tracer",),
 }
 _RENAMED = {"matmul_communication": (".sharded_matmul", "communication"),
             "merge_attention": (".ops.tiled_attention", "merge"),
