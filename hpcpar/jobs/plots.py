@@ -9,11 +9,12 @@
 
 from __future__ import annotations
 
-import json
+from bisect import bisect_right
 from pathlib import Path
 
 from ..checkpoint.files import AtomicPath, writing
 from ..parallel.errors import HpcparError
+from .show import read_metrics, read_trace
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("tokens_per_s", "tokens/s"))
@@ -32,7 +33,7 @@ def plot(source: Path, summary: dict, out: str | Path) -> None:
         raise HpcparError(f"--plot {out}: the folder {out.parent} does not exist")
     pyplot = _pyplot()
     if summary["kind"] == "training":
-        figure = _training(pyplot, source, summary)
+        figure = _training(pyplot, source)
     elif summary["kind"] == "trace":
         figure = _timeline(pyplot, source)
     else:
@@ -61,13 +62,8 @@ def _pyplot():
     return pyplot
 
 
-def _training(pyplot, folder: Path, summary: dict):
-    metrics = []
-    for line in (folder / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        try:
-            metrics.append(json.loads(line))
-        except ValueError:
-            continue                          # a line a stopped run left torn
+def _training(pyplot, folder: Path):
+    metrics = read_metrics(folder)
     if not metrics:
         raise HpcparError(f"{folder}: no steps logged yet (metrics.jsonl is empty); nothing to "
                           "plot")
@@ -86,7 +82,6 @@ def _training(pyplot, folder: Path, summary: dict):
 
 
 def _timeline(pyplot, path: Path):
-    from .show import read_trace
     meta, names, spans = read_trace(path)
     computes = [e for e in spans if e["cat"] == "compute"]
     if not computes:
@@ -135,6 +130,5 @@ def _intervals(events: list[dict]) -> list[tuple[float, float]]:
 
 def _within(event: dict, intervals: list[tuple[float, float]]) -> bool:
     """Whether ``event`` lies inside one of the sorted ``intervals``."""
-    from bisect import bisect_right
     i = bisect_right(intervals, (event["ts"], float("inf"))) - 1
     return i >= 0 and intervals[i][1] >= event["ts"] + event["dur"]

@@ -151,19 +151,25 @@ def _checkpoint(path: Path) -> dict:
     return out
 
 
+def read_metrics(folder: Path) -> list[dict]:
+    """A training run's ``metrics.jsonl``, a dict per step logged (none: no file yet)."""
+    path, metrics = folder / "metrics.jsonl", []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                metrics.append(json.loads(line))
+            except ValueError:
+                continue                        # a line a stopped run left torn
+    return metrics
+
+
 def _training_run(folder: Path) -> dict:
     metrics_path = folder / "metrics.jsonl"
     latest = folder / "latest"
     if not metrics_path.exists() and not latest.exists():
         raise HpcparError(f"{folder}: a folder, but not a training run's (no metrics.jsonl or "
                           "latest); show reads a run folder, an output file or a checkpoint")
-    metrics = []
-    if metrics_path.exists():
-        for line in metrics_path.read_text(encoding="utf-8").splitlines():
-            try:
-                metrics.append(json.loads(line))
-            except ValueError:
-                continue                        # a line a stopped run left torn
+    metrics = read_metrics(folder)
     newest = None
     if latest.exists():
         newest = folder / latest.read_text(encoding="utf-8").strip()

@@ -1,7 +1,7 @@
 """A job's ``--trace FILE``: a timeline of every rank, one Chrome trace file.
 
-Every rank traces (``parallel.trace``) from a barrier, so the ranks' clocks start together
-(within the barrier's skew, microseconds on one node and tens of them across nodes). When the
+Every rank traces (``parallel.trace``) on rank 0's time axis (``trace.aligned_origin``: each
+clock set against rank 0's by ping-pong, to within half the fastest round trip, microseconds). When the
 job has finished, rank 0 gathers each rank's spans as JSON bytes through MPI's buffer methods
 (``Gatherv``, never pickled) and writes the file atomically: one track per rank, named by its
 place in the mesh. A job that fails or is stopped writes none.
@@ -10,7 +10,6 @@ place in the mesh. A job that fails or is stopped writes none.
 from __future__ import annotations
 
 from pathlib import Path
-from time import perf_counter
 
 from .. import __version__
 from ..checkpoint.files import AtomicPath, write_point, writing
@@ -43,8 +42,7 @@ class JobTrace:
         self.comm, self.path = comm, Path(path)
 
     def start(self) -> None:
-        self.comm.Barrier()
-        trace.start(perf_counter())
+        trace.start(trace.aligned_origin(self.comm))
 
     def abandon(self) -> None:
         trace.stop()

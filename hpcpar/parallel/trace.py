@@ -22,12 +22,15 @@ from time import perf_counter
 
 import numpy as np
 
+from . import waits
+
 MAX_SPANS = 250_000        # per rank: ~30 MB of JSON
+TAG_CLOCK = 31             # aligned_origin's ping-pong
 
 
 class Tracer:
     """One rank's spans, in seconds since ``origin`` (a ``perf_counter`` reading the ranks
-    agree on, e.g. taken right after a barrier)."""
+    agree on: ``aligned_origin``)."""
 
     def __init__(self, origin: float | None = None):
         self.origin = perf_counter() if origin is None else origin
@@ -96,6 +99,41 @@ def span(name: str, category: str = "phase", **args):
         tracer.add(name, category, begin, perf_counter(), args or None)
 
 
+def aligned_origin(comm, rounds: int = 8) -> float:
+    """Collective over the mpi4py communicator ``comm``: this rank's ``perf_counter`` reading
+    at the moment rank 0's read its own origin, so that every rank's spans share one time
+    axis. Each rank's clock is set against rank 0's by ping-pong (the exchange with the
+    shortest round trip, its reading taken at the midpoint, as NTP does): a barrier alone
+    leaves ranks that the scheduler held back after it milliseconds late, and nodes' clocks
+    differ by their boot times."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    reading = np.zeros(1)
+
+    def wait(request, what: str) -> None:
+        _wait(request, f"setting the trace's clock: {what}")
+
+    if rank == 0:
+        origin = perf_counter()
+        for peer in range(1, size):
+            for _ in range(rounds):
+                wait(comm.Irecv(reading, source=peer, tag=TAG_CLOCK), f"rank {peer}'s ping")
+                reading[0] = perf_counter()
+                wait(comm.Isend(reading, dest=peer, tag=TAG_CLOCK), f"the reply to {peer}")
+        reading[0] = origin
+        wait(comm.Ibcast(reading, root=0), "rank 0's origin")
+        return origin
+    best, offset = float("inf"), 0.0
+    for _ in range(rounds):
+        sent = perf_counter()
+        wait(comm.Isend(reading, dest=0, tag=TAG_CLOCK), "the ping to rank 0")
+        wait(comm.Irecv(reading, source=0, tag=TAG_CLOCK), "rank 0's reply")
+        back = perf_counter()
+        if back - sent < best:             # rank 0's clock read reading[0] at about the middle
+            best, offset = back - sent, reading[0] - (sent + back) / 2
+    wait(comm.Ibcast(reading, root=0), "rank 0's origin")      # on rank 0's clock
+    return float(reading[0]) - offset
+
+
 def gather(comm, tracer: Tracer, track: str, metadata: dict,
            root: int = 0) -> tuple[bytes, dict] | None:
     """Collective over the mpi4py communicator ``comm``: every rank's spans (its ``track``
@@ -106,13 +144,15 @@ def gather(comm, tracer: Tracer, track: str, metadata: dict,
     rank = comm.Get_rank()
     part = np.frombuffer(tracer.encoded(rank, track), dtype=np.uint8)
     counts = np.zeros(comm.Get_size(), np.int64)
-    comm.Gather(np.array([len(part)], np.int64), counts if rank == root else None, root=root)
+    _wait(comm.Igather(np.array([len(part)], np.int64), counts if rank == root else None,
+                       root=root), "gathering the trace's sizes")
     dropped = np.zeros(1, np.int64)
-    comm.Reduce(np.array([tracer.dropped], np.int64), dropped, root=root)
+    _wait(comm.Ireduce(np.array([tracer.dropped], np.int64), dropped, root=root),
+          "counting the spans dropped")
     gathered = np.empty(int(counts.sum()), np.uint8)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    comm.Gatherv(part, [gathered, counts, starts, MPI.BYTE] if rank == root else None,
-                 root=root)
+    _wait(comm.Igatherv(part, [gathered, counts, starts, MPI.BYTE] if rank == root else None,
+                        root=root), "gathering the trace")
     if rank != root:
         return None
     parts = [gathered[a:a + n].tobytes() for a, n in zip(starts, counts)]
@@ -126,3 +166,8 @@ def chrome_trace(parts: list[bytes], metadata: dict) -> bytes:
     body = b",".join(part.strip()[1:-1] for part in parts if part.strip() not in (b"", b"[]"))
     head = json.dumps({"displayTimeUnit": "ms", "otherData": metadata})[:-1].encode()
     return head + b',"traceEvents":[' + body + b"]}\n"
+
+
+def _wait(request, what: str) -> None:
+    """An MPI request, waited for within ``--timeout`` (``waits``), as every wait is."""
+    waits.wait_bounded(request, waits.limit(), what)
