@@ -14,7 +14,8 @@ from helpers import TINY, make_checkpoint, mpirun
 
 from hpcpar.jobs.progress import Progress
 
-LINE = re.compile(r"progress: (?:(?P<detail>.*?), )?(?P<done>[\d,]+)/(?P<total>[\d,]+) tokens")
+LINE = re.compile(r"progress: (?:(?P<state>finished|ended), )?(?:(?P<detail>.*?), )?"
+                  r"(?P<done>[\d,]+)/(?P<total>[\d,]+) tokens")
 
 
 def _counts(stderr: str) -> list[tuple[int, int, str]]:
@@ -31,16 +32,23 @@ def test_a_log_gets_a_first_line_soon_then_one_per_interval_and_a_closing_line()
     progress.update(400, total=900)                   # rows that ended early: less work
     progress.update(300)                              # a count never goes back
     time.sleep(0.12)
+    lines = log.getvalue().splitlines()
+    assert re.search(r"ETA \d+:\d\d", lines[-1]) and "tokens/s" in lines[-1]
+    assert "(44%)" in lines[-1]
+    progress.update(900)
+    time.sleep(0.2)                                   # the job writes its outputs
     progress.close()
     progress.close()                                  # once
     lines = log.getvalue().splitlines()
-    assert len(lines) >= 4
+    assert len(lines) >= 5
     counts = _counts(log.getvalue())
     assert counts[0] == (100, 1000, "1/10 prompts")
-    assert counts[-1] == (400, 900, "1/10 prompts")
+    assert counts[-1] == (900, 900, "1/10 prompts")
     assert [d for d, _, _ in counts] == sorted(d for d, _, _ in counts)
-    assert re.search(r"ETA \d+:\d\d", lines[-1]) and "tokens/s" in lines[-1]
-    assert "(44%)" in lines[-1]
+    # the closing line: the work's time, up to its last token, not the writing after it
+    closing = re.fullmatch(r"progress: finished, 1/10 prompts, 900/900 tokens \(100%\) in "
+                           r"0:00, ([\d,]+) tokens/s", lines[-1])
+    assert closing and int(closing[1].replace(",", "")) > 900 / 0.5, lines[-1]
 
 
 def test_a_job_that_fails_gets_no_closing_line_and_interval_zero_gets_none():
@@ -126,8 +134,11 @@ def test_scoring_and_training_log_their_tokens(work, monkeypatch):
     monkeypatch.setenv("HPCPAR_PROGRESS_SECONDS", "0.2")
     err = _job(work, 4, ["score", "--checkpoint", "model.h5", "--data", "rows.npy",
                          "--out", "s.h5", "--dp", "2", "--pp", "2"])
-    real = int((np.load(work / "rows.npy") >= 0).sum())
-    assert _counts(err)[-1] == (real, real, ""), err
+    with h5py.File(work / "s.h5") as f:                 # each row's first token has no score
+        scored = int(f["tokens_scored"][()].sum())
+    assert scored == int((np.load(work / "rows.npy") >= 0).sum()) - 10
+    assert _counts(err)[-1] == (scored, scored, ""), err
+    assert err.strip().splitlines()[-1].startswith("progress: finished, ")
     err = _job(work, 2, ["train", "--checkpoint", "model.h5", "--data", "synthetic",
                          "--seq-len", "16", "--steps", "3", "--global-batch", "4", "--out", "run",
                          "--pp", "2"])

@@ -56,9 +56,10 @@ def training_trace(work):
     proc, _ = mpirun(4, ["-m", "hpcpar", "train", "--checkpoint", "model.h5", "--data",
                          "synthetic", "--seq-len", "16", "--steps", "2", "--global-batch", "6",
                          "--micro-batches", "3", "--pp", "2", "--tp", "2", "--out", "run",
-                         "--trace", "train.json"], work, timeout=300)
+                         "--trace", "run/train.json"], work, timeout=300)   # in the new folder
     assert proc.returncode == 0, proc.stderr
-    assert "wrote train.json" in proc.stdout
+    assert "wrote run/train.json" in proc.stdout
+    (work / "run" / "train.json").rename(work / "train.json")
     return _tracks(work / "train.json")
 
 
@@ -79,6 +80,7 @@ def test_the_spans_follow_the_schedule_that_ran(training_trace):
         passes = [e for e in mine if e["cat"] == "compute" and e["name"] != "optimizer step"]
         assert sorted(e["name"].split()[0] for e in passes) == (
             ["backward"] * steps * micro + ["forward"] * steps * micro)
+        assert sorted(e["args"]["step"] for e in passes) == [1] * 2 * micro + [2] * 2 * micro
         assert sum(e["name"] == "optimizer step" for e in mine) == steps
         # tensor parallelism: all-reduces inside the passes, with their bytes
         inner = [e for e in mine if e["cat"] == "comm" and e["name"] == "tp.all_reduce"]
@@ -127,9 +129,12 @@ def test_show_plots_a_training_runs_curves(work, training_trace):
     svg = (work / "curves.svg").read_text()
     for title in ("loss", "learning rate", "gradient norm", "tokens/s"):
         assert f"<!-- {title} -->" in svg
-    refused = _hpcpar("show", "run", "--plot", "curves.txt", cwd=work)
-    assert refused.returncode == 2 and "--plot curves.txt" in refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1
+    for args, message in ((["--plot", "curves.txt"], "--plot curves.txt"),
+                          (["--plot", "run"], "is a folder"),
+                          (["--page", "2"], "--page and --per-page page")):
+        refused = _hpcpar("show", "run", *args, cwd=work)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(work, monkeypatch, training_trace):
@@ -164,29 +169,50 @@ def test_a_traced_generation_gives_the_same_tokens_and_a_trace(work):
 
 @pytest.mark.parametrize("job, path, message", [
     ("score", "trace.txt", "name it trace.json"),
+    ("score", ".json", "name it trace.json"),
+    ("score", "", "give a file name"),
     ("score", "missing/trace.json", "does not exist"),
     ("score", "run", "is a folder"),
+    ("score", "/proc/trace.json", "cannot write into /proc"),
+    ("score", "notes.json", "is not an hpcpar trace"),
     ("train", "out.json", "also the job's output"),
+    ("train", "out/report.json", "also the job's output"),
 ])
 def test_a_trace_that_cannot_be_written_is_refused_before_the_work(work, job, path, message,
                                                                    training_trace):
-    out = "out.h5" if job == "score" else "out.json"
+    (work / "notes.json").write_text('{"mine": 1}')
+    out = "out.h5" if job == "score" else ("out" if "/" in path else "out.json")
     data = "rows.npy" if job == "score" else "synthetic"
     proc, _ = mpirun(2, ["-m", "hpcpar", job, "--checkpoint", "model.h5", "--data", data,
                          "--out", out, "--trace", path], work, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
-    assert not (work / out).exists() and not (work / path).is_file()
+    assert not (work / out).exists()
+    assert (work / "notes.json").read_text() == '{"mine": 1}'
+    if path not in ("", "notes.json"):
+        assert not (work / path).is_file()
+
+
+def test_a_trace_replaces_an_earlier_trace(work, training_trace):
+    args = ["-m", "hpcpar", "score", "--checkpoint", "model.h5", "--data", "rows.npy"]
+    for out in ("a.h5", "b.h5"):
+        proc, _ = mpirun(2, [*args, "--out", out, "--trace", "again.json"], work, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "wrote again.json (a timeline of 2 ranks" in proc.stdout
+    assert json.loads((work / "again.json").read_text())["otherData"]["job"] == "score"
 
 
 def test_tracing_off_records_nothing_and_spans_nest_in_the_file():
+    from hpcpar.parallel.errors import HpcparError
     assert trace.current() is None
     with trace.span("nothing"):
         pass
     tracer = trace.start()
     try:
-        with trace.span("outer", "phase", step=1):
+        with pytest.raises(HpcparError, match="tracing already"):
+            trace.start()
+        with trace.span("outer", "phase", step=np.int64(1)):      # NumPy values are written
             with trace.span("inner", "compute"):
                 pass
     finally:
@@ -217,12 +243,17 @@ def test_gather_puts_every_ranks_spans_on_its_own_track_at_the_root():
     for i in range(rank + 1):                         # rank r: r + 1 spans, of r + 1 bytes
         tracer.add(f"r{rank}", "comm", float(i), i + 0.25, {"bytes": rank + 1})
     tracer.dropped = rank
-    gathered = trace.gather(comm, tracer, f"rank {rank} of {size}", {"job": "test"}, root=1)
+    from hpcpar.parallel.errors import HpcparError
+    with pytest.raises(HpcparError, match="trace.gather"):     # one rank's mistake, on all
+        trace.gather(comm, tracer if rank else None, "r", {}, root=1)
+    gathered = trace.gather(comm, tracer, f"rank {rank} of {size}", {"job": np.int64(7)},
+                            root=1)
     if rank != 1:
         assert gathered is None
         return
     data, info = gathered
-    assert info == {"job": "test", "ranks": size, "dropped_spans": size * (size - 1) // 2}
+    assert info["ranks"] == size and info["dropped_spans"] == size * (size - 1) // 2
+    assert json.loads(data)["otherData"]["job"] == 7
     events = json.loads(data)["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert names == {r: f"rank {r} of {size}" for r in range(size)}

@@ -189,7 +189,10 @@ class AtomicPath:
         os.replace(self.tmp, self.path)
 
     def discard(self) -> None:
-        self.tmp.unlink(missing_ok=True)
+        try:
+            self.tmp.unlink(missing_ok=True)
+        except OSError:        # a read-only file system, where no temporary was made either
+            pass
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -264,12 +267,17 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
         what = f"an hpcpar {found} file" if found else "not an hpcpar output"
         raise HpcparError(f"output {path} exists and is {what}; this command writes a {kind} "
                           "file and will not replace it: remove it or choose another name")
-    writable = path if folder and path.is_dir() else parent
-    try:                       # really create a file: permissions, read-only mounts, quotas
-        with tempfile.NamedTemporaryFile(dir=writable, prefix=".hpcpar-probe-"):
+    check_writable(path if folder and path.is_dir() else parent)
+
+
+def check_writable(folder: str | Path) -> None:
+    """An ``HpcparError`` now unless a file can be created in ``folder``: one is, and removed
+    (permissions, read-only mounts and quotas all show only so)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hpcpar-probe-"):
             pass
     except OSError as e:
-        raise HpcparError(f"cannot write into {writable} ({e.strerror}); choose a folder you "
+        raise HpcparError(f"cannot write into {folder} ({e.strerror}); choose a folder you "
                           "can write") from None
 
 

@@ -116,10 +116,15 @@ def _export(args) -> None:
 
 
 def _show(args) -> None:
-    from .show import format_summary, summary
-    if args.page < 1 or args.per_page < 1:
-        raise HpcparError(f"--page {args.page} --per-page {args.per_page}: both count from 1")
-    s = summary(args.path, args.page, args.per_page)
+    from .show import PAGE, format_summary, summary
+    page = 1 if args.page is None else args.page
+    per_page = PAGE if args.per_page is None else args.per_page
+    if page < 1 or per_page < 1:
+        raise HpcparError(f"--page {page} --per-page {per_page}: both count from 1")
+    s = summary(args.path, page, per_page)
+    if "pages" not in s and (args.page, args.per_page) != (None, None):
+        raise HpcparError(f"--page and --per-page page a generation or scoring output's rows; "
+                          f"{args.path} is a {s['kind']}, which shows whole")
     if args.plot:
         from .plots import plot
         plot(args.path, s, args.plot)

@@ -191,10 +191,12 @@ def rank_of(coords: MeshCoords, layout: ParallelConfig) -> int:
 
 
 def describe_rank(rank: int, layout: ParallelConfig) -> str:
-    """'rank 5 (dp 1, pp 0, tp 1)', with cp where the layout has it."""
+    """'rank 5 (dp 1, pp 0, tp 1)', with ep and cp where the layout has them (a replica's
+    place in its ep group: replica d is rank d mod ep of group d div ep)."""
     c = coords_of(rank, layout)
+    ep = f", ep {c.dp_rank % layout.ep}" if layout.ep > 1 else ""
     cp = f", cp {c.cp_rank}" if layout.cp > 1 else ""
-    return f"rank {rank} (dp {c.dp_rank}, pp {c.pp_rank}{cp}, tp {c.tp_rank})"
+    return f"rank {rank} (dp {c.dp_rank}{ep}, pp {c.pp_rank}{cp}, tp {c.tp_rank})"
 
 
 def by_stage(per_rank: list, layout: ParallelConfig) -> list[list]:

@@ -49,7 +49,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports through hpcpar's agreed errors and prints help on rank 0 only."""
 
     def error(self, message):
-        raise HpcparError(f"{self.prog}: {message} (see --help)")
+        where = "" if self.prog == "hpcpar" else f"{self.prog}: "    # errors say "hpcpar:"
+        raise HpcparError(f"{where}{message} (see --help)")
 
     def _print_message(self, message, file=None):
         if world().Get_rank() == 0:
@@ -320,8 +321,8 @@ def _show_command(sub) -> None:
     show.add_argument("path", type=Path, help="a generation or scoring output, a training "
                                               "run's folder, or a checkpoint")
     show.add_argument("--json", action="store_true", help="print it as one JSON object")
-    show.add_argument("--page", type=int, default=1, help="which page of rows (default 1)")
-    show.add_argument("--per-page", type=int, default=20, help="rows per page (default 20)")
+    show.add_argument("--page", type=int, help="which page of rows (default 1)")
+    show.add_argument("--per-page", type=int, help="rows per page (default 20)")
     show.add_argument("--plot", metavar="OUT.png",
                       help="draw a training run's curves or a trace's timeline (.png, .svg, "
                            ".pdf; needs matplotlib: the [plot] extra)")

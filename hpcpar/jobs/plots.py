@@ -12,7 +12,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from pathlib import Path
 
-from ..checkpoint.files import AtomicPath, writing
+from ..checkpoint.files import AtomicPath, check_writable, writing
 from ..parallel.errors import HpcparError
 from .show import read_metrics, read_trace
 
@@ -27,18 +27,20 @@ MICRO_BATCH_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#8c564b", "#
 def plot(source: Path, summary: dict, out: str | Path) -> None:
     """Draw ``summary`` (``show.summary`` of ``source``) into the image ``out``."""
     out = Path(out)
+    if out.is_dir():
+        raise HpcparError(f"--plot {out}: is a folder; give a file name, e.g. {out / 'plot.png'}")
     if out.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise HpcparError(f"--plot {out}: name the picture .png, .svg or .pdf")
     if not out.resolve().parent.is_dir():
         raise HpcparError(f"--plot {out}: the folder {out.parent} does not exist")
-    pyplot = _pyplot()
-    if summary["kind"] == "training":
-        figure = _training(pyplot, source)
-    elif summary["kind"] == "trace":
-        figure = _timeline(pyplot, source)
-    else:
+    if summary["kind"] not in ("training", "trace"):
+        what = "a checkpoint" if summary["kind"] == "checkpoint" else (
+            f"a {summary['kind']} output")
         raise HpcparError(f"--plot draws a training run's folder or a trace (--trace's .json); "
-                          f"{source} is a {summary['kind']} output")
+                          f"{source} is {what}")
+    check_writable(out.resolve().parent)
+    pyplot = _pyplot()
+    figure = (_training if summary["kind"] == "training" else _timeline)(pyplot, source)
     target = AtomicPath(out)
     try:
         with writing(out):

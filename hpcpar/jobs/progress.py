@@ -21,7 +21,8 @@ from time import perf_counter
 from .settings import environment_number
 
 FIRST_LINE_SECONDS = 3.0      # a log's first line comes this soon (or at the interval, if sooner)
-RATE_WINDOW = 4               # the rate is over the last this many lines (the ETA's too)
+RATE_LINES = 4                # the rate (and the ETA) is over the last this many lines,
+RATE_SECONDS = 10.0           # and at least this many seconds: counts that come in lumps
 
 
 class Progress:
@@ -35,8 +36,8 @@ class Progress:
         self.out = out or sys.stderr
         self.interval = (environment_number("HPCPAR_PROGRESS_SECONDS")
                          if interval is None else interval)
-        self.start = perf_counter()
-        self.samples = deque([(self.start, 0)], maxlen=RATE_WINDOW + 1)
+        self.start = self.moved = perf_counter()       # moved: when the count last grew
+        self.samples = deque([(self.start, 0)])         # (time, done) of the lines printed
         self.bar = self.thread = None
         self.closed = threading.Event()
         if self.out.isatty() if terminal is None else terminal:
@@ -55,7 +56,8 @@ class Progress:
             self.total = int(total)
         if detail is not None:
             self.detail = detail
-        self.done = max(self.done, int(done))
+        if done > self.done:
+            self.done, self.moved = int(done), perf_counter()
         if self.bar is not None:
             self.bar.total = self.total
             if detail:
@@ -63,7 +65,8 @@ class Progress:
             self.bar.update(self.done - self.bar.n)
 
     def rate(self, now: float) -> float:
-        """Tokens per second over the last few lines (since the start, before the first)."""
+        """Tokens per second since the oldest line kept (``RATE_LINES``, ``RATE_SECONDS``;
+        since the start before the first)."""
         then, done = self.samples[0]
         return (self.done - done) / max(now - then, 1e-9)
 
@@ -73,14 +76,26 @@ class Progress:
         rate = self.rate(now)
         left = total - done
         eta = (_clock(left / rate) if rate > 0 else "unknown") if left else "0:00"
-        share = f" ({100 * done / total:.0f}%)" if total else ""
+        return (f"progress: {self._counts()}, {rate:,.0f} tokens/s, ETA {eta}, "
+                f"{_clock(now - self.start)} elapsed")
+
+    def last_line(self) -> str:
+        """The closing line: the work's time and rate, up to when the count last grew (the
+        writing of outputs after it is not the work's)."""
+        seconds = self.moved - self.start
+        state = "finished" if self.done >= self.total else "ended"
+        return (f"progress: {state}, {self._counts()} in {_clock(seconds)}, "
+                f"{self.done / max(seconds, 1e-9):,.0f} tokens/s")
+
+    def _counts(self) -> str:
+        total = max(self.total, self.done)
+        share = f" ({100 * self.done / total:.0f}%)" if total else ""
         detail = f"{self.detail}, " if self.detail else ""
-        return (f"progress: {detail}{done:,}/{total:,} tokens{share}, {rate:,.0f} tokens/s, "
-                f"ETA {eta}, {_clock(now - self.start)} elapsed")
+        return f"{detail}{self.done:,}/{total:,} tokens{share}"
 
     def close(self, final: bool = True) -> None:
-        """The bar closed, or in a log the lines stopped and (``final``) a last one with the
-        whole run's rate. Only the first call does anything."""
+        """The bar closed, or in a log the lines stopped and (``final``) the closing line
+        (``last_line``). Only the first call does anything."""
         if self.closed.is_set():
             return
         self.closed.set()
@@ -99,11 +114,11 @@ class Progress:
 
     def _print(self, final: bool = False) -> None:
         now = perf_counter()
-        if final:       # the whole run's rate, not the last lines'
-            self.samples.clear()
-            self.samples.append((self.start, 0))
-        text = self.line(now)
+        text = self.last_line() if final else self.line(now)
         self.samples.append((now, self.done))
+        while (len(self.samples) > RATE_LINES + 1
+               and now - self.samples[1][0] >= RATE_SECONDS):
+            self.samples.popleft()
         try:
             print(text, file=self.out, flush=True)
         except (OSError, ValueError):       # the log went away (a closed pipe): no display

@@ -15,6 +15,7 @@ one error naming what ``show`` reads.
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from pathlib import Path
 
 import numpy as np
@@ -176,7 +177,8 @@ def _training_run(folder: Path) -> dict:
     report = folder / "report.json"
     return {"kind": "training", "path": str(folder), "steps_logged": len(metrics),
             "latest_checkpoint": str(newest) if newest else None,
-            "checkpoints": sorted(p.name for p in folder.glob("step-*.h5")),
+            "latest_checkpoint_exists": bool(newest and newest.is_file()),
+            "checkpoints": sorted((p.name for p in folder.glob("step-*.h5")), key=_step_of),
             "last_steps": metrics[-METRIC_STEPS:],
             "report": json.loads(report.read_text()) if report.exists() else None}
 
@@ -189,29 +191,72 @@ def read_trace(path: Path) -> tuple[dict, dict[int, str], list[dict]]:
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise HpcparError(f"{path}: not a trace hpcpar wrote (Chrome trace JSON with "
                           "traceEvents); show reads the file a job's --trace wrote") from None
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    return data.get("otherData", {}), names, [e for e in events if e.get("ph") == "X"]
+    try:
+        names = {e["pid"]: str(e["args"]["name"]) for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        spans = [e for e in events if e.get("ph") == "X"]
+        for e in spans:
+            if not (_number(e["ts"]) and _number(e["dur"]) and e["pid"] in names):
+                raise ValueError
+            e.setdefault("cat", "")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise HpcparError(f"{path}: a trace event without a number for its time or length, "
+                          "or of no named track; show reads the file a job's --trace wrote, "
+                          "unchanged") from None
+    meta = data.get("otherData")
+    return meta if isinstance(meta, dict) else {}, names, spans
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        np.isfinite(value)
 
 
 def _trace(path: Path) -> dict:
-    """Per rank, seconds in each kind of span over the span from its first compute to its
-    last (collectives inside compute count in both)."""
+    """Per rank, over its window (from its first compute span to the end of its last):
+    seconds computing, and waiting or in collectives outside the compute spans (a
+    collective inside a forward pass is part of that pass), each clipped to the window."""
     meta, names, spans = read_trace(path)
     ranks = []
     for pid in sorted(names):
         mine = [e for e in spans if e["pid"] == pid]
-        work = [e for e in mine if e["cat"] == "compute"]
-        window = ((max(e["ts"] + e["dur"] for e in work) - min(e["ts"] for e in work)) / 1e6
-                  if work else 0.0)
-        seconds = {cat: sum(e["dur"] for e in mine if e["cat"] == cat) / 1e6
-                   for cat in ("compute", "wait", "comm")}
+        work = _outermost([e for e in mine if e["cat"] == "compute"])
+        start = min((e["ts"] for e in work), default=0.0)
+        end = max((e["ts"] + e["dur"] for e in work), default=0.0)
+        outside = [e for e in _outermost([e for e in mine if e["cat"] in ("wait", "comm")])
+                   if not _inside(e, work)]
+        seconds = {"compute": sum(e["dur"] for e in work) / 1e6}
+        for cat in ("wait", "comm"):
+            seconds[cat] = sum(max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start))
+                               for e in outside if e["cat"] == cat) / 1e6
+        window = (end - start) / 1e6
         ranks.append({"rank": pid, "track": names[pid], "window_s": window,
                       "spans": len(mine), **{f"{k}_s": v for k, v in seconds.items()},
                       "busy": seconds["compute"] / window if window else None})
     return {"kind": "trace", "path": str(path), "job": meta.get("job"),
             "layout": meta.get("layout"), "dropped_spans": meta.get("dropped_spans", 0),
             "ranks": ranks}
+
+
+def _outermost(events: list[dict]) -> list[dict]:
+    """The events not inside another of ``events`` (spans of a track nest or are apart)."""
+    out: list[dict] = []
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if not out or e["ts"] >= out[-1]["ts"] + out[-1]["dur"]:
+            out.append(e)
+    return out
+
+
+def _inside(event: dict, spans: list[dict]) -> bool:
+    """Whether ``event`` lies within one of ``spans`` (sorted, apart)."""
+    i = bisect_right([s["ts"] for s in spans], event["ts"]) - 1
+    return i >= 0 and event["ts"] + event["dur"] <= spans[i]["ts"] + spans[i]["dur"]
+
+
+def _step_of(name: str) -> tuple:
+    """``step-300.h5`` -> (300, name): checkpoints in step order, not the names' order."""
+    number = name[len("step-"):-len(".h5")]
+    return (int(number), name) if number.isdigit() else (float("inf"), name)
 
 
 def format_summary(s: dict) -> str:
@@ -222,18 +267,20 @@ def format_summary(s: dict) -> str:
 
 
 def _format_trace(s: dict) -> str:
+    width = max([28] + [len(r["track"]) for r in s["ranks"]])
     of = f"a {s['job']} job's trace" if s["job"] else "a trace"
     layout = f", {s['layout']}" if s["layout"] else ""
     lines = [f"{s['path']}: {of}, {len(s['ranks'])} ranks{layout}"
              + (f"; {s['dropped_spans']:,} spans not kept" if s["dropped_spans"] else ""),
-             f"{'track':<28} {'window s':>9} {'compute s':>10} {'busy':>6} {'waits s':>8} "
-             f"{'collectives s':>14}"]
+             f"{'track':<{width}} {'window s':>9} {'compute s':>10} {'busy':>6} "
+             f"{'waits s':>8} {'collectives s':>14}"]
     for r in s["ranks"]:
         busy = f"{100 * r['busy']:.0f}%" if r["busy"] is not None else "-"
-        lines.append(f"{r['track']:<28} {r['window_s']:>9.3f} {r['compute_s']:>10.3f} "
+        lines.append(f"{r['track']:<{width}} {r['window_s']:>9.3f} {r['compute_s']:>10.3f} "
                      f"{busy:>6} {r['wait_s']:>8.3f} {r['comm_s']:>14.3f}")
-    lines.append("busy: compute over the window from a rank's first compute to its last; "
-                 "open the file in ui.perfetto.dev for the timeline")
+    lines.append("window: a rank's first compute to its last; busy: compute over the window; "
+                 "waits and collectives: outside compute, in the window. ui.perfetto.dev opens "
+                 "the file as a timeline")
     return "\n".join(lines)
 
 
@@ -279,8 +326,11 @@ def _format_scores(s: dict) -> str:
 
 
 def _format_training(s: dict) -> str:
+    latest = s["latest_checkpoint"] or "none"
+    if s["latest_checkpoint"] and not s["latest_checkpoint_exists"]:
+        latest += " (named by latest, but missing)"
     lines = [f"{s['path']}: training run, {s['steps_logged']} steps logged; latest checkpoint "
-             f"{s['latest_checkpoint'] or 'none'}"]
+             f"{latest}"]
     steps = s["last_steps"]
     if steps:
         lines.append(f"{'step':>6} {'loss':>10} {'grad norm':>10} {'lr':>10} {'tokens/s':>10}")

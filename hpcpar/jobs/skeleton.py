@@ -86,8 +86,9 @@ class JobRun(ABC):
         else:
             with phase(self.checking_phase):
                 self.plan = everyone(self.comm, self.validate)
-        if self.job.output.trace:
-            everyone(self.comm, check_trace_path, self.job.output.trace, self.job.output.path)
+        if self.job.output.trace is not None:       # rank 0 writes it: its file system
+            everyone(self.comm, lambda: self.rank != 0 or check_trace_path(
+                self.job.output.trace, self.output_path(), self.output_is_folder))
         set_timeout(self.job.parallel.timeout)
 
     # ---- the steps a job kind writes -------------------------------------------------------

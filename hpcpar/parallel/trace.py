@@ -23,6 +23,7 @@ from time import perf_counter
 import numpy as np
 
 from . import waits
+from .errors import HpcparError
 
 MAX_SPANS = 250_000        # per rank: ~30 MB of JSON
 TAG_CLOCK = 31             # aligned_origin's ping-pong
@@ -62,7 +63,8 @@ class Tracer:
 
     def encoded(self, pid: int, track: str) -> bytes:
         """``events`` as UTF-8 JSON (a list), for sending as bytes."""
-        return json.dumps(self.events(pid, track), separators=(",", ":")).encode()
+        return json.dumps(self.events(pid, track), separators=(",", ":"),
+                          default=_plain).encode()
 
 
 _state: dict = {"tracer": None}
@@ -75,6 +77,9 @@ def current() -> Tracer | None:
 
 def start(origin: float | None = None) -> Tracer:
     """Trace this rank from now on (see ``Tracer``); returns the tracer."""
+    if _state["tracer"] is not None:
+        raise HpcparError("trace.start(): this rank is tracing already; trace.stop() first "
+                          "(it returns the spans so far)")
     _state["tracer"] = Tracer(origin)
     return _state["tracer"]
 
@@ -141,9 +146,24 @@ def gather(comm, tracer: Tracer, track: str, metadata: dict,
     (``metadata``, root's, with the rank count and the spans dropped past ``MAX_SPANS``);
     None elsewhere. The parts travel as bytes through ``Gatherv``, never pickled."""
     from mpi4py import MPI
-    rank = comm.Get_rank()
-    part = np.frombuffer(tracer.encoded(rank, track), dtype=np.uint8)
-    counts = np.zeros(comm.Get_size(), np.int64)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    problem, part = None, np.empty(0, np.uint8)
+    if not isinstance(tracer, Tracer):
+        problem = (f"trace.gather: got {type(tracer).__name__} for the tracer; pass what "
+                   "trace.stop() returned after trace.start()")
+    elif rank == root and not isinstance(metadata, dict):
+        problem = f"trace.gather: metadata must be a dict, got {type(metadata).__name__}"
+    else:
+        try:
+            part = np.frombuffer(tracer.encoded(rank, track), dtype=np.uint8)
+        except (TypeError, ValueError, RecursionError) as e:    # a span's args JSON refuses
+            problem = f"trace.gather: this rank's spans cannot be written as JSON: {e}"
+    failed = np.array([rank if problem else size], np.int64)    # agreed, so no rank waits
+    _wait(comm.Iallreduce(MPI.IN_PLACE, failed, op=MPI.MIN), "checking the trace's parts")
+    if failed[0] < size:
+        raise HpcparError(problem or f"trace.gather: rank {int(failed[0])} could not send its "
+                                     "part (its error says why)")
+    counts = np.zeros(size, np.int64)
     _wait(comm.Igather(np.array([len(part)], np.int64), counts if rank == root else None,
                        root=root), "gathering the trace's sizes")
     dropped = np.zeros(1, np.int64)
@@ -164,10 +184,19 @@ def chrome_trace(parts: list[bytes], metadata: dict) -> bytes:
     """The trace file from every rank's ``encoded`` events: a JSON object Perfetto and
     chrome://tracing open (``traceEvents``, ``displayTimeUnit``, and ``otherData``)."""
     body = b",".join(part.strip()[1:-1] for part in parts if part.strip() not in (b"", b"[]"))
-    head = json.dumps({"displayTimeUnit": "ms", "otherData": metadata})[:-1].encode()
+    head = json.dumps({"displayTimeUnit": "ms", "otherData": metadata},
+                      default=_plain)[:-1].encode()
     return head + b',"traceEvents":[' + body + b"]}\n"
 
 
 def _wait(request, what: str) -> None:
     """An MPI request, waited for within ``--timeout`` (``waits``), as every wait is."""
     waits.wait_bounded(request, waits.limit(), what)
+
+
+def _plain(value):
+    """What JSON cannot write as it is, as JSON data: NumPy numbers and arrays as numbers and
+    lists, anything else as its text."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    return str(value)

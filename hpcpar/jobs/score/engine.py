@@ -36,7 +36,7 @@ from ..progress import Progress
 from ..replicas import ReplicaChannel, owners
 from ..skeleton import JobRun
 from .data import ScoreData, check_score_data, load_score_data
-from .program import ScoringProgram
+from .program import ScoringProgram, scored_tokens
 
 
 @dataclass
@@ -126,7 +126,7 @@ class ScoringRun(JobRun):
             self.bar.update(sum(done.values()))
 
         if self.rank == 0 and self.progress:
-            self.bar = Progress("scoring", sum(len(row) for row in self.plan.data.ids))
+            self.bar = Progress("scoring", scored_tokens([len(r) for r in self.plan.data.ids]))
         # replicas may end minutes apart; each one's owner reports its tokens scored
         channel = ReplicaChannel(world, layout, ranks.board,
                                  progress=lambda: self.program.worked,

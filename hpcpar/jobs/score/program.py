@@ -29,6 +29,11 @@ from ..generate.batching import MicroBatch
 LOGITS_BLOCK_BYTES = 256 << 20
 
 
+def scored_tokens(lengths) -> int:
+    """Tokens scored in rows of these lengths: each but a row's first, which has no context."""
+    return int(np.maximum(np.asarray(lengths) - 1, 0).sum())
+
+
 class ScoringProgram:
     def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], backend,
                  after_batch: Callable[[], None] | None = None, cp=None):
@@ -42,7 +47,7 @@ class ScoringProgram:
         self.logprobs = np.full((sum(mb.size for mb in mbs), width), np.nan, dtype=np.float32)
         self.inputs: dict[int, object] = {}
         self.outputs: dict[int, object] = {}
-        self.worked = 0                  # tokens of the micro-batches scored (last stage)
+        self.worked = 0                  # tokens scored so far (last stage)
         if stage.last:
             self.loss = VocabParallelCrossEntropy(stage.ops, stage.cfg.vocab_size, stage.tp)
 
@@ -72,7 +77,7 @@ class ScoringProgram:
         y = stage.forward(x, rows, None)
         if stage.last:
             self._score(batch, stage.final_hidden(y), positions)
-            self.worked += int(batch.lengths.sum())
+            self.worked += scored_tokens(batch.lengths)
         else:
             self.outputs[a.mb] = y
         if self.after_batch is not None:

@@ -197,7 +197,7 @@ class TrainingRun(JobRun):
         program = self._program(batches, overlap)
         self.executor.program = program
         with self._overflow_is_expected():
-            self.executor.run(self.actions)
+            self.executor.run(self.actions, step=self.step)
         t_reduce = perf_counter()
         if zero:                              # replicated sums first, then each rank its piece
             sum_replicated(self.params, self.kv_comm, self.tied_peer, self.xp, rt.tp)

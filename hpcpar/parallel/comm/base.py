@@ -33,6 +33,7 @@ class Request:
     staged data back to the device, and keeps the buffers alive until then."""
 
     label = "request"       # what a trace calls its wait ("pp.recv"; set by the communicator)
+    nbytes = 0              # and the bytes it moves
 
     def __init__(self, wait: Callable[[], None], on_complete: Callable[[], None] | None = None,
                  keepalive: tuple = (), test: Callable[[], bool] | None = None):
@@ -50,7 +51,8 @@ class Request:
         self._wait()
         self._complete()
         if tracer is not None:
-            tracer.add(f"wait {self.label}", "wait", begin, perf_counter())
+            tracer.add(f"wait {self.label}", "wait", begin, perf_counter(),
+                       {"bytes": self.nbytes} if self.nbytes else None)
 
     def test(self) -> bool:
         """Whether the operation is complete (then as after ``wait()``), without waiting;
@@ -536,7 +538,7 @@ class Communicator(ABC):
         else:
             self.stats.record_on(clock, name, nbytes, start)
         if isinstance(result, Request):          # traced where it is waited for
-            result.label = name
+            result.label, result.nbytes = name, nbytes
         elif (tracer := trace.current()) is not None:
             tracer.add(name, "comm", begin, end, {"bytes": nbytes})
         return result

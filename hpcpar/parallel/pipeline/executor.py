@@ -112,6 +112,7 @@ class PipelineExecutor:
         self.in_flight = max(1, in_flight)
         self.times = StageTimes()
         self.clock = DeviceClock(backend)   # compute: device time (CUDA events on a GPU)
+        self.step: int | None = None        # the training step running, for a trace
 
     # ---- pre-flight ------------------------------------------------------------------------
 
@@ -147,12 +148,15 @@ class PipelineExecutor:
 
     # ---- running ---------------------------------------------------------------------------
 
-    def run(self, actions: list[Action]) -> None:
+    def run(self, actions: list[Action], step: int | None = None) -> None:
         """Run the actions in order. Compute is device time (``DeviceClock``). Waiting is host
         time spent in receives and sends on the CPU; on a GPU, where the host blocks on queued
-        compute too, it is the run's wall time, by phase, less its device compute time."""
+        compute too, it is the run's wall time, by phase, less its device compute time.
+        ``step``: the training step the actions make, for a trace (generation's actions
+        carry their own decode steps)."""
         before = list(self.times.compute), list(self.times.wait)
         wall = [0.0, 0.0]
+        self.step = step
         self._run(actions, wall)
         if self.backend.is_gpu:
             for p in (0, 1):
@@ -210,7 +214,8 @@ class PipelineExecutor:
                 self.clock.add(self.times.compute, phase, started)
                 if tracer is not None:
                     tracer.add(f"{a.op.name.lower()} {a.mb}", "compute", begin, perf_counter(),
-                               {"micro-batch": a.mb, "step": a.step, "chunk": a.chunk})
+                               {"micro-batch": a.mb, "chunk": a.chunk,
+                                "step": a.step if self.step is None else self.step})
             else:  # a send
                 queue = sends.setdefault((a.op, a.peer), deque())
                 queue.append(self._send(a, a.mb in stop_step))
