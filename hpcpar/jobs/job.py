@@ -8,7 +8,8 @@
                                              random_lengths = [min, max], random_seed)
                 dataset = "tokens.bin"      training data (.npy rows, .bin, .jsonl, or
                                              "synthetic", generated)
-    [generate]  max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, stop (strings),
+    [generate]  max_new_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty,
+                presence_penalty, frequency_penalty, stop_at_eos, stop (strings),
                 save_logits,
                 batching ("continuous" or "static"), batch_size (rows in flight per
                 micro-batch; 0: what fits)
@@ -93,6 +94,10 @@ class GenerateSection:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    repetition_penalty: float = 1.0     # transformers': seen tokens' logits divided / multiplied
+    presence_penalty: float = 0.0       # OpenAI's, over the generated tokens
+    frequency_penalty: float = 0.0      # OpenAI's, times each generated token's count
+    min_p: float = 0.0                  # keep candidates of at least min_p x the top one's p
     stop_at_eos: bool = True
     save_logits: bool = False
     batching: str = "continuous"    # or "static": every micro-batch runs to its longest row

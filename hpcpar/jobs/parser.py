@@ -23,6 +23,9 @@ JOB_FLAGS = {
     "max_new_tokens": ("generate", "max_new_tokens"),
     "temperature": ("generate", "temperature"), "top_k": ("generate", "top_k"),
     "top_p": ("generate", "top_p"), "seed": ("generate", "seed"),
+    "min_p": ("generate", "min_p"), "repetition_penalty": ("generate", "repetition_penalty"),
+    "presence_penalty": ("generate", "presence_penalty"),
+    "frequency_penalty": ("generate", "frequency_penalty"),
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
     "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
     "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
@@ -107,7 +110,16 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     p.add_argument("--temperature", type=float, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float,
+                   help="keep candidates at least this times as likely as the top one")
     p.add_argument("--seed", type=int)
+    p.add_argument("--repetition-penalty", type=float,
+                   help="transformers': a seen token's logit divided by it (> 0) or "
+                        "multiplied (< 0); 1: none")
+    p.add_argument("--presence-penalty", type=float,
+                   help="OpenAI's: subtracted once from each generated token's logit")
+    p.add_argument("--frequency-penalty", type=float,
+                   help="OpenAI's: subtracted per time a token was generated")
     p.add_argument("--save-logits", action="store_const", const=True,
                    help="store the logits of every prompt position")
     p.add_argument("--ignore-eos", dest="stop_at_eos", action="store_const", const=False,

@@ -36,7 +36,7 @@ from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from .batching import MicroBatch
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
-from .sampling import next_tokens
+from .sampling import History, next_tokens
 from .schedule import generation
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
@@ -248,9 +248,13 @@ class ContinuousProgram(ReplicaProgram):
             slots = np.arange(len(s.prompt))
             last = stage.logits(y)
         prompts = np.where(s.prompt[slots] >= 0, s.prompt[slots], 0)
+        history = None
+        if self.penalized:
+            history = History([self.prompt_ids[q] for q in prompts],
+                              [self.tokens[q, :self.generated[q]] for q in prompts])
         tokens = next_tokens(stage.head, last[:, 0], self.sampling,
                              self.global_rows[prompts], self.generated[prompts],
-                             self.backend.to_host)
+                             self.backend.to_host, history)
         self.step_tokens[mb][slots] = tokens
         self._record(mb, step, self.step_tokens[mb])
 

@@ -251,8 +251,7 @@ class GenerationRun(JobRun):
                 s = plan.settings
                 attrs = self.run_attrs(ranks.backend.name, ranks.tp.kind) | {
                     "prompts": self.job.data.prompts, "max_new_tokens": s.max_new_tokens,
-                    "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
-                    "top_p": s.sampling.top_p, "seed": s.sampling.seed,
+                    **vars(s.sampling),
                     "stop_at_eos": s.stop_at_eos}
                 self.out.complete(attrs | result.report.attrs(), result.texts,
                                   result.finish_reasons)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +53,7 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         raise HpcparError(f"cp {layout.cp}: a KV cache split over cp holds no window of "
                           f"positions, and this model attends a sliding window of "
                           f"{cfg.sliding_window}; generate it without --cp")
-    sampling = SamplingParams(gen.temperature, gen.top_k, gen.top_p, gen.seed)
+    sampling = SamplingParams(**{f.name: getattr(gen, f.name) for f in fields(SamplingParams)})
     sampling.check()
     if gen.batching not in ("continuous", "static"):
         raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
@@ -86,9 +86,9 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         raise HpcparError("generate.stop holds an empty string, which every text contains; "
                           "give non-empty stop strings")
     per_prompt = prompts.sampling_for(sampling)
-    if (per_prompt.temperature == 0).all() and (gen.top_k or gen.top_p != 1.0):
-        raise HpcparError("top_k / top_p cut the candidates of sampling, and every prompt is "
-                          "greedy (temperature 0), so they would do nothing: set "
+    if (per_prompt.temperature == 0).all() and (gen.top_k or gen.top_p != 1.0 or gen.min_p):
+        raise HpcparError("top_k / top_p / min_p cut the candidates of sampling, and every "
+                          "prompt is greedy (temperature 0), so they would do nothing: set "
                           "--temperature above 0, or drop them")
     return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
                  prompts.limits(settings.max_new_tokens), per_prompt, eos_ids(ckpt), stops)
@@ -122,8 +122,7 @@ def fingerprint(job: Job, ckpt: Checkpoint, plan: GenerationPlan) -> dict:
     return {
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
         "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
-        "temperature": s.sampling.temperature, "top_k": s.sampling.top_k,
-        "top_p": s.sampling.top_p, "seed": s.sampling.seed, "stop_at_eos": s.stop_at_eos,
+        **vars(s.sampling), "stop_at_eos": s.stop_at_eos,
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
         "stop": list(job.generate.stop),
         "dtype": dtype_name(plan.dtype)}

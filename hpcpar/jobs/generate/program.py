@@ -22,7 +22,7 @@ from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from .batching import MicroBatch, replica_order
-from .sampling import PromptSampling, SamplingParams, next_tokens
+from .sampling import History, PromptSampling, SamplingParams, any_penalized, next_tokens
 from .stopping import StopStrings
 
 
@@ -121,6 +121,7 @@ class ReplicaProgram(ABC):
         self.stopping = AgreedStop(events.stop_requested if events is not None else None,
                                    stage.tp, cp)
         self.sampling = rules.sampling if rules.sampling is not None else settings.sampling
+        self.penalized = any_penalized(self.sampling, self.global_rows)   # needs History
         self.stops = rules.stops
         self.cp = cp
 
@@ -264,8 +265,13 @@ class GenerationProgram(ReplicaProgram):
                 last = stage.logits(h)[:, 0]
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)
+        history = None
+        if self.penalized:
+            rows = self._local(batch)
+            history = History([batch.ids[j, :batch.lengths[j]] for j in range(batch.size)],
+                              list(self.tokens[rows, :step]))
         tokens = next_tokens(stage.head, last, self.sampling, batch.rows, step,
-                             self.backend.to_host)
+                             self.backend.to_host, history)
         self._record(batch, step, tokens)
 
     def _record(self, batch: MicroBatch, step: int, tokens: np.ndarray) -> None:

@@ -22,7 +22,8 @@ class PromptError(HpcparError):
 
 
 # the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty")
 SOURCE_KEYS = ("ids", "text", "messages")          # what a line's prompt is given as
 PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "stop", *SAMPLING_KEYS)
 CHAT_FOR_GENERATION = "for generation"   # ``chat`` of a reader whose lines may not be chats

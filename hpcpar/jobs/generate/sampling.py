@@ -1,14 +1,25 @@
-"""Choosing the next token: greedy, or temperature / top-k / top-p sampling.
+"""Choosing the next token: greedy, or temperature / top-k / top-p / min-p sampling, after
+the penalties on tokens a row has seen.
 
 Reproducible by seed and independent of the layout: the candidates are the same whatever the
 tensor-parallel split (gathered from the vocab-parallel head in a canonical order), and the
 random draw for a row comes from its own generator keyed by (seed, prompt index, step), not
 from a stream whose position depends on how rows were batched.
+
+The penalties change the logits before anything else (greedy too), each with the meaning of
+the library that named it:
+    repetition_penalty   transformers': a logit of a token in the row's prompt or its tokens
+                         so far is divided by it when positive, multiplied when negative
+    presence_penalty     OpenAI's (and vLLM's): subtracted once from the logit of every token
+                         the row has generated
+    frequency_penalty    OpenAI's: subtracted as many times as the row generated the token
+min_p (transformers' and vLLM's) then keeps the candidates whose probability, after the
+temperature, is at least min_p times the most likely one's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -22,6 +33,10 @@ class SamplingParams:
     top_k: int = 0                # 0: no top-k cut
     top_p: float = 1.0            # 1: no nucleus cut
     seed: int = 0
+    repetition_penalty: float = 1.0     # 1: none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_p: float = 0.0                  # 0: no min-p cut
 
     @property
     def greedy(self) -> bool:
@@ -45,21 +60,79 @@ class PromptSampling:
     top_k: np.ndarray           # int64; 0: no cut
     top_p: np.ndarray           # float64; 1: no cut
     seed: np.ndarray            # int64
+    repetition_penalty: np.ndarray      # float64; 1: none
+    presence_penalty: np.ndarray        # float64
+    frequency_penalty: np.ndarray       # float64
+    min_p: np.ndarray                   # float64; 0: no cut
 
     @classmethod
     def build(cls, job: SamplingParams, own: list[dict]) -> "PromptSampling":
         """``own[i]``: prompt i's settings that differ from the job's (maybe none)."""
         n = len(own)
-        out = cls(np.full(n, job.temperature, np.float64), np.full(n, job.top_k, np.int64),
-                  np.full(n, job.top_p, np.float64), np.full(n, job.seed, np.int64))
+        out = cls(**{f.name: np.full(n, getattr(job, f.name),
+                                     np.int64 if f.name in INTEGER_KEYS else np.float64)
+                     for f in fields(SamplingParams)})
         for i, prompt_own in enumerate(own):
             for key, value in prompt_own.items():
                 getattr(out, key)[i] = value
         return out
 
     def take(self, rows: np.ndarray) -> "PromptSampling":
-        return PromptSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows],
-                              self.seed[rows])
+        return PromptSampling(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    @property
+    def penalized(self) -> np.ndarray:
+        """Which rows have a penalty on the tokens they have seen."""
+        return ((self.repetition_penalty != 1.0) | (self.presence_penalty != 0.0)
+                | (self.frequency_penalty != 0.0))
+
+
+INTEGER_KEYS = ("top_k", "seed")
+
+
+@dataclass
+class History:
+    """What each row of a step has seen: its prompt's ids and the tokens it generated so far
+    (host int64 arrays, row by row), for the penalties."""
+
+    prompts: list[np.ndarray]
+    generated: list[np.ndarray]
+
+
+def penalized_logits(head, local_logits, p: PromptSampling, history: History, xp, to_host):
+    """``local_logits`` (rows, this rank's vocabulary) with the rows' penalties applied to the
+    tokens of this rank's part of the vocabulary (``head.start`` to ``head.stop``): the few
+    logits they touch gathered to the host, changed, and written back into a copy."""
+    rows, cols, repeat, subtract = [], [], [], []
+    for i in np.flatnonzero(p.penalized):
+        prompt, generated = history.prompts[i], history.generated[i]
+        ids, counts = np.unique(generated, return_counts=True)
+        seen = np.union1d(prompt, ids) if p.repetition_penalty[i] != 1.0 else ids
+        seen = seen[(seen >= head.start) & (seen < head.stop)]
+        times = np.zeros(len(seen), np.int64)          # how often the row generated each
+        found = np.minimum(np.searchsorted(ids, seen), max(len(ids) - 1, 0))
+        if len(ids):
+            times = np.where(ids[found] == seen, counts[found], 0)
+        rows.append(np.full(len(seen), i))
+        cols.append(seen - head.start)
+        repeat.append(np.full(len(seen), p.repetition_penalty[i]))
+        subtract.append(p.presence_penalty[i] * (times > 0) + p.frequency_penalty[i] * times)
+    if not sum(map(len, rows)):
+        return local_logits
+    rows, cols = np.concatenate(rows), np.concatenate(cols)
+    repeat, subtract = np.concatenate(repeat), np.concatenate(subtract)
+    where = (xp.asarray(rows), xp.asarray(cols))
+    values = to_host(local_logits[where]).astype(np.float64)
+    values = np.where(values > 0, values / repeat, values * repeat)   # transformers' order:
+    values -= subtract                                                # repetition, then OpenAI's
+    out = local_logits.copy()
+    out[where] = xp.asarray(values.astype(out.dtype))
+    return out
+
+
+def any_penalized(params: SamplingParams | PromptSampling, rows: np.ndarray) -> bool:
+    """Whether any of prompts ``rows`` has a penalty (its steps then need a ``History``)."""
+    return bool(of_rows(params, np.asarray(rows, np.int64)).penalized.any())
 
 
 def of_rows(params: SamplingParams | PromptSampling, rows: np.ndarray) -> PromptSampling:
@@ -75,12 +148,26 @@ def sample_from_candidates(values: np.ndarray, ids: np.ndarray,
     """One token per row from candidate logits ``values`` and token ``ids`` (rows, n), sorted
     by logit descending; ``rows`` are the prompts' global indices (none greedy; ``params``
     by that index), ``step`` the index of the token drawn (one for all rows, or each row's
-    own)."""
+    own). The cuts: top-k, then top-p, then min-p (transformers' order)."""
     rows = np.asarray(rows, dtype=np.int64)
     p = of_rows(params, rows)
     steps = np.broadcast_to(np.asarray(step, dtype=np.int64), (len(rows),))
     if len(rows) and (p.top_k > 0).all():
         values, ids = values[:, :p.top_k.max()], ids[:, :p.top_k.max()]
+    probs = candidate_probabilities(values, p)
+    cdf = np.cumsum(probs, axis=1)
+    kept = (probs > 0).sum(axis=1)                       # the candidates left, a prefix
+    out = np.empty(len(rows), dtype=np.int64)
+    for i, row in enumerate(rows):
+        u = np.random.default_rng([int(p.seed[i]), int(row), int(steps[i])]).random() * cdf[i, -1]
+        out[i] = ids[i, min(int(np.searchsorted(cdf[i], u, side="right")), kept[i] - 1)]
+    return out
+
+
+def candidate_probabilities(values: np.ndarray, p: PromptSampling) -> np.ndarray:
+    """The probabilities sampling draws from, for candidate logits ``values`` (rows, n) sorted
+    descending: the temperature's softmax cut by top-k, then top-p (renormalized), then
+    min-p; zero for the candidates cut (a suffix of each row)."""
     logits = values.astype(np.float64) / p.temperature[:, None]
     k = p.top_k[:, None]
     logits = np.where((k > 0) & (np.arange(logits.shape[1]) >= k), -np.inf, logits)
@@ -91,26 +178,27 @@ def sample_from_candidates(values: np.ndarray, ids: np.ndarray,
         before = np.cumsum(probs, axis=1) - probs        # mass of the better candidates
         probs = np.where(nucleus & (before >= p.top_p[:, None]), 0.0, probs)
         probs = np.where(nucleus, probs / probs.sum(axis=1, keepdims=True), probs)
-    cdf = np.cumsum(probs, axis=1)
-    kept = (probs > 0).sum(axis=1)                       # the candidates left, a prefix
-    out = np.empty(len(rows), dtype=np.int64)
-    for i, row in enumerate(rows):
-        u = np.random.default_rng([int(p.seed[i]), int(row), int(steps[i])]).random() * cdf[i, -1]
-        out[i] = ids[i, min(int(np.searchsorted(cdf[i], u, side="right")), kept[i] - 1)]
-    return out
+    cut = p.min_p[:, None] > 0.0        # the first candidate is the most likely one
+    if cut.any():
+        probs = np.where(cut & (probs < p.min_p[:, None] * probs[:, :1]), 0.0, probs)
+        probs = np.where(cut, probs / probs.sum(axis=1, keepdims=True), probs)
+    return probs
 
 
 def next_tokens(head, local_logits, params: SamplingParams | PromptSampling, rows: np.ndarray,
-                step, to_host) -> np.ndarray:
-    """The next token of each row, from this rank's vocab-parallel logits (rows, vocab_i).
+                step, to_host, history: History | None = None) -> np.ndarray:
+    """The next token of each row, from this rank's vocab-parallel logits (rows, vocab_i),
+    penalized first where the rows' settings say (``history``: what they have seen).
 
     Greedy is a distributed argmax; top-k exchanges k candidates per rank (the largest k of
-    the rows drawn); top-p without top-k needs the whole distribution and gathers it. Which
-    of these run depends only on the rows' settings, so every tp rank calls the same
+    the rows drawn); top-p or min-p without top-k needs the whole distribution and gathers it.
+    Which of these run depends only on the rows' settings, so every tp rank calls the same
     collectives and returns the same tokens.
     """
     rows = np.asarray(rows, dtype=np.int64)
     p = of_rows(params, rows)
+    if p.penalized.any():
+        local_logits = penalized_logits(head, local_logits, p, history, head.xp, to_host)
     greedy = p.temperature == 0.0
     tokens = np.empty(len(rows), dtype=np.int64)
     if greedy.any():
