@@ -140,3 +140,57 @@ def test_min_p_with_every_prompt_greedy_is_refused(llama, tmp_path):
                          "random", "--max-new-tokens", "4", "--min-p", "0.1", "--out",
                          "o.jsonl"], tmp_path)
     assert proc.returncode == 2 and "min_p" in proc.stderr and "greedy" in proc.stderr
+
+
+def test_min_tokens_and_stop_token_ids_are_transformers_min_new_tokens_and_eos(llama):
+    """A stop id a row would generate soon, and min_tokens 4: the id is banned for the first
+    4 tokens, then ends the row (finish reason "stop"), as transformers' generate with that
+    id as its EOS and min_new_tokens 4 does; without min_tokens the rows end sooner."""
+    model, path = llama
+    n = 12
+    plain = _ours(path, n)
+    stop = int(plain.tokens[0, 1])                  # prompt 0's second greedy token
+    runs = {(k, b): _ours(path, n, f"generate.stop_token_ids=[{stop}]",
+                          f"generate.min_tokens={k}", f"generate.batching='{b}'")
+            for k, b in ((0, "continuous"), (4, "continuous"), (4, "static"))}
+    for (k, _), ours in runs.items():
+        for b, prompt in enumerate(PROMPTS):
+            with torch.no_grad():
+                out = model.generate(torch.tensor(prompt[None]), max_new_tokens=n,
+                                     do_sample=False, eos_token_id=[stop], pad_token_id=0,
+                                     min_new_tokens=k,
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            theirs = out[0, len(prompt):].tolist()
+            if stop in theirs:
+                theirs = theirs[:theirs.index(stop) + 1]
+            length = int(ours.lengths[b])
+            assert ours.tokens[b, :length].tolist() == theirs, (k, b)
+            assert ours.finish_reasons[b] == ("stop" if theirs[-1] == stop else "length")
+    soon = plain.tokens[0].tolist().index(stop) + 1            # where the id comes first
+    assert soon <= 2 and runs[(0, "continuous")].lengths[0] == soon
+    assert runs[(4, "continuous")].lengths[0] > 4
+
+
+def test_stop_token_ids_of_a_line_replace_the_jobs(llama, tmp_path):
+    _, path = llama
+    plain = _ours(path, 8)
+    first = [int(plain.tokens[b, 0]) for b in range(2)]
+    lines = [{"ids": PROMPTS[0].tolist(), "stop_token_ids": [first[0]]},
+             {"ids": PROMPTS[1].tolist()}]
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    proc, _ = mpirun(1, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",
+                         "p.jsonl", "--max-new-tokens", "8", "--ignore-eos", "--stop-token-id",
+                         str(first[1]), "--out", "o.jsonl"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == [[first[0]], [first[1]]]
+    assert [r["finish_reason"] for r in rows] == ["stop", "stop"]
+    bad = {"ids": [5], "stop_token_ids": [10 ** 6]}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    proc, _ = mpirun(1, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",
+                         "bad.jsonl", "--max-new-tokens", "8", "--out", "b.jsonl"], tmp_path)
+    assert proc.returncode == 2 and "is not a token id of this model" in proc.stderr
+    proc, _ = mpirun(1, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",
+                         "p.jsonl", "--max-new-tokens", "8", "--min-tokens", "9", "--out",
+                         "c.jsonl"], tmp_path)
+    assert proc.returncode == 2 and "min_tokens 9, more than its max_new_tokens 8" in proc.stderr

@@ -9,7 +9,8 @@
                 dataset = "tokens.bin"      training data (.npy rows, .bin, .jsonl, or
                                              "synthetic", generated)
     [generate]  max_new_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty,
-                presence_penalty, frequency_penalty, stop_at_eos, stop (strings),
+                presence_penalty, frequency_penalty, min_tokens, stop_at_eos, stop (strings),
+                stop_token_ids,
                 save_logits,
                 batching ("continuous" or "static"), batch_size (rows in flight per
                 micro-batch; 0: what fits)
@@ -98,11 +99,13 @@ class GenerateSection:
     presence_penalty: float = 0.0       # OpenAI's, over the generated tokens
     frequency_penalty: float = 0.0      # OpenAI's, times each generated token's count
     min_p: float = 0.0                  # keep candidates of at least min_p x the top one's p
+    min_tokens: int = 0                 # EOS, stop ids and stop strings ignored until then
     stop_at_eos: bool = True
     save_logits: bool = False
     batching: str = "continuous"    # or "static": every micro-batch runs to its longest row
     batch_size: int = 0             # rows in flight per micro-batch (0: what fits)
     stop: tuple[str, ...] = ()      # stop strings: a row ends once its text holds one
+    stop_token_ids: tuple[int, ...] = ()    # ids that end a row as EOS does (reason "stop")
     wave_size: int = 0              # prompts per wave (0: all at once); the output is
                                     # saved and a stop is possible after each wave
     resume: str | None = None       # "auto": skip the prompts a stopped run finished

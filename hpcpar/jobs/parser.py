@@ -26,6 +26,7 @@ JOB_FLAGS = {
     "min_p": ("generate", "min_p"), "repetition_penalty": ("generate", "repetition_penalty"),
     "presence_penalty": ("generate", "presence_penalty"),
     "frequency_penalty": ("generate", "frequency_penalty"),
+    "min_tokens": ("generate", "min_tokens"), "stop_token_ids": ("generate", "stop_token_ids"),
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
     "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
     "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
@@ -120,6 +121,10 @@ def _job_flags(p, required: bool, out_help: str) -> None:
                    help="OpenAI's: subtracted once from each generated token's logit")
     p.add_argument("--frequency-penalty", type=float,
                    help="OpenAI's: subtracted per time a token was generated")
+    p.add_argument("--min-tokens", type=int,
+                   help="new tokens before EOS, stop ids or stop strings may end a row")
+    p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
+                   metavar="ID", help="a token id that ends a row as EOS does (repeatable)")
     p.add_argument("--save-logits", action="store_const", const=True,
                    help="store the logits of every prompt position")
     p.add_argument("--ignore-eos", dest="stop_at_eos", action="store_const", const=False,

@@ -44,6 +44,8 @@ RULES: dict[str, Range] = {
     "generate.presence_penalty": Range(-2, 2, note="0: none; OpenAI's"),
     "generate.frequency_penalty": Range(-2, 2, note="0: none; OpenAI's"),
     "generate.min_p": Range(0, 1, note="0 turns it off"),
+    "generate.min_tokens": Range(0, note="0: none"),
+    "generate.stop_token_ids": Range(0, note="token ids"),
     "generate.batch_size": Range(0, note="0: what fits the KV cache"),
     "generate.wave_size": Range(0, note="0: all prompts in one wave"),
     "train.steps": POSITIVE, "train.global_batch": POSITIVE,

@@ -36,7 +36,7 @@ from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from .batching import MicroBatch
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
-from .sampling import History, next_tokens
+from .sampling import next_tokens
 from .schedule import generation
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
@@ -249,9 +249,9 @@ class ContinuousProgram(ReplicaProgram):
             last = stage.logits(y)
         prompts = np.where(s.prompt[slots] >= 0, s.prompt[slots], 0)
         history = None
-        if self.penalized:
-            history = History([self.prompt_ids[q] for q in prompts],
-                              [self.tokens[q, :self.generated[q]] for q in prompts])
+        if self.needs_history:
+            history = self.history(prompts, [self.prompt_ids[q] for q in prompts],
+                                   [self.tokens[q, :self.generated[q]] for q in prompts])
         tokens = next_tokens(stage.head, last[:, 0], self.sampling,
                              self.global_rows[prompts], self.generated[prompts],
                              self.backend.to_host, history)
@@ -275,7 +275,7 @@ class ContinuousProgram(ReplicaProgram):
             self.worked += 1 + (len(self.prompt_ids[p]) if k == 0 else 0)
             self.tokens[p, k] = tokens[slot]
             self.generated[p] = k + 1
-            if (tokens[slot] in self.eos or k + 1 >= self.limit[p]
+            if (self.ending([p], tokens[slot:slot + 1])[0] or k + 1 >= self.limit[p]
                     or self.met_stop_string(p, k + 1)):
                 self.done[p] = True
                 self.lengths[p] = k + 1

@@ -197,7 +197,7 @@ class GenerationRun(JobRun):
         rows = _wave_rows(wave, layout.dp, ranks.mesh.coord("dp"))
         mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
         rules = RowRules(settings, plan.eos, self.pad_id, plan.limits, plan.sampling,
-                         plan.stops)
+                         plan.stops, plan.stop_ids)
         if settings.batching == "continuous":
             width = rows_in_flight(settings, stage, mbs, plan.limits, backend, ranks.world,
                                    ranks.cp)
@@ -272,7 +272,8 @@ class GenerationRun(JobRun):
         ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
         new_tokens = int(sum(lengths[r] for w in todo for r in w))
         report = RunReport.build(table, plan.layout, self.micro, ran, ran_tokens, new_tokens)
-        reasons = finish_reasons(tokens, lengths, plan.eos, plan.settings.stop_at_eos, stopped)
+        reasons = finish_reasons(tokens, lengths, plan.eos, plan.settings.stop_at_eos, stopped,
+                                 plan.stop_ids)
         return GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, np.int64),
                                 self.logits, texts, report, reasons)
 

@@ -36,6 +36,7 @@ class GenerationPlan:
     sampling: PromptSampling           # each prompt's sampling settings
     eos: tuple[int, ...]               # every id that ends a row
     stops: StopStrings | None          # each prompt's stop strings (None: no prompt has any)
+    stop_ids: list[np.ndarray] | None = None   # each prompt's stop_token_ids (None: none)
 
 
 def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> GenerationPlan:
@@ -90,8 +91,31 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         raise HpcparError("top_k / top_p / min_p cut the candidates of sampling, and every "
                           "prompt is greedy (temperature 0), so they would do nothing: set "
                           "--temperature above 0, or drop them")
+    limits = prompts.limits(settings.max_new_tokens)
+    over = np.flatnonzero(per_prompt.min_tokens > limits)
+    if len(over):
+        n = int(over[0])
+        raise HpcparError(f"prompt {n} asks for min_tokens {per_prompt.min_tokens[n]}, more than "
+                          f"its max_new_tokens {limits[n]}; lower min_tokens or raise "
+                          "max_new_tokens")
     return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
-                 prompts.limits(settings.max_new_tokens), per_prompt, eos_ids(ckpt), stops)
+                          limits, per_prompt, eos_ids(ckpt), stops,
+                          _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size))
+
+
+def _stop_ids(job_ids: tuple[int, ...], prompts: Prompts,
+              vocab: int) -> list[np.ndarray] | None:
+    """Each prompt's stop_token_ids: its line's own, else the job's; None when none has any.
+    An id outside the vocabulary is an error (it could never end a row)."""
+    own = prompts.stop_ids or [None] * len(prompts)
+    per_prompt = [np.asarray(job_ids if o is None else o, np.int64) for o in own]
+    for n, ids in enumerate(per_prompt):
+        if len(ids) and ids.max() >= vocab:
+            where = (f"prompt {n}'s stop_token_ids" if own[n] is not None
+                     else "--stop-token-id / generate.stop_token_ids")
+            raise HpcparError(f"{where}: {int(ids.max())} is not a token id of this model "
+                              f"(its vocabulary has {vocab}); give ids below {vocab}")
+    return per_prompt if any(len(ids) for ids in per_prompt) else None
 
 
 def _job_prompts(job: Job, ckpt: Checkpoint, tokenizer) -> Prompts:
@@ -118,13 +142,15 @@ def fingerprint(job: Job, ckpt: Checkpoint, plan: GenerationPlan) -> dict:
         digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
     if plan.prompts.stops:
         digest.update(json.dumps(plan.prompts.stops).encode())
+    if plan.prompts.stop_ids:
+        digest.update(json.dumps(plan.prompts.stop_ids).encode())
     s = plan.settings
     return {
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
         "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
         **vars(s.sampling), "stop_at_eos": s.stop_at_eos,
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
-        "stop": list(job.generate.stop),
+        "stop": list(job.generate.stop), "stop_token_ids": list(job.generate.stop_token_ids),
         "dtype": dtype_name(plan.dtype)}
 
 
@@ -133,5 +159,6 @@ def describe_row(plan: GenerationPlan, prompt: int, row: np.ndarray, length: int
     texts, stopped = decode_rows(plan.tokenizer, row[None], np.array([length]), plan.stops,
                                  [prompt])
     reason = finish_reasons(row[None], np.array([length]), plan.eos,
-                            plan.settings.stop_at_eos, stopped)[0]
+                            plan.settings.stop_at_eos, stopped,
+                            None if plan.stop_ids is None else [plan.stop_ids[prompt]])[0]
     return (texts[0] if texts is not None else None), reason

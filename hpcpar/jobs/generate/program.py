@@ -22,7 +22,7 @@ from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from .batching import MicroBatch, replica_order
-from .sampling import History, PromptSampling, SamplingParams, any_penalized, next_tokens
+from .sampling import History, PromptSampling, SamplingParams, needs_history, next_tokens, of_rows
 from .stopping import StopStrings
 
 
@@ -39,9 +39,9 @@ class GenerationSettings:
 @dataclass(frozen=True)
 class RowRules:
     """What every row of a generation runs under: the job's settings, the ids that end a row,
-    the pad id, and each prompt's own ``limits`` (max_new_tokens), ``sampling`` and
-    ``stops`` (stop strings), by global prompt index (None: the job's for every prompt; no
-    stop strings)."""
+    the pad id, and each prompt's own ``limits`` (max_new_tokens), ``sampling``, ``stops``
+    (stop strings) and ``stop_ids`` (stop_token_ids), by global prompt index (None: the
+    job's for every prompt; no stop strings or ids)."""
 
     settings: GenerationSettings
     eos_ids: tuple[int, ...] = ()
@@ -49,6 +49,7 @@ class RowRules:
     limits: np.ndarray | None = None
     sampling: PromptSampling | None = None
     stops: StopStrings | None = None
+    stop_ids: list[np.ndarray] | None = None     # each prompt's stop_token_ids (None: none)
 
 
 class WaveEvents(Protocol):
@@ -121,7 +122,10 @@ class ReplicaProgram(ABC):
         self.stopping = AgreedStop(events.stop_requested if events is not None else None,
                                    stage.tp, cp)
         self.sampling = rules.sampling if rules.sampling is not None else settings.sampling
-        self.penalized = any_penalized(self.sampling, self.global_rows)   # needs History
+        self.needs_history = needs_history(self.sampling, self.global_rows)
+        self.min_tokens = of_rows(self.sampling, self.global_rows).min_tokens
+        self.stop_ids = (None if rules.stop_ids is None
+                         else [rules.stop_ids[g] for g in self.global_rows])
         self.stops = rules.stops
         self.cp = cp
 
@@ -157,9 +161,27 @@ class ReplicaProgram(ABC):
 
     def met_stop_string(self, row: int, generated: int) -> bool:
         """Whether row ``row``'s first ``generated`` new tokens hold one of its stop
-        strings (a pure function of them: every stage that keeps the books agrees)."""
-        return self.stops is not None and self.stops.hit(int(self.global_rows[row]),
-                                                         self.tokens[row, :generated])
+        strings (a pure function of them: every stage that keeps the books agrees); never
+        below the row's ``min_tokens``."""
+        return (self.stops is not None and generated >= self.min_tokens[row]
+                and self.stops.hit(int(self.global_rows[row]), self.tokens[row, :generated]))
+
+    def ending(self, rows, tokens: np.ndarray) -> np.ndarray:
+        """Whether each row's new token ends it: an EOS id (when rows stop at EOS) or one of
+        the row's own stop ids (``rows``: their indices here)."""
+        out = np.isin(tokens, self.eos)
+        if self.stop_ids is not None:
+            out |= np.array([t in self.stop_ids[r] for r, t in zip(rows, tokens)], dtype=bool)
+        return out
+
+    def history(self, rows, prompts: list[np.ndarray], generated: list[np.ndarray]) -> History:
+        """What rows ``rows`` (indices here) have seen, for the penalties, and the ids each
+        may not generate yet: its EOS and stop ids while below its ``min_tokens``."""
+        banned = []
+        for r, seen in zip(rows, generated):
+            ends = self.eos if self.stop_ids is None else np.union1d(self.eos, self.stop_ids[r])
+            banned.append(ends if len(seen) < self.min_tokens[r] else ends[:0])
+        return History(prompts, generated, banned)
 
     @abstractmethod
     def prefill_seconds(self, times, start: float) -> float:
@@ -266,10 +288,11 @@ class GenerationProgram(ReplicaProgram):
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)
         history = None
-        if self.penalized:
+        if self.needs_history:
             rows = self._local(batch)
-            history = History([batch.ids[j, :batch.lengths[j]] for j in range(batch.size)],
-                              list(self.tokens[rows, :step]))
+            history = self.history(range(rows.start, rows.stop),
+                                   [batch.ids[j, :batch.lengths[j]] for j in range(batch.size)],
+                                   list(self.tokens[rows, :step]))
         tokens = next_tokens(stage.head, last, self.sampling, batch.rows, step,
                              self.backend.to_host, history)
         self._record(batch, step, tokens)
@@ -281,7 +304,8 @@ class GenerationProgram(ReplicaProgram):
         done = self.done[rows].copy()           # before this step (a slice is a view)
         tokens = np.where(done, self.pad_id, tokens)
         self.tokens[rows, step] = tokens
-        hit = ~done & (np.isin(tokens, self.eos) | (step + 1 >= self.limit[rows]))
+        hit = ~done & (self.ending(range(rows.start, rows.stop), tokens)
+                       | (step + 1 >= self.limit[rows]))
         if self.stops is not None:                   # rows still going, not yet ending
             for j in np.flatnonzero(~done & ~hit):
                 hit[j] = self.met_stop_string(rows.start + int(j), step + 1)

@@ -14,7 +14,7 @@ from ...models.config import ModelConfig
 from ...models.tokenizer import StoredTokenizer
 from ...parallel.errors import HpcparError
 from ..settings import problem
-from .sampling import PromptSampling, SamplingParams
+from .sampling import INTEGER_KEYS, PromptSampling, SamplingParams
 
 
 class PromptError(HpcparError):
@@ -23,9 +23,9 @@ class PromptError(HpcparError):
 
 # the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty")
+                 "presence_penalty", "frequency_penalty", "min_tokens")
 SOURCE_KEYS = ("ids", "text", "messages")          # what a line's prompt is given as
-PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "stop", *SAMPLING_KEYS)
+PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "stop", "stop_token_ids", *SAMPLING_KEYS)
 CHAT_FOR_GENERATION = "for generation"   # ``chat`` of a reader whose lines may not be chats
 
 
@@ -36,6 +36,7 @@ class Prompts:
     max_new_tokens: list[int | None] | None = None   # a prompt's own limit (None: the job's)
     sampling: list[dict] | None = None  # a prompt's own sampling settings (absent: the job's)
     stops: list[tuple[str, ...] | None] | None = None  # a prompt's own stop strings
+    stop_ids: list[tuple[int, ...] | None] | None = None    # its own stop_token_ids
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -86,7 +87,7 @@ def _load_npy(path: Path) -> Prompts:
 
 
 def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
-    ids, texts, limits, sampling, stops = [], [], [], [], []
+    ids, texts, limits, sampling, stops, stop_ids = [], [], [], [], [], []
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -120,6 +121,7 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
         limits.append(limit)
         sampling.append(_own_sampling(record, f"{path}:{n}"))
         stops.append(_own_stops(record, f"{path}:{n}"))
+        stop_ids.append(_own_stop_ids(record, f"{path}:{n}"))
         row, text = _line_ids(record, tokenizer, chat, f"{path}:{n}")
         ids.append(row)
         texts.append(text)
@@ -130,7 +132,8 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
     return Prompts(ids, texts if any(t is not None for t in texts) else None,
                    limits if any(k is not None for k in limits) else None,
                    sampling if any(sampling) else None,
-                   stops if any(s is not None for s in stops) else None)
+                   stops if any(s is not None for s in stops) else None,
+                   stop_ids if any(s is not None for s in stop_ids) else None)
 
 
 def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, str | None]:
@@ -221,11 +224,23 @@ def _own_stops(record: dict, where: str) -> tuple[str, ...] | None:
     return tuple(value)
 
 
+def _own_stop_ids(record: dict, where: str) -> tuple[int, ...] | None:
+    """A line's own ``"stop_token_ids"`` (a list of ids), or None."""
+    if "stop_token_ids" not in record:
+        return None
+    value = record["stop_token_ids"]
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                              and t >= 0 for t in value):
+        raise PromptError(f"{where}: \"stop_token_ids\" must be a list of token ids (integers "
+                          f">= 0), got {json.dumps(value)[:80]}")
+    return tuple(value)
+
+
 def _own_sampling(record: dict, where: str) -> dict:
     """A prompt line's sampling settings, each checked as the job's are."""
     own = {key: record[key] for key in SAMPLING_KEYS if key in record}
     for key, value in own.items():
-        whole = key in ("top_k", "seed")
+        whole = key in INTEGER_KEYS
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
             raise PromptError(f"{where}: \"{key}\" must be {'an integer' if whole else 'a number'}"
                               f", got {json.dumps(value)}")

@@ -14,7 +14,8 @@ the library that named it:
                          the row has generated
     frequency_penalty    OpenAI's: subtracted as many times as the row generated the token
 min_p (transformers' and vLLM's) then keeps the candidates whose probability, after the
-temperature, is at least min_p times the most likely one's.
+temperature, is at least min_p times the most likely one's. min_tokens (vLLM's) bans a row's
+EOS and stop ids until it has that many tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_p: float = 0.0                  # 0: no min-p cut
+    min_tokens: int = 0                 # EOS, stop ids and stop strings ignored until then
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +66,7 @@ class PromptSampling:
     presence_penalty: np.ndarray        # float64
     frequency_penalty: np.ndarray       # float64
     min_p: np.ndarray                   # float64; 0: no cut
+    min_tokens: np.ndarray              # int64; 0: none
 
     @classmethod
     def build(cls, job: SamplingParams, own: list[dict]) -> "PromptSampling":
@@ -87,22 +90,37 @@ class PromptSampling:
                 | (self.frequency_penalty != 0.0))
 
 
-INTEGER_KEYS = ("top_k", "seed")
+INTEGER_KEYS = ("top_k", "seed", "min_tokens")
 
 
 @dataclass
 class History:
     """What each row of a step has seen: its prompt's ids and the tokens it generated so far
-    (host int64 arrays, row by row), for the penalties."""
+    (host int64 arrays, row by row), for the penalties; and the ids each may not generate yet
+    (``banned``: its EOS and stop ids while it is below its ``min_tokens``)."""
 
     prompts: list[np.ndarray]
     generated: list[np.ndarray]
+    banned: list[np.ndarray] | None = None
 
 
-def penalized_logits(head, local_logits, p: PromptSampling, history: History, xp, to_host):
-    """``local_logits`` (rows, this rank's vocabulary) with the rows' penalties applied to the
-    tokens of this rank's part of the vocabulary (``head.start`` to ``head.stop``): the few
-    logits they touch gathered to the host, changed, and written back into a copy."""
+def adjusted_logits(head, local_logits, p: PromptSampling, history: History, xp, to_host):
+    """``local_logits`` (rows, this rank's vocabulary) with the rows' penalties applied and
+    their banned ids at -inf, in this rank's part of the vocabulary (``head.start`` to
+    ``head.stop``): the few logits the penalties touch are gathered to the host, changed, and
+    written back into a copy."""
+    out = _penalized(head, local_logits, p, history, xp, to_host)
+    if history.banned is not None and any(len(b) for b in history.banned):
+        rows = np.concatenate([np.full(len(b), i) for i, b in enumerate(history.banned)])
+        ids = np.concatenate(history.banned).astype(np.int64)
+        mine = (ids >= head.start) & (ids < head.stop)
+        if mine.any():
+            out = out.copy() if out is local_logits else out
+            out[xp.asarray(rows[mine]), xp.asarray(ids[mine] - head.start)] = -np.inf
+    return out
+
+
+def _penalized(head, local_logits, p: PromptSampling, history: History, xp, to_host):
     rows, cols, repeat, subtract = [], [], [], []
     for i in np.flatnonzero(p.penalized):
         prompt, generated = history.prompts[i], history.generated[i]
@@ -130,9 +148,11 @@ def penalized_logits(head, local_logits, p: PromptSampling, history: History, xp
     return out
 
 
-def any_penalized(params: SamplingParams | PromptSampling, rows: np.ndarray) -> bool:
-    """Whether any of prompts ``rows`` has a penalty (its steps then need a ``History``)."""
-    return bool(of_rows(params, np.asarray(rows, np.int64)).penalized.any())
+def needs_history(params: SamplingParams | PromptSampling, rows: np.ndarray) -> bool:
+    """Whether any of prompts ``rows`` has a penalty or a ``min_tokens`` (its steps then need
+    a ``History``)."""
+    p = of_rows(params, np.asarray(rows, np.int64))
+    return bool(p.penalized.any() or (p.min_tokens > 0).any())
 
 
 def of_rows(params: SamplingParams | PromptSampling, rows: np.ndarray) -> PromptSampling:
@@ -197,8 +217,8 @@ def next_tokens(head, local_logits, params: SamplingParams | PromptSampling, row
     """
     rows = np.asarray(rows, dtype=np.int64)
     p = of_rows(params, rows)
-    if p.penalized.any():
-        local_logits = penalized_logits(head, local_logits, p, history, head.xp, to_host)
+    if history is not None:
+        local_logits = adjusted_logits(head, local_logits, p, history, head.xp, to_host)
     greedy = p.temperature == 0.0
     tokens = np.empty(len(rows), dtype=np.int64)
     if greedy.any():

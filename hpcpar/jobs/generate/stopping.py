@@ -63,13 +63,18 @@ class StopStrings:
 
 
 def finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...],
-                   stop_at_eos: bool, stopped: list[bool] | None = None) -> list[str]:
+                   stop_at_eos: bool, stopped: list[bool] | None = None,
+                   stop_ids: list[np.ndarray] | None = None) -> list[str]:
     """Why each row ended: ``eos`` when its last new token is an EOS id it stopped at, else
-    ``stop`` when its text met a stop string (``stopped``), else ``length``: it reached its
+    ``stop`` when its text met a stop string (``stopped``) or its last token is one of its
+    ``stop_ids`` (each row's stop_token_ids), else ``length``: it reached its
     max_new_tokens."""
     last = tokens[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
     ended = stop_at_eos & (lengths > 0) & np.isin(last, np.asarray(eos, dtype=np.int64))
-    stopped = stopped or [False] * len(lengths)
+    stopped = list(stopped or [False] * len(lengths))
+    if stop_ids is not None:
+        stopped = [s or (n > 0 and t in ids)
+                   for s, n, t, ids in zip(stopped, lengths, last, stop_ids)]
     return ["eos" if e else "stop" if s else "length" for e, s in zip(ended, stopped)]
 
 
