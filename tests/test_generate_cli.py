@@ -300,3 +300,39 @@ def test_bad_stop_strings_are_one_error(workdir):
     _assert_one_error(_generate(workdir, 2, "ids.jsonl", "badstop.h5", "--batching", "static",
                                 "--batch-size", "2"),
                       "generate.batch_size 2 applies to continuous batching")
+
+
+@pytest.mark.parametrize("flags", [[], ["--batching", "static", "--pp", "2"]])
+def test_min_tokens_ignores_a_stop_string_its_first_tokens_complete(workdir, flags):
+    """vLLM's min_tokens: a stop string completed within a row's first min_tokens - 1 tokens
+    does not end it, then or later; one completed from the min_tokens-th token on does, and
+    the text is cut there (not at the earlier occurrence). Checked against the unstopped
+    run's tokens decoded here with the tokenizer itself."""
+    from tokenizers import Tokenizer
+    from hpcpar.checkpoint import open_checkpoint
+    tok = Tokenizer.from_str(open_checkpoint(workdir / "model.h5").tokenizer_files()[
+        "tokenizer.json"].decode())
+    prompts = [[5 + 3 * i, 6, 7] for i in range(6)]
+    (workdir / "mt.jsonl").write_text("".join(json.dumps({"ids": p}) + "\n" for p in prompts))
+    assert _generate(workdir, 1, "mt.jsonl", "mt-free.h5", "--ignore-eos").returncode == 0
+    with h5py.File(workdir / "mt-free.h5") as f:
+        free = f["tokens"][()]
+    decode = lambda ids: tok.decode([int(t) for t in ids], skip_special_tokens=True)  # noqa
+    stop, min_tokens = decode(free[0, 1:2]), 3          # row 0's second word: early
+    out = f"mt-{'-'.join(flags)}.jsonl"
+    proc = _generate(workdir, 2 if flags else 1, "mt.jsonl", out, "--ignore-eos", "--stop",
+                     stop, "--min-tokens", str(min_tokens), *flags)
+    assert proc.returncode == 0, proc.stderr
+    for r, line in enumerate(_lines(workdir / out)):
+        held = len(decode(free[r, :min_tokens - 1]))
+        end = next((k for k in range(min_tokens, 6)
+                    if decode(free[r, :k]).find(stop, max(0, held - len(stop) + 1)) >= 0), None)
+        if end is None:
+            assert line["finish_reason"] == "length" and line["token_ids"] == free[r].tolist()
+            continue
+        text = decode(free[r, :end])
+        assert line["finish_reason"] == "stop" and line["token_ids"] == free[r, :end].tolist()
+        assert line["text"] == text[:text.find(stop, max(0, held - len(stop) + 1))]
+    first = _lines(workdir / out)[0]
+    assert len(first["token_ids"]) >= min_tokens              # the early stop did not count
+    assert decode(first["token_ids"]).startswith(first["text"])

@@ -123,6 +123,10 @@ def test_penalties_give_the_same_tokens_under_tp_and_pp(llama, tmp_path):
     ({"ids": [5, 6], "presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
     ({"ids": [5, 6], "frequency_penalty": "high"}, "\"frequency_penalty\" must be a number"),
     ({"ids": [5, 6], "min_p": 1.5}, "min_p must be in [0, 1]"),
+    ({"ids": [5, 6], "min_tokens": 10 ** 30}, "min_tokens must be >= 0 (0: none) and below 2^63"),
+    ({"ids": [5, 6], "repetition_penalty": 10 ** 400}, "and below 2^63"),
+    ({"ids": [5, 6], "min_p": 0.5}, "bad.jsonl: prompt 0 sets min_p, which cut the candidates"),
+    ({"ids": [5, 6], "stop_token_ids": [10 ** 20]}, "stop_token_ids\" must be a list of token"),
 ])
 def test_a_bad_penalty_on_a_line_is_one_error(llama, tmp_path, line, words):
     _, path = llama
@@ -131,11 +135,16 @@ def test_a_bad_penalty_on_a_line_is_one_error(llama, tmp_path, line, words):
                          "bad.jsonl", "--max-new-tokens", "4", "--out", "o.jsonl"], tmp_path)
     assert proc.returncode == 2
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "bad.jsonl:1" in lines[0] and words in lines[0], proc.stderr
+    assert len(lines) == 1 and "bad.jsonl" in lines[0] and words in lines[0], proc.stderr
 
 
 def test_min_p_with_every_prompt_greedy_is_refused(llama, tmp_path):
     _, path = llama
+    proc, _ = mpirun(1, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",
+                         "random", "--max-new-tokens", "4", "--stop-token-id", "-1", "--out",
+                         "o.jsonl"], tmp_path)
+    assert proc.returncode == 2
+    assert "--stop-token-id: generate.stop_token_ids must be >= 0" in proc.stderr
     proc, _ = mpirun(1, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",
                          "random", "--max-new-tokens", "4", "--min-p", "0.1", "--out",
                          "o.jsonl"], tmp_path)

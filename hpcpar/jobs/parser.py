@@ -46,7 +46,7 @@ TRAIN_FLAGS = {
 FLAG_NAMES = {target: "--" + dest.replace("_", "-")
               for dest, target in (JOB_FLAGS | TRAIN_FLAGS).items()} | {
     ("score", "data"): "--data", ("train", "seed"): "--seed",
-    ("generate", "resume"): "--resume"}
+    ("generate", "resume"): "--resume", ("generate", "stop_token_ids"): "--stop-token-id"}
 
 
 class _Parser(argparse.ArgumentParser):

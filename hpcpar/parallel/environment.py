@@ -28,6 +28,7 @@ from typing import Any, Callable
 from .errors import HpcparError
 
 SEED_LIMIT = 2 ** 63
+INT64_LIMIT = 2 ** 63          # no setting is a number past a 64-bit integer
 
 
 @dataclass(frozen=True)
@@ -206,8 +207,10 @@ def problem(name: str, value: Any, rule: Range | None) -> str | None:
     for item in (value if isinstance(value, (list, tuple)) else [value]):
         if isinstance(item, bool) or not isinstance(item, (int, float)):
             continue                                   # the type check reports it
+        shown = list(value) if isinstance(value, (list, tuple)) else value
+        if isinstance(item, int) and abs(item) >= INT64_LIMIT:     # nothing holds it
+            return f"{name} must be {rule.describe()} and below 2^63, got {shown}"
         if not math.isfinite(item) or not rule.contains(item):
-            shown = list(value) if isinstance(value, (list, tuple)) else value
             return f"{name} must be {rule.describe()}, got {shown}"
     return None
 

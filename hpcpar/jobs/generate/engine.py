@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import resource
 from dataclasses import dataclass, replace
 from functools import partial
@@ -251,7 +252,8 @@ class GenerationRun(JobRun):
                 s = plan.settings
                 attrs = self.run_attrs(ranks.backend.name, ranks.tp.kind) | {
                     "prompts": self.job.data.prompts, "max_new_tokens": s.max_new_tokens,
-                    **vars(s.sampling),
+                    **vars(s.sampling), "stop": json.dumps(list(self.job.generate.stop)),
+                    "stop_token_ids": json.dumps(list(self.job.generate.stop_token_ids)),
                     "stop_at_eos": s.stop_at_eos}
                 self.out.complete(attrs | result.report.attrs(), result.texts,
                                   result.finish_reasons)

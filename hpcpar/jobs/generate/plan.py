@@ -78,7 +78,9 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         if settings.save_logits and Path(job.output.path).suffix.lower() == ".jsonl":
             raise HpcparError(f"--save-logits stores the prompt logits in HDF5, and "
                               f"{job.output.path} is JSON lines; write an .h5 output for them")
-    stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer)
+    per_prompt = prompts.sampling_for(sampling)
+    stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer,
+                           per_prompt.min_tokens)
     if stops is not None and tokenizer is None:
         raise HpcparError("stop strings are matched in the decoded text, and this checkpoint "
                           "has no tokenizer; convert the model from a folder that holds "
@@ -86,18 +88,24 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
     if any(s == "" for s in gen.stop):
         raise HpcparError("generate.stop holds an empty string, which every text contains; "
                           "give non-empty stop strings")
-    per_prompt = prompts.sampling_for(sampling)
     if (per_prompt.temperature == 0).all() and (gen.top_k or gen.top_p != 1.0 or gen.min_p):
         raise HpcparError("top_k / top_p / min_p cut the candidates of sampling, and every "
                           "prompt is greedy (temperature 0), so they would do nothing: set "
                           "--temperature above 0, or drop them")
+    for n, own in enumerate(prompts.sampling or []):
+        cuts = [k for k in ("top_k", "top_p", "min_p") if k in own]
+        if cuts and per_prompt.temperature[n] == 0:
+            raise HpcparError(f"{source}: prompt {n} sets {' / '.join(cuts)}, which cut the "
+                              "candidates of sampling, and it is greedy (temperature 0), so "
+                              "they would do nothing: give it a temperature above 0, or drop "
+                              "them")
     limits = prompts.limits(settings.max_new_tokens)
     over = np.flatnonzero(per_prompt.min_tokens > limits)
     if len(over):
         n = int(over[0])
-        raise HpcparError(f"prompt {n} asks for min_tokens {per_prompt.min_tokens[n]}, more than "
-                          f"its max_new_tokens {limits[n]}; lower min_tokens or raise "
-                          "max_new_tokens")
+        raise HpcparError(f"{source}: prompt {n} asks for min_tokens "
+                          f"{per_prompt.min_tokens[n]}, more than its max_new_tokens "
+                          f"{limits[n]}; lower min_tokens or raise max_new_tokens")
     return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
                           limits, per_prompt, eos_ids(ckpt), stops,
                           _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size))

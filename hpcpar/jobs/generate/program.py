@@ -161,10 +161,10 @@ class ReplicaProgram(ABC):
 
     def met_stop_string(self, row: int, generated: int) -> bool:
         """Whether row ``row``'s first ``generated`` new tokens hold one of its stop
-        strings (a pure function of them: every stage that keeps the books agrees); never
-        below the row's ``min_tokens``."""
-        return (self.stops is not None and generated >= self.min_tokens[row]
-                and self.stops.hit(int(self.global_rows[row]), self.tokens[row, :generated]))
+        strings (a pure function of them: every stage that keeps the books agrees; one
+        below the row's ``min_tokens`` does not count, ``StopStrings``)."""
+        return self.stops is not None and self.stops.hit(int(self.global_rows[row]),
+                                                         self.tokens[row, :generated])
 
     def ending(self, rows, tokens: np.ndarray) -> np.ndarray:
         """Whether each row's new token ends it: an EOS id (when rows stop at EOS) or one of

@@ -230,7 +230,7 @@ def _own_stop_ids(record: dict, where: str) -> tuple[int, ...] | None:
         return None
     value = record["stop_token_ids"]
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                              and t >= 0 for t in value):
+                                              and 0 <= t < 2 ** 63 for t in value):
         raise PromptError(f"{where}: \"stop_token_ids\" must be a list of token ids (integers "
                           f">= 0), got {json.dumps(value)[:80]}")
     return tuple(value)

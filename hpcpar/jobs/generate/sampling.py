@@ -141,10 +141,12 @@ def _penalized(head, local_logits, p: PromptSampling, history: History, xp, to_h
     repeat, subtract = np.concatenate(repeat), np.concatenate(subtract)
     where = (xp.asarray(rows), xp.asarray(cols))
     values = to_host(local_logits[where]).astype(np.float64)
-    values = np.where(values > 0, values / repeat, values * repeat)   # transformers' order:
-    values -= subtract                                                # repetition, then OpenAI's
+    with np.errstate(over="ignore"):            # an extreme penalty: the logit at +-inf
+        values = np.where(values > 0, values / repeat, values * repeat)   # transformers'
+        values -= subtract                                    # order: repetition, then OpenAI's
     out = local_logits.copy()
-    out[where] = xp.asarray(values.astype(out.dtype))
+    with np.errstate(over="ignore"):
+        out[where] = xp.asarray(values.astype(out.dtype))
     return out
 
 

@@ -20,15 +20,20 @@ FINISH_REASONS = ("eos", "stop", "length")
 
 
 class StopStrings:
-    """Each prompt's stop strings (by global prompt index) and the tokenizer that reads a
-    row's text."""
+    """Each prompt's stop strings (by global prompt index), the tokenizer that reads a row's
+    text, and each prompt's ``min_tokens``: as vLLM, a stop string counts only where it is
+    completed by the row's min_tokens-th token or a later one (one its first min_tokens - 1
+    tokens already hold does not end it, then or later)."""
 
-    def __init__(self, per_prompt: list[tuple[str, ...]], tokenizer):
+    def __init__(self, per_prompt: list[tuple[str, ...]], tokenizer,
+                 min_tokens: np.ndarray | None = None):
         self.per_prompt, self.tokenizer = per_prompt, tokenizer
+        self.min_tokens = (np.zeros(len(per_prompt), np.int64) if min_tokens is None
+                           else min_tokens)
 
     @classmethod
     def of(cls, job_stops: tuple[str, ...], own: list[tuple[str, ...] | None] | None,
-           count: int, tokenizer) -> "StopStrings | None":
+           count: int, tokenizer, min_tokens: np.ndarray | None = None) -> "StopStrings | None":
         """The job's stop strings for every prompt, a line's own where it has them; None
         when no prompt has any. Stop strings need the tokenizer: the checkpoint's is read
         here, and one that cannot be is an error."""
@@ -43,23 +48,31 @@ class StopStrings:
             return None
         if isinstance(tokenizer, StoredTokenizer):
             tokenizer.require("stop strings are matched in the decoded text, and ")
-        return cls(per_prompt, tokenizer)
+        return cls(per_prompt, tokenizer, min_tokens)
 
     def text(self, ids) -> str:
         return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
 
     def hit(self, prompt: int, ids) -> bool:
         """Whether the row of ``prompt`` with new tokens ``ids`` has met one of its strings."""
-        stops = self.per_prompt[prompt]
-        if not stops:
+        if not self.per_prompt[prompt] or len(ids) < self.min_tokens[prompt]:
             return False
-        text = self.text(ids)
-        return any(s in text for s in stops)
+        return self._first(prompt, self.text(ids), ids) is not None
 
-    def cut(self, prompt: int, text: str) -> tuple[str, bool]:
-        """``text`` up to its first stop string, and whether one was there."""
-        found = [i for s in self.per_prompt[prompt] if (i := text.find(s)) >= 0]
-        return (text[:min(found)], True) if found else (text, False)
+    def cut(self, prompt: int, text: str, ids) -> tuple[str, bool]:
+        """``text`` (of new tokens ``ids``) up to its first stop string that counts, and
+        whether one was there."""
+        first = self._first(prompt, text, ids)
+        return (text, False) if first is None else (text[:first], True)
+
+    def _first(self, prompt: int, text: str, ids) -> int | None:
+        """Where the first counting stop string of ``text`` starts: one that ends past the
+        text of the row's first min_tokens - 1 tokens."""
+        floor = self.min_tokens[prompt] - 1
+        held = len(self.text(ids[:floor])) if floor > 0 else 0
+        found = [i for s in self.per_prompt[prompt]
+                 if (i := text.find(s, max(0, held - len(s) + 1))) >= 0]
+        return min(found) if found else None
 
 
 def finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...],
@@ -90,7 +103,7 @@ def decode_rows(tokenizer, tokens: np.ndarray, lengths: np.ndarray,
     for r, row, n in zip(rows, tokens, lengths):
         text = tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
         if stops is not None:
-            text, hit = stops.cut(r, text)
+            text, hit = stops.cut(r, text, row[:n])
         else:
             hit = False
         texts.append(text)
