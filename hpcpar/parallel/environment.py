@@ -208,10 +208,10 @@ def problem(name: str, value: Any, rule: Range | None) -> str | None:
         if isinstance(item, bool) or not isinstance(item, (int, float)):
             continue                                   # the type check reports it
         shown = list(value) if isinstance(value, (list, tuple)) else value
+        if (isinstance(item, float) and not math.isfinite(item)) or not rule.contains(item):
+            return f"{name} must be {rule.describe()}, got {shown}"
         if isinstance(item, int) and abs(item) >= INT64_LIMIT:     # nothing holds it
             return f"{name} must be {rule.describe()} and below 2^63, got {shown}"
-        if not math.isfinite(item) or not rule.contains(item):
-            return f"{name} must be {rule.describe()}, got {shown}"
     return None
 
 

@@ -275,7 +275,7 @@ class ContinuousProgram(ReplicaProgram):
             self.worked += 1 + (len(self.prompt_ids[p]) if k == 0 else 0)
             self.tokens[p, k] = tokens[slot]
             self.generated[p] = k + 1
-            if (self.ending([p], tokens[slot:slot + 1])[0] or k + 1 >= self.limit[p]
+            if (self.ends(p, int(tokens[slot])) or k + 1 >= self.limit[p]
                     or self.met_stop_string(p, k + 1)):
                 self.done[p] = True
                 self.lengths[p] = k + 1

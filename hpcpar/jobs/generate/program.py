@@ -114,6 +114,7 @@ class ReplicaProgram(ABC):
         self.done = np.zeros(rows, dtype=bool)
         self.worked = 0          # tokens done: prompts prefilled and tokens generated
         self.eos = np.asarray(rules.eos_ids if settings.stop_at_eos else (), dtype=np.int64)
+        self.eos_set = set(self.eos.tolist())
         self.pad_id = pad_id
         self.prompt_logits: dict[int, np.ndarray] = {}             # mb -> (b, L, vocab)
         self.inputs: dict[int, object] = {}
@@ -173,6 +174,11 @@ class ReplicaProgram(ABC):
         if self.stop_ids is not None:
             out |= np.array([t in self.stop_ids[r] for r, t in zip(rows, tokens)], dtype=bool)
         return out
+
+    def ends(self, row: int, token: int) -> bool:
+        """``ending`` of one row (the continuous program's, token by token)."""
+        return token in self.eos_set or (self.stop_ids is not None
+                                         and token in self.stop_ids[row])
 
     def history(self, rows, prompts: list[np.ndarray], generated: list[np.ndarray]) -> History:
         """What rows ``rows`` (indices here) have seen, for the penalties, and the ids each
