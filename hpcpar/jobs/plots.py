@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from pathlib import Path
 
 from ..checkpoint.files import AtomicPath, check_writable, writing
 from ..parallel.errors import HpcparError
-from .show import read_metrics, read_trace
+from .show import inside, outermost, read_metrics, read_trace
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("tokens_per_s", "tokens/s"))
@@ -100,8 +99,8 @@ def _timeline(pyplot, path: Path):
             bars = [_bar(e, start) for e in work if e.get("args", {}).get("micro-batch", 0) == mb]
             ax.broken_barh(bars, (row - 0.4, 0.8), lw=0,
                            color=MICRO_BATCH_COLOURS[mb % len(MICRO_BATCH_COLOURS)])
-        inside = _intervals(work)
-        comm = [_bar(e, start) for e in mine if e["cat"] == "comm" and not _within(e, inside)]
+        passes = outermost(work)
+        comm = [_bar(e, start) for e in mine if e["cat"] == "comm" and not inside(e, passes)]
         ax.broken_barh(comm, (row - 0.4, 0.8), color=COMM_COLOUR, lw=0)
         waits = [_bar(e, start) for e in mine if e["cat"] == "wait"]
         ax.broken_barh(waits, (row - 0.15, 0.3), color=WAIT_COLOUR, lw=0)
@@ -124,13 +123,3 @@ def _timeline(pyplot, path: Path):
 def _bar(event: dict, start: float) -> tuple[float, float]:
     """(start, width) in milliseconds from ``start`` (microseconds)."""
     return (event["ts"] - start) / 1e3, event["dur"] / 1e3
-
-
-def _intervals(events: list[dict]) -> list[tuple[float, float]]:
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
-
-
-def _within(event: dict, intervals: list[tuple[float, float]]) -> bool:
-    """Whether ``event`` lies inside one of the sorted ``intervals``."""
-    i = bisect_right(intervals, (event["ts"], float("inf"))) - 1
-    return i >= 0 and intervals[i][1] >= event["ts"] + event["dur"]

@@ -220,11 +220,11 @@ def _trace(path: Path) -> dict:
     ranks = []
     for pid in sorted(names):
         mine = [e for e in spans if e["pid"] == pid]
-        work = _outermost([e for e in mine if e["cat"] == "compute"])
+        work = outermost([e for e in mine if e["cat"] == "compute"])
         start = min((e["ts"] for e in work), default=0.0)
         end = max((e["ts"] + e["dur"] for e in work), default=0.0)
-        outside = [e for e in _outermost([e for e in mine if e["cat"] in ("wait", "comm")])
-                   if not _inside(e, work)]
+        outside = [e for e in outermost([e for e in mine if e["cat"] in ("wait", "comm")])
+                   if not inside(e, work)]
         seconds = {"compute": sum(e["dur"] for e in work) / 1e6}
         for cat in ("wait", "comm"):
             seconds[cat] = sum(max(0.0, min(e["ts"] + e["dur"], end) - max(e["ts"], start))
@@ -238,8 +238,9 @@ def _trace(path: Path) -> dict:
             "ranks": ranks}
 
 
-def _outermost(events: list[dict]) -> list[dict]:
-    """The events not inside another of ``events`` (spans of a track nest or are apart)."""
+def outermost(events: list[dict]) -> list[dict]:
+    """The events not inside another of ``events`` (spans of a track nest or are apart),
+    sorted by start."""
     out: list[dict] = []
     for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
         if not out or e["ts"] >= out[-1]["ts"] + out[-1]["dur"]:
@@ -247,7 +248,7 @@ def _outermost(events: list[dict]) -> list[dict]:
     return out
 
 
-def _inside(event: dict, spans: list[dict]) -> bool:
+def inside(event: dict, spans: list[dict]) -> bool:
     """Whether ``event`` lies within one of ``spans`` (sorted, apart)."""
     i = bisect_right([s["ts"] for s in spans], event["ts"]) - 1
     return i >= 0 and event["ts"] + event["dur"] <= spans[i]["ts"] + spans[i]["dur"]

@@ -266,7 +266,6 @@ class ContinuousProgram(ReplicaProgram):
         producing = s.new if self._refill(mb, step) else np.flatnonzero(s.active(self.done))
         if not self.stage.last:
             self.step_tokens[mb][:] = tokens
-        finished = 0
         for slot in producing:
             p = int(s.prompt[slot])
             if self.done[p]:
@@ -279,9 +278,8 @@ class ContinuousProgram(ReplicaProgram):
                     or self.met_stop_string(p, k + 1)):
                 self.done[p] = True
                 self.lengths[p] = k + 1
-                finished += 1
         if self.events is not None:
-            self.events.rows(finished, len(producing))
+            self.events.stepped()
 
     def finish(self) -> None:
         """Per micro-batch prompt logits, in the static layout ``_collect`` sends."""

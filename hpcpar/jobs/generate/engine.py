@@ -215,7 +215,7 @@ class GenerationRun(JobRun):
                                    save_interval(), self.bar.heard if self.bar else None)
         return program, actions, mbs
 
-    def rows(self, finished: int, tokens: int) -> None:
+    def stepped(self) -> None:
         """After every step's tokens (``WaveEvents``): finished rows and the progress on
         their way to rank 0."""
         if self.bar:

@@ -55,8 +55,8 @@ class RowRules:
 class WaveEvents(Protocol):
     """What a generation program tells its job, and asks it, as it runs."""
 
-    def rows(self, finished: int, tokens: int) -> None:
-        """A step's new tokens and the rows it finished."""
+    def stepped(self) -> None:
+        """A step's tokens are recorded (the rows' results and ``worked`` count)."""
 
     def stop_requested(self) -> bool:
         """Whether this rank was asked to stop (polled by the first stage)."""
@@ -94,8 +94,8 @@ class ReplicaProgram(ABC):
 
     def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], rules: RowRules, backend,
                  events: WaveEvents | None = None, cp=None):
-        """``rules``: what the rows run under (``RowRules``). ``events``: told each step's
-        new tokens and finished rows; its ``stop_requested`` is polled by the first stage
+        """``rules``: what the rows run under (``RowRules``). ``events``: told after
+        each step (``stepped``); its ``stop_requested`` is polled by the first stage
         before each forward, and once its tp ranks agree on a stop, every micro-batch is
         retired there (the STOP reaches the other stages with the activations) and only
         finished rows count. ``cp``: the context-parallel group (a ``Communicator``) the
@@ -319,4 +319,4 @@ class GenerationProgram(ReplicaProgram):
         self.done[rows] = done | hit
         self.worked += int((~done).sum()) + (int(batch.lengths.sum()) if step == 0 else 0)
         if self.events is not None:
-            self.events.rows(int(hit.sum()), int((~done).sum()))
+            self.events.stepped()
