@@ -191,17 +191,28 @@ def test_a_damaged_partial_file_is_one_clear_error(work):
     assert partial.exists() and not (work / "damaged.h5").exists()
 
 
-def test_a_finished_rows_message_unpacks_to_what_was_packed():
-    from hpcpar.jobs.generate.stream import pack, unpack
+@pytest.mark.parametrize("logprobs", [(-1, -1), (3, -1), (0, 2)])
+def test_a_finished_rows_message_unpacks_to_what_was_packed(logprobs):
+    """Every array of the rows, the log-probabilities' floats bit for bit (NaN included)."""
+    from hpcpar.jobs.generate.results import ResultShape, RowResults
+    shape = ResultShape(5, *logprobs, prompt_width=4 if logprobs[1] >= 0 else 0)
     rng = np.random.default_rng(0)
-    prompts, lengths = np.array([7, 2, 11]), np.array([5, 1, 3])
-    tokens = rng.integers(0, 1000, (3, 5))
-    p, t, n = unpack(pack(prompts, tokens, lengths), 5)
-    np.testing.assert_array_equal(p, prompts)
-    np.testing.assert_array_equal(t, tokens)
-    np.testing.assert_array_equal(n, lengths)
-    p, t, n = unpack(pack(prompts[:0], tokens[:0], lengths[:0]), 5)
-    assert len(p) == len(n) == 0 and t.shape == (0, 5)
+    rows = RowResults.empty(3, shape, pad_id=2)
+    for name, values in rows.arrays.items():
+        if values.dtype.kind == "f":
+            values[:] = rng.normal(size=values.shape).astype(values.dtype)
+            values[..., 0] = np.nan
+        else:
+            values[:] = rng.integers(-1, 1000, values.shape)
+    prompts = np.array([7, 2, 11])
+    got_prompts, got = RowResults.unpack(rows.pack(prompts), shape)
+    np.testing.assert_array_equal(got_prompts, prompts)
+    assert set(got.arrays) == set(rows.arrays) == set(shape.specs())
+    for name, values in rows.arrays.items():
+        assert got.arrays[name].dtype == values.dtype
+        np.testing.assert_array_equal(got.arrays[name], values, err_msg=name)
+    got_prompts, got = RowResults.unpack(rows.take(slice(0, 0)).pack(prompts[:0]), shape)
+    assert len(got_prompts) == len(got) == 0 and got.tokens.shape == (0, 5)
 
 
 def test_a_signal_to_a_rank_of_another_node_stops_the_generation_within_steps(work):

@@ -20,6 +20,11 @@ from .mappings import CopyToGroup, ReduceFromGroup
 from .ops import Ops, embedding_lookup, native_ops
 from .params import Parameter
 
+# float32 logits of one block of positions, per rank, in a pass over many positions (scoring,
+# prompt log-probabilities; the head's output is [rows, block, vocab/tp]): about 256 MiB,
+# 512 positions of 16 rows of a 128k vocabulary at tp 1
+LOGITS_BLOCK_BYTES = 256 << 20
+
 
 def _vocab_rows(tp: Communicator, table, name: str, what: str) -> Parameter:
     """This rank's vocabulary rows of ``table``, zero rows after the vocabulary's end (the
@@ -200,6 +205,14 @@ class VocabParallelCrossEntropy:
         self._check(logits, labels)
         m, sums, _ = self._reduced(logits, labels)
         return self.ce.row_losses(sums, m)
+
+    def label_logprobs(self, logits, labels):
+        """(log p(label) (N,), the log of each row's normalizer, logsumexp z (N,)): a row's
+        log-softmax at any logit v is v minus the second. ``logits`` is overwritten."""
+        self._check(logits, labels)
+        m, sums, _ = self._reduced(logits, labels)
+        normalizer = self.ce.xp.log(sums[0]) + m
+        return sums[1] - normalizer, normalizer
 
     def _reduced(self, logits, labels):
         """The row max and the sums [sum exp(z - m), z_t] over the whole vocabulary."""

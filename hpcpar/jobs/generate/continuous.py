@@ -198,7 +198,7 @@ class ContinuousProgram(ReplicaProgram):
             ids, rows, shard = split_batch(xp, self._prefill_ids(a.mb), lengths, self.cp)
             x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
             y = stage.forward(x, rows, CacheRows(cache, xp.asarray(s.new)),
-                              self.prefill_keep(lengths))
+                              self.prefill_keep(lengths, s.prompt[s.new]))
             s.position[s.new] = lengths
             if split is not None:
                 split.prefilled(shard, lengths, s.new)
@@ -242,7 +242,9 @@ class ContinuousProgram(ReplicaProgram):
                 full = self.backend.to_host(stage.head.full_logits(stage.logits(y)))
                 for j, p in enumerate(s.prompt[slots]):
                     self.logits_of[int(p)] = full[j, :lengths[j]]
-            last = stage.logits(self.last_states(y, lengths, self.prefill_keep(lengths),
+            self.read_prompt_logprobs(y, self._prefill_ids(mb), lengths, s.prompt[slots])
+            last = stage.logits(self.last_states(y, lengths,
+                                                 self.prefill_keep(lengths, s.prompt[slots]),
                                                  self.shards.pop(mb, None)))
         else:
             slots = np.arange(len(s.prompt))
@@ -255,6 +257,8 @@ class ContinuousProgram(ReplicaProgram):
         tokens = next_tokens(stage.head, last[:, 0], self.sampling,
                              self.global_rows[prompts], self.generated[prompts],
                              self.backend.to_host, history)
+        live = np.isin(slots, self._producing(mb, step)) & ~self.done[prompts]
+        self.read_logprobs(last[:, 0], tokens, prompts, self.generated[prompts], live)
         self.step_tokens[mb][slots] = tokens
         self._record(mb, step, self.step_tokens[mb])
 
@@ -263,7 +267,7 @@ class ContinuousProgram(ReplicaProgram):
         refill, the new ones alone); a row is done at EOS or its own limit. The first stage
         keeps the same books from the tokens the last stage sends back."""
         s = self.slots[mb]
-        producing = s.new if self._refill(mb, step) else np.flatnonzero(s.active(self.done))
+        producing = self._producing(mb, step)
         if not self.stage.last:
             self.step_tokens[mb][:] = tokens
         for slot in producing:
@@ -280,6 +284,12 @@ class ContinuousProgram(ReplicaProgram):
                 self.lengths[p] = k + 1
         if self.events is not None:
             self.events.stepped()
+
+    def _producing(self, mb: int, step: int) -> np.ndarray:
+        """The slots whose row gets a token at this step: every active one, or after a
+        refill the new ones alone."""
+        s = self.slots[mb]
+        return s.new if self._refill(mb, step) else np.flatnonzero(s.active(self.done))
 
     def finish(self) -> None:
         """Per micro-batch prompt logits, in the static layout ``_collect`` sends."""

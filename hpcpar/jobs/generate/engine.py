@@ -28,11 +28,12 @@ from ..skeleton import JobRun
 from .batching import micro_batches, replica_rows
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .output import JsonLines, PartialOutput, RunShape, unpad_into
-from .plan import GenerationPlan, describe_row, fingerprint, validate
+from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
 from .program import GenerationProgram, RowRules, any_rank
 from .progress import GenerationProgress
 from .prompts import Prompts
 from .report import RankFigures, RunReport
+from .results import Logprobs, RowResults
 from .schedule import generation
 from .setup import open_stage
 from .stopping import decode_rows, finish_reasons
@@ -51,7 +52,9 @@ class GenerationResult:
     prompt_logits: np.ndarray | None      # (batch, max prompt length, vocab), NaN past the end
     texts: list[str] | None
     report: RunReport
-    finish_reasons: list[str]             # eos or length, by prompt
+    finish_reasons: list[str]             # eos, stop or length, by prompt
+    logprobs: Logprobs | None = None      # the new tokens' (None: no prompt asked)
+    prompt_logprobs: Logprobs | None = None   # the prompts' tokens' (column t: token t)
 
 
 class GenerationRun(JobRun):
@@ -80,7 +83,7 @@ class GenerationRun(JobRun):
         plan, cfg, world = self.plan, self.ckpt.config, self.ranks.world
         eos = plan.eos
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-        n_prompts, max_new = len(plan.prompts), plan.settings.max_new_tokens
+        n_prompts = len(plan.prompts)
         with phase("opening the output file"):
             everyone(self.comm, self._open_output)
         self.done = np.zeros(n_prompts, dtype=np.int64)    # prompts a stopped run finished
@@ -90,8 +93,7 @@ class GenerationRun(JobRun):
         self.todo = waves_of(np.flatnonzero(self.done == 0), self.job.generate.wave_size)
         if self.rank == 0 and self.progress and self.todo:
             self.bar = GenerationProgress(plan, np.concatenate(self.todo))
-        self.tokens = np.full((n_prompts, max_new), self.pad_id, dtype=np.int64)
-        self.lengths = np.zeros(n_prompts, dtype=np.int64)
+        self.results = RowResults.empty(n_prompts, plan.results, self.pad_id)
         self.logits = None
         if self.rank == 0 and plan.settings.save_logits and self.out is None:   # in memory
             self.logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size),
@@ -107,22 +109,24 @@ class GenerationRun(JobRun):
         job, plan = self.job, self.plan
         if self.rank != 0 or not job.output.path:
             return
-        shape = RunShape(fingerprint(job, self.ckpt, plan), plan.settings.max_new_tokens,
+        shape = RunShape(fingerprint(job, self.ckpt, plan), plan.results,
                          np.asarray(plan.prompts.lengths, np.int64), plan.limits,
                          self.ckpt.config.vocab_size, plan.settings.save_logits)
         lines = None
         if Path(job.output.path).suffix.lower() == ".jsonl":
-            lines = JsonLines(Path(job.output.path), partial(describe_row, plan))
+            lines = JsonLines(Path(job.output.path), partial(describe_row, plan),
+                              partial(logprob_fields, plan))
         self.out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
 
-    def _received(self, rows, row_tokens, row_lengths) -> None:          # rank 0
-        self.tokens[rows], self.lengths[rows], self.done[rows] = row_tokens, row_lengths, 1
+    def _received(self, rows, results: RowResults) -> None:          # rank 0
+        self.results.put(rows, results)
+        self.done[rows] = 1
         if self.live:
-            self.out.finish_rows(rows, row_tokens, row_lengths)
+            self.out.finish_rows(rows, results)
             if self.out.failed:                 # end the wave soon; reported after it
                 self.stop.requested = True
         if self.bar:
-            self.bar.rows_finished(rows, row_lengths)
+            self.bar.rows_finished(rows, results.lengths)
 
     def _wave_and_verdict(self, wave: np.ndarray, last: bool) -> None:
         """Run ``wave``, save its finished rows, and agree on whether to go on: a failed
@@ -136,7 +140,7 @@ class GenerationRun(JobRun):
             unfinished = int((~finished).sum())
             if out is not None and not self.live and finished.any():
                 rows = wave[finished]
-                out.finish_rows(rows, self.tokens[rows], self.lengths[rows])
+                out.finish_rows(rows, self.results.take(rows))
         if self.bar:
             self.bar.wave_done()
         failed = out is not None and out.failed is not None
@@ -198,7 +202,7 @@ class GenerationRun(JobRun):
         rows = _wave_rows(wave, layout.dp, ranks.mesh.coord("dp"))
         mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
         rules = RowRules(settings, plan.eos, self.pad_id, plan.limits, plan.sampling,
-                         plan.stops, plan.stop_ids)
+                         plan.stops, plan.stop_ids, plan.results)
         if settings.batching == "continuous":
             width = rows_in_flight(settings, stage, mbs, plan.limits, backend, ranks.world,
                                    ranks.cp)
@@ -211,7 +215,7 @@ class GenerationRun(JobRun):
                        [ranks.mesh.coord("pp")] if mbs else [])
         rank0 = ranks.world.rank == 0
         self.stream = FinishedRows(ranks.world, layout, ranks.board, program,
-                                   settings.max_new_tokens, self._received if rank0 else None,
+                                   self._received if rank0 else None,
                                    save_interval(), self.bar.heard if self.bar else None)
         return program, actions, mbs
 
@@ -252,7 +256,7 @@ class GenerationRun(JobRun):
                 s = plan.settings
                 attrs = self.run_attrs(ranks.backend.name, ranks.tp.kind) | {
                     "prompts": self.job.data.prompts, "max_new_tokens": s.max_new_tokens,
-                    **vars(s.sampling), "stop": json.dumps(list(self.job.generate.stop)),
+                    **{k: v for k, v in vars(s.sampling).items() if v is not None}, "stop": json.dumps(list(self.job.generate.stop)),
                     "stop_token_ids": json.dumps(list(self.job.generate.stop_token_ids)),
                     "stop_at_eos": s.stop_at_eos}
                 self.out.complete(attrs | result.report.attrs(), result.texts,
@@ -267,8 +271,8 @@ class GenerationRun(JobRun):
         """Rank 0's result: every prompt's tokens (with those earlier runs finished, from
         the output), texts, finish reasons and the run's report."""
         plan, todo = self.plan, self.todo
-        tokens, lengths = (self.out.results() if self.out is not None
-                           else (self.tokens, self.lengths))
+        results = self.out.results() if self.out is not None else self.results
+        tokens, lengths = results.tokens, results.lengths
         texts, stopped = decode_rows(plan.tokenizer, tokens, lengths, plan.stops)
         ran = sum(len(w) for w in todo)
         ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
@@ -277,7 +281,8 @@ class GenerationRun(JobRun):
         reasons = finish_reasons(tokens, lengths, plan.eos, plan.settings.stop_at_eos, stopped,
                                  plan.stop_ids)
         return GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, np.int64),
-                                self.logits, texts, report, reasons)
+                                self.logits, texts, report, reasons, results.logprobs,
+                                results.prompt_logprobs)
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,

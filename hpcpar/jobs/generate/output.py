@@ -26,6 +26,7 @@ from ...checkpoint.files import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_spac
                                  quiet_deallocation, remove_stale_temporaries, reserve,
                                  write_point, writing)
 from ...parallel.errors import HpcparError
+from .results import ResultShape, RowResults
 
 
 def unpad_into(logits, mb, full: np.ndarray) -> None:
@@ -41,7 +42,7 @@ class RunShape:
     key on resume) and the shapes and limits its datasets follow."""
 
     run: dict                        # the settings a resumed run must share (``_fingerprint``)
-    max_new_tokens: int
+    results: ResultShape             # the rows' results: one dataset each
     prompt_lengths: np.ndarray       # (count,)
     limits: np.ndarray               # (count,) each prompt's max_new_tokens
     vocab: int
@@ -52,11 +53,17 @@ class RunShape:
         return len(self.prompt_lengths)
 
     @property
+    def max_new_tokens(self) -> int:
+        return self.results.max_new_tokens
+
+    @property
     def nbytes(self) -> int:
         """The partial file's datasets, in bytes."""
         n = self.count
         logits = n * int(max(self.prompt_lengths)) * self.vocab * 4 if self.save_logits else 0
-        return n * (self.max_new_tokens * 8 + 8 + 8 + 1) + logits
+        rows = sum(int(np.prod(row, dtype=np.int64)) * dtype.itemsize
+                   for row, dtype, _ in self.results.specs().values())
+        return n * (rows + 8 + 1) + logits
 
 
 # the fingerprint's keys, as a refused resume names them
@@ -95,8 +102,9 @@ def damage(f: h5py.File, shape: RunShape) -> str | None:
     """What is wrong with the open partial file ``f`` of a run of ``shape``, or None: every
     dataset's presence, shape and type, then the finished rows' values."""
     n, width = shape.count, shape.max_new_tokens
-    expected = {"tokens": ((n, width), "i"), "lengths": ((n,), "i"),
-                "prompt_lengths": ((n,), "i"), "done": ((n,), "b")}
+    expected = {name: ((n,) + row, dtype.kind)
+                for name, (row, dtype, _) in shape.results.specs().items()}
+    expected |= {"prompt_lengths": ((n,), "i"), "done": ((n,), "b")}
     if shape.save_logits:
         expected["prompt_logits"] = ((n, int(max(shape.prompt_lengths)), shape.vocab), "f")
     for name, (want, kind) in expected.items():
@@ -156,12 +164,13 @@ class JsonLines:
     into place at the end. The partial HDF5 file stays the resumable record: a resumed run
     writes the lines again from it."""
 
-    def __init__(self, path: Path, describe):
+    def __init__(self, path: Path, describe, more=None):
         """``describe(prompt, tokens_row, length)``: the row's text (None without a
-        tokenizer) and why it ended."""
+        tokenizer) and why it ended; ``more(prompt, results)``: the line's other fields
+        (its log-probabilities)."""
         self.path = path
         self.tmp = path.with_name(f".{path.name}.lines")
-        self.describe = describe
+        self.describe, self.more = describe, more
         self.written = 0
         self.file = None
 
@@ -169,16 +178,18 @@ class JsonLines:
         self.file = open(self.tmp, "w", encoding="utf-8")
         self.written = 0
 
-    def extend(self, tokens: np.ndarray, lengths: np.ndarray, done: np.ndarray,
-               prompt_lengths: np.ndarray) -> None:
+    def extend(self, results: RowResults, done: np.ndarray, prompt_lengths: np.ndarray) -> None:
         """Write the lines of the finished prompts that now follow the written ones."""
         end = self.written
         while end < len(done) and done[end]:
             end += 1
+        tokens, lengths = results.tokens, results.lengths
         for r in range(self.written, end):
             text, reason = self.describe(r, tokens[r], lengths[r])
             line = dict(zip(JSONL_KEYS, (r, text, tokens[r, :lengths[r]].tolist(), reason,
                                          int(prompt_lengths[r]), int(lengths[r]))))
+            if self.more is not None:
+                line |= self.more(r, results)
             self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
         if end > self.written:
             write_point(self.tmp)
@@ -222,7 +233,7 @@ class PartialOutput:
         self.failed: WriteError | None = None
         self.file: h5py.File | None = None
         self.lines = lines
-        self.mirror = None          # (tokens, lengths, done) in memory, for the lines
+        self.mirror = None          # (RowResults, done) in memory, for the lines
         remove_stale_temporaries(self.path)
         if resume not in (None, "auto"):
             raise HpcparError(f"generate.resume must be 'auto' or absent, got {resume!r}")
@@ -232,8 +243,7 @@ class PartialOutput:
         else:
             self._write(self._create)
         if lines is not None and not self.failed:
-            f = self.file
-            self.mirror = (f["tokens"][()], f["lengths"][()], f["done"][()])
+            self.mirror = (self.results(), self.done)
             self._write(lambda: (lines.start(), self._extend_lines()))
         if self.failed:
             raise self.failed
@@ -250,8 +260,8 @@ class PartialOutput:
         f, n = self.file, self.shape.count
         f.attrs["run"] = json.dumps(self.shape.run, sort_keys=True)
         # written out now, so that marking rows done later only overwrites bytes in place
-        f.create_dataset("tokens", data=np.zeros((n, self.shape.max_new_tokens), np.int64))
-        f.create_dataset("lengths", data=np.zeros(n, np.int64))
+        for name, values in RowResults.empty(n, self.shape.results).arrays.items():
+            f.create_dataset(name, data=values)
         f.create_dataset("prompt_lengths", data=np.asarray(self.shape.prompt_lengths,
                                                            np.int64))
         f.create_dataset("done", data=np.zeros(n, bool))
@@ -306,27 +316,26 @@ class PartialOutput:
     def done(self) -> np.ndarray:
         return self.file["done"][()]
 
-    def finish_rows(self, rows: np.ndarray, tokens, lengths) -> None:
-        """Finished prompts (global indices) and their results. Their tokens reach the disk
+    def finish_rows(self, rows: np.ndarray, results: RowResults) -> None:
+        """Finished prompts (global indices) and their results. Their results reach the disk
         before they are marked done, so a process killed in between loses the mark, not
-        the tokens behind it."""
+        the results behind it."""
         rows = np.asarray(rows, dtype=np.int64)
         order = np.argsort(rows)
-        rows = list(rows[order])
+        rows, results = list(rows[order]), results.take(order)
 
         def work():
             f = self.file
-            f["tokens"][rows] = np.asarray(tokens)[order]
-            f["lengths"][rows] = np.asarray(lengths)[order]
+            for name, values in results.arrays.items():
+                f[name][rows] = values
             write_point(self.partial)
             f.flush()
             f["done"][rows] = True
             f.flush()
             if self.mirror is not None:
-                m_tokens, m_lengths, m_done = self.mirror
-                m_tokens[rows], m_lengths[rows] = np.asarray(tokens)[order], np.asarray(
-                    lengths)[order]
-                m_done[rows] = True
+                mirror, done = self.mirror
+                mirror.put(rows, results)
+                done[rows] = True
                 self._extend_lines()
 
         self._write(work)
@@ -335,9 +344,10 @@ class PartialOutput:
         """A micro-batch's prompt logits (``unpad_into``)."""
         self._write(lambda: unpad_into(self.file["prompt_logits"], mb, full))
 
-    def results(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every prompt's tokens and lengths, this run's and the earlier runs' alike."""
-        return self.file["tokens"][()], self.file["lengths"][()]
+    def results(self) -> RowResults:
+        """Every prompt's results, this run's and the earlier runs' alike."""
+        return RowResults(self.shape.results, {name: self.file[name][()]
+                                               for name in self.shape.results.specs()})
 
     def complete(self, attrs: dict, texts: list[str] | None, reasons: list[str]) -> None:
         """Add the text, each row's finish reason and the run's attributes, then rename the

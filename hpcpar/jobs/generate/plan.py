@@ -14,12 +14,14 @@ import numpy as np
 from ...checkpoint import Checkpoint
 from ...checkpoint.files import check_output
 from ...models.chat import ChatTemplate
+from ...models.tokenizer import StoredTokenizer
 from ...parallel.dtypes import dtype_name, float_dtype
 from ...parallel.errors import HpcparError
 from ..job import Job
 from ..layout import ParallelConfig
 from .program import GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
+from .results import Logprobs, ResultShape, RowResults
 from .sampling import PromptSampling, SamplingParams
 from .setup import eos_ids, load_tokenizer
 from .stopping import StopStrings, decode_rows, finish_reasons
@@ -37,6 +39,13 @@ class GenerationPlan:
     eos: tuple[int, ...]               # every id that ends a row
     stops: StopStrings | None          # each prompt's stop strings (None: no prompt has any)
     stop_ids: list[np.ndarray] | None = None   # each prompt's stop_token_ids (None: none)
+
+    @property
+    def results(self) -> ResultShape:
+        """What the rows keep: their tokens, and the log-probabilities the prompts ask."""
+        s, prompt_k = self.sampling, int(self.sampling.prompt_logprobs.max(initial=-1))
+        return ResultShape(self.settings.max_new_tokens, int(s.logprobs.max(initial=-1)),
+                           prompt_k, max(self.prompts.lengths) if prompt_k >= 0 else 0)
 
 
 def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> GenerationPlan:
@@ -99,6 +108,7 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
                               "candidates of sampling, and it is greedy (temperature 0), so "
                               "they would do nothing: give it a temperature above 0, or drop "
                               "them")
+    _check_logprobs(per_prompt, layout, cfg.vocab_size, source)
     limits = prompts.limits(settings.max_new_tokens)
     over = np.flatnonzero(per_prompt.min_tokens > limits)
     if len(over):
@@ -109,6 +119,20 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
     return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
                           limits, per_prompt, eos_ids(ckpt), stops,
                           _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size))
+
+
+def _check_logprobs(per_prompt: PromptSampling, layout: ParallelConfig, vocab: int,
+                    source: str) -> None:
+    """Log-probabilities a run can give: prompt log-probs need every position's states on
+    one rank (not split over cp), and K alternatives need a vocabulary of K tokens."""
+    if layout.cp > 1 and (per_prompt.prompt_logprobs >= 0).any():
+        raise HpcparError(f"cp {layout.cp} with prompt_logprobs: the states of a prompt split "
+                          "over cp are not gathered for them; drop one of them")
+    for key in ("logprobs", "prompt_logprobs"):
+        k = int(getattr(per_prompt, key).max(initial=-1))
+        if k > vocab:
+            raise HpcparError(f"{source}: {key} {k} asks for more alternatives than the "
+                              f"model's {vocab} tokens; give at most {vocab}")
 
 
 def _stop_ids(job_ids: tuple[int, ...], prompts: Prompts,
@@ -160,6 +184,41 @@ def fingerprint(job: Job, ckpt: Checkpoint, plan: GenerationPlan) -> dict:
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
         "stop": list(job.generate.stop), "stop_token_ids": list(job.generate.stop_token_ids),
         "dtype": dtype_name(plan.dtype)}
+
+
+def logprob_fields(plan: GenerationPlan, prompt: int, results: RowResults) -> dict:
+    """A finished row's log-probabilities for its JSON line, where its prompt asks for them:
+    ``logprobs`` (one entry per new token) and ``prompt_logprobs`` (null for the first prompt
+    token, then one per token), each ``{"token_id", "token", "logprob", "top_logprobs"}``,
+    the alternatives most likely first (``token``: its text, where there is a tokenizer)."""
+    out, r = {}, prompt
+    token = _token_text(plan.tokenizer)
+    found = results.logprobs
+    if found is not None and plan.sampling.logprobs[r] >= 0:
+        n = int(results.lengths[r])
+        out["logprobs"] = [_entry(int(results.tokens[r, t]), found, r, t, token)
+                           for t in range(n)]
+    found = results.prompt_logprobs
+    if found is not None and plan.sampling.prompt_logprobs[r] >= 0:
+        ids = plan.prompts.ids[r]
+        out["prompt_logprobs"] = [None] + [_entry(int(ids[t]), found, r, t, token)
+                                           for t in range(1, len(ids))]
+    return out
+
+
+def _entry(token_id: int, found: Logprobs, row: int, column: int, token) -> dict:
+    """One position's JSON entry."""
+    top = [{"token_id": int(i), **token(int(i)), "logprob": float(v)}
+           for i, v in zip(found.top_ids[row, column], found.top[row, column]) if i >= 0]
+    return {"token_id": token_id, **token(token_id),
+            "logprob": float(found.values[row, column]), "top_logprobs": top}
+
+
+def _token_text(tokenizer):
+    """id -> {"token": its text}, or {} without a usable tokenizer."""
+    if tokenizer is None or (isinstance(tokenizer, StoredTokenizer) and not tokenizer.usable()):
+        return lambda i: {}
+    return lambda i: {"token": tokenizer.decode([i], skip_special_tokens=False)}
 
 
 def describe_row(plan: GenerationPlan, prompt: int, row: np.ndarray, length: int):

@@ -22,6 +22,8 @@ from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from .batching import MicroBatch, replica_order
+from .logprobs import LogprobReader
+from .results import ResultShape, RowResults
 from .sampling import History, PromptSampling, SamplingParams, needs_history, next_tokens, of_rows
 from .stopping import StopStrings
 
@@ -50,6 +52,11 @@ class RowRules:
     sampling: PromptSampling | None = None
     stops: StopStrings | None = None
     stop_ids: list[np.ndarray] | None = None     # each prompt's stop_token_ids (None: none)
+    results: ResultShape | None = None   # what rows keep (None: their tokens alone)
+
+    @property
+    def shape(self) -> ResultShape:
+        return self.results or ResultShape(self.settings.max_new_tokens)
 
 
 class WaveEvents(Protocol):
@@ -109,8 +116,10 @@ class ReplicaProgram(ABC):
         self.global_rows = replica_order(mbs)                      # prompt of each row
         self.limit = (limits[self.global_rows] if limits is not None
                       else np.full(rows, n, dtype=np.int64))       # each row's own limit
-        self.tokens = np.full((rows, n), pad_id, dtype=np.int64)   # new tokens
-        self.lengths = np.full(rows, n, dtype=np.int64)            # tokens up to EOS
+        self.results = RowResults.empty(rows, rules.shape, pad_id)
+        self.tokens = self.results.tokens                          # new tokens
+        self.lengths = self.results.lengths                        # tokens up to EOS
+        self.lengths[:] = n
         self.done = np.zeros(rows, dtype=bool)
         self.worked = 0          # tokens done: prompts prefilled and tokens generated
         self.eos = np.asarray(rules.eos_ids if settings.stop_at_eos else (), dtype=np.int64)
@@ -129,6 +138,11 @@ class ReplicaProgram(ABC):
                          else [rules.stop_ids[g] for g in self.global_rows])
         self.stops = rules.stops
         self.cp = cp
+        own = of_rows(self.sampling, self.global_rows)
+        self.token_ks, self.prompt_ks = own.logprobs, own.prompt_logprobs   # -1: none
+        self.reader = (LogprobReader(stage.head, backend.to_host)
+                       if stage.last and max(self.token_ks.max(initial=-1),
+                                             self.prompt_ks.max(initial=-1)) >= 0 else None)
 
     def cache_capacity(self, positions: int) -> int:
         """KV-cache slots per row on this rank for rows of up to ``positions`` tokens."""
@@ -144,15 +158,38 @@ class ReplicaProgram(ABC):
     def split_kv(self, rows: int, capacity: int) -> SplitKV | None:
         return None if self.cp is None else SplitKV(rows, self.cp.size, self.cp.rank, capacity)
 
-    def prefill_keep(self, lengths: np.ndarray) -> np.ndarray | None:
+    def prefill_keep(self, lengths: np.ndarray, rows) -> np.ndarray | None:
         """The positions a prefill's last stage computes its final states at: each row's last
-        token (all the head reads), or None (every position: the prompt logits are saved, or
-        the prompts are split over cp and the rank holding each last token is elsewhere;
-        with device kernels, where this has not run yet)."""
+        token (all the head reads), or None (every position: the prompt logits are saved,
+        or the log-probabilities of ``rows``' prompts (indices here), or the prompts are
+        split over cp and the rank holding each last token is elsewhere; with device
+        kernels, where this has not run yet)."""
         if (not self.stage.last or self.settings.save_logits or self.cp is not None
-                or self.stage.ops.device):
+                or self.stage.ops.device or self.prompt_ks[rows].max(initial=-1) >= 0):
             return None
         return np.asarray(lengths, dtype=np.int64) - 1
+
+    def read_prompt_logprobs(self, y, ids: np.ndarray, lengths: np.ndarray, rows) -> None:
+        """The log-probabilities of prompts ``ids`` of rows ``rows`` (indices here) into the
+        results, where they ask (``y``: the prefill's states at every position)."""
+        rows = np.asarray(rows, np.int64)
+        ks = self.prompt_ks[rows]
+        if self.reader is None or (ks < 0).all():
+            return
+        found = self.reader.of_prompts(self.stage.final_hidden(y), ids, lengths, ks)
+        self.results.put_logprobs("prompt_", rows, None, found)
+
+    def read_logprobs(self, last, tokens: np.ndarray, rows, steps, live: np.ndarray) -> None:
+        """The log-probability of each ``live`` row's new token (``rows``: indices here,
+        ``steps``: each one's token index) into the results, where the row asks; ``last``
+        (its logits, this rank's vocabulary) is overwritten."""
+        rows = np.asarray(rows, np.int64)
+        ks = np.where(live, self.token_ks[rows], -1)
+        if self.reader is None or (ks < 0).all():
+            return
+        found = self.reader.of_tokens(last, tokens, ks)
+        self.results.put_logprobs("", rows[live], np.asarray(steps)[live],
+                                  found.take(live))
 
     def last_states(self, y, lengths, keep, shard):
         """(B, 1, hidden) each row's final states at its last token, from a prefill's y."""
@@ -251,7 +288,7 @@ class GenerationProgram(ReplicaProgram):
         keep = None
         if step == 0:
             ids, rows, self.shards[mb] = split_batch(xp, batch.ids, batch.lengths, self.cp)
-            keep = self.prefill_keep(batch.lengths)
+            keep = self.prefill_keep(batch.lengths, self._local(batch))
         else:
             ids = self.tokens[self._local(batch), step - 1][:, None]
             rows = self.decode_rows(batch, step)
@@ -280,27 +317,30 @@ class GenerationProgram(ReplicaProgram):
     # ---- the last stage ---------------------------------------------------------------------
 
     def _sample(self, batch: MicroBatch, step: int, y) -> None:
-        stage = self.stage
+        stage, rows = self.stage, self._local(batch)
         if step == 0:
+            self.read_prompt_logprobs(y, batch.ids, batch.lengths, range(rows.start, rows.stop))
             if self.settings.save_logits:                # (no cp: the engine refuses it)
                 local = stage.logits(y)                               # (b, L, vocab_i)
                 full = self.backend.to_host(stage.head.full_logits(local))
                 self.prompt_logits[batch.index] = full
                 last = local[self.xp.arange(batch.size), self.xp.asarray(batch.lengths - 1)]
             else:
-                h = self.last_states(y, batch.lengths, self.prefill_keep(batch.lengths),
+                h = self.last_states(y, batch.lengths,
+                                     self.prefill_keep(batch.lengths, rows),
                                      self.shards.pop(batch.index))    # each row's last token
                 last = stage.logits(h)[:, 0]
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)
         history = None
         if self.needs_history:
-            rows = self._local(batch)
             history = self.history(range(rows.start, rows.stop),
                                    [batch.ids[j, :batch.lengths[j]] for j in range(batch.size)],
                                    list(self.tokens[rows, :step]))
         tokens = next_tokens(stage.head, last, self.sampling, batch.rows, step,
                              self.backend.to_host, history)
+        self.read_logprobs(last, tokens, range(rows.start, rows.stop),
+                           np.full(batch.size, step), ~self.done[rows])
         self._record(batch, step, tokens)
 
     def _record(self, batch: MicroBatch, step: int, tokens: np.ndarray) -> None:

@@ -23,7 +23,9 @@ class PromptError(HpcparError):
 
 # the keys a .jsonl prompt line may hold: one of ids / text, and per-prompt settings
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty",
-                 "presence_penalty", "frequency_penalty", "min_tokens")
+                 "presence_penalty", "frequency_penalty", "min_tokens", "logprobs",
+                 "prompt_logprobs")
+OPTIONAL_KEYS = ("logprobs", "prompt_logprobs")     # null: none, as when absent
 SOURCE_KEYS = ("ids", "text", "messages")          # what a line's prompt is given as
 PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "stop", "stop_token_ids", *SAMPLING_KEYS)
 CHAT_FOR_GENERATION = "for generation"   # ``chat`` of a reader whose lines may not be chats
@@ -240,6 +242,8 @@ def _own_sampling(record: dict, where: str) -> dict:
     """A prompt line's sampling settings, each checked as the job's are."""
     own = {key: record[key] for key in SAMPLING_KEYS if key in record}
     for key, value in own.items():
+        if value is None and key in OPTIONAL_KEYS:
+            continue
         whole = key in INTEGER_KEYS
         if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
             raise PromptError(f"{where}: \"{key}\" must be {'an integer' if whole else 'a number'}"

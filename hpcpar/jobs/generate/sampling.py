@@ -39,6 +39,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_p: float = 0.0                  # 0: no min-p cut
     min_tokens: int = 0                 # EOS, stop ids and stop strings ignored until then
+    logprobs: int | None = None         # each new token's log p and K alternatives (None: no)
+    prompt_logprobs: int | None = None  # the same for each prompt token (None: no)
 
     @property
     def greedy(self) -> bool:
@@ -67,17 +69,19 @@ class PromptSampling:
     frequency_penalty: np.ndarray       # float64
     min_p: np.ndarray                   # float64; 0: no cut
     min_tokens: np.ndarray              # int64; 0: none
+    logprobs: np.ndarray                # int64; -1: none
+    prompt_logprobs: np.ndarray         # int64; -1: none
 
     @classmethod
     def build(cls, job: SamplingParams, own: list[dict]) -> "PromptSampling":
         """``own[i]``: prompt i's settings that differ from the job's (maybe none)."""
         n = len(own)
-        out = cls(**{f.name: np.full(n, getattr(job, f.name),
+        out = cls(**{f.name: np.full(n, _stored(getattr(job, f.name)),
                                      np.int64 if f.name in INTEGER_KEYS else np.float64)
                      for f in fields(SamplingParams)})
         for i, prompt_own in enumerate(own):
             for key, value in prompt_own.items():
-                getattr(out, key)[i] = value
+                getattr(out, key)[i] = _stored(value)
         return out
 
     def take(self, rows: np.ndarray) -> "PromptSampling":
@@ -90,7 +94,12 @@ class PromptSampling:
                 | (self.frequency_penalty != 0.0))
 
 
-INTEGER_KEYS = ("top_k", "seed", "min_tokens")
+INTEGER_KEYS = ("top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs")
+
+
+def _stored(value):
+    """A setting as ``PromptSampling`` holds it: an absent one (None) as -1."""
+    return -1 if value is None else value
 
 
 @dataclass

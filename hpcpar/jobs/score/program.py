@@ -20,13 +20,9 @@ import numpy as np
 from ...models.decoder import DecoderStage
 from ...parallel.context import ContextShard, split_batch
 from ...parallel.pipeline.schedule import Action
-from ...parallel.vocab import VocabParallelCrossEntropy
+from ...parallel.vocab import LOGITS_BLOCK_BYTES, VocabParallelCrossEntropy
 from ..faults import fault_point
 from ..generate.batching import MicroBatch
-
-# float32 logits of one block of positions, per rank (the head's output is [rows, block,
-# vocab/tp]): about 256 MiB, 512 positions of 16 rows of a 128k vocabulary at tp 1
-LOGITS_BLOCK_BYTES = 256 << 20
 
 
 def scored_tokens(lengths) -> int:
