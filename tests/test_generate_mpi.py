@@ -143,6 +143,31 @@ def test_seeded_sampling_is_reproducible_and_layout_independent(checkpoint):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_samples_and_their_logprobs_are_the_single_ranks_under_every_layout(checkpoint):
+    """n 3 sampled with log-probs: a prompt's prefill shared by its samples (copied KV-cache
+    rows on every stage, logits copied on the last) gives the single rank's tokens, and so
+    does cp, where each sample prefills its own split cache."""
+    comm = MPI.COMM_WORLD
+    cfg, path = checkpoint
+    sampling = {"temperature": 0.9, "top_k": 20, "seed": 5, "n": 3, "logprobs": 2}
+    single = _generate(MPI.COMM_SELF, path, **sampling)
+    runs = {layout: _generate(comm, path, layout, **sampling)
+            for layout in _layouts(comm, cfg)[:2]}
+    if cfg is GQA:                               # cp: every rank one part of each prompt
+        job = load_job(None, [f"model.checkpoint='{path}'", f"parallel.cp={comm.Get_size()}",
+                              "generate.max_new_tokens=6", "generate.stop_at_eos=false",
+                              *(f"generate.{k}={v}" for k, v in sampling.items())])
+        runs["cp"] = run_generation(comm, job, prompts=Prompts(PROMPTS), progress=False)
+    if comm.Get_rank() != 0:
+        return
+    for layout, result in runs.items():
+        assert result.tokens.tolist() == single.tokens.tolist(), layout
+        np.testing.assert_allclose(result.logprobs.values, single.logprobs.values, atol=1e-4,
+                                   err_msg=str(layout))
+        np.testing.assert_array_equal(result.logprobs.top_ids, single.logprobs.top_ids)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_two_rows_in_flight_under_every_layout_give_transformers_greedy_tokens(
         tmp_path_factory, monkeypatch):
     """Continuous batching, 2 slots per micro-batch refilled at different steps (per-prompt

@@ -43,6 +43,7 @@ JSONL_KINDS = ("generation",)         # kinds that also write JSON lines (.jsonl
 # the keys of every line of a generation's .jsonl output, in order
 JSONL_KEYS = ("index", "text", "token_ids", "finish_reason", "prompt_tokens",
               "completion_tokens")
+JSONL_OPTIONAL_KEYS = ("sample", "logprobs", "prompt_logprobs")   # where the run has them
 # kind -> a dataset only that kind of file holds (files written before OUTPUT_KIND existed)
 _KIND_MARKS = {"generation": "tokens", "scores": "token_logprobs"}
 _ADVICE = {errno.ENOSPC: "free space or write elsewhere",
@@ -208,6 +209,12 @@ def write_text(path: str | Path, text: str) -> None:
         target.discard()
 
 
+def is_generation_line(record) -> bool:
+    """Whether a parsed JSON line is one of a generation's JSON-lines output."""
+    return isinstance(record, dict) and tuple(
+        k for k in record if k not in JSONL_OPTIONAL_KEYS) == JSONL_KEYS
+
+
 def output_kind(path: str | Path) -> str | None:
     """The kind of hpcpar output ``path`` holds ("generation", "scores", "checkpoint"), or
     None for any other file."""
@@ -220,7 +227,7 @@ def output_kind(path: str | Path) -> str | None:
                 first = json.loads(f.readline() or "{}")
         except (OSError, ValueError):
             return None
-        return "generation" if isinstance(first, dict) and tuple(first) == JSONL_KEYS else None
+        return "generation" if is_generation_line(first) else None
     try:
         with h5py.File(path, "r") as f:
             if OUTPUT_KIND in f.attrs:

@@ -9,7 +9,7 @@
                 dataset = "tokens.bin"      training data (.npy rows, .bin, .jsonl, or
                                              "synthetic", generated)
     [generate]  max_new_tokens, temperature, top_k, top_p, min_p, seed, repetition_penalty,
-                presence_penalty, frequency_penalty, min_tokens, logprobs, prompt_logprobs,
+                presence_penalty, frequency_penalty, min_tokens, n, logprobs, prompt_logprobs,
                 stop_at_eos, stop (strings), stop_token_ids,
                 save_logits,
                 batching ("continuous" or "static"), batch_size (rows in flight per
@@ -100,6 +100,7 @@ class GenerateSection:
     frequency_penalty: float = 0.0      # OpenAI's, times each generated token's count
     min_p: float = 0.0                  # keep candidates of at least min_p x the top one's p
     min_tokens: int = 0                 # EOS, stop ids and stop strings ignored until then
+    n: int = 1                          # samples per prompt, from one prefill
     logprobs: int | None = None         # each new token's log p and its K best alternatives
     prompt_logprobs: int | None = None  # each prompt token's, the same way
     stop_at_eos: bool = True

@@ -27,7 +27,7 @@ JOB_FLAGS = {
     "presence_penalty": ("generate", "presence_penalty"),
     "frequency_penalty": ("generate", "frequency_penalty"),
     "min_tokens": ("generate", "min_tokens"), "stop_token_ids": ("generate", "stop_token_ids"),
-    "logprobs": ("generate", "logprobs"), "prompt_logprobs": ("generate", "prompt_logprobs"),
+    "n": ("generate", "n"), "logprobs": ("generate", "logprobs"), "prompt_logprobs": ("generate", "prompt_logprobs"),
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
     "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
     "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
@@ -126,6 +126,8 @@ def _job_flags(p, required: bool, out_help: str) -> None:
                    help="new tokens before EOS, stop ids or stop strings may end a row")
     p.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append",
                    metavar="ID", help="a token id that ends a row as EOS does (repeatable)")
+    p.add_argument("--n", type=int, metavar="N",
+                   help="samples per prompt, drawn from one prefill (default 1)")
     p.add_argument("--logprobs", type=int, metavar="K",
                    help="each new token's log-probability and its K most likely alternatives "
                         "(0: the token's own), before temperature and penalties")

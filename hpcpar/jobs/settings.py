@@ -46,6 +46,7 @@ RULES: dict[str, Range] = {
     "generate.min_p": Range(0, 1, note="0 turns it off"),
     "generate.min_tokens": Range(0, note="0: none"),
     "generate.stop_token_ids": Range(0, note="token ids"),
+    "generate.n": Range(1, 1024, note="samples per prompt"),
     "generate.logprobs": Range(0, 20, note="alternatives per token; 0: the token's own"),
     "generate.prompt_logprobs": Range(0, 20, note="alternatives per token; 0: the token's own"),
     "generate.batch_size": Range(0, note="0: what fits the KV cache"),

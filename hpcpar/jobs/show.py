@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint.files import JSONL_KEYS, output_kind
+from ..checkpoint.files import is_generation_line, output_kind
 from ..parallel.errors import HpcparError
 
 PAGE = 20                  # rows per page
@@ -77,14 +77,25 @@ def _generation_h5(path: Path, page: int, per_page: int) -> dict:
         prompt_lengths = f["prompt_lengths"][()] if "prompt_lengths" in f else None
         texts = [_plain(t) for t in f["text"][()]] if "text" in f else None
         tokens = f["tokens"][()]
-    rows = [{"index": i, "finish_reason": reasons[i],
-             "prompt_tokens": int(prompt_lengths[i]) if prompt_lengths is not None else None,
-             "completion_tokens": int(lengths[i]),
-             "text": texts[i] if texts is not None else None,
-             "token_ids": tokens[i, :lengths[i]].tolist()} for i in range(len(lengths))]
+        samples = f["samples"][()] if "samples" in f else None   # a sample axis: n > 1
+    rows = []
+    for i in range(len(lengths)):
+        prompt = {"index": i,
+                  "prompt_tokens": int(prompt_lengths[i]) if prompt_lengths is not None
+                  else None}
+        for s in range(1 if samples is None else int(samples[i])):
+            at = i if samples is None else (i, s)
+            rows.append(prompt | ({} if samples is None else {"sample": s}) | {
+                "finish_reason": _plain(reasons[at] if samples is None else reasons[i][s]),
+                "completion_tokens": int(lengths[at]),
+                "text": (texts[at] if samples is None else texts[i][s]) if texts is not None
+                else None,
+                "token_ids": tokens[at][:lengths[at]].tolist()})
     report = {k[len("report_"):]: v for k, v in attrs.items() if k.startswith("report_")}
-    return {"kind": "generation", "path": str(path), "prompts": len(rows),
-            "finish_reasons": _counts(reasons), "completion_tokens": int(lengths.sum()),
+    return {"kind": "generation", "path": str(path), "prompts": len(lengths),
+            **({} if samples is None else {"samples": len(rows)}),
+            "finish_reasons": _counts([r["finish_reason"] for r in rows]),
+            "completion_tokens": int(lengths.sum()),
             "report": report, **_page(rows, page, per_page)}
 
 
@@ -97,11 +108,14 @@ def _generation_jsonl(path: Path, page: int, per_page: int) -> dict:
             except ValueError:
                 raise HpcparError(f"{path}:{n}: not a JSON line (a run still writing it "
                                   "leaves its last line whole)") from None
-            if tuple(row) != JSONL_KEYS:
+            if not is_generation_line(row):
                 raise HpcparError(f"{path}:{n}: not a line of hpcpar's generation output")
             rows.append(row)
-    rows.sort(key=lambda r: r["index"])
-    return {"kind": "generation", "path": str(path), "prompts": len(rows),
+    rows.sort(key=lambda r: (r["index"], r.get("sample", 0)))
+    sampled = any("sample" in r for r in rows)
+    return {"kind": "generation", "path": str(path),
+            "prompts": len({r["index"] for r in rows}),
+            **({"samples": len(rows)} if sampled else {}),
             "finish_reasons": _counts([r["finish_reason"] for r in rows]),
             "completion_tokens": sum(r["completion_tokens"] for r in rows), "report": {},
             **_page(rows, page, per_page)}
@@ -294,7 +308,8 @@ def _one_line(text: str | None) -> str:
 
 def _format_generation(s: dict) -> str:
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(s["finish_reasons"].items()))
-    lines = [f"{s['path']}: generation, {s['prompts']} prompts ({reasons}), "
+    samples = f", {s['samples']} samples" if "samples" in s else ""
+    lines = [f"{s['path']}: generation, {s['prompts']} prompts{samples} ({reasons}), "
              f"{s['completion_tokens']:,} tokens generated"]
     r = s["report"]
     if r:
@@ -304,7 +319,8 @@ def _format_generation(s: dict) -> str:
     for row in s["rows"]:
         text = row["text"] if row["text"] is not None else str(row["token_ids"])
         prompt = row["prompt_tokens"] if row["prompt_tokens"] is not None else "-"
-        lines.append(f"{row['index']:>5} {row['finish_reason']:<7} {prompt:>6} "
+        index = f"{row['index']}.{row['sample']}" if "sample" in row else row["index"]
+        lines.append(f"{index:>5} {row['finish_reason']:<7} {prompt:>6} "
                      f"{row['completion_tokens']:>5}  {_one_line(text)}")
     return "\n".join(lines + [_page_line(s)])
 

@@ -25,6 +25,12 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def copy_rows(self, source, target) -> None:
+        """Rows ``target`` of every layer become copies of rows ``source`` (a prompt's
+        prefilled keys and values shared by its samples)."""
+        self.k[:, target] = self.k[:, source]
+        self.v[:, target] = self.v[:, source]
+
     def write(self, layer: int, k, v, starts, from_start: bool, max_kv: int):
         """Store k, v (B, T, kv, hd) at slots [starts[b], starts[b] + T) of each row b and
         return the layer's keys and values, views of shape (B, kv, capacity, hd): the whole

@@ -56,6 +56,10 @@ class _Slots:
     position: np.ndarray                # (B,) tokens of the row in the KV cache
     queue: list[int]                    # prompts still waiting, in input order
     new: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # refilled slots
+    # the refill's prefill: one of the new slots per prompt (``first``: their places in
+    # ``new``; ``inverse``: each new slot's place in ``first``), its samples take copies
+    first: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    inverse: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def active(self, done: np.ndarray) -> np.ndarray:
         """(B,) slots holding an unfinished prompt."""
@@ -121,6 +125,7 @@ class ContinuousProgram(ReplicaProgram):
             s.prompt[free[take:]] = -1                    # finished, nothing to take its place
             for slot in s.new:
                 s.prompt[slot] = s.queue.pop(0)
+            s.first, s.inverse = self.prefill_groups(s.prompt[s.new])
             active = s.active(self.done)
             work = work or bool(active.any())
             held = s.prompt[active]
@@ -159,7 +164,7 @@ class ContinuousProgram(ReplicaProgram):
     def payload(self, a: Action):
         if a.op in (Op.SEND, Op.RECV):
             if self._refill(a.mb, a.step):
-                rows, width = self._prefill_ids(a.mb).shape
+                rows, width = self._prefill_ids(a.mb).shape   # one row per prompt
                 shape = (rows, self.prefill_width(width))
             else:
                 shape = (self.width[a.mb], 1)
@@ -194,12 +199,14 @@ class ContinuousProgram(ReplicaProgram):
         cache = self.caches[a.mb]
         split = self.split[a.mb]
         if self._refill(a.mb, a.step):
-            lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[s.new]], np.int64)
+            slots = s.new[s.first]                     # one per prompt; its samples copy it
+            lengths = self._lengths(s.prompt[slots])
             ids, rows, shard = split_batch(xp, self._prefill_ids(a.mb), lengths, self.cp)
             x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
-            y = stage.forward(x, rows, CacheRows(cache, xp.asarray(s.new)),
-                              self.prefill_keep(lengths, s.prompt[s.new]))
-            s.position[s.new] = lengths
+            y = stage.forward(x, rows, CacheRows(cache, xp.asarray(slots)),
+                              self.prefill_keep(lengths, s.prompt[slots]))
+            self.share_prefill(cache, s.new, s.first, s.inverse)
+            s.position[s.new] = lengths[s.inverse]
             if split is not None:
                 split.prefilled(shard, lengths, s.new)
                 self.shards[a.mb] = shard
@@ -222,10 +229,14 @@ class ContinuousProgram(ReplicaProgram):
         else:
             self.outputs[a.mb] = y
 
+    def _lengths(self, rows: np.ndarray) -> np.ndarray:
+        return np.array([len(self.prompt_ids[p]) for p in rows], np.int64)
+
     def _prefill_ids(self, mb: int) -> np.ndarray:
-        """(new rows, longest) the refilled slots' prompts, each from column 0."""
+        """(prompts, longest) the refill's prompts, one per prompt (``_Slots.first``), each
+        from column 0."""
         s = self.slots[mb]
-        prompts = [self.prompt_ids[p] for p in s.prompt[s.new]]
+        prompts = [self.prompt_ids[p] for p in s.prompt[s.new[s.first]]]
         ids = np.zeros((len(prompts), max(len(p) for p in prompts)), dtype=np.int64)
         for j, p in enumerate(prompts):
             ids[j, :len(p)] = p
@@ -237,15 +248,7 @@ class ContinuousProgram(ReplicaProgram):
         stage, s = self.stage, self.slots[mb]
         if self._refill(mb, step):
             slots = s.new
-            lengths = np.array([len(self.prompt_ids[p]) for p in s.prompt[slots]], np.int64)
-            if self.settings.save_logits:
-                full = self.backend.to_host(stage.head.full_logits(stage.logits(y)))
-                for j, p in enumerate(s.prompt[slots]):
-                    self.logits_of[int(p)] = full[j, :lengths[j]]
-            self.read_prompt_logprobs(y, self._prefill_ids(mb), lengths, s.prompt[slots])
-            last = stage.logits(self.last_states(y, lengths,
-                                                 self.prefill_keep(lengths, s.prompt[slots]),
-                                                 self.shards.pop(mb, None)))
+            last = self._prefill_logits(mb, y)
         else:
             slots = np.arange(len(s.prompt))
             last = stage.logits(y)
@@ -261,6 +264,23 @@ class ContinuousProgram(ReplicaProgram):
         self.read_logprobs(last[:, 0], tokens, prompts, self.generated[prompts], live)
         self.step_tokens[mb][slots] = tokens
         self._record(mb, step, self.step_tokens[mb])
+
+    def _prefill_logits(self, mb: int, y):
+        """(new slots, 1, vocab_i) each refilled slot's logits at its last prompt token, from
+        the prefill's y of one slot per prompt; the prompt logits and log-probs kept."""
+        stage, s = self.stage, self.slots[mb]
+        rows = s.prompt[s.new]
+        lengths = self._lengths(rows[s.first])
+        if self.settings.save_logits:
+            full = self.backend.to_host(stage.head.full_logits(stage.logits(y)))
+            for j, p in enumerate(rows):
+                self.logits_of[int(p)] = full[s.inverse[j], :len(self.prompt_ids[p])]
+        self.read_prompt_logprobs(y, self._prefill_ids(mb), lengths, rows[s.first])
+        self.share_prompt_logprobs(rows, s.first, s.inverse)
+        last = stage.logits(self.last_states(y, lengths, self.prefill_keep(lengths,
+                                                                           rows[s.first]),
+                                             self.shards.pop(mb, None)))
+        return last if len(s.first) == len(rows) else last[self.xp.asarray(s.inverse)]
 
     def _record(self, mb: int, step: int, tokens: np.ndarray) -> None:
         """This step's tokens for the slots that produced one (every active slot; after a

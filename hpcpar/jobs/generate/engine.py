@@ -28,7 +28,8 @@ from ..skeleton import JobRun
 from .batching import micro_batches, replica_rows
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .output import JsonLines, PartialOutput, RunShape, unpad_into
-from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
+from .plan import (GenerationPlan, Samples, describe_row, fingerprint, logprob_fields,
+                   validate)
 from .program import GenerationProgram, RowRules, any_rank
 from .progress import GenerationProgress
 from .prompts import Prompts
@@ -55,6 +56,8 @@ class GenerationResult:
     finish_reasons: list[str]             # eos, stop or length, by prompt
     logprobs: Logprobs | None = None      # the new tokens' (None: no prompt asked)
     prompt_logprobs: Logprobs | None = None   # the prompts' tokens' (column t: token t)
+    samples: Samples | None = None        # with n > 1: row p * width + s is sample s of
+                                          # prompt p (the rows past its own n: empty)
 
 
 class GenerationRun(JobRun):
@@ -89,6 +92,7 @@ class GenerationRun(JobRun):
         self.done = np.zeros(n_prompts, dtype=np.int64)    # prompts a stopped run finished
         if self.out is not None:
             self.done[:] = self.out.done
+        self.done[~plan.samples.present] = 1              # rows past a prompt's own n
         world.broadcast(self.done)
         self.todo = waves_of(np.flatnonzero(self.done == 0), self.job.generate.wave_size)
         if self.rank == 0 and self.progress and self.todo:
@@ -111,11 +115,11 @@ class GenerationRun(JobRun):
             return
         shape = RunShape(fingerprint(job, self.ckpt, plan), plan.results,
                          np.asarray(plan.prompts.lengths, np.int64), plan.limits,
-                         self.ckpt.config.vocab_size, plan.settings.save_logits)
+                         self.ckpt.config.vocab_size, plan.settings.save_logits, plan.samples)
         lines = None
         if Path(job.output.path).suffix.lower() == ".jsonl":
             lines = JsonLines(Path(job.output.path), partial(describe_row, plan),
-                              partial(logprob_fields, plan))
+                              partial(logprob_fields, plan), plan.samples)
         self.out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
 
     def _received(self, rows, results: RowResults) -> None:          # rank 0
@@ -280,9 +284,11 @@ class GenerationRun(JobRun):
         report = RunReport.build(table, plan.layout, self.micro, ran, ran_tokens, new_tokens)
         reasons = finish_reasons(tokens, lengths, plan.eos, plan.settings.stop_at_eos, stopped,
                                  plan.stop_ids)
+        reasons = [r if run else "" for r, run in zip(reasons, plan.samples.present)]
         return GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, np.int64),
                                 self.logits, texts, report, reasons, results.logprobs,
-                                results.prompt_logprobs)
+                                results.prompt_logprobs,
+                                plan.samples if plan.samples.width > 1 else None)
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,

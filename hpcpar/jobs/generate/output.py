@@ -9,6 +9,10 @@ place when complete.
     prompt_logits  float32 [batch, seq, vocab]     with --save-logits: position t of prompt b
                                                    at [b, t], NaN past the prompt's end
     text           utf-8 [batch]                   decoded new tokens, when there is a tokenizer
+    logprobs, top_logprobs, top_token_ids          with --logprobs K: [batch, max_new_tokens]
+                                                   and [batch, max_new_tokens, K]
+    prompt_logprobs, prompt_top_logprobs, prompt_top_token_ids    with --prompt-logprobs K,
+                                                   over [batch, longest prompt] (``results``)
     attributes     the run's settings and its report
 """
 
@@ -26,6 +30,7 @@ from ...checkpoint.files import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_spac
                                  quiet_deallocation, remove_stale_temporaries, reserve,
                                  write_point, writing)
 from ...parallel.errors import HpcparError
+from .plan import Samples
 from .results import ResultShape, RowResults
 
 
@@ -47,6 +52,13 @@ class RunShape:
     limits: np.ndarray               # (count,) each prompt's max_new_tokens
     vocab: int
     save_logits: bool
+    samples: Samples | None = None   # the rows' prompts (None: one row per prompt)
+
+    @property
+    def present(self) -> np.ndarray:
+        """(count,) the rows to run: every row, or each prompt's samples."""
+        return (np.ones(self.count, bool) if self.samples is None
+                else self.samples.present)
 
     @property
     def count(self) -> int:
@@ -116,7 +128,7 @@ def damage(f: h5py.File, shape: RunShape) -> str | None:
                     f"{_KIND_NAMES[kind]} {list(want)}")
     if not np.array_equal(f["prompt_lengths"][()], shape.prompt_lengths):
         return "its prompt lengths are not this run's prompts'"
-    rows = np.flatnonzero(f["done"][()])
+    rows = np.flatnonzero(f["done"][()] & shape.present)
     lengths = f["lengths"][()][rows]
     bad = (lengths < 1) | (lengths > shape.limits[rows])
     if bad.any():
@@ -157,6 +169,24 @@ def check_partial(path: Path, shape: RunShape) -> None:
                           "start over")
 
 
+def by_prompt(values: np.ndarray, width: int) -> np.ndarray:
+    """Rows (one per sample, ``width`` per prompt) as [prompts, width, ...]; unchanged with
+    one sample per prompt."""
+    return values if width == 1 else values.reshape((-1, width) + values.shape[1:])
+
+
+def regroup(f: h5py.File, results: ResultShape, samples: Samples) -> None:
+    """A finished file's rows as a sample axis: each result [prompts, n, ...], the prompts'
+    own (their lengths and log-probs) once per prompt, and ``samples``, each prompt's n."""
+    for name in (*results.specs(), "prompt_lengths"):
+        values = f[name][()]
+        del f[name]
+        own = name.startswith("prompt_")
+        f.create_dataset(name, data=values[::samples.width] if own
+                         else by_prompt(values, samples.width))
+    f.create_dataset("samples", data=samples.counts)
+
+
 class JsonLines:
     """A generation's results as JSON lines (``--out NAME.jsonl``), one per prompt in input
     order: its index, text, token ids, finish reason and token counts. Lines are appended to
@@ -164,13 +194,14 @@ class JsonLines:
     into place at the end. The partial HDF5 file stays the resumable record: a resumed run
     writes the lines again from it."""
 
-    def __init__(self, path: Path, describe, more=None):
-        """``describe(prompt, tokens_row, length)``: the row's text (None without a
-        tokenizer) and why it ended; ``more(prompt, results)``: the line's other fields
-        (its log-probabilities)."""
+    def __init__(self, path: Path, describe, more=None, samples: Samples | None = None):
+        """``describe(row, tokens_row, length)``: the row's text (None without a
+        tokenizer) and why it ended; ``more(row, results)``: the line's other fields
+        (its log-probabilities); ``samples``: the rows' prompts, when a prompt has several
+        (each line then names its ``sample`` after its prompt's ``index``)."""
         self.path = path
         self.tmp = path.with_name(f".{path.name}.lines")
-        self.describe, self.more = describe, more
+        self.describe, self.more, self.samples = describe, more, samples
         self.written = 0
         self.file = None
 
@@ -184,10 +215,16 @@ class JsonLines:
         while end < len(done) and done[end]:
             end += 1
         tokens, lengths = results.tokens, results.lengths
+        samples = self.samples
         for r in range(self.written, end):
+            prompt, sample = (r, 0) if samples is None else samples.prompt_of(r)
+            if sample >= (1 if samples is None else samples.counts[prompt]):
+                continue                                 # past the prompt's own n
             text, reason = self.describe(r, tokens[r], lengths[r])
-            line = dict(zip(JSONL_KEYS, (r, text, tokens[r, :lengths[r]].tolist(), reason,
-                                         int(prompt_lengths[r]), int(lengths[r]))))
+            line = dict(zip(JSONL_KEYS, (prompt, text, tokens[r, :lengths[r]].tolist(),
+                                         reason, int(prompt_lengths[r]), int(lengths[r]))))
+            if samples is not None and samples.width > 1:
+                line = {"index": prompt, "sample": sample} | line
             if self.more is not None:
                 line |= self.more(r, results)
             self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
@@ -264,7 +301,7 @@ class PartialOutput:
             f.create_dataset(name, data=values)
         f.create_dataset("prompt_lengths", data=np.asarray(self.shape.prompt_lengths,
                                                            np.int64))
-        f.create_dataset("done", data=np.zeros(n, bool))
+        f.create_dataset("done", data=~self.shape.present)      # a row past a prompt's n
         if self.shape.save_logits:
             # every chunk allocated (and filled with NaN) now: a disk too small fails here,
             # before any work, rather than when a wave's logits arrive
@@ -358,9 +395,15 @@ class PartialOutput:
             for name in ("text", "finish_reason"):   # a partial file from before they came last
                 if name in f:
                     del f[name]
+            samples = self.shape.samples
+            width = 1 if samples is None else samples.width
             if texts is not None:
-                f.create_dataset("text", data=texts, dtype=h5py.string_dtype("utf-8"))
-            f.create_dataset("finish_reason", data=reasons, dtype=h5py.string_dtype("utf-8"))
+                f.create_dataset("text", data=by_prompt(np.array(texts, object), width),
+                                 dtype=h5py.string_dtype("utf-8"))
+            f.create_dataset("finish_reason", data=by_prompt(np.array(reasons, object), width),
+                             dtype=h5py.string_dtype("utf-8"))
+            if width > 1:
+                regroup(f, self.shape.results, samples)
             for key, value in (attrs | {OUTPUT_KIND: "generation"}).items():
                 f.attrs[key] = value
             write_point(self.partial)

@@ -27,18 +27,38 @@ from .setup import eos_ids, load_tokenizer
 from .stopping import StopStrings, decode_rows, finish_reasons
 
 
+@dataclass(frozen=True)
+class Samples:
+    """How many samples each prompt gets (``counts``, a line's ``n`` or the job's) and the
+    rows they take: ``width`` per prompt (the most any prompt gets), row p * width + s for
+    sample s of prompt p; the rows past a prompt's own count are never run."""
+
+    counts: np.ndarray
+    width: int = 1
+
+    @property
+    def present(self) -> np.ndarray:
+        """(rows,) which rows are samples to run."""
+        return (np.arange(self.width)[None, :] < self.counts[:, None]).reshape(-1)
+
+    def prompt_of(self, row: int) -> tuple[int, int]:
+        """(prompt, sample) of a row."""
+        return divmod(int(row), self.width)
+
+
 @dataclass
 class GenerationPlan:
     layout: ParallelConfig
     dtype: np.dtype
     settings: GenerationSettings
-    prompts: Prompts
+    prompts: Prompts                   # each row's prompt: a prompt once per sample (``samples``)
     tokenizer: object
-    limits: np.ndarray                 # each prompt's max_new_tokens
-    sampling: PromptSampling           # each prompt's sampling settings
+    limits: np.ndarray                 # each row's max_new_tokens
+    sampling: PromptSampling           # each row's sampling settings
     eos: tuple[int, ...]               # every id that ends a row
     stops: StopStrings | None          # each prompt's stop strings (None: no prompt has any)
     stop_ids: list[np.ndarray] | None = None   # each prompt's stop_token_ids (None: none)
+    samples: Samples | None = None     # the rows' prompts (None: one row per prompt)
 
     @property
     def results(self) -> ResultShape:
@@ -116,9 +136,18 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         raise HpcparError(f"{source}: prompt {n} asks for min_tokens "
                           f"{per_prompt.min_tokens[n]}, more than its max_new_tokens "
                           f"{limits[n]}; lower min_tokens or raise max_new_tokens")
+    stop_ids = _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size)
+    counts = prompts.samples_for(gen.n)
+    width = int(counts.max())
+    if width > 1:                       # one row per sample: row p * width + s
+        prompts, limits = prompts.repeated(width), np.repeat(limits, width)
+        per_prompt = per_prompt.samples(counts, width)
+        stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer,
+                               per_prompt.min_tokens)
+        stop_ids = None if stop_ids is None else [i for i in stop_ids for _ in range(width)]
     return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
-                          limits, per_prompt, eos_ids(ckpt), stops,
-                          _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size))
+                          limits, per_prompt, eos_ids(ckpt), stops, stop_ids,
+                          Samples(counts, width))
 
 
 def _check_logprobs(per_prompt: PromptSampling, layout: ParallelConfig, vocab: int,
@@ -176,10 +205,13 @@ def fingerprint(job: Job, ckpt: Checkpoint, plan: GenerationPlan) -> dict:
         digest.update(json.dumps(plan.prompts.stops).encode())
     if plan.prompts.stop_ids:
         digest.update(json.dumps(plan.prompts.stop_ids).encode())
+    if plan.prompts.samples:
+        digest.update(json.dumps(plan.prompts.samples).encode())
     s = plan.settings
     return {
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
         "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
+        "n": job.generate.n,
         **vars(s.sampling), "stop_at_eos": s.stop_at_eos,
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
         "stop": list(job.generate.stop), "stop_token_ids": list(job.generate.stop_token_ids),

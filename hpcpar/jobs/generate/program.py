@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from ...models.decoder import DecoderStage
+from ...models.kv_cache import CacheRows, KVCache
 from ...parallel.context import ContextShard, SplitKV, last_states, split_batch
 from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
@@ -140,6 +141,7 @@ class ReplicaProgram(ABC):
         self.cp = cp
         own = of_rows(self.sampling, self.global_rows)
         self.token_ks, self.prompt_ks = own.logprobs, own.prompt_logprobs   # -1: none
+        self.source = own.prompt              # each row's prompt (its samples share one)
         self.reader = (LogprobReader(stage.head, backend.to_host)
                        if stage.last and max(self.token_ks.max(initial=-1),
                                              self.prompt_ks.max(initial=-1)) >= 0 else None)
@@ -169,6 +171,27 @@ class ReplicaProgram(ABC):
             return None
         return np.asarray(lengths, dtype=np.int64) - 1
 
+    def prefill_groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """How a prefill of rows ``rows`` (indices here) runs once per prompt: (``first``,
+        the positions in ``rows`` of each prompt's first row, the rows prefilled;
+        ``inverse``, each row's index into them). The other samples of a prompt get copies
+        of its KV-cache rows and its logits. Under cp each row prefills its own (a prompt's
+        cache is split over the group)."""
+        rows = np.asarray(rows, np.int64)
+        if self.cp is not None:
+            return np.arange(len(rows)), np.arange(len(rows))
+        _, first, inverse = np.unique(self.source[rows], return_index=True,
+                                      return_inverse=True)
+        return first, inverse.reshape(-1)
+
+    def share_prefill(self, cache: KVCache, slots: np.ndarray, first: np.ndarray,
+                      inverse: np.ndarray) -> None:
+        """Every one of cache rows ``slots`` becomes a copy of its prompt's prefilled row
+        (``prefill_groups``; nothing to do when each row is its own prompt's)."""
+        if len(first) < len(inverse):
+            xp = self.xp
+            cache.copy_rows(xp.asarray(slots[first[inverse]]), xp.asarray(slots))
+
     def read_prompt_logprobs(self, y, ids: np.ndarray, lengths: np.ndarray, rows) -> None:
         """The log-probabilities of prompts ``ids`` of rows ``rows`` (indices here) into the
         results, where they ask (``y``: the prefill's states at every position)."""
@@ -178,6 +201,13 @@ class ReplicaProgram(ABC):
             return
         found = self.reader.of_prompts(self.stage.final_hidden(y), ids, lengths, ks)
         self.results.put_logprobs("prompt_", rows, None, found)
+
+    def share_prompt_logprobs(self, rows: np.ndarray, first: np.ndarray,
+                              inverse: np.ndarray) -> None:
+        """Rows ``rows`` (indices here) take their prompt's first row's prompt
+        log-probabilities (``prefill_groups``)."""
+        if self.reader is not None and len(first) < len(inverse):
+            self.results.copy_prompt_rows(rows[first[inverse]], rows)
 
     def read_logprobs(self, last, tokens: np.ndarray, rows, steps, live: np.ndarray) -> None:
         """The log-probability of each ``live`` row's new token (``rows``: indices here,
@@ -242,6 +272,8 @@ class GenerationProgram(ReplicaProgram):
         self.caches = [stage.new_cache(mb.size, c) for mb, c in zip(mbs, capacity)]
         self.split = [self.split_kv(mb.size, c) for mb, c in zip(mbs, capacity)]
         self.shards: dict[int, object] = {}                  # mb -> its prefill's ContextShard
+        self.groups = [self.prefill_groups(np.arange(self.offsets[i], self.offsets[i + 1]))
+                       for i in range(len(mbs))]            # one prefill row per prompt
         self.prefill_done_at: float | None = None
 
     def prefill_seconds(self, times, start: float) -> float:
@@ -257,8 +289,11 @@ class GenerationProgram(ReplicaProgram):
     def payload(self, a: Action):
         batch = self.mbs[a.mb]
         if a.op in (Op.SEND, Op.RECV):
-            length = self.prefill_width(batch.length) if a.step == 0 else 1
-            return (batch.size, length, self.stage.hidden_size), self.stage.dtype
+            if a.step == 0:
+                shape = (len(self.groups[a.mb][0]), self.prefill_width(batch.length))
+            else:
+                shape = (batch.size, 1)
+            return shape + (self.stage.hidden_size,), self.stage.dtype
         return (batch.size,), np.dtype(np.int64)
 
     def finished(self, mb: int) -> bool:
@@ -284,16 +319,20 @@ class GenerationProgram(ReplicaProgram):
 
     def forward(self, mb: int, step: int) -> None:
         stage, batch, xp = self.stage, self.mbs[mb], self.xp
-        split = self.split[mb]
-        keep = None
-        if step == 0:
-            ids, rows, self.shards[mb] = split_batch(xp, batch.ids, batch.lengths, self.cp)
-            keep = self.prefill_keep(batch.lengths, self._local(batch))
+        split, cache = self.split[mb], self.caches[mb]
+        keep, first = None, self.groups[mb][0]
+        if step == 0:                        # one row per prompt, into its rows of the cache
+            ids, rows, self.shards[mb] = split_batch(xp, batch.ids[first],
+                                                     batch.lengths[first], self.cp)
+            keep = self.prefill_keep(batch.lengths[first], self.offsets[mb] + first)
+            cache = CacheRows(cache, xp.asarray(first)) if len(first) < batch.size else cache
         else:
             ids = self.tokens[self._local(batch), step - 1][:, None]
             rows = self.decode_rows(batch, step)
         x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(mb)
-        y = stage.forward(x, rows, self.caches[mb], keep)
+        y = stage.forward(x, rows, cache, keep)
+        if step == 0:
+            self.share_prefill(self.caches[mb], np.arange(batch.size), *self.groups[mb])
         if split is not None:                            # the KV cache split over cp
             if step == 0:
                 split.prefilled(self.shards[mb], batch.lengths)
@@ -319,17 +358,7 @@ class GenerationProgram(ReplicaProgram):
     def _sample(self, batch: MicroBatch, step: int, y) -> None:
         stage, rows = self.stage, self._local(batch)
         if step == 0:
-            self.read_prompt_logprobs(y, batch.ids, batch.lengths, range(rows.start, rows.stop))
-            if self.settings.save_logits:                # (no cp: the engine refuses it)
-                local = stage.logits(y)                               # (b, L, vocab_i)
-                full = self.backend.to_host(stage.head.full_logits(local))
-                self.prompt_logits[batch.index] = full
-                last = local[self.xp.arange(batch.size), self.xp.asarray(batch.lengths - 1)]
-            else:
-                h = self.last_states(y, batch.lengths,
-                                     self.prefill_keep(batch.lengths, rows),
-                                     self.shards.pop(batch.index))    # each row's last token
-                last = stage.logits(h)[:, 0]
+            last = self._prefill_logits(batch, y)
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)
         history = None
@@ -342,6 +371,26 @@ class GenerationProgram(ReplicaProgram):
         self.read_logprobs(last, tokens, range(rows.start, rows.stop),
                            np.full(batch.size, step), ~self.done[rows])
         self._record(batch, step, tokens)
+
+    def _prefill_logits(self, batch: MicroBatch, y):
+        """(rows, vocab_i) each row's logits at its last prompt token, from the prefill's y
+        of one row per prompt (``groups``); the prompt logits and log-probs kept on the way."""
+        stage, xp = self.stage, self.xp
+        first, inverse = self.groups[batch.index]
+        ids, lengths = batch.ids[first], batch.lengths[first]
+        rows = self.offsets[batch.index] + np.arange(batch.size)
+        self.read_prompt_logprobs(y, ids, lengths, rows[first])
+        self.share_prompt_logprobs(rows, first, inverse)
+        if self.settings.save_logits:                    # (no cp: the engine refuses it)
+            local = stage.logits(y)                                   # (b, L, vocab_i)
+            full = self.backend.to_host(stage.head.full_logits(local))
+            self.prompt_logits[batch.index] = full[inverse]
+            last = local[xp.arange(len(first)), xp.asarray(lengths - 1)]
+        else:
+            h = self.last_states(y, lengths, self.prefill_keep(lengths, rows[first]),
+                                 self.shards.pop(batch.index))        # each row's last token
+            last = stage.logits(h)[:, 0]
+        return last if len(first) == batch.size else last[xp.asarray(inverse)]
 
     def _record(self, batch: MicroBatch, step: int, tokens: np.ndarray) -> None:
         """Store step ``step``'s tokens; rows already done (EOS, or their own limit) get the

@@ -27,7 +27,7 @@ SAMPLING_KEYS = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_p
                  "prompt_logprobs")
 OPTIONAL_KEYS = ("logprobs", "prompt_logprobs")     # null: none, as when absent
 SOURCE_KEYS = ("ids", "text", "messages")          # what a line's prompt is given as
-PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "stop", "stop_token_ids", *SAMPLING_KEYS)
+PROMPT_KEYS = (*SOURCE_KEYS, "max_new_tokens", "n", "stop", "stop_token_ids", *SAMPLING_KEYS)
 CHAT_FOR_GENERATION = "for generation"   # ``chat`` of a reader whose lines may not be chats
 
 
@@ -39,6 +39,7 @@ class Prompts:
     sampling: list[dict] | None = None  # a prompt's own sampling settings (absent: the job's)
     stops: list[tuple[str, ...] | None] | None = None  # a prompt's own stop strings
     stop_ids: list[tuple[int, ...] | None] | None = None    # its own stop_token_ids
+    samples: list[int | None] | None = None     # its own n, samples drawn (None: the job's)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -47,6 +48,19 @@ class Prompts:
         """(prompts,) the new tokens each prompt may get: its own limit, else the job's."""
         own = self.max_new_tokens or [None] * len(self)
         return np.array([job_max if k is None else k for k in own], dtype=np.int64)
+
+    def samples_for(self, job_n: int) -> np.ndarray:
+        """(prompts,) the samples each prompt gets: its own n, else the job's."""
+        own = self.samples or [None] * len(self)
+        return np.array([job_n if n is None else n for n in own], dtype=np.int64)
+
+    def repeated(self, times: int) -> "Prompts":
+        """Each prompt ``times`` times in a row (one row per sample), its settings with it."""
+        def rep(values):
+            return None if values is None else [v for v in values for _ in range(times)]
+        return Prompts(rep(self.ids), rep(self.texts), rep(self.max_new_tokens),
+                       rep(self.sampling), rep(self.stops), rep(self.stop_ids),
+                       rep(self.samples))
 
     def sampling_for(self, job: SamplingParams) -> PromptSampling:
         """Each prompt's sampling settings: its own, else the job's."""
@@ -89,7 +103,7 @@ def _load_npy(path: Path) -> Prompts:
 
 
 def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
-    ids, texts, limits, sampling, stops, stop_ids = [], [], [], [], [], []
+    ids, texts, limits, sampling, stops, stop_ids, samples = [], [], [], [], [], [], []
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -113,14 +127,8 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
         if unknown:
             raise PromptError(f"{path}:{n}: unknown key {unknown[0]!r}; a prompt line holds "
                               f"{' / '.join(repr(k) for k in PROMPT_KEYS)}")
-        limit = record.get("max_new_tokens")
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
-            raise PromptError(f"{path}:{n}: \"max_new_tokens\" must be an integer, "
-                              f"got {json.dumps(limit)}")
-        wrong = problem("generate.max_new_tokens", limit)
-        if wrong:                                   # the line's key, without the section
-            raise PromptError(f"{path}:{n}: {wrong.removeprefix('generate.')}")
-        limits.append(limit)
+        limits.append(_own_count(record, "max_new_tokens", f"{path}:{n}"))
+        samples.append(_own_count(record, "n", f"{path}:{n}"))
         sampling.append(_own_sampling(record, f"{path}:{n}"))
         stops.append(_own_stops(record, f"{path}:{n}"))
         stop_ids.append(_own_stop_ids(record, f"{path}:{n}"))
@@ -135,7 +143,19 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
                    limits if any(k is not None for k in limits) else None,
                    sampling if any(sampling) else None,
                    stops if any(s is not None for s in stops) else None,
-                   stop_ids if any(s is not None for s in stop_ids) else None)
+                   stop_ids if any(s is not None for s in stop_ids) else None,
+                   samples if any(s is not None for s in samples) else None)
+
+
+def _own_count(record: dict, key: str, where: str) -> int | None:
+    """A line's own ``max_new_tokens`` or ``n`` (an integer in the job setting's range)."""
+    value = record.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+        raise PromptError(f"{where}: \"{key}\" must be an integer, got {json.dumps(value)}")
+    wrong = problem(f"generate.{key}", value)
+    if wrong:                                       # the line's key, without the section
+        raise PromptError(f"{where}: {wrong.removeprefix('generate.')}")
+    return value
 
 
 def _line_ids(record: dict, tokenizer, chat, where: str) -> tuple[np.ndarray, str | None]:

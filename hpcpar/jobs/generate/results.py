@@ -120,6 +120,12 @@ class RowResults:
             top[rows, :width, :k] = found.top
             ids[rows, :width, :k] = found.top_ids
 
+    def copy_prompt_rows(self, source: np.ndarray, target: np.ndarray) -> None:
+        """Rows ``target`` take the prompt log-probabilities of rows ``source``."""
+        for name in ("prompt_" + name for name in _LOGPROB_ARRAYS):
+            if name in self.arrays:
+                self.arrays[name][target] = self.arrays[name][source]
+
     def take(self, rows) -> "RowResults":
         """A copy of rows ``rows`` (indices or a mask)."""
         return RowResults(self.shape, {k: v[rows] for k, v in self.arrays.items()})

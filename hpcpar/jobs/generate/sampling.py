@@ -20,7 +20,7 @@ EOS and stop ids until it has that many tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -71,6 +71,10 @@ class PromptSampling:
     min_tokens: np.ndarray              # int64; 0: none
     logprobs: np.ndarray                # int64; -1: none
     prompt_logprobs: np.ndarray         # int64; -1: none
+    # what a row's draws are keyed by, with the seed and the step: its prompt (the global
+    # index of the prompt it samples) and which of the prompt's samples it is
+    prompt: np.ndarray                  # int64
+    sample: np.ndarray                  # int64
 
     @classmethod
     def build(cls, job: SamplingParams, own: list[dict]) -> "PromptSampling":
@@ -78,11 +82,18 @@ class PromptSampling:
         n = len(own)
         out = cls(**{f.name: np.full(n, _stored(getattr(job, f.name)),
                                      np.int64 if f.name in INTEGER_KEYS else np.float64)
-                     for f in fields(SamplingParams)})
+                     for f in fields(SamplingParams)},
+                  prompt=np.arange(n, dtype=np.int64), sample=np.zeros(n, np.int64))
         for i, prompt_own in enumerate(own):
             for key, value in prompt_own.items():
                 getattr(out, key)[i] = _stored(value)
         return out
+
+    def samples(self, counts: np.ndarray, width: int) -> "PromptSampling":
+        """Row p * width + s for sample s of prompt p (``counts[p]`` samples; the rows past
+        them keep the prompt's settings and are never run)."""
+        rows = np.repeat(np.arange(len(counts)), width)
+        return replace(self.take(rows), sample=np.tile(np.arange(width), len(counts)))
 
     def take(self, rows: np.ndarray) -> "PromptSampling":
         return PromptSampling(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
@@ -170,16 +181,17 @@ def of_rows(params: SamplingParams | PromptSampling, rows: np.ndarray) -> Prompt
     """The settings of prompts ``rows`` (global indices), row by row."""
     if isinstance(params, PromptSampling):
         return params.take(rows)
-    return PromptSampling.build(params, [{}] * len(rows))
+    return replace(PromptSampling.build(params, [{}] * len(rows)), prompt=rows)
 
 
 def sample_from_candidates(values: np.ndarray, ids: np.ndarray,
                            params: SamplingParams | PromptSampling, rows: np.ndarray,
                            step) -> np.ndarray:
     """One token per row from candidate logits ``values`` and token ``ids`` (rows, n), sorted
-    by logit descending; ``rows`` are the prompts' global indices (none greedy; ``params``
+    by logit descending; ``rows`` are the rows' global indices (none greedy; ``params``
     by that index), ``step`` the index of the token drawn (one for all rows, or each row's
-    own). The cuts: top-k, then top-p, then min-p (transformers' order)."""
+    own). The cuts: top-k, then top-p, then min-p (transformers' order). Each draw is keyed
+    by (seed, prompt, step), and the sample's index past the first."""
     rows = np.asarray(rows, dtype=np.int64)
     p = of_rows(params, rows)
     steps = np.broadcast_to(np.asarray(step, dtype=np.int64), (len(rows),))
@@ -189,8 +201,11 @@ def sample_from_candidates(values: np.ndarray, ids: np.ndarray,
     cdf = np.cumsum(probs, axis=1)
     kept = (probs > 0).sum(axis=1)                       # the candidates left, a prefix
     out = np.empty(len(rows), dtype=np.int64)
-    for i, row in enumerate(rows):
-        u = np.random.default_rng([int(p.seed[i]), int(row), int(steps[i])]).random() * cdf[i, -1]
+    for i in range(len(rows)):
+        key = [int(p.seed[i]), int(p.prompt[i]), int(steps[i])]
+        if p.sample[i]:
+            key.append(int(p.sample[i]))
+        u = np.random.default_rng(key).random() * cdf[i, -1]
         out[i] = ids[i, min(int(np.searchsorted(cdf[i], u, side="right")), kept[i] - 1)]
     return out
 
