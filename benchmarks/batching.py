@@ -15,6 +15,11 @@ time (prefill + decode, loading excluded). Three runs, all with the same rows in
   static-all   every prompt in flight at once (prompts / SLOTS times the KV-cache memory),
                micro-batches of SLOTS rows, each running to its longest row
 Every run's tokens are checked equal to the continuous run's (greedy).
+
+Then n samples per prompt (``--n``, default 4) against the same prompts written n times, on
+the first ``--sampled-prompts`` prompts of the mix (continuous batching, sampled): the n
+samples of a prompt share one prefill, so their prefill time is about that of the prompts
+alone, where the repeated prompts prefill n times.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ def main(argv=None) -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--sampled-prompts", type=int, default=8)
     args = ap.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank0 = comm.Get_rank() == 0
@@ -81,6 +88,7 @@ def main(argv=None) -> None:
                               f"parallel.micro_batches={mbs}")
     rows["static-all"] = generate(comm, checkpoint, prompts, args, "generate.batching='static'",
                                   f"parallel.micro_batches={-(-args.prompts // args.slots)}")
+    sampled = samples_against_repeats(comm, checkpoint, prompts, args)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = comm.bcast(tmp if rank0 else None)
         data = Path(tmp) / "rows.jsonl"
@@ -107,6 +115,29 @@ def main(argv=None) -> None:
     print(f"  scoring     {scored.tokens_per_s:10,.0f} tokens/s scored "
           f"({int(scored.tokens_scored.sum())} tokens, {scored.seconds:.2f} s; "
           f"{wall:.2f} s with loading)")
+    (n_samples, repeated), k = sampled, args.sampled_prompts
+    print(f"{k} prompts x {args.n} samples (--n {args.n}) against the {k} prompts written "
+          f"{args.n} times, max_new_tokens {SAMPLED_NEW}, sampled:")
+    for name, r in (("--n", n_samples), ("repeated", repeated)):
+        print(f"  {name:<11} prefill {r.prefill_seconds:7.3f} s   decode "
+              f"{r.decode_seconds:7.3f} s   {r.new_tokens} new tokens   "
+              f"{r.prefill_seconds / repeated.prefill_seconds:5.2f}x the repeated prefill")
+
+
+SAMPLED_NEW = 16
+
+
+def samples_against_repeats(comm, checkpoint: str, prompts: Prompts, args):
+    """The reports of n samples of the first prompts, and of those prompts n times each."""
+    first = prompts.ids[:args.sampled_prompts]
+    sets = ["generate.temperature=1.0", "generate.seed=1", f"generate.batch_size={args.slots}",
+            f"parallel.micro_batches={args.pp}"]
+    limited = argparse.Namespace(**dict(vars(args), max_new=SAMPLED_NEW))
+    _, n_samples = generate(comm, checkpoint, Prompts(first), limited, *sets,
+                            f"generate.n={args.n}")
+    _, repeated = generate(comm, checkpoint, Prompts([p for p in first for _ in range(args.n)]),
+                           limited, *sets)
+    return (n_samples.report, repeated.report) if n_samples is not None else (None, None)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,12 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
+from ..parallel import waits
 from ..parallel.errors import HpcparError
-from .launch import check_launch, everyone, phase, run_guarded, world
+from .launch import (EXIT_REQUESTS_FAILED, check_launch, everyone, phase, run_guarded,
+                     world)
 from .parser import FLAG_NAMES, JOB_FLAGS, TRAIN_FLAGS, build_parser
 
 
@@ -80,11 +84,18 @@ def _main(argv) -> int:
             return _train(comm, job)
         from .generate import run_generation
         result = run_generation(comm, job)
+        failed = np.zeros(1, np.int64)             # Batch API requests not served
         if result is not None:
             print(result.report.format())
+            if result.requests is not None:
+                print(f"batch: {result.requests.summary()}")
+                failed[0] = len(result.requests.failed)
             if job.output.path:
                 print(f"wrote {job.output.path}")
-        return 0
+        if comm.Get_size() > 1:                  # every rank exits with rank 0's status
+            waits.wait_bounded(comm.Ibcast(failed, root=0), waits.limit(),
+                               "agreeing on the exit status")
+        return EXIT_REQUESTS_FAILED if failed[0] else 0
     if command == "submit":
         return _on_rank0(comm, "submitting the job", lambda: _submit(args))
     if command == "plan":

@@ -47,6 +47,7 @@ EXIT_INVALID = 2   # bad input, reported once
 EXIT_FAILED = 1    # anything else
 EXIT_PREEMPTED = 3  # stopped on SIGTERM/SIGUSR1 after saving its state: run again to resume
 EXIT_HUNG = 4       # a receive or collective outlasted --timeout: a rank stopped or hung
+EXIT_REQUESTS_FAILED = 5   # done, and some Batch API requests got error records
 EXIT_INTERRUPTED = 130   # a second Ctrl-C, or one before the job's steps: ended at once
 EXIT_OUTPUT_CLOSED = 141  # stdout's reader went away (| head): 128 + SIGPIPE, as a shell shows
 

@@ -27,17 +27,17 @@ from ..replicas import owners
 from ..skeleton import JobRun
 from .batching import micro_batches, replica_rows
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
+from .batch_api import BatchLines, Requests
 from .output import JsonLines, PartialOutput, RunShape, unpad_into
-from .plan import (GenerationPlan, Samples, describe_row, fingerprint, logprob_fields,
-                   validate)
+from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
 from .program import GenerationProgram, RowRules, any_rank
 from .progress import GenerationProgress
 from .prompts import Prompts
 from .report import RankFigures, RunReport
-from .results import Logprobs, RowResults
+from .results import Logprobs, RowResults, Samples
 from .schedule import generation
 from .setup import open_stage
-from .stopping import decode_rows, finish_reasons
+from .stopping import decode_rows, decode_text, finish_reasons
 from .stream import FinishedRows, save_interval
 
 TAG_LOGITS = 13
@@ -58,6 +58,8 @@ class GenerationResult:
     prompt_logprobs: Logprobs | None = None   # the prompts' tokens' (column t: token t)
     samples: Samples | None = None        # with n > 1: row p * width + s is sample s of
                                           # prompt p (the rows past its own n: empty)
+    requests: Requests | None = None      # a Batch API file's requests (their prompts are
+                                          # the served ones')
 
 
 class GenerationRun(JobRun):
@@ -116,10 +118,14 @@ class GenerationRun(JobRun):
         shape = RunShape(fingerprint(job, self.ckpt, plan), plan.results,
                          np.asarray(plan.prompts.lengths, np.int64), plan.limits,
                          self.ckpt.config.vocab_size, plan.settings.save_logits, plan.samples)
-        lines = None
-        if Path(job.output.path).suffix.lower() == ".jsonl":
-            lines = JsonLines(Path(job.output.path), partial(describe_row, plan),
-                              partial(logprob_fields, plan), plan.samples)
+        lines, path = None, Path(job.output.path)
+        if plan.prompts.requests is not None:                  # OpenAI Batch API output
+            lines = BatchLines(path, plan.prompts.requests, plan.samples,
+                               partial(describe_row, plan), partial(logprob_fields, plan),
+                               partial(decode_text, plan.tokenizer), Path(self.ckpt.path).stem)
+        elif path.suffix.lower() == ".jsonl":
+            lines = JsonLines(path, partial(describe_row, plan), partial(logprob_fields, plan),
+                              plan.samples)
         self.out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
 
     def _received(self, rows, results: RowResults) -> None:          # rank 0
@@ -288,7 +294,8 @@ class GenerationRun(JobRun):
         return GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, np.int64),
                                 self.logits, texts, report, reasons, results.logprobs,
                                 results.prompt_logprobs,
-                                plan.samples if plan.samples.width > 1 else None)
+                                plan.samples if plan.samples.width > 1 else None,
+                                plan.prompts.requests)
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,

@@ -30,8 +30,7 @@ from ...checkpoint.files import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_spac
                                  quiet_deallocation, remove_stale_temporaries, reserve,
                                  write_point, writing)
 from ...parallel.errors import HpcparError
-from .plan import Samples
-from .results import ResultShape, RowResults
+from .results import ResultShape, RowResults, Samples
 
 
 def unpad_into(logits, mb, full: np.ndarray) -> None:
@@ -229,9 +228,12 @@ class JsonLines:
                 line |= self.more(r, results)
             self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
         if end > self.written:
-            write_point(self.tmp)
-            self.file.flush()
+            self.flush()
             self.written = end
+
+    def flush(self) -> None:
+        write_point(self.tmp)
+        self.file.flush()
 
     def commit(self) -> None:
         self.file.close()

@@ -21,29 +21,11 @@ from ..job import Job
 from ..layout import ParallelConfig
 from .program import GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
-from .results import Logprobs, ResultShape, RowResults
+from .batch_api import screen
+from .results import Logprobs, ResultShape, RowResults, Samples
 from .sampling import PromptSampling, SamplingParams
 from .setup import eos_ids, load_tokenizer
 from .stopping import StopStrings, decode_rows, finish_reasons
-
-
-@dataclass(frozen=True)
-class Samples:
-    """How many samples each prompt gets (``counts``, a line's ``n`` or the job's) and the
-    rows they take: ``width`` per prompt (the most any prompt gets), row p * width + s for
-    sample s of prompt p; the rows past a prompt's own count are never run."""
-
-    counts: np.ndarray
-    width: int = 1
-
-    @property
-    def present(self) -> np.ndarray:
-        """(rows,) which rows are samples to run."""
-        return (np.arange(self.width)[None, :] < self.counts[:, None]).reshape(-1)
-
-    def prompt_of(self, row: int) -> tuple[int, int]:
-        """(prompt, sample) of a row."""
-        return divmod(int(row), self.width)
 
 
 @dataclass
@@ -100,7 +82,11 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
     from_file = prompts is None and source != "random"
     if prompts is None:
         prompts = _job_prompts(job, ckpt, tokenizer)
-    check_prompts(prompts, cfg, settings.max_new_tokens, source)
+    if prompts.requests is not None:           # a Batch API file: refused requests get errors
+        _check_batch_output(job.output.path, source)
+        prompts = screen(prompts, lambda one, where: _check_each(one, cfg, settings, layout,
+                                                                 gen, where))
+    _check_each(prompts, cfg, settings, layout, gen, source)
     if job.output.path:
         inputs = {"checkpoint": ckpt.path, "prompts": source if from_file else None}
         check_output(job.output.path, inputs, kind="generation")
@@ -121,6 +107,27 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         raise HpcparError("top_k / top_p / min_p cut the candidates of sampling, and every "
                           "prompt is greedy (temperature 0), so they would do nothing: set "
                           "--temperature above 0, or drop them")
+    limits = prompts.limits(settings.max_new_tokens)
+    stop_ids = _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size)
+    counts = prompts.samples_for(gen.n)
+    width = int(counts.max())
+    if width > 1:                       # one row per sample: row p * width + s
+        prompts, limits = prompts.repeated(width), np.repeat(limits, width)
+        per_prompt = per_prompt.samples(counts, width)
+        stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer,
+                               per_prompt.min_tokens)
+        stop_ids = None if stop_ids is None else [i for i in stop_ids for _ in range(width)]
+    return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
+                          limits, per_prompt, eos_ids(ckpt), stops, stop_ids,
+                          Samples(counts, width))
+
+
+def _check_each(prompts: Prompts, cfg, settings: GenerationSettings, layout: ParallelConfig,
+                gen, source: str) -> None:
+    """Every prompt and its own settings fit the model and the job (``PromptError`` /
+    ``HpcparError`` naming the first that does not, by its index)."""
+    check_prompts(prompts, cfg, settings.max_new_tokens, source)
+    per_prompt = prompts.sampling_for(settings.sampling)
     for n, own in enumerate(prompts.sampling or []):
         cuts = [k for k in ("top_k", "top_p", "min_p") if k in own]
         if cuts and per_prompt.temperature[n] == 0:
@@ -136,18 +143,14 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         raise HpcparError(f"{source}: prompt {n} asks for min_tokens "
                           f"{per_prompt.min_tokens[n]}, more than its max_new_tokens "
                           f"{limits[n]}; lower min_tokens or raise max_new_tokens")
-    stop_ids = _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size)
-    counts = prompts.samples_for(gen.n)
-    width = int(counts.max())
-    if width > 1:                       # one row per sample: row p * width + s
-        prompts, limits = prompts.repeated(width), np.repeat(limits, width)
-        per_prompt = per_prompt.samples(counts, width)
-        stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer,
-                               per_prompt.min_tokens)
-        stop_ids = None if stop_ids is None else [i for i in stop_ids for _ in range(width)]
-    return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
-                          limits, per_prompt, eos_ids(ckpt), stops, stop_ids,
-                          Samples(counts, width))
+    _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size)
+
+
+def _check_batch_output(path: str | None, source: str) -> None:
+    """A Batch API file's results are Batch API output lines: a ``.jsonl`` output."""
+    if path and Path(path).suffix.lower() != ".jsonl":
+        raise HpcparError(f"{source} holds OpenAI Batch API requests, whose results are Batch "
+                          f"API output lines; write them to a .jsonl (not {path})")
 
 
 def _check_logprobs(per_prompt: PromptSampling, layout: ParallelConfig, vocab: int,

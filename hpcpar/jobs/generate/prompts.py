@@ -4,7 +4,7 @@ random ids for demos and benchmarks. Every problem is one line naming the file a
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +40,20 @@ class Prompts:
     stops: list[tuple[str, ...] | None] | None = None  # a prompt's own stop strings
     stop_ids: list[tuple[int, ...] | None] | None = None    # its own stop_token_ids
     samples: list[int | None] | None = None     # its own n, samples drawn (None: the job's)
+    requests: object = None     # the OpenAI Batch API requests they serve (``batch_api``)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @classmethod
+    def of(cls, lines: list["PromptLine"], requests=None) -> "Prompts":
+        """Prompts of checked lines (a setting no line has: None, the job's for all)."""
+        def column(name: str):
+            values = [getattr(line, name) for line in lines]
+            return values if any(v is not None and v != {} for v in values) else None
+        return cls([line.ids for line in lines], column("text"), column("max_new_tokens"),
+                   column("sampling"), column("stops"), column("stop_ids"), column("samples"),
+                   requests)
 
     def limits(self, job_max: int) -> np.ndarray:
         """(prompts,) the new tokens each prompt may get: its own limit, else the job's."""
@@ -60,7 +71,15 @@ class Prompts:
             return None if values is None else [v for v in values for _ in range(times)]
         return Prompts(rep(self.ids), rep(self.texts), rep(self.max_new_tokens),
                        rep(self.sampling), rep(self.stops), rep(self.stop_ids),
-                       rep(self.samples))
+                       rep(self.samples), self.requests)
+
+    def take(self, indices) -> "Prompts":
+        """The prompts ``indices``, their settings with them."""
+        def pick(values):
+            return None if values is None else [values[i] for i in indices]
+        return Prompts(pick(self.ids), pick(self.texts), pick(self.max_new_tokens),
+                       pick(self.sampling), pick(self.stops), pick(self.stop_ids),
+                       pick(self.samples), self.requests)
 
     def sampling_for(self, job: SamplingParams) -> PromptSampling:
         """Each prompt's sampling settings: its own, else the job's."""
@@ -102,49 +121,75 @@ def _load_npy(path: Path) -> Prompts:
     return Prompts([row.astype(np.int64) for row in array])
 
 
-def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
-    ids, texts, limits, sampling, stops, stop_ids, samples = [], [], [], [], [], [], []
+def read_records(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed JSON) of each non-blank line of a UTF-8 ``.jsonl`` file."""
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise PromptError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); save the "
                           "prompt file as UTF-8") from None
+    records = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            records.append((n, json.loads(line)))
         except json.JSONDecodeError as e:
             raise PromptError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or sum(k in record for k in SOURCE_KEYS) != 1:
-            raise PromptError(f"{path}:{n}: each line needs exactly one of \"ids\", \"text\" "
-                              "or \"messages\"")
-        bad = _invalid_text(record)
-        if bad:
-            raise PromptError(f"{path}:{n}: {bad[0]} holds invalid Unicode ({bad[1]}): a JSON "
-                              "\\ud800-\\udfff escape must be one of a pair; fix the line")
-        unknown = sorted(set(record) - set(PROMPT_KEYS))
-        if unknown:
-            raise PromptError(f"{path}:{n}: unknown key {unknown[0]!r}; a prompt line holds "
-                              f"{' / '.join(repr(k) for k in PROMPT_KEYS)}")
-        limits.append(_own_count(record, "max_new_tokens", f"{path}:{n}"))
-        samples.append(_own_count(record, "n", f"{path}:{n}"))
-        sampling.append(_own_sampling(record, f"{path}:{n}"))
-        stops.append(_own_stops(record, f"{path}:{n}"))
-        stop_ids.append(_own_stop_ids(record, f"{path}:{n}"))
-        row, text = _line_ids(record, tokenizer, chat, f"{path}:{n}")
-        ids.append(row)
-        texts.append(text)
-        if len(ids[-1]) == 0:
-            raise PromptError(f"{path}:{n}: the prompt is empty (no tokens)")
-    if not ids:
+    return records
+
+
+def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
+    records = read_records(path)
+    if not records:
         raise PromptError(f"{path}: the prompt file is empty; add one JSON object per line")
-    return Prompts(ids, texts if any(t is not None for t in texts) else None,
-                   limits if any(k is not None for k in limits) else None,
-                   sampling if any(sampling) else None,
-                   stops if any(s is not None for s in stops) else None,
-                   stop_ids if any(s is not None for s in stop_ids) else None,
-                   samples if any(s is not None for s in samples) else None)
+    if chat is not CHAT_FOR_GENERATION and is_batch_request(records[0][1]):
+        from .batch_api import load_requests        # (it reads its lines with prompt_line)
+        return load_requests(path, records, tokenizer, chat)
+    return Prompts.of([prompt_line(record, tokenizer, chat, f"{path}:{n}")
+                       for n, record in records])
+
+
+def is_batch_request(record) -> bool:
+    """Whether a parsed line is an OpenAI Batch API request (``generate.batch_api``)."""
+    return isinstance(record, dict) and "custom_id" in record and "body" in record
+
+
+@dataclass(frozen=True)
+class PromptLine:
+    """One prompt line, checked: its ids, text and own settings (None / {}: the job's)."""
+
+    ids: np.ndarray
+    text: str | None = None
+    max_new_tokens: int | None = None
+    sampling: dict = field(default_factory=dict)
+    stops: tuple[str, ...] | None = None
+    stop_ids: tuple[int, ...] | None = None
+    samples: int | None = None
+
+
+def prompt_line(record, tokenizer, chat, where: str) -> PromptLine:
+    """A ``.jsonl`` prompt line's prompt and settings; any problem is one ``PromptError``
+    naming ``where``."""
+    if not isinstance(record, dict) or sum(k in record for k in SOURCE_KEYS) != 1:
+        raise PromptError(f"{where}: each line needs exactly one of \"ids\", \"text\" "
+                          "or \"messages\"")
+    bad = _invalid_text(record)
+    if bad:
+        raise PromptError(f"{where}: {bad[0]} holds invalid Unicode ({bad[1]}): a JSON "
+                          "\\ud800-\\udfff escape must be one of a pair; fix the line")
+    unknown = sorted(set(record) - set(PROMPT_KEYS))
+    if unknown:
+        raise PromptError(f"{where}: unknown key {unknown[0]!r}; a prompt line holds "
+                          f"{' / '.join(repr(k) for k in PROMPT_KEYS)}")
+    limit = _own_count(record, "max_new_tokens", where)
+    samples = _own_count(record, "n", where)
+    sampling = _own_sampling(record, where)
+    stops, stop_ids = _own_stops(record, where), _own_stop_ids(record, where)
+    ids, text = _line_ids(record, tokenizer, chat, where)
+    if len(ids) == 0:
+        raise PromptError(f"{where}: the prompt is empty (no tokens)")
+    return PromptLine(ids, text, limit, sampling, stops, stop_ids, samples)
 
 
 def _own_count(record: dict, key: str, where: str) -> int | None:

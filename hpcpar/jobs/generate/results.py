@@ -47,6 +47,25 @@ def _logprob_specs(prefix: str, width: int, k: int) -> dict:
 
 
 @dataclass(frozen=True)
+class Samples:
+    """How many samples each prompt gets (``counts``, a line's ``n`` or the job's) and the
+    rows they take: ``width`` per prompt (the most any prompt gets), row p * width + s for
+    sample s of prompt p; the rows past a prompt's own count are never run."""
+
+    counts: np.ndarray
+    width: int = 1
+
+    @property
+    def present(self) -> np.ndarray:
+        """(rows,) which rows are samples to run."""
+        return (np.arange(self.width)[None, :] < self.counts[:, None]).reshape(-1)
+
+    def prompt_of(self, row: int) -> tuple[int, int]:
+        """(prompt, sample) of a row."""
+        return divmod(int(row), self.width)
+
+
+@dataclass(frozen=True)
 class Logprobs:
     """Log-probabilities of tokens, position by position, from the model's distribution
     (its logits' log-softmax, before temperature, penalties and cuts):

@@ -51,7 +51,7 @@ class StopStrings:
         return cls(per_prompt, tokenizer, min_tokens)
 
     def text(self, ids) -> str:
-        return self.tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
+        return decode_text(self.tokenizer, ids)
 
     def hit(self, prompt: int, ids) -> bool:
         """Whether the row of ``prompt`` with new tokens ``ids`` has met one of its strings."""
@@ -91,6 +91,11 @@ def finish_reasons(tokens: np.ndarray, lengths: np.ndarray, eos: tuple[int, ...]
     return ["eos" if e else "stop" if s else "length" for e, s in zip(ended, stopped)]
 
 
+def decode_text(tokenizer, ids) -> str:
+    """The text of token ids as the output holds it (special tokens skipped)."""
+    return tokenizer.decode(list(map(int, ids)), skip_special_tokens=True)
+
+
 def decode_rows(tokenizer, tokens: np.ndarray, lengths: np.ndarray,
                 stops: StopStrings | None, rows=None) -> tuple[list[str] | None, list[bool]]:
     """Each row's text (cut at a stop string) and whether a stop string ended it; no text
@@ -101,7 +106,7 @@ def decode_rows(tokenizer, tokens: np.ndarray, lengths: np.ndarray,
         return None, [False] * len(lengths)          # token ids only (a note says why)
     texts, stopped = [], []
     for r, row, n in zip(rows, tokens, lengths):
-        text = tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+        text = decode_text(tokenizer, row[:n])
         if stops is not None:
             text, hit = stops.cut(r, text, row[:n])
         else:

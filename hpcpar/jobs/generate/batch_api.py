@@ -1,0 +1,314 @@
+"""OpenAI Batch API files in and out, as vLLM's ``run_batch`` takes and writes them.
+
+In: a prompts ``.jsonl`` whose lines are Batch API requests,
+
+    {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "...", "messages": [...], "max_completion_tokens": 64, ...}}
+
+(``/v1/completions`` takes ``"prompt"``, a string or token ids). Each request's body becomes
+a prompt line (``prompts.prompt_line``) and is checked as one; a request hpcpar cannot serve
+(another url or method, a field it does not support, a bad value, a prompt too long for the
+model) becomes that request's ``error`` record, and the others run. A file whose lines are
+not all requests, lack a ``custom_id`` or repeat one is refused as a whole, as OpenAI does.
+
+Out (``--out NAME.jsonl``): one line per request, in input order, written as the requests
+finish (the JSON lines' streaming and resume), each
+``{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"}, "error": null}``
+with a ``chat.completion`` or ``text_completion`` body (its n ``choices``, their text or
+message, finish reason and log-probs, and ``usage``), or ``"response": null`` and
+``"error": {"code", "message"}`` for a request that was not served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ...parallel.errors import HpcparError
+from .output import JsonLines
+from .prompts import PromptError, PromptLine, Prompts, is_batch_request, prompt_line
+from .results import RowResults
+
+URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# body fields -> the prompt line's key (a null value is as if absent, as OpenAI takes it)
+SHARED_FIELDS = {"temperature": "temperature", "top_p": "top_p", "seed": "seed", "n": "n",
+                 "stop": "stop", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty",
+                 # vLLM's extra sampling parameters
+                 "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                 "min_tokens": "min_tokens", "stop_token_ids": "stop_token_ids"}
+CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs"}
+# metadata a request may carry that changes nothing hpcpar computes
+IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier"}
+# fields that do nothing at these values
+NEUTRAL = {"stream": False, "echo": False, "best_of": 1, "logit_bias": {}, "suffix": ""}
+CUTS = ("top_k", "top_p", "min_p")
+
+
+@dataclass
+class Request:
+    """One line of a Batch API file: its ``custom_id``, its endpoint (``kind``: chat or
+    completion), the model it names, and either its prompt's index among the served ones
+    (``prompt``) with how it asked for log-probs, or why it is not served (``error``)."""
+
+    custom_id: str
+    kind: str | None = None
+    model: str | None = None
+    prompt: int | None = None
+    logprobs: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Requests:
+    """A Batch API file's requests, in input order."""
+
+    items: list[Request]
+    source: str
+
+    @property
+    def failed(self) -> list[Request]:
+        return [r for r in self.items if r.error is not None]
+
+    def refuse(self, prompt: int, message: str) -> None:
+        """The request of served prompt ``prompt`` is not served after all: it gets
+        ``message`` as its error, and the later prompts' indices move down one."""
+        for r in self.items:
+            if r.prompt == prompt:
+                r.prompt, r.error = None, message
+            elif r.prompt is not None and r.prompt > prompt:
+                r.prompt -= 1
+
+    def summary(self) -> str:
+        failed = self.failed
+        first = f"; the first: {failed[0].custom_id}: {failed[0].error}" if failed else ""
+        return (f"{len(self.items)} requests, {len(self.items) - len(failed)} served, "
+                f"{len(failed)} failed{first}")
+
+
+def load_requests(path: Path, records: list[tuple[int, object]], tokenizer,
+                  chat) -> Prompts:
+    """The served requests' prompts, with ``requests`` describing every request."""
+    items, lines, seen = [], [], set()
+    for n, record in records:
+        if not is_batch_request(record):
+            raise PromptError(f"{path}:{n}: a Batch API file holds requests only, each with "
+                              "\"custom_id\", \"method\", \"url\" and \"body\"; this line is "
+                              "not one")
+        custom_id = record["custom_id"]
+        if not isinstance(custom_id, str) or not custom_id:
+            raise PromptError(f"{path}:{n}: \"custom_id\" must be a non-empty string")
+        if custom_id in seen:
+            raise PromptError(f"{path}:{n}: custom_id {custom_id!r} is already used; each "
+                              "request needs its own")
+        seen.add(custom_id)
+        request = Request(custom_id)
+        try:
+            line, request.kind, request.model, request.logprobs = _served(
+                record, tokenizer, chat, f"{path}:{n}")
+            request.prompt = len(lines)
+            lines.append(line)
+        except HpcparError as e:
+            request.error = str(e).removeprefix(f"{path}:{n}: ")
+        items.append(request)
+    requests = Requests(items, str(path))
+    if not lines:
+        raise PromptError(f"{path}: no request can be served: {requests.summary()}")
+    return Prompts.of(lines, requests)
+
+
+def _served(record: dict, tokenizer, chat, where: str):
+    """(prompt line, kind, model, logprobs asked) of a request hpcpar can serve."""
+    unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
+    if unknown:
+        raise PromptError(f"{where}: unknown key {unknown[0]!r} in a request")
+    if record.get("method", "POST") != "POST":
+        raise PromptError(f"{where}: method {record.get('method')!r}: requests are POST")
+    kind = URLS.get(record.get("url"))
+    if kind is None:
+        raise PromptError(f"{where}: url {record.get('url')!r} is not served; hpcpar serves "
+                          f"{' and '.join(URLS)}")
+    body = record["body"]
+    if not isinstance(body, dict):
+        raise PromptError(f"{where}: \"body\" must be an object")
+    body = {k: v for k, v in body.items() if v is not None}
+    allowed = set(SHARED_FIELDS) | IGNORED_FIELDS | (CHAT_FIELDS if kind == "chat"
+                                                     else COMPLETION_FIELDS)
+    for key in sorted(body):
+        if key in NEUTRAL and body[key] == NEUTRAL[key]:
+            continue
+        if key not in allowed:
+            raise PromptError(f"{where}: {key!r} is not supported by hpcpar's "
+                              f"{record['url']}" + (f" (only {json.dumps(NEUTRAL[key])})"
+                                                    if key in NEUTRAL else ""))
+    line = {SHARED_FIELDS[k]: v for k, v in body.items() if k in SHARED_FIELDS}
+    if body.get("temperature") == 0:       # greedy: a cut does nothing (OpenAI takes it)
+        for cut in CUTS:
+            line.pop(cut, None)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is not None:
+        line["max_new_tokens"] = limit
+    asked = False
+    if kind == "chat":
+        if "messages" not in body:
+            raise PromptError(f"{where}: a chat completion needs \"messages\"")
+        line["messages"] = body["messages"]
+        asked = body.get("logprobs", False)
+        if not isinstance(asked, bool):
+            raise PromptError(f"{where}: \"logprobs\" must be true or false")
+        if "top_logprobs" in body and not asked:
+            raise PromptError(f"{where}: \"top_logprobs\" needs \"logprobs\": true")
+        if asked:
+            line["logprobs"] = body.get("top_logprobs", 0)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            line["text"] = prompt
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            line["ids"] = prompt
+        else:
+            raise PromptError(f"{where}: \"prompt\" must be a string or a list of token ids "
+                              "(one prompt per request)")
+        if "logprobs" in body:
+            line["logprobs"], asked = body["logprobs"], True
+    model = body.get("model")
+    return (prompt_line(line, tokenizer, chat, where), kind,
+            model if isinstance(model, str) else None, asked)
+
+
+def screen(prompts: Prompts, check) -> Prompts:
+    """``prompts`` less those whose request ``check(one_prompt)`` refuses (a
+    ``PromptError``): those requests get its message as their error."""
+    requests: Requests = prompts.requests
+    kept = []
+    for i in range(len(prompts)):
+        try:
+            check(prompts.take([i]), "the request")
+            kept.append(i)
+        except HpcparError as e:
+            requests.refuse(len(kept), str(e).removeprefix("the request: ").replace(
+                "prompt 0 ", "the prompt ", 1))
+    if not kept:
+        raise PromptError(f"{requests.source}: no request can be served: "
+                          f"{requests.summary()}")
+    return prompts.take(kept) if len(kept) < len(prompts) else prompts
+
+
+class BatchLines(JsonLines):
+    """The Batch API output lines, one per request in input order: a served request's
+    once all its samples are finished, a refused one's error as its turn comes."""
+
+    def __init__(self, path: Path, requests: Requests, samples, describe, entries, decode,
+                 checkpoint: str):
+        """``describe(row, tokens_row, length)``: text and finish reason;
+        ``entries(row, results)``: the row's token log-prob entries (``plan.logprob_fields``);
+        ``decode(ids)``: the text of token ids; ``samples``: the rows of each prompt."""
+        super().__init__(path, describe)
+        self.requests, self.samples, self.entries = requests, samples, entries
+        self.decode = decode
+        self.model, self.created = checkpoint, int(time.time())
+        self.next = 0                                   # the next request to write
+
+    def start(self) -> None:
+        super().start()
+        self.next = 0                                   # the next request to write
+
+    def extend(self, results: RowResults, done: np.ndarray, prompt_lengths: np.ndarray) -> None:
+        wrote = False
+        while self.next < len(self.requests.items):
+            request = self.requests.items[self.next]
+            if request.prompt is None:
+                line = self._line(request, None, _error(request.error))
+            else:
+                rows = self._rows(request.prompt)
+                if not done[rows].all():
+                    break
+                line = self._line(request, self._body(request, rows, results,
+                                                      int(prompt_lengths[rows[0]])), None)
+            self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
+            self.next, wrote = self.next + 1, True
+        if wrote:
+            self.flush()
+
+    def _rows(self, prompt: int) -> np.ndarray:
+        width = self.samples.width
+        return prompt * width + np.arange(int(self.samples.counts[prompt]))
+
+    def _line(self, request: Request, body: dict | None, error: dict | None) -> dict:
+        digest = hashlib.sha256(request.custom_id.encode()).hexdigest()[:24]
+        response = None if body is None else {"status_code": 200,
+                                              "request_id": f"hpcpar-{digest}", "body": body}
+        return {"id": f"batch_req_{digest}", "custom_id": request.custom_id,
+                "response": response, "error": error}
+
+    def _body(self, request: Request, rows: np.ndarray, results: RowResults,
+              prompt_tokens: int) -> dict:
+        chat = request.kind == "chat"
+        choices = []
+        for s, row in enumerate(rows):
+            n = int(results.lengths[row])
+            text, reason = self.describe(row, results.tokens[row], n)
+            text = text if text is not None else ""
+            choice = {"index": s}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            entries = self.entries(row, results).get("logprobs") if request.logprobs else None
+            choice["logprobs"] = (None if entries is None else
+                                  _chat_logprobs(entries) if chat
+                                  else _completion_logprobs(entries, self.decode))
+            choice["finish_reason"] = "length" if reason == "length" else "stop"
+            choices.append(choice)
+        completion = int(results.lengths[rows].sum())
+        digest = hashlib.sha256(request.custom_id.encode()).hexdigest()[:24]
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest}",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": self.created, "model": request.model or self.model,
+                "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                          "total_tokens": prompt_tokens + completion}}
+
+
+def _error(message: str) -> dict:
+    return {"code": "invalid_request", "message": message}
+
+
+def _token(entry: dict) -> str:
+    return entry.get("token", f"token_id:{entry['token_id']}")
+
+
+def _chat_logprobs(entries: list[dict]) -> dict:
+    """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def one(e):
+        return {"token": _token(e), "logprob": e["logprob"],
+                "bytes": list(_token(e).encode("utf-8"))}
+    return {"content": [one(e) | {"top_logprobs": [one(a) for a in e["top_logprobs"]]}
+                        for e in entries]}
+
+
+def _completion_logprobs(entries: list[dict], decode) -> dict:
+    """OpenAI's legacy completion ``logprobs``: parallel lists, and each token's offset in
+    the completion's text (the length of the text of the tokens before it)."""
+    ids = [e["token_id"] for e in entries]
+    offsets = [len(decode(ids[:t])) for t in range(len(ids))]
+    return {"tokens": [_token(e) for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{_token(a): a["logprob"] for a in e["top_logprobs"]}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def requests_line(prompts: Prompts) -> str | None:
+    """The report's line on a Batch API file's requests, or None for other prompts."""
+    requests = prompts.requests
+    return None if requests is None else f"batch: {requests.summary()}"
+
+
+__all__ = ["BatchLines", "PromptLine", "Request", "Requests", "load_requests", "screen"]
