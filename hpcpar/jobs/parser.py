@@ -102,7 +102,8 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     need = {"required": required}
     p.add_argument("--checkpoint", **need, help="HDF5 checkpoint, or preset:NAME")
     p.add_argument("--prompts", **need,
-                   help=".npy of ids [batch, seq]; .jsonl of {ids}, {text} or {messages} lines; "
+                   help=".npy of ids [batch, seq]; .jsonl of {ids}, {text} or {messages} lines "
+                        "or of OpenAI Batch API requests; "
                         "or random (data.random_count prompts of random ids, "
                         "data.random_lengths long)")
     p.add_argument("--max-new-tokens", type=int, **need)
