@@ -275,3 +275,35 @@ def build_hf_model(name: str, folder, **changes):
     model.save_pretrained(folder / "hf", safe_serialization=True)
     convert(folder / "hf", folder / "model.h5")
     return model, folder / "model.h5"
+
+
+def save_word_tokenizer(folder, template: str | None = None):
+    """A word-level tokenizer of 248 words (<unk>, <s>, </s>, <|start|>, <|end|>, w0..w239,
+    user, assistant, system) saved by transformers into ``folder``, with ``template`` as its
+    chat template; returns transformers' tokenizer object."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = ["<unk>", "<s>", "</s>", "<|start|>", "<|end|>"] + [f"w{i}" for i in range(240)]
+    words += ["user", "assistant", "system"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=["<|start|>", "<|end|>"])
+    if template is not None:
+        fast.chat_template = template
+    fast.save_pretrained(folder)
+    return fast
+
+
+def generate_here(path, max_new_tokens: int, *sets, prompts=None):
+    """A single-rank generation of ``prompts`` (default ``PROMPTS``) with the checkpoint at
+    ``path``, EOS ignored, and job settings ``sets`` ("section.key=value")."""
+    from mpi4py import MPI
+
+    from hpcpar.jobs.generate import Prompts, run_generation
+    from hpcpar.jobs.job import load_job
+    job = load_job(None, [f"model.checkpoint='{path}'", f"generate.max_new_tokens={max_new_tokens}",
+                          "generate.stop_at_eos=false", *sets])
+    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(PROMPTS if prompts is None
+                                                             else prompts), progress=False)

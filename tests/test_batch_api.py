@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import build_hf_model, mpirun  # noqa: E402
+from helpers import build_hf_model, mpirun, save_word_tokenizer  # noqa: E402
 from hpcpar.checkpoint import convert  # noqa: E402
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n"
@@ -24,18 +24,9 @@ MAX_NEW = 6
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A transformers Llama with a word-level tokenizer and a chat template, converted."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     folder = tmp_path_factory.mktemp("batch")
     model, _ = build_hf_model("gqa-llama3", folder)
-    words = ["<unk>", "<s>", "</s>", "<|start|>", "<|end|>"] + [f"w{i}" for i in range(240)]
-    words += ["user", "assistant", "system"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        additional_special_tokens=["<|start|>", "<|end|>"])
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(folder / "hf")
+    save_word_tokenizer(folder / "hf", TEMPLATE)
     convert(folder / "hf", folder / "chat.h5")
     return model, transformers.AutoTokenizer.from_pretrained(folder / "hf"), folder / "chat.h5"
 

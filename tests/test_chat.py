@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import GQA, realistic_tensors, write_hf_checkpoint  # noqa: E402
+from helpers import GQA, realistic_tensors, save_word_tokenizer, write_hf_checkpoint  # noqa: E402
 from hpcpar.checkpoint import convert  # noqa: E402
 from hpcpar.parallel.errors import HpcparError  # noqa: E402
 from hpcpar.jobs.generate import run_generation  # noqa: E402
@@ -44,16 +44,7 @@ CHATS = [
 def _tokenizer_folder(folder, template_in: str):
     """A word-level tokenizer with special tokens, saved by transformers with the template
     in tokenizer_config.json or chat_template.jinja."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    words = ["<unk>", "<s>", "</s>", "<|start|>", "<|end|>"] + [f"w{i}" for i in range(240)]
-    words += ["user", "assistant", "system"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        additional_special_tokens=["<|start|>", "<|end|>"])
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, TEMPLATE)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     jinja = folder / "chat_template.jinja"
     if template_in == "tokenizer_config.json":

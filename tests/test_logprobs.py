@@ -13,8 +13,8 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS, build_hf_model, mpirun  # noqa: E402
-from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
+from helpers import PROMPTS, build_hf_model, generate_here, mpirun  # noqa: E402
+from hpcpar.jobs.generate import run_generation  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
 from hpcpar.jobs.launch import JobFailed  # noqa: E402
 from hpcpar.parallel.errors import HpcparError  # noqa: E402
@@ -28,10 +28,6 @@ def llama(tmp_path_factory):
     return build_hf_model("gqa-llama3", tmp_path_factory.mktemp("logprobs"))
 
 
-def _ours(path, n, *sets, prompts=PROMPTS):
-    job = load_job(None, [f"model.checkpoint='{path}'", f"generate.max_new_tokens={n}",
-                          "generate.stop_at_eos=false", *sets])
-    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(prompts), progress=False)
 
 
 def _reference(model, prompt, new_tokens):
@@ -58,7 +54,7 @@ def _check_token_logprobs(model, result, k=K):
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_greedy_token_and_prompt_logprobs_are_transformers_log_softmax(llama, batching):
     model, path = llama
-    ours = _ours(path, 8, f"generate.logprobs={K}", "generate.prompt_logprobs=3",
+    ours = generate_here(path, 8, f"generate.logprobs={K}", "generate.prompt_logprobs=3",
                  f"generate.batching='{batching}'")
     _check_token_logprobs(model, ours)
     for b, prompt in enumerate(PROMPTS):
@@ -71,7 +67,7 @@ def test_greedy_token_and_prompt_logprobs_are_transformers_log_softmax(llama, ba
         np.testing.assert_array_equal(ours.prompt_logprobs.top_ids[b, t], best)
         np.testing.assert_allclose(ours.prompt_logprobs.top[b, t],
                                    np.take_along_axis(ref[t - 1], best, 1), atol=TOLERANCE)
-    plain = _ours(path, 8, f"generate.batching='{batching}'")
+    plain = generate_here(path, 8, f"generate.batching='{batching}'")
     np.testing.assert_array_equal(ours.tokens, plain.tokens)    # asking changes no token
     assert plain.logprobs is None and plain.prompt_logprobs is None
 
@@ -80,15 +76,15 @@ def test_sampled_logprobs_are_the_models_before_temperature_and_penalties(llama)
     """The tokens are drawn at temperature 1.7 under a repetition penalty; their log-probs
     are still the model's own distribution's (vLLM's default)."""
     model, path = llama
-    ours = _ours(path, 8, f"generate.logprobs={K}", "generate.temperature=1.7",
+    ours = generate_here(path, 8, f"generate.logprobs={K}", "generate.temperature=1.7",
                  "generate.seed=4", "generate.repetition_penalty=1.4", "generate.top_k=20")
     _check_token_logprobs(model, ours)
-    assert (ours.tokens != _ours(path, 8).tokens).any()       # sampling changed the tokens
+    assert (ours.tokens != generate_here(path, 8).tokens).any()       # sampling changed the tokens
 
 
 def test_logprobs_zero_gives_the_tokens_own_and_no_alternatives(llama):
     model, path = llama
-    ours = _ours(path, 4, "generate.logprobs=0")
+    ours = generate_here(path, 4, "generate.logprobs=0")
     assert ours.logprobs.top.shape[-1] == 0
     _check_token_logprobs(model, ours, k=0)
 
@@ -155,7 +151,7 @@ def _refused(capfd, run) -> str:
 ])
 def test_logprobs_that_cannot_be_given_are_refused(llama, capfd, sets, message):
     _, path = llama
-    assert message in _refused(capfd, lambda: _ours(path, 4, *sets))
+    assert message in _refused(capfd, lambda: generate_here(path, 4, *sets))
 
 
 def test_prompt_logprobs_under_cp_are_one_line_before_any_work(llama, tmp_path):
@@ -179,3 +175,22 @@ def test_a_lines_logprobs_must_be_a_count(llama, tmp_path, capfd, value, message
     job = load_job(None, [f"model.checkpoint='{path}'", f"data.prompts='{tmp_path / 'p.jsonl'}'"])
     error = _refused(capfd, lambda: run_generation(MPI.COMM_SELF, job, progress=False))
     assert "p.jsonl:1: " in error and message in error
+
+
+def test_no_token_copies_the_vocabulary_to_the_host(llama, monkeypatch):
+    """Every array a generation with log-probs (K 5, sampled with top-k, penalties) reads
+    back to the host holds a few numbers per row, never a row of the vocabulary."""
+    from hpcpar.parallel.backend import ArrayBackend
+    _, path = llama
+    widths = []
+    to_host = ArrayBackend.to_host
+
+    def recording(self, a):
+        widths.append(a.shape[-1] if getattr(a, "ndim", 0) >= 2 else 1)
+        return to_host(self, a)
+
+    monkeypatch.setattr(ArrayBackend, "to_host", recording)
+    ours = generate_here(path, 6, f"generate.logprobs={K}", "generate.temperature=0.9",
+                 "generate.top_k=8", "generate.repetition_penalty=1.2", "generate.seed=1")
+    assert ours.logprobs is not None and widths
+    assert max(widths) <= 8, max(widths)                # top-k 8 candidates; vocabulary 250

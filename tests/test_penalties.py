@@ -8,16 +8,13 @@ import json
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS, build_hf_model, mpirun  # noqa: E402
-from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
+from helpers import PROMPTS, build_hf_model, generate_here, mpirun  # noqa: E402
 from hpcpar.jobs.generate.sampling import (PromptSampling, SamplingParams,  # noqa: E402
                                            candidate_probabilities)
-from hpcpar.jobs.job import load_job  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +22,6 @@ def llama(tmp_path_factory):
     return build_hf_model("gqa-llama3", tmp_path_factory.mktemp("penalties"))
 
 
-def _ours(path, n, *sets, prompts=PROMPTS):
-    job = load_job(None, [f"model.checkpoint='{path}'", f"generate.max_new_tokens={n}",
-                          "generate.stop_at_eos=false", *sets])
-    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(prompts), progress=False)
 
 
 @pytest.mark.parametrize("penalty", [1.3, 0.6])
@@ -36,9 +29,9 @@ def _ours(path, n, *sets, prompts=PROMPTS):
 def test_greedy_with_a_repetition_penalty_gives_transformers_generate(llama, penalty, batching):
     model, path = llama
     n = 12
-    ours = _ours(path, n, f"generate.repetition_penalty={penalty}",
+    ours = generate_here(path, n, f"generate.repetition_penalty={penalty}",
                  f"generate.batching='{batching}'")
-    plain = _ours(path, n)
+    plain = generate_here(path, n)
     changed = 0
     for b, prompt in enumerate(PROMPTS):
         with torch.no_grad():
@@ -56,7 +49,7 @@ def test_presence_and_frequency_penalties_are_openais(llama):
     generated), then the argmax."""
     model, path = llama
     n, presence, frequency = 10, 0.8, 0.5
-    ours = _ours(path, n, f"generate.presence_penalty={presence}",
+    ours = generate_here(path, n, f"generate.presence_penalty={presence}",
                  f"generate.frequency_penalty={frequency}")
     for b, prompt in enumerate(PROMPTS):
         ids, generated = list(prompt), []
@@ -157,9 +150,9 @@ def test_min_tokens_and_stop_token_ids_are_transformers_min_new_tokens_and_eos(l
     id as its EOS and min_new_tokens 4 does; without min_tokens the rows end sooner."""
     model, path = llama
     n = 12
-    plain = _ours(path, n)
+    plain = generate_here(path, n)
     stop = int(plain.tokens[0, 1])                  # prompt 0's second greedy token
-    runs = {(k, b): _ours(path, n, f"generate.stop_token_ids=[{stop}]",
+    runs = {(k, b): generate_here(path, n, f"generate.stop_token_ids=[{stop}]",
                           f"generate.min_tokens={k}", f"generate.batching='{b}'")
             for k, b in ((0, "continuous"), (4, "continuous"), (4, "static"))}
     for (k, _), ours in runs.items():
@@ -182,7 +175,7 @@ def test_min_tokens_and_stop_token_ids_are_transformers_min_new_tokens_and_eos(l
 
 def test_stop_token_ids_of_a_line_replace_the_jobs(llama, tmp_path):
     _, path = llama
-    plain = _ours(path, 8)
+    plain = generate_here(path, 8)
     first = [int(plain.tokens[b, 0]) for b in range(2)]
     lines = [{"ids": PROMPTS[0].tolist(), "stop_token_ids": [first[0]]},
              {"ids": PROMPTS[1].tolist()}]

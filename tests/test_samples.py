@@ -14,8 +14,8 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS, build_hf_model  # noqa: E402
-from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
+from helpers import PROMPTS, build_hf_model, generate_here  # noqa: E402
+from hpcpar.jobs.generate import run_generation  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
 from hpcpar.jobs.launch import JobFailed  # noqa: E402
 from hpcpar.models.decoder import DecoderStage  # noqa: E402
@@ -29,10 +29,8 @@ def llama(tmp_path_factory):
     return build_hf_model("gqa-llama3", tmp_path_factory.mktemp("samples"))
 
 
-def _run(path, n, *sets, prompts=PROMPTS, max_new=8):
-    job = load_job(None, [f"model.checkpoint='{path}'", f"generate.max_new_tokens={max_new}",
-                          "generate.stop_at_eos=false", f"generate.n={n}", *sets])
-    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(prompts), progress=False)
+def _run(path, n, *sets):
+    return generate_here(path, 8, f"generate.n={n}", *sets)
 
 
 @pytest.mark.parametrize("batching", ["continuous", "static"])

@@ -31,7 +31,7 @@ import numpy as np
 
 from ...parallel.errors import HpcparError
 from .output import JsonLines
-from .prompts import PromptError, PromptLine, Prompts, is_batch_request, prompt_line
+from .prompts import PromptError, PromptLine, Prompts, prompt_line, read_records
 from .results import RowResults
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -92,9 +92,28 @@ class Requests:
                 f"{len(failed)} failed{first}")
 
 
-def load_requests(path: Path, records: list[tuple[int, object]], tokenizer,
-                  chat) -> Prompts:
+def is_batch_request(record) -> bool:
+    """Whether a parsed line is an OpenAI Batch API request."""
+    return isinstance(record, dict) and "custom_id" in record and "body" in record
+
+
+def is_batch_file(path: str | Path) -> bool:
+    """Whether a prompts file is a ``.jsonl`` whose first line is a Batch API request."""
+    path = Path(path)
+    if path.suffix not in (".jsonl", ".json") or not path.is_file():
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+        return is_batch_request(json.loads(first))
+    except (OSError, ValueError):        # prompts.load_prompts says what is wrong
+        return False
+
+
+def load_requests(path: str | Path, tokenizer, chat) -> Prompts:
     """The served requests' prompts, with ``requests`` describing every request."""
+    path = Path(path)
+    records = read_records(path)
     items, lines, seen = [], [], set()
     for n, record in records:
         if not is_batch_request(record):

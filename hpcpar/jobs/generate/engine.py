@@ -266,7 +266,8 @@ class GenerationRun(JobRun):
                 s = plan.settings
                 attrs = self.run_attrs(ranks.backend.name, ranks.tp.kind) | {
                     "prompts": self.job.data.prompts, "max_new_tokens": s.max_new_tokens,
-                    **{k: v for k, v in vars(s.sampling).items() if v is not None}, "stop": json.dumps(list(self.job.generate.stop)),
+                    **{k: v for k, v in vars(s.sampling).items() if v is not None},
+                    "n": self.job.generate.n, "stop": json.dumps(list(self.job.generate.stop)),
                     "stop_token_ids": json.dumps(list(self.job.generate.stop_token_ids)),
                     "stop_at_eos": s.stop_at_eos}
                 self.out.complete(attrs | result.report.attrs(), result.texts,

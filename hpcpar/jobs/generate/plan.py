@@ -21,7 +21,7 @@ from ..job import Job
 from ..layout import ParallelConfig
 from .program import GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
-from .batch_api import screen
+from .batch_api import is_batch_file, load_requests, screen
 from .results import Logprobs, ResultShape, RowResults, Samples
 from .sampling import PromptSampling, SamplingParams
 from .setup import eos_ids, load_tokenizer
@@ -186,8 +186,10 @@ def _job_prompts(job: Job, ckpt: Checkpoint, tokenizer) -> Prompts:
     """The prompts the job's ``[data]`` names: random ones, or a file's."""
     source = job.data.prompts
     if source != "random":
-        return load_prompts(source, tokenizer,
-                            ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path))
+        chat = ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path)
+        if is_batch_file(source):
+            return load_requests(source, tokenizer, chat)
+        return load_prompts(source, tokenizer, chat)
     lengths = job.data.random_lengths
     if len(lengths) != 2:
         raise HpcparError(f"data.random_lengths must be [min, max], got {list(lengths)}")

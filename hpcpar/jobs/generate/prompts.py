@@ -143,16 +143,8 @@ def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:
     records = read_records(path)
     if not records:
         raise PromptError(f"{path}: the prompt file is empty; add one JSON object per line")
-    if chat is not CHAT_FOR_GENERATION and is_batch_request(records[0][1]):
-        from .batch_api import load_requests        # (it reads its lines with prompt_line)
-        return load_requests(path, records, tokenizer, chat)
     return Prompts.of([prompt_line(record, tokenizer, chat, f"{path}:{n}")
                        for n, record in records])
-
-
-def is_batch_request(record) -> bool:
-    """Whether a parsed line is an OpenAI Batch API request (``generate.batch_api``)."""
-    return isinstance(record, dict) and "custom_id" in record and "body" in record
 
 
 @dataclass(frozen=True)
