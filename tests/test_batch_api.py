@@ -50,10 +50,19 @@ REQUESTS = [
              n=3, temperature=1.0, seed=7, max_tokens=MAX_NEW),
     _request("too-many", CHAT, messages=[{"role": "user", "content": "w4"}], max_tokens=500),
     _request("ids", COMPLETION, prompt=[1, 20, 21, 22], stop=None, stream=False),
+    _request("top-25", CHAT, messages=[{"role": "user", "content": "w4"}], logprobs=True,
+             top_logprobs=25),
+    # greedy at the job's temperature, a neutral top_p: served (OpenAI clients send it)
+    _request("greedy-top-p", COMPLETION, prompt="w9 w10 w11", max_tokens=4, top_p=1.0,
+             top_k=-1),
+    # two requests alike with their own seed: the same draws, wherever they are
+    _request("seeded-a", COMPLETION, prompt="w30 w31", temperature=1.0, seed=11),
+    _request("seeded-b", COMPLETION, prompt="w30 w31", temperature=1.0, seed=11),
 ]
 FAILED = {"bad-url": "url '/v1/embeddings' is not served",
           "tools": "'tools' is not supported by hpcpar's /v1/chat/completions",
-          "too-many": "max_new_tokens 500, more than the job's 6"}
+          "too-many": "max_tokens 500, more than the job's 6",
+          "top-25": "top_logprobs must be in [0, 20]"}
 
 
 def _run(folder, checkpoint, out, *extra, env=None):
@@ -83,7 +92,7 @@ def test_a_batch_file_round_trip(chat_model, tmp_path):
         "".join(json.dumps(r) + "\n" for r in REQUESTS))
     proc = _run(tmp_path, checkpoint, "out.jsonl")
     assert proc.returncode == 5, proc.stderr             # done, with failed requests
-    assert "batch: 7 requests, 4 served, 3 failed" in proc.stdout, proc.stdout
+    assert "batch: 11 requests, 7 served, 4 failed" in proc.stdout, proc.stdout
     lines = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in REQUESTS]
     by_id = {line["custom_id"]: line for line in lines}
@@ -135,6 +144,19 @@ def test_a_batch_file_round_trip(chat_model, tmp_path):
     assert len({c["message"]["content"] for c in sampled["choices"]}) == 3
     assert sampled["usage"]["completion_tokens"] == 3 * MAX_NEW
     assert by_id["ids"]["response"]["body"]["usage"]["prompt_tokens"] == 4
+    assert (by_id["greedy-top-p"]["response"]["body"]["choices"][0]["text"]
+            == text["choices"][0]["text"])
+    assert (by_id["seeded-a"]["response"]["body"]["choices"]
+            == by_id["seeded-b"]["response"]["body"]["choices"])
+    assert by_id["ids"]["response"]["body"]["choices"][0]["logprobs"] is None    # not asked
+
+    # the output is hpcpar's: run again into it, and read it back with show
+    again = _run(tmp_path, checkpoint, "out.jsonl")
+    assert again.returncode == 5, again.stderr
+    shown = mpirun(1, ["-m", "hpcpar", "show", "out.jsonl"], tmp_path)[0]
+    assert shown.returncode == 0, shown.stderr
+    assert "11 Batch API requests (4 failed)" in shown.stdout, shown.stdout
+    assert "sampled.2" in shown.stdout and "bad-url error" in shown.stdout
 
 
 def test_a_killed_batch_resumes_to_the_same_lines(chat_model, tmp_path):
@@ -168,6 +190,7 @@ def test_a_killed_batch_resumes_to_the_same_lines(chat_model, tmp_path):
     ([_request("a", CHAT, messages=[]), {"ids": [1, 2]}], "holds requests only"),
     ([_request("a", CHAT, messages=[]), _request("a", CHAT, messages=[])], "already used"),
     ([_request("a", "/v1/embeddings")], "no request can be served"),
+    ([{"url": CHAT, "body": {"messages": []}}], "\"custom_id\" must be a non-empty string"),
 ])
 def test_a_batch_file_that_cannot_run_is_one_error(chat_model, tmp_path, lines, words):
     _, _, checkpoint = chat_model

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import PROMPTS, build_hf_model, generate_here  # noqa: E402
-from hpcpar.jobs.generate import run_generation  # noqa: E402
+from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
 from hpcpar.jobs.launch import JobFailed  # noqa: E402
 from hpcpar.models.decoder import DecoderStage  # noqa: E402
@@ -93,8 +93,7 @@ def test_a_prompt_is_prefilled_once_for_all_its_samples(llama, monkeypatch, sets
     one = _run(path, 1, *SAMPLED, *sets, "parallel.micro_batches=1")
     np.testing.assert_array_equal(result.tokens[::n], one.tokens)
     if result.prompt_logits is not None:
-        np.testing.assert_array_equal(result.prompt_logits,
-                                      np.repeat(one.prompt_logits, n, axis=0))
+        np.testing.assert_array_equal(result.prompt_logits, one.prompt_logits)  # per prompt
     if result.prompt_logprobs is not None:
         np.testing.assert_array_equal(result.prompt_logprobs.values,
                                       np.repeat(one.prompt_logprobs.values, n, axis=0))
@@ -150,3 +149,17 @@ def test_a_bad_n_is_one_error(llama, tmp_path, capfd, line, message):
     assert message in _refused(capfd, lambda: run_generation(MPI.COMM_SELF, job,
                                                              progress=False))
     assert "generate.n must be in [1, 1024]" in _refused(capfd, lambda: _run(path, 0))
+
+
+def test_saved_prompt_logits_are_once_per_prompt(llama, tmp_path):
+    """--save-logits with n 3: ``prompt_logits`` [prompts, seq, vocab], the one-sample file's."""
+    _, path = llama
+    for n in (1, 3):
+        job = load_job(None, [f"model.checkpoint='{path}'", "generate.max_new_tokens=3",
+                              f"generate.n={n}", "generate.save_logits=true",
+                              f"output.path='{tmp_path / f'n{n}.h5'}'"])
+        run_generation(MPI.COMM_SELF, job, prompts=Prompts(PROMPTS), progress=False)
+    with h5py.File(tmp_path / "n1.h5") as one, h5py.File(tmp_path / "n3.h5") as three:
+        assert three["prompt_logits"].shape == one["prompt_logits"].shape
+        assert three["prompt_logits"].shape[0] == len(PROMPTS)
+        np.testing.assert_array_equal(three["prompt_logits"][()], one["prompt_logits"][()])

@@ -209,10 +209,14 @@ def write_text(path: str | Path, text: str) -> None:
         target.discard()
 
 
+BATCH_KEYS = ("id", "custom_id", "response", "error")     # an OpenAI Batch API output line
+
+
 def is_generation_line(record) -> bool:
-    """Whether a parsed JSON line is one of a generation's JSON-lines output."""
-    return isinstance(record, dict) and tuple(
-        k for k in record if k not in JSONL_OPTIONAL_KEYS) == JSONL_KEYS
+    """Whether a parsed JSON line is one of a generation's JSON-lines output (its own
+    lines, or a Batch API file's output lines)."""
+    return isinstance(record, dict) and (tuple(record) == BATCH_KEYS or tuple(
+        k for k in record if k not in JSONL_OPTIONAL_KEYS) == JSONL_KEYS)
 
 
 def output_kind(path: str | Path) -> str | None:

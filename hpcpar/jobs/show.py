@@ -111,6 +111,8 @@ def _generation_jsonl(path: Path, page: int, per_page: int) -> dict:
             if not is_generation_line(row):
                 raise HpcparError(f"{path}:{n}: not a line of hpcpar's generation output")
             rows.append(row)
+    if rows and "custom_id" in rows[0]:
+        return _batch_output(path, rows, page, per_page)
     rows.sort(key=lambda r: (r["index"], r.get("sample", 0)))
     sampled = any("sample" in r for r in rows)
     return {"kind": "generation", "path": str(path),
@@ -119,6 +121,36 @@ def _generation_jsonl(path: Path, page: int, per_page: int) -> dict:
             "finish_reasons": _counts([r["finish_reason"] for r in rows]),
             "completion_tokens": sum(r["completion_tokens"] for r in rows), "report": {},
             **_page(rows, page, per_page)}
+
+
+def _batch_output(path: Path, lines: list[dict], page: int, per_page: int) -> dict:
+    """A Batch API output file: a row per choice of each request (its custom_id as the
+    index), a request's error as its one row."""
+    rows = []
+    for line in lines:
+        if line.get("error") is not None or not line.get("response"):
+            message = (line.get("error") or {}).get("message", "no response")
+            rows.append({"index": line["custom_id"], "finish_reason": "error",
+                         "prompt_tokens": None, "completion_tokens": 0, "text": message,
+                         "token_ids": []})
+            continue
+        body = line["response"]["body"]
+        choices = body["choices"]
+        for choice in choices:
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            rows.append({"index": line["custom_id"],
+                         **({"sample": choice["index"]} if len(choices) > 1 else {}),
+                         "finish_reason": choice["finish_reason"],
+                         "prompt_tokens": body["usage"]["prompt_tokens"],
+                         "completion_tokens": None, "text": text, "token_ids": []})
+        rows[-1]["completion_tokens"] = body["usage"]["completion_tokens"]
+    failed = sum(1 for line in lines if line.get("error") is not None)
+    return {"kind": "generation", "path": str(path), "prompts": len(lines),
+            "requests": {"served": len(lines) - failed, "failed": failed},
+            "finish_reasons": _counts([r["finish_reason"] for r in rows]),
+            "completion_tokens": sum(line["response"]["body"]["usage"]["completion_tokens"]
+                                     for line in lines if line.get("response")),
+            "report": {}, **_page(rows, page, per_page)}
 
 
 def _counts(values: list[str]) -> dict:
@@ -309,7 +341,10 @@ def _one_line(text: str | None) -> str:
 def _format_generation(s: dict) -> str:
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(s["finish_reasons"].items()))
     samples = f", {s['samples']} samples" if "samples" in s else ""
-    lines = [f"{s['path']}: generation, {s['prompts']} prompts{samples} ({reasons}), "
+    what = "prompts"
+    if "requests" in s:
+        what = f"Batch API requests ({s['requests']['failed']} failed)"
+    lines = [f"{s['path']}: generation, {s['prompts']} {what}{samples} ({reasons}), "
              f"{s['completion_tokens']:,} tokens generated"]
     r = s["report"]
     if r:
@@ -320,8 +355,9 @@ def _format_generation(s: dict) -> str:
         text = row["text"] if row["text"] is not None else str(row["token_ids"])
         prompt = row["prompt_tokens"] if row["prompt_tokens"] is not None else "-"
         index = f"{row['index']}.{row['sample']}" if "sample" in row else row["index"]
+        new = row["completion_tokens"] if row["completion_tokens"] is not None else ""
         lines.append(f"{index:>5} {row['finish_reason']:<7} {prompt:>6} "
-                     f"{row['completion_tokens']:>5}  {_one_line(text)}")
+                     f"{new:>5}  {_one_line(text)}")
     return "\n".join(lines + [_page_line(s)])
 
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,7 @@ COMPLETION_FIELDS = {"prompt", "max_tokens", "logprobs"}
 IGNORED_FIELDS = {"model", "user", "metadata", "store", "service_tier"}
 # fields that do nothing at these values
 NEUTRAL = {"stream": False, "echo": False, "best_of": 1, "logit_bias": {}, "suffix": ""}
-CUTS = ("top_k", "top_p", "min_p")
+NO_CUT = {"top_k": (0, -1), "top_p": (1, 1.0), "min_p": (0, 0.0)}   # vLLM's "off" values
 
 
 @dataclass
@@ -63,6 +64,13 @@ class Request:
     prompt: int | None = None
     logprobs: bool = False
     error: str | None = None
+    names: dict = field(default_factory=dict)   # a prompt line's key -> the body's field
+
+    def in_its_words(self, message: str) -> str:
+        """``message`` with the prompt line's keys named as the request's body names them."""
+        for key, name in self.names.items():
+            message = re.sub(rf"\b{key}\b", name, message)
+        return message
 
 
 @dataclass
@@ -81,7 +89,7 @@ class Requests:
         ``message`` as its error, and the later prompts' indices move down one."""
         for r in self.items:
             if r.prompt == prompt:
-                r.prompt, r.error = None, message
+                r.prompt, r.error = None, r.in_its_words(message)
             elif r.prompt is not None and r.prompt > prompt:
                 r.prompt -= 1
 
@@ -94,7 +102,8 @@ class Requests:
 
 def is_batch_request(record) -> bool:
     """Whether a parsed line is an OpenAI Batch API request."""
-    return isinstance(record, dict) and "custom_id" in record and "body" in record
+    return isinstance(record, dict) and "body" in record and ("custom_id" in record
+                                                                or "url" in record)
 
 
 def is_batch_file(path: str | Path) -> bool:
@@ -110,8 +119,9 @@ def is_batch_file(path: str | Path) -> bool:
         return False
 
 
-def load_requests(path: str | Path, tokenizer, chat) -> Prompts:
-    """The served requests' prompts, with ``requests`` describing every request."""
+def load_requests(path: str | Path, tokenizer, chat, temperature: float = 0.0) -> Prompts:
+    """The served requests' prompts, with ``requests`` describing every request
+    (``temperature``: the job's, which a request without its own runs at)."""
     path = Path(path)
     records = read_records(path)
     items, lines, seen = [], [], set()
@@ -120,7 +130,7 @@ def load_requests(path: str | Path, tokenizer, chat) -> Prompts:
             raise PromptError(f"{path}:{n}: a Batch API file holds requests only, each with "
                               "\"custom_id\", \"method\", \"url\" and \"body\"; this line is "
                               "not one")
-        custom_id = record["custom_id"]
+        custom_id = record.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
             raise PromptError(f"{path}:{n}: \"custom_id\" must be a non-empty string")
         if custom_id in seen:
@@ -130,11 +140,11 @@ def load_requests(path: str | Path, tokenizer, chat) -> Prompts:
         request = Request(custom_id)
         try:
             line, request.kind, request.model, request.logprobs = _served(
-                record, tokenizer, chat, f"{path}:{n}")
+                record, tokenizer, chat, f"{path}:{n}", temperature, request.names)
             request.prompt = len(lines)
             lines.append(line)
         except HpcparError as e:
-            request.error = str(e).removeprefix(f"{path}:{n}: ")
+            request.error = request.in_its_words(str(e).removeprefix(f"{path}:{n}: "))
         items.append(request)
     requests = Requests(items, str(path))
     if not lines:
@@ -142,8 +152,9 @@ def load_requests(path: str | Path, tokenizer, chat) -> Prompts:
     return Prompts.of(lines, requests)
 
 
-def _served(record: dict, tokenizer, chat, where: str):
-    """(prompt line, kind, model, logprobs asked) of a request hpcpar can serve."""
+def _served(record: dict, tokenizer, chat, where: str, temperature: float, names: dict):
+    """(prompt line, kind, model, logprobs asked) of a request hpcpar can serve; ``names``
+    gets the body's names of the line's keys (for its messages)."""
     unknown = sorted(set(record) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise PromptError(f"{where}: unknown key {unknown[0]!r} in a request")
@@ -167,12 +178,18 @@ def _served(record: dict, tokenizer, chat, where: str):
                               f"{record['url']}" + (f" (only {json.dumps(NEUTRAL[key])})"
                                                     if key in NEUTRAL else ""))
     line = {SHARED_FIELDS[k]: v for k, v in body.items() if k in SHARED_FIELDS}
-    if body.get("temperature") == 0:       # greedy: a cut does nothing (OpenAI takes it)
-        for cut in CUTS:
+    for cut, off in NO_CUT.items():            # a cut at its neutral value: none
+        if line.get(cut) in off:
+            del line[cut]
+    if line.get("temperature", temperature) == 0:     # greedy: a cut is moot (OpenAI takes it)
+        for cut in NO_CUT:
             line.pop(cut, None)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    if limit is not None:
-        line["max_new_tokens"] = limit
+    for name in ("max_completion_tokens", "max_tokens"):
+        if name in body:
+            line["max_new_tokens"], names["max_new_tokens"] = body[name], name
+            break
+    names["logprobs"] = "top_logprobs" if kind == "chat" else "logprobs"
+    line["logprobs"] = None                     # none unless the request asks
     asked = False
     if kind == "chat":
         if "messages" not in body:

@@ -50,14 +50,15 @@ class GenerationResult:
     tokens: np.ndarray                    # (batch, max_new_tokens)
     lengths: np.ndarray                   # (batch,)
     prompt_lengths: np.ndarray            # (batch,)
-    prompt_logits: np.ndarray | None      # (batch, max prompt length, vocab), NaN past the end
+    prompt_logits: np.ndarray | None      # (prompts, max prompt length, vocab), NaN past
+                                          # the end
     texts: list[str] | None
     report: RunReport
     finish_reasons: list[str]             # eos, stop or length, by prompt
     logprobs: Logprobs | None = None      # the new tokens' (None: no prompt asked)
     prompt_logprobs: Logprobs | None = None   # the prompts' tokens' (column t: token t)
-    samples: Samples | None = None        # with n > 1: row p * width + s is sample s of
-                                          # prompt p (the rows past its own n: empty)
+    samples: Samples | None = None        # row p * width + s is sample s of prompt p (the
+                                          # rows past its own n: empty)
     requests: Requests | None = None      # a Batch API file's requests (their prompts are
                                           # the served ones')
 
@@ -102,8 +103,8 @@ class GenerationRun(JobRun):
         self.results = RowResults.empty(n_prompts, plan.results, self.pad_id)
         self.logits = None
         if self.rank == 0 and plan.settings.save_logits and self.out is None:   # in memory
-            self.logits = np.full((n_prompts, max(plan.prompts.lengths), cfg.vocab_size),
-                                  np.nan, dtype=np.float32)
+            self.logits = np.full((n_prompts // plan.samples.width, max(plan.prompts.lengths),
+                                   cfg.vocab_size), np.nan, dtype=np.float32)
         # finished rows reach rank 0 and the file as they finish; with prompt logits,
         # the file once those are written (at the end of a wave, or of a stopped run)
         self.live = bool(self.job.output.path) and not plan.settings.save_logits
@@ -166,8 +167,10 @@ class GenerationRun(JobRun):
         if flag[0] and (flag[1] or not last):
             kept = ("saved; run again with --resume auto to finish the rest"
                     if out is not None else "not saved (no --out)")
-            self.preempted(f"{self.stop.describe()}: {int(self.done.sum())} of "
-                           f"{len(self.plan.prompts)} prompts are finished and {kept}")
+            present = self.plan.samples.present
+            what = "samples" if self.plan.samples.width > 1 else "prompts"
+            self.preempted(f"{self.stop.describe()}: {int(self.done[present].sum())} of "
+                           f"{int(present.sum())} {what} are finished and {kept}")
 
     def _run_wave(self, wave: np.ndarray) -> tuple[RankFigures, int]:
         """Generate for the prompts of ``wave``; returns this rank's figures and the
@@ -201,7 +204,7 @@ class GenerationRun(JobRun):
         with phase("collecting the outputs on rank 0"):
             if plan.settings.save_logits:
                 _collect_logits(world, plan.layout, plan.prompts, wave, program, self.out,
-                                self.logits)
+                                self.logits, plan.samples.width)
         return figures, len(mbs)
 
     def _wave_program(self, wave: np.ndarray):
@@ -285,17 +288,20 @@ class GenerationRun(JobRun):
         results = self.out.results() if self.out is not None else self.results
         tokens, lengths = results.tokens, results.lengths
         texts, stopped = decode_rows(plan.tokenizer, tokens, lengths, plan.stops)
-        ran = sum(len(w) for w in todo)
-        ran_tokens = sum(plan.prompts.lengths[r] for w in todo for r in w)
+        ran = sum(len(w) for w in todo)                         # rows: samples
+        width = plan.samples.width                              # a prompt's samples: one
+        prefilled = {int(r) // width for w in todo for r in w}  # prefill (as measured)
+        ran_tokens = sum(plan.prompts.lengths[p * width] for p in prefilled)
         new_tokens = int(sum(lengths[r] for w in todo for r in w))
-        report = RunReport.build(table, plan.layout, self.micro, ran, ran_tokens, new_tokens)
+        report = RunReport.build(table, plan.layout, self.micro, len(prefilled), ran_tokens,
+                                 new_tokens, ran)
         reasons = finish_reasons(tokens, lengths, plan.eos, plan.settings.stop_at_eos, stopped,
                                  plan.stop_ids)
         reasons = [r if run else "" for r, run in zip(reasons, plan.samples.present)]
         return GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, np.int64),
                                 self.logits, texts, report, reasons, results.logprobs,
                                 results.prompt_logprobs,
-                                plan.samples if plan.samples.width > 1 else None,
+                                plan.samples,
                                 plan.prompts.requests)
 
 
@@ -342,9 +348,9 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
 
 
 def _collect_logits(world, layout: ParallelConfig, prompts: Prompts, wave: np.ndarray,
-                    program, out, logits) -> None:
+                    program, out, logits, width: int) -> None:
     """The wave's prompt logits on world rank 0, one micro-batch at a time (to ``out``, or
-    into ``logits``), sent by each replica's owner."""
+    into ``logits``, once per prompt of ``width`` samples), sent by each replica's owner."""
     holders = owners(layout)
     if world.rank in holders and world.rank != 0:
         for mb in program.mbs:
@@ -363,7 +369,7 @@ def _collect_logits(world, layout: ParallelConfig, prompts: Prompts, wave: np.nd
             if out is not None:
                 out.write_logits(mb, full)
             else:
-                unpad_into(logits, mb, full)
+                unpad_into(logits, mb, full, width)
 
 
 def _prompt_logits(program: GenerationProgram, mb) -> np.ndarray:

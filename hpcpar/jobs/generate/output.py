@@ -6,7 +6,7 @@ place when complete.
     finish_reason  utf-8 [batch]                   why the row ended: eos, stop (a stop
                                                    string), or length (its max_new_tokens)
     prompt_lengths int64 [batch]
-    prompt_logits  float32 [batch, seq, vocab]     with --save-logits: position t of prompt b
+    prompt_logits  float32 [prompts, seq, vocab]   with --save-logits: position t of prompt b
                                                    at [b, t], NaN past the prompt's end
     text           utf-8 [batch]                   decoded new tokens, when there is a tokenizer
     logprobs, top_logprobs, top_token_ids          with --logprobs K: [batch, max_new_tokens]
@@ -33,11 +33,13 @@ from ...parallel.errors import HpcparError
 from .results import ResultShape, RowResults, Samples
 
 
-def unpad_into(logits, mb, full: np.ndarray) -> None:
+def unpad_into(logits, mb, full: np.ndarray, width: int = 1) -> None:
     """A micro-batch's logits (b, L, vocab) into ``logits`` (an array or an HDF5 dataset of
-    [batch, seq, vocab]), position t of each prompt at t, its padding left out."""
+    [prompts, seq, vocab]), position t of each prompt at t, its padding left out; with
+    ``width`` samples per prompt, once per prompt (its first sample's row)."""
     for j, row in enumerate(mb.rows):
-        logits[row, :mb.lengths[j]] = full[j, :mb.lengths[j]]
+        if row % width == 0:
+            logits[row // width, :mb.lengths[j]] = full[j, :mb.lengths[j]]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,11 @@ class RunShape:
                 else self.samples.present)
 
     @property
+    def prompts(self) -> int:
+        """The prompts (``count`` is their samples')."""
+        return self.count // (1 if self.samples is None else self.samples.width)
+
+    @property
     def count(self) -> int:
         return len(self.prompt_lengths)
 
@@ -71,7 +78,8 @@ class RunShape:
     def nbytes(self) -> int:
         """The partial file's datasets, in bytes."""
         n = self.count
-        logits = n * int(max(self.prompt_lengths)) * self.vocab * 4 if self.save_logits else 0
+        logits = (self.prompts * int(max(self.prompt_lengths)) * self.vocab * 4
+                  if self.save_logits else 0)
         rows = sum(int(np.prod(row, dtype=np.int64)) * dtype.itemsize
                    for row, dtype, _ in self.results.specs().values())
         return n * (rows + 8 + 1) + logits
@@ -117,7 +125,8 @@ def damage(f: h5py.File, shape: RunShape) -> str | None:
                 for name, (row, dtype, _) in shape.results.specs().items()}
     expected |= {"prompt_lengths": ((n,), "i"), "done": ((n,), "b")}
     if shape.save_logits:
-        expected["prompt_logits"] = ((n, int(max(shape.prompt_lengths)), shape.vocab), "f")
+        expected["prompt_logits"] = ((shape.prompts, int(max(shape.prompt_lengths)),
+                                      shape.vocab), "f")
     for name, (want, kind) in expected.items():
         dset = f.get(name)
         if not isinstance(dset, h5py.Dataset):
@@ -310,7 +319,8 @@ class PartialOutput:
             longest = int(max(self.shape.prompt_lengths))
             early = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
             early.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-            f.create_dataset("prompt_logits", (n, longest, self.shape.vocab), dtype=np.float32,
+            f.create_dataset("prompt_logits", (self.shape.prompts, longest, self.shape.vocab),
+                             dtype=np.float32,
                              chunks=(1, longest, self.shape.vocab), fillvalue=np.nan,
                              dcpl=early)
         write_point(self.partial)
@@ -381,7 +391,8 @@ class PartialOutput:
 
     def write_logits(self, mb, full: np.ndarray) -> None:
         """A micro-batch's prompt logits (``unpad_into``)."""
-        self._write(lambda: unpad_into(self.file["prompt_logits"], mb, full))
+        width = 1 if self.shape.samples is None else self.shape.samples.width
+        self._write(lambda: unpad_into(self.file["prompt_logits"], mb, full, width))
 
     def results(self) -> RowResults:
         """Every prompt's results, this run's and the earlier runs' alike."""

@@ -188,7 +188,7 @@ def _job_prompts(job: Job, ckpt: Checkpoint, tokenizer) -> Prompts:
     if source != "random":
         chat = ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path)
         if is_batch_file(source):
-            return load_requests(source, tokenizer, chat)
+            return load_requests(source, tokenizer, chat, job.generate.temperature)
         return load_prompts(source, tokenizer, chat)
     lengths = job.data.random_lengths
     if len(lengths) != 2:

@@ -83,9 +83,13 @@ class RunReport:
     load_gb_per_s: float          # all ranks' bytes over the slowest rank's seconds
     ep_all_to_all_bytes: int = 0
     expert_mb: list[float] | None = None     # a mixture of experts: per rank
+    samples: int = 0                         # rows generated (n per prompt with --n)
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
-              prompt_tokens: int, new_tokens: int) -> "RunReport":
+              prompt_tokens: int, new_tokens: int, rows: int | None = None) -> "RunReport":
+        """``rows``: the samples generated (``prompts``, one each, when None); each one's
+        first token comes from the prefill."""
+        rows = prompts if rows is None else rows
         ranks = [RankFigures.from_array(row) for row in table]
         stages = by_stage(ranks, layout)
 
@@ -102,7 +106,8 @@ class RunReport:
             micro_batches=micro_batches, prompts=prompts, prompt_tokens=prompt_tokens,
             new_tokens=new_tokens, prefill_seconds=prefill, decode_seconds=decode,
             prefill_tokens_per_s=prompt_tokens / prefill if prefill else 0.0,
-            decode_tokens_per_s=max(new_tokens - prompts, 0) / decode if decode else 0.0,
+            decode_tokens_per_s=max(new_tokens - rows, 0) / decode if decode else 0.0,
+            samples=rows,
             bubble_formula=bubble_fraction(layout.pp, micro_batches),
             bubble_prefill=1 - mean(compute_p) / prefill if prefill else 0.0,
             bubble_decode=1 - mean(compute_d) / decode if decode else 0.0,
@@ -127,9 +132,10 @@ class RunReport:
                 for k, v in asdict(self).items()}
 
     def format(self) -> str:
+        samples = f" ({self.samples} samples)" if self.samples > self.prompts else ""
         lines = [
             f"layout: {self.layout}, {self.micro_batches} micro-batch(es) per replica; "
-            f"{self.prompts} prompts, {self.prompt_tokens} prompt tokens, "
+            f"{self.prompts} prompts{samples}, {self.prompt_tokens} prompt tokens, "
             f"{self.new_tokens} new tokens",
             f"prefill: {self.prefill_seconds:.3f} s, {self.prefill_tokens_per_s:,.0f} tokens/s   "
             f"decode: {self.decode_seconds:.3f} s, {self.decode_tokens_per_s:,.1f} tokens/s",

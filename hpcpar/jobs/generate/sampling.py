@@ -72,9 +72,10 @@ class PromptSampling:
     logprobs: np.ndarray                # int64; -1: none
     prompt_logprobs: np.ndarray         # int64; -1: none
     # what a row's draws are keyed by, with the seed and the step: its prompt (the global
-    # index of the prompt it samples) and which of the prompt's samples it is
+    # index of the prompt it samples; not with a seed of its own) and which sample it is
     prompt: np.ndarray                  # int64
     sample: np.ndarray                  # int64
+    own_seed: np.ndarray                # bool: the prompt's line gave its own seed
 
     @classmethod
     def build(cls, job: SamplingParams, own: list[dict]) -> "PromptSampling":
@@ -83,7 +84,8 @@ class PromptSampling:
         out = cls(**{f.name: np.full(n, _stored(getattr(job, f.name)),
                                      np.int64 if f.name in INTEGER_KEYS else np.float64)
                      for f in fields(SamplingParams)},
-                  prompt=np.arange(n, dtype=np.int64), sample=np.zeros(n, np.int64))
+                  prompt=np.arange(n, dtype=np.int64), sample=np.zeros(n, np.int64),
+                  own_seed=np.array(["seed" in o for o in own], dtype=bool).reshape(n))
         for i, prompt_own in enumerate(own):
             for key, value in prompt_own.items():
                 getattr(out, key)[i] = _stored(value)
@@ -191,7 +193,9 @@ def sample_from_candidates(values: np.ndarray, ids: np.ndarray,
     by logit descending; ``rows`` are the rows' global indices (none greedy; ``params``
     by that index), ``step`` the index of the token drawn (one for all rows, or each row's
     own). The cuts: top-k, then top-p, then min-p (transformers' order). Each draw is keyed
-    by (seed, prompt, step), and the sample's index past the first."""
+    by (seed, prompt, step), and the sample's index past the first; a prompt with a seed of
+    its own leaves its index out (vLLM's per-request seed: the same line, the same draws,
+    wherever it is)."""
     rows = np.asarray(rows, dtype=np.int64)
     p = of_rows(params, rows)
     steps = np.broadcast_to(np.asarray(step, dtype=np.int64), (len(rows),))
@@ -202,7 +206,7 @@ def sample_from_candidates(values: np.ndarray, ids: np.ndarray,
     kept = (probs > 0).sum(axis=1)                       # the candidates left, a prefix
     out = np.empty(len(rows), dtype=np.int64)
     for i in range(len(rows)):
-        key = [int(p.seed[i]), int(p.prompt[i]), int(steps[i])]
+        key = [int(p.seed[i])] + [int(p.prompt[i])] * (not p.own_seed[i]) + [int(steps[i])]
         if p.sample[i]:
             key.append(int(p.sample[i]))
         u = np.random.default_rng(key).random() * cdf[i, -1]
