@@ -58,22 +58,33 @@ def test_a_rows_draw_depends_on_its_prompt_index_and_step_not_on_its_batch():
 
 
 def test_each_row_draws_with_its_own_prompts_settings():
-    """Rows of one call, each cut by its prompt's own top-k / top-p and drawn with its own
-    seed: the draws of a call with that prompt's settings for every row."""
+    """Rows of one call, each cut by its prompt's own top-k / top-p: the draws of a call with
+    that prompt's settings for every row. A prompt with a seed of its own draws as vLLM's
+    per-request seed does: the same wherever the prompt is (its index is not in the key),
+    and not as the job's seed would."""
     from hpcpar.jobs.generate.sampling import PromptSampling
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4))
     vals, ids = _sorted(logits)
     own = [{"top_k": 1}, {"top_k": 2, "seed": 7}, {"top_p": 0.7}, {"temperature": 3.0}]
     job = SamplingParams(temperature=1.0, seed=1)
     prompts = PromptSampling.build(job, [{}] * 6 + own)          # prompts 6..9 are these rows
+    moved = PromptSampling.build(job, [own[1]] + [{}] * 9)       # the seeded one at 0
     rows = np.arange(6, 10)
+    as_jobs = []
     for step in range(40):
         got = sample_from_candidates(vals, ids, prompts, rows, step)
         for i, settings in enumerate(own):
             alone = SamplingParams(**{"temperature": 1.0, "seed": 1, **settings})
-            assert got[i] == sample_from_candidates(vals[i:i + 1], ids[i:i + 1], alone,
-                                                    rows[i:i + 1], step)[0], (settings, step)
+            theirs = sample_from_candidates(vals[i:i + 1], ids[i:i + 1], alone, rows[i:i + 1],
+                                            step)[0]
+            if "seed" in settings:
+                as_jobs.append(got[i] == theirs)
+                assert got[i] == sample_from_candidates(vals[i:i + 1], ids[i:i + 1], moved,
+                                                        np.array([0]), step)[0], step
+            else:
+                assert got[i] == theirs, (settings, step)
         assert got[0] == 0 and got[1] in (0, 1) and got[2] in (0, 1)
+    assert not all(as_jobs)            # keyed without the index: not the job seed's draws
 
 
 def test_bad_sampling_parameters_are_named():

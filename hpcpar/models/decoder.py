@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..parallel import budget
 from ..parallel.backend import host_array
 from ..parallel.comm import Communicator
 from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear, column_parallel,
@@ -367,8 +368,13 @@ class DecoderStage:
         pending = None
         last = len(self.decoder) - 1
         for i, layer in enumerate(self.decoder):
-            x, pending, _ = layer.forward(x, pending, cos, sin, rows, cache, i,
-                                          keep=keep if i == last else None)
+            if budget._current is None:
+                x, pending, _ = layer.forward(x, pending, cos, sin, rows, cache, i,
+                                              keep=keep if i == last else None)
+                continue
+            with budget.phase("layer"):           # a device budget counts each layer
+                x, pending, _ = layer.forward(x, pending, cos, sin, rows, cache, i,
+                                              keep=keep if i == last else None)
         if keep is not None and last < 0:
             x = at_positions(self.xp, x, keep)
         return x + pending if pending is not None else x

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
 from .errors import HpcparError
 from .optim_settings import OptimizerSettings
 from .params import Parameter
@@ -52,10 +54,11 @@ class Optimizer:
         self.state: dict[Parameter, dict[str, object]] = {}     # by the object itself
         self.steps = 0                      # optimizer steps taken (AdamW's bias correction)
         # On the CPU the update runs block by block through one cache-sized scratch buffer:
-        # it allocates nothing, and its ten elementwise passes read memory about once. A GPU
-        # takes each tensor whole (one kernel per pass, not one per block).
+        # it allocates nothing, and its ten elementwise passes read memory about once. A
+        # device (a GPU, or the strict backend that stands in for one) takes each tensor
+        # whole (one kernel per pass, not one per block).
         largest = max((p.master.size for p in params), default=1)
-        self.block = BLOCK if not hasattr(xp, "cuda") else largest
+        self.block = BLOCK if xp is np else largest
         self._scratch = xp.empty(self.block, dtype=params[0].master.dtype) if params else None
 
     def state_of(self, p: Parameter) -> dict[str, object]:

@@ -16,6 +16,10 @@ What CuPy allows stays allowed: Python scalars and lists, ``int(x)`` / ``float(x
 element, ``x.item()``, ``x[...] = numpy_array`` (a host-to-device copy), NumPy functions called
 on device arrays (dispatched through ``__array_function__`` / ``__array_ufunc__``).
 Everything is computed by NumPy on the host, so results equal a NumPy run bit for bit.
+
+While a ``parallel.budget.Budget`` counts, every operation here reports to it: an operation
+that computes (one kernel launch on a GPU), a new array and its bytes, a read back to the host
+(a sync), an upload. Views (slices, reshapes, transposes) compute nothing and are not counted.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import types
 
 import numpy as np
+
+from . import budget
 
 _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed (strict device backend, "
              "as CuPy). Please use `.get()` to construct a NumPy array explicitly.")
@@ -59,6 +65,46 @@ def _wrap(value):
     return value
 
 
+def _arrays(value, out: list) -> list:
+    """The NumPy arrays among (nested) arguments, unwrapped."""
+    if isinstance(value, StrictArray):
+        out.append(value._a)
+    elif isinstance(value, np.ndarray):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _arrays(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _arrays(v, out)
+    return out
+
+
+def _counted(result, inputs: list, computes: bool = True):
+    """Report ``result`` of an operation on ``inputs`` (NumPy arrays) to the budget counting
+    now: a result that shares no memory with an input is a new array, computed (``computes``:
+    False for ``empty``, which only allocates); one that does is a view (nothing), unless
+    the operation wrote into it (``out=``, in place: ``result`` None)."""
+    b = budget._current
+    if b is None:
+        return result
+    fresh = [r for r in (result if isinstance(result, tuple) else (result,))
+             if isinstance(r, np.ndarray)
+             and not any(np.may_share_memory(r, a) for a in inputs)]
+    if result is None or not isinstance(result, (np.ndarray, tuple)) or fresh:
+        if computes:
+            b.op()
+    for r in fresh:
+        b.allocated(r)
+    return result
+
+
+def _read() -> None:
+    b = budget._current
+    if b is not None:
+        b.read()
+
+
 def _index(key):
     """An index: device arrays unwrap; host index arrays are allowed (CuPy copies them)."""
     if isinstance(key, StrictArray):
@@ -83,6 +129,7 @@ class StrictArray:
         raise TypeError(_IMPLICIT)
 
     def get(self, stream=None, order="C", out=None) -> np.ndarray:
+        _read()
         if out is not None:
             np.copyto(out, self._a)
             return out
@@ -91,24 +138,32 @@ class StrictArray:
     def set(self, arr, stream=None) -> None:
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"Only numpy.ndarray can be set to a device array, not {type(arr)}")
+        if budget._current is not None:
+            budget._current.upload()
         self._a[...] = arr
 
     def item(self):
+        _read()
         return self._a.item()
 
     def tolist(self):
+        _read()
         return self._a.tolist()
 
     def __float__(self):
+        _read()
         return float(self._a)
 
     def __int__(self):
+        _read()
         return int(self._a)
 
     def __bool__(self):
+        _read()
         return bool(self._a)
 
     def __index__(self):
+        _read()
         return self._a.__index__()
 
     # ---- NumPy's protocols: device arrays in, device arrays out -----------------------------
@@ -118,13 +173,17 @@ class StrictArray:
         kwargs = _unwrap_kwargs(kwargs)
         if out is not None:
             kwargs["out"] = tuple(_unwrap(o) for o in out)
-        result = getattr(ufunc, method)(*_unwrap(inputs), **kwargs)
+        args = _unwrap(inputs)
+        result = getattr(ufunc, method)(*args, **kwargs)
         if out is not None:          # in place: hand back the device arrays given
+            _counted(None, [])
             return out[0] if len(out) == 1 else out
-        return _wrap(result)
+        return _wrap(_counted(result, _arrays(args, [])))
 
     def __array_function__(self, func, types_, args, kwargs):
-        return _wrap(func(*_unwrap(args), **_unwrap_kwargs(kwargs)))
+        args, kwargs = _unwrap(args), _unwrap_kwargs(kwargs)
+        return _wrap(_counted(func(*args, **kwargs), _arrays((args, kwargs), []),
+                              func.__name__ not in _ALLOCATE_ONLY))
 
     # ---- array behaviour --------------------------------------------------------------------
 
@@ -139,12 +198,15 @@ class StrictArray:
     T = property(lambda self: StrictArray(self._a.T))
 
     def __getitem__(self, key):
-        return _wrap(self._a[_index(key)])
+        return _wrap(_counted(self._a[_index(key)], [self._a]))
 
     def __setitem__(self, key, value):
         if isinstance(value, StrictArray):
             value = value._a
+        elif isinstance(value, np.ndarray) and budget._current is not None:
+            budget._current.upload()
         self._a[_index(key)] = value
+        _counted(None, [])
 
     def __len__(self):
         return len(self._a)
@@ -202,23 +264,36 @@ class _Function:
         self._fn = fn
 
     def __call__(self, *args, **kwargs):
-        return _wrap(self._fn(*_unwrap(args), **_unwrap_kwargs(kwargs)))
+        args, kwargs = _unwrap(args), _unwrap_kwargs(kwargs)
+        inputs = _arrays((args, kwargs), [])
+        owner = getattr(self._fn, "__self__", None)     # a bound method's array
+        if isinstance(owner, np.ndarray):
+            inputs.append(owner)
+        return _wrap(_counted(self._fn(*args, **kwargs), inputs,
+                              getattr(self._fn, "__name__", "") not in _ALLOCATE_ONLY))
 
     def __getattr__(self, name):
         attr = getattr(self._fn, name)
         return _Function(attr) if callable(attr) else attr
 
 
+_ALLOCATE_ONLY = ("empty", "empty_like")      # new arrays that no kernel fills
+
+
 def asarray(a, dtype=None, order=None):
     """Host data (or a device array) to the device: the explicit way in."""
     if isinstance(a, StrictArray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
-    return StrictArray(np.array(a, dtype=dtype, order=order or "K", copy=True))
+    data = np.array(a, dtype=dtype, order=order or "K", copy=True)
+    if budget._current is not None:
+        budget._current.upload()
+        budget._current.allocated(data)
+    return StrictArray(data)
 
 
 def array(a, dtype=None, copy=True, order="K"):
     if isinstance(a, StrictArray):
-        return StrictArray(np.array(a._a, dtype=dtype, copy=True, order=order))
+        return StrictArray(_counted(np.array(a._a, dtype=dtype, copy=True, order=order), []))
     return asarray(a, dtype=dtype, order=order)
 
 
@@ -226,7 +301,7 @@ def ascontiguousarray(a, dtype=None):
     if not isinstance(a, StrictArray):          # CuPy: "Argument 'a' has incorrect type"
         raise TypeError(f"Argument 'a' has incorrect type (expected device array, got "
                         f"{type(a).__name__}): ascontiguousarray takes only device arrays")
-    return StrictArray(np.ascontiguousarray(a._a, dtype=dtype))
+    return StrictArray(_counted(np.ascontiguousarray(a._a, dtype=dtype), [a._a]))
 
 
 def asnumpy(a, out=None):

@@ -146,6 +146,14 @@ class ReplicaProgram(ABC):
                        if stage.last and max(self.token_ks.max(initial=-1),
                                              self.prompt_ks.max(initial=-1)) >= 0 else None)
 
+    def budget_phase(self, a: Action) -> str:
+        """A device budget's phase of a compute action: prefill or decode."""
+        return "prefill" if self.phase(a) == 0 else "decode"
+
+    def phase(self, a: Action) -> int:
+        """Prefill (0) or decode (1), for the run report's times."""
+        return 0 if a.step == 0 else 1
+
     def cache_capacity(self, positions: int) -> int:
         """KV-cache slots per row on this rank for rows of up to ``positions`` tokens."""
         if self.cp is None:

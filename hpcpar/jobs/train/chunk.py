@@ -19,6 +19,7 @@ import numpy as np
 from ...models.config import ModelConfig
 from ...models.decoder import DecoderStage, MoeMlp
 from ...models.tensors import StageSpan
+from ...parallel import budget
 from ...parallel.backend import host_array
 from ...parallel.comm import Communicator
 from ...parallel.context import ContextShard
@@ -130,8 +131,9 @@ class ModelChunk:
         saved, routings = [], []
         for i, layer in zip(self.layers, stage.decoder):
             saved.append(x if self.recompute else None)
-            x, m, lctx = layer.forward(x, None, cos, sin, rows, train=True)
-            x = x + m
+            with budget.phase("layer"):            # a device budget counts each layer
+                x, m, lctx = layer.forward(x, None, cos, sin, rows, train=True)
+                x = x + m
             if not self.recompute:
                 saved[-1] = lctx
             if isinstance(layer.mlp, MoeMlp):
@@ -208,7 +210,8 @@ class ModelChunk:
             if self.recompute:
                 _, _, lctx = layer.forward(lctx, None, cos, sin, rows, train=True)
             moe = dprobs is not None and isinstance(layer.mlp, MoeMlp)
-            dy = layer.backward(dy, lctx, sink, dprobs if moe else None)
+            with budget.phase("layer"):            # a device budget counts each layer
+                dy = layer.backward(dy, lctx, sink, dprobs if moe else None)
             finished_group()
         if self.first:
             stage.embedding.backward(stage.scale_embedding(dy), ctx.pop("embed"), sink)

@@ -16,7 +16,7 @@ from time import perf_counter
 
 import numpy as np
 
-from ...parallel import trace
+from ...parallel import budget, trace
 from ...parallel.data_parallel import local_sq_norm
 from ...parallel.optim import LossScaler, Optimizer, clip_coefficient
 from ...parallel.optim_settings import learning_rate
@@ -160,7 +160,8 @@ class TrainingRun(JobRun):
         start = perf_counter()
         first_sample = plan.samples_start + (step - plan.start_step - 1) * B
         scale = self.scaler.scale if self.scaler else 1.0
-        program = self._forward_backward(first_sample, scale)
+        with budget.phase("train step"):
+            program = self._forward_backward(first_sample, scale)
         loss, norm, stopping = self._agree(program, scale)
         # float16 gradients that overflowed: skip the step and lower the loss scale
         overflow = self.scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
@@ -257,7 +258,7 @@ class TrainingRun(JobRun):
             self.scaler.update(overflow)
         if not overflow:
             coef = clip_coefficient(norm, self.plan.optimizer.clip_grad)
-            with trace.span("optimizer step", "compute"):
+            with trace.span("optimizer step", "compute"), budget.phase("optimizer"):
                 self.optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
             if self.zero:                             # the updated pieces gathered, then copied
                 for group in self.held:

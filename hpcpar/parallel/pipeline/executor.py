@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .. import trace
+from .. import budget, trace
 from ..backend import DeviceClock
 from ..comm import Communicator, Request
 from ..dtypes import bfloat16
@@ -210,7 +210,11 @@ class PipelineExecutor:
                     post(j)
                 started, tracer = self.clock.now(), trace.current()
                 begin = perf_counter() if tracer is not None else 0.0
-                program.compute(a)
+                if budget._current is None:
+                    program.compute(a)
+                else:                     # a device budget counts: by the action's phase
+                    with budget.phase(budget_phase(program, a)):
+                        program.compute(a)
                 self.clock.add(self.times.compute, phase, started)
                 if tracer is not None:
                     tracer.add(f"{a.op.name.lower()} {a.mb}", "compute", begin, perf_counter(),
@@ -271,6 +275,13 @@ class PipelineExecutor:
             return first
         second = self.pp.isend(payload, a.peer, tag=tag)
         return Request(lambda: (first.wait(), second.wait()), keepalive=(first, second))
+
+
+def budget_phase(program, a: Action) -> str:
+    """The device budget's phase of a compute action: the program's ``budget_phase(a)``
+    (generation: prefill or decode), else the operation (forward, backward, ...)."""
+    named = getattr(program, "budget_phase", None)
+    return named(a) if named is not None else a.op.name.lower()
 
 
 class _HeaderFrame:

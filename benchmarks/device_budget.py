@@ -1,0 +1,138 @@
+"""What a GPU would be asked to do per step, counted on the CPU: ``parallel.budget`` on the
+strict device backend counts each phase's array operations (a kernel launch each on a GPU),
+device-to-host reads (each a sync), uploads, allocations and the peak of live device bytes,
+for the Llama-3.2-1B and Llama-3.1-8B shapes with their layers cut down (a layer's counts
+do not depend on how many there are), per run of a phase and per decoder layer.
+
+    python benchmarks/device_budget.py                       # 1B and 8B shapes, 2 layers
+    python benchmarks/device_budget.py --shapes 1b --train   # and a training step's
+
+The arrays are float32 NumPy arrays under the strict backend's wrapper (no GPU, and no device
+kernels: the ops run their NumPy references, each operation of which counts), so the counts
+are those of the code path as it stands, the bytes those of float32 (bfloat16: half). The
+table is the median over the runs of each phase (decode: every step after the first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from statistics import median
+
+from mpi4py import MPI
+
+from hpcpar.checkpoint import init_checkpoint, preset_config
+from hpcpar.jobs.generate import Prompts, random_prompts, run_generation
+from hpcpar.jobs.job import load_job
+from hpcpar.parallel.budget import Budget, Counts
+
+SHAPES = {"1b": "llama3-1b", "8b": "llama3-8b"}
+COLUMNS = ("ops", "reads", "uploads", "allocations", "allocated_bytes", "peak_bytes")
+
+
+def typical(runs: list[Counts], skip_first: bool = False) -> Counts | None:
+    """The median run of a phase (each count's own median)."""
+    runs = runs[1:] if skip_first and len(runs) > 1 else runs
+    if not runs:
+        return None
+    return Counts(*(int(median(getattr(r, c) for r in runs)) for c in COLUMNS))
+
+
+def generation_budget(checkpoint: Path, args, batching: str) -> tuple[Budget, object]:
+    job = load_job(None, [f"model.checkpoint='{checkpoint}'", "parallel.backend='strict'",
+                          f"generate.max_new_tokens={args.new_tokens}",
+                          "generate.stop_at_eos=false", f"generate.batching='{batching}'"])
+    prompts = random_prompts(args.batch, (args.prompt, args.prompt), 1000, seed=1)
+    budget = Budget()
+    with budget.counting():
+        result = run_generation(MPI.COMM_WORLD, job, prompts=Prompts(prompts.ids),
+                                progress=False)
+    return budget, result
+
+
+def training_budget(checkpoint: Path, args, out: Path) -> Budget:
+    from hpcpar.jobs.train.engine import run_training
+    job = load_job(None, [f"model.checkpoint='{checkpoint}'", "parallel.backend='strict'",
+                          "data.dataset='synthetic'", "train.steps=3",
+                          f"train.global_batch={args.batch}", f"train.seq_len={args.prompt}",
+                          f"output.path='{out}'", "parallel.micro_batches=1"])
+    budget = Budget()
+    with budget.counting():
+        run_training(MPI.COMM_WORLD, job, progress=False)
+    return budget
+
+
+def rows(budget: Budget, phases: list[tuple[str, str, bool]]) -> list[tuple[str, Counts]]:
+    out = []
+    for label, path, skip_first in phases:
+        counts = typical(budget.per_run(path), skip_first)
+        if counts is not None:
+            out.append((label, counts))
+    return out
+
+
+def table(title: str, lines: list[tuple[str, Counts]]) -> str:
+    head = (f"{'':<22} {'ops':>7} {'reads':>6} {'uploads':>8} {'allocs':>7} "
+            f"{'alloc MB':>9} {'peak MB':>9}")
+    text = [title, head]
+    for label, c in lines:
+        text.append(f"{label:<22} {c.ops:>7} {c.reads:>6} {c.uploads:>8} {c.allocations:>7} "
+                    f"{c.allocated_bytes / 1e6:>9.1f} {c.peak_bytes / 1e6:>9.1f}")
+    return "\n".join(text)
+
+
+GENERATION_PHASES = [("prefill (a micro-batch)", "prefill", False),
+                     ("  per layer", "prefill/layer", False),
+                     ("decode step", "decode", True),
+                     ("  per layer", "decode/layer", True)]
+TRAINING_PHASES = [("forward (a micro-batch)", "train step/forward", False),
+                   ("  per layer", "train step/forward/layer", False),
+                   ("backward", "train step/backward", False),
+                   ("  per layer", "train step/backward/layer", False),
+                   ("optimizer step", "optimizer", False)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1b,8b")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4, help="rows (prompts, training samples)")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (training: seq len)")
+    ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=0, help="0: the shape's own")
+    ap.add_argument("--train", action="store_true", help="a training step's budget too")
+    args = ap.parse_args(argv)
+    rank0 = MPI.COMM_WORLD.Get_rank() == 0
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = MPI.COMM_WORLD.bcast(tmp if rank0 else None)
+        for shape in args.shapes.split(","):
+            cfg = dict(preset_config(SHAPES[shape]), num_hidden_layers=args.layers)
+            if args.vocab:
+                cfg["vocab_size"] = args.vocab
+            checkpoint = Path(tmp) / f"{shape}.h5"
+            if rank0:
+                init_checkpoint(checkpoint, cfg)
+            MPI.COMM_WORLD.barrier()
+            title = (f"{shape} shape ({cfg['num_hidden_layers']} of its layers, vocab "
+                     f"{cfg['vocab_size']}), {MPI.COMM_WORLD.Get_size()} rank(s), "
+                     f"{args.batch} rows x {args.prompt} prompt tokens + {args.new_tokens}")
+            for batching in ("static", "continuous"):
+                budget, result = generation_budget(checkpoint, args, batching)
+                if rank0:
+                    r = result.report
+                    print(table(f"{title}, {batching} batching; weights "
+                                f"{max(r.weight_mb):.0f} MB, KV cache "
+                                f"{max(r.kv_cache_mb):.1f} MB, whole run's peak "
+                                f"{budget.peak / 1e6:.0f} MB (from loading on)",
+                                rows(budget, GENERATION_PHASES)) + "\n")
+            if args.train:
+                budget = training_budget(checkpoint, args, Path(tmp) / f"run-{shape}")
+                if rank0:
+                    print(table(f"{title}: a training step, AdamW, {args.batch} x "
+                                f"{args.prompt} tokens", rows(budget, TRAINING_PHASES)) + "\n")
+            checkpoint.unlink(missing_ok=True) if rank0 else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""What a GPU would be asked to do, counted without one: on the strict device backend
+(``HPCPAR_BACKEND=strict``, ``parallel.strict``) every array operation goes through one
+wrapper, so it can count what makes a GPU run slow:
+
+    ops          array operations that compute: each is one kernel launch on a GPU (a view,
+                 a reshape or a transpose computes nothing and is not one)
+    reads        device-to-host reads: ``.get()``, ``.item()``, ``.tolist()``, ``int()``,
+                 ``float()``, ``bool()`` of a device array; each waits for the device (a sync)
+    uploads      host-to-device copies (``xp.asarray`` of host data, ``x[...] = host``)
+    allocations  new device arrays, and their bytes
+    peak bytes   the most device bytes alive at once (arrays made while counting)
+
+Counts go to every phase open at the time (``phase("decode")`` around a decode step,
+``phase("layer")`` around each decoder layer inside it), and each phase keeps one
+``Counts`` per time it ran, under its path ("decode", "decode/layer"). Off, a counted call
+site costs one read of a module variable.
+
+    budget = Budget()
+    with budget.counting():
+        ...                                     # a job on the strict backend
+    budget.per_run("decode")                    # Counts of each decode step
+    budget.per_run("decode/layer")              # of each layer of each decode step
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+_current: "Budget | None" = None
+
+
+@dataclass
+class Counts:
+    ops: int = 0
+    reads: int = 0
+    uploads: int = 0
+    allocations: int = 0
+    allocated_bytes: int = 0
+    peak_bytes: int = 0          # live bytes at this phase's peak (all phases' arrays)
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)[:-1]),
+                      max(self.peak_bytes, other.peak_bytes))
+
+
+class Budget:
+    """The counts of one run, by phase (see the module docstring)."""
+
+    def __init__(self):
+        self.live = 0                            # device bytes alive (made while counting)
+        self.peak = 0
+        self.total = Counts()
+        self.runs: dict[str, list[Counts]] = {}
+        self._open: list[Counts] = [self.total]
+        self._names: list[str] = []
+
+    @contextmanager
+    def counting(self):
+        """Count the array operations of the block (one ``Budget`` at a time)."""
+        global _current
+        if _current is not None:
+            raise RuntimeError("a device budget is already counting")
+        _current = self
+        try:
+            yield self
+        finally:
+            _current = None
+
+    @contextmanager
+    def phase(self, name: str):
+        counts = Counts(peak_bytes=self.live)
+        self._open.append(counts)
+        self._names.append(name)
+        path = "/".join(self._names)
+        try:
+            yield counts
+        finally:
+            self._open.pop()
+            self._names.pop()
+            self.runs.setdefault(path, []).append(counts)
+
+    def per_run(self, name: str) -> list[Counts]:
+        return self.runs.get(name, [])
+
+    # ---- what the strict backend reports ------------------------------------------------
+
+    def op(self) -> None:
+        for c in self._open:
+            c.ops += 1
+
+    def read(self) -> None:
+        for c in self._open:
+            c.reads += 1
+
+    def upload(self) -> None:
+        for c in self._open:
+            c.uploads += 1
+
+    def allocated(self, array) -> None:
+        """A new device array (a NumPy array under the strict backend): counted, and its
+        bytes alive until it is collected."""
+        nbytes = int(array.nbytes)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        for c in self._open:
+            c.allocations += 1
+            c.allocated_bytes += nbytes
+            c.peak_bytes = max(c.peak_bytes, self.live)
+        weakref.finalize(array, self._freed, nbytes)
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def current() -> Budget | None:
+    """The budget counting now, or None."""
+    return _current
+
+
+@contextmanager
+def phase(name: str):
+    """``Budget.phase`` of the budget counting now; nothing when none is."""
+    if _current is None:
+        yield None
+    else:
+        with _current.phase(name) as counts:
+            yield counts
