@@ -6,6 +6,7 @@ do not depend on how many there are), per run of a phase and per decoder layer.
 
     python benchmarks/device_budget.py                       # 1B and 8B shapes, 2 layers
     python benchmarks/device_budget.py --shapes 1b --train   # and a training step's
+    mpiexec -n 2 python benchmarks/device_budget.py --tp 2   # a layout: its staged copies
 
 The arrays are float32 NumPy arrays under the strict backend's wrapper (no GPU, and no device
 kernels: the ops run their NumPy references, each operation of which counts), so the counts
@@ -28,7 +29,8 @@ from hpcpar.jobs.job import load_job
 from hpcpar.parallel.budget import Budget, Counts
 
 SHAPES = {"1b": "llama3-1b", "8b": "llama3-8b"}
-COLUMNS = ("ops", "reads", "uploads", "allocations", "allocated_bytes", "peak_bytes")
+COLUMNS = ("ops", "reads", "uploads", "staged", "allocations", "allocated_bytes",
+           "peak_bytes")
 
 
 def typical(runs: list[Counts], skip_first: bool = False) -> Counts | None:
@@ -39,8 +41,13 @@ def typical(runs: list[Counts], skip_first: bool = False) -> Counts | None:
     return Counts(*(int(median(getattr(r, c) for r in runs)) for c in COLUMNS))
 
 
+def layout(args) -> list[str]:
+    """The job settings of the run's layout on the strict backend (dp: the other ranks)."""
+    return ["parallel.backend='strict'", f"parallel.tp={args.tp}", f"parallel.pp={args.pp}"]
+
+
 def generation_budget(checkpoint: Path, args, batching: str) -> tuple[Budget, object]:
-    job = load_job(None, [f"model.checkpoint='{checkpoint}'", "parallel.backend='strict'",
+    job = load_job(None, [f"model.checkpoint='{checkpoint}'", *layout(args),
                           f"generate.max_new_tokens={args.new_tokens}",
                           "generate.stop_at_eos=false", f"generate.batching='{batching}'"])
     prompts = random_prompts(args.batch, (args.prompt, args.prompt), 1000, seed=1)
@@ -53,7 +60,7 @@ def generation_budget(checkpoint: Path, args, batching: str) -> tuple[Budget, ob
 
 def training_budget(checkpoint: Path, args, out: Path) -> Budget:
     from hpcpar.jobs.train.engine import run_training
-    job = load_job(None, [f"model.checkpoint='{checkpoint}'", "parallel.backend='strict'",
+    job = load_job(None, [f"model.checkpoint='{checkpoint}'", *layout(args),
                           "data.dataset='synthetic'", "train.steps=3",
                           f"train.global_batch={args.batch}", f"train.seq_len={args.prompt}",
                           f"output.path='{out}'", "parallel.micro_batches=1"])
@@ -73,12 +80,13 @@ def rows(budget: Budget, phases: list[tuple[str, str, bool]]) -> list[tuple[str,
 
 
 def table(title: str, lines: list[tuple[str, Counts]]) -> str:
-    head = (f"{'':<22} {'ops':>7} {'reads':>6} {'uploads':>8} {'allocs':>7} "
+    head = (f"{'':<24} {'ops':>7} {'reads':>6} {'uploads':>8} {'staged':>7} {'allocs':>7} "
             f"{'alloc MB':>9} {'peak MB':>9}")
     text = [title, head]
     for label, c in lines:
-        text.append(f"{label:<22} {c.ops:>7} {c.reads:>6} {c.uploads:>8} {c.allocations:>7} "
-                    f"{c.allocated_bytes / 1e6:>9.1f} {c.peak_bytes / 1e6:>9.1f}")
+        text.append(f"{label:<24} {c.ops:>7} {c.reads:>6} {c.uploads:>8} {c.staged:>7} "
+                    f"{c.allocations:>7} {c.allocated_bytes / 1e6:>9.1f} "
+                    f"{c.peak_bytes / 1e6:>9.1f}")
     return "\n".join(text)
 
 
@@ -102,6 +110,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=0, help="0: the shape's own")
     ap.add_argument("--train", action="store_true", help="a training step's budget too")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     args = ap.parse_args(argv)
     rank0 = MPI.COMM_WORLD.Get_rank() == 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +125,8 @@ def main(argv=None) -> None:
                 init_checkpoint(checkpoint, cfg)
             MPI.COMM_WORLD.barrier()
             title = (f"{shape} shape ({cfg['num_hidden_layers']} of its layers, vocab "
-                     f"{cfg['vocab_size']}), {MPI.COMM_WORLD.Get_size()} rank(s), "
+                     f"{cfg['vocab_size']}), {MPI.COMM_WORLD.Get_size()} rank(s), tp "
+                     f"{args.tp} x pp {args.pp}, rank 0's counts, "
                      f"{args.batch} rows x {args.prompt} prompt tokens + {args.new_tokens}")
             for batching in ("static", "continuous"):
                 budget, result = generation_budget(checkpoint, args, batching)

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from . import budget
 from .dtypes import dtype_name
 from .errors import HpcparError
 from .waits import wait_event
@@ -46,7 +47,10 @@ class ArrayBackend:
 
     def synchronize(self) -> None:
         """Wait for queued device work (within the job's --timeout: the stream may hold
-        NCCL operations waiting on other ranks); call before handing a device buffer to MPI."""
+        NCCL operations waiting on other ranks); call before handing a device buffer to MPI.
+        A device budget counts it as a read (the host waits)."""
+        if budget._current is not None and self.on_device:
+            budget._current.read()
         if self.is_gpu:
             event = self.xp.cuda.Event(disable_timing=True)
             event.record()

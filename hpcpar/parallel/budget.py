@@ -7,6 +7,8 @@ wrapper, so it can count what makes a GPU run slow:
     reads        device-to-host reads: ``.get()``, ``.item()``, ``.tolist()``, ``int()``,
                  ``float()``, ``bool()`` of a device array; each waits for the device (a sync)
     uploads      host-to-device copies (``xp.asarray`` of host data, ``x[...] = host``)
+    staged       copies through the host for an MPI that is not CUDA-aware (a CUDA-aware
+                 MPI or NCCL makes none): counted apart from the reads and uploads
     allocations  new device arrays, and their bytes
     peak bytes   the most device bytes alive at once (arrays made while counting)
 
@@ -36,6 +38,7 @@ class Counts:
     ops: int = 0
     reads: int = 0
     uploads: int = 0
+    staged: int = 0
     allocations: int = 0
     allocated_bytes: int = 0
     peak_bytes: int = 0          # live bytes at this phase's peak (all phases' arrays)
@@ -55,6 +58,7 @@ class Budget:
         self.runs: dict[str, list[Counts]] = {}
         self._open: list[Counts] = [self.total]
         self._names: list[str] = []
+        self._staging = False
 
     @contextmanager
     def counting(self):
@@ -92,11 +96,26 @@ class Budget:
 
     def read(self) -> None:
         for c in self._open:
-            c.reads += 1
+            if self._staging:
+                c.staged += 1
+            else:
+                c.reads += 1
 
     def upload(self) -> None:
         for c in self._open:
-            c.uploads += 1
+            if self._staging:
+                c.staged += 1
+            else:
+                c.uploads += 1
+
+    @contextmanager
+    def staging(self):
+        """The copies of the block are a communicator's staging through the host."""
+        self._staging = True
+        try:
+            yield
+        finally:
+            self._staging = False
 
     def allocated(self, array) -> None:
         """A new device array (a NumPy array under the strict backend): counted, and its
@@ -112,6 +131,16 @@ class Budget:
 
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes
+
+
+@contextmanager
+def staging():
+    """``Budget.staging`` of the budget counting now; nothing when none is."""
+    if _current is None:
+        yield
+    else:
+        with _current.staging():
+            yield
 
 
 def current() -> Budget | None:

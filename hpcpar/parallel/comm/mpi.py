@@ -20,6 +20,7 @@ from collections import defaultdict
 import numpy as np
 from mpi4py import MPI
 
+from .. import budget
 from ..dtypes import bfloat16
 from ..errors import CommError
 from ..waits import poll_until, wait_bounded
@@ -167,7 +168,8 @@ class MpiCommunicator(Communicator):
         if self.cuda_aware:
             return a
         host = self._staging.acquire(a)
-        a.get(out=host)
+        with budget.staging():
+            a.get(out=host)
         return host
 
     def _stage_out(self, a):
@@ -185,7 +187,8 @@ class MpiCommunicator(Communicator):
         if staged is a:
             return
         if copy_back:
-            a.set(staged)
+            with budget.staging():
+                a.set(staged)
         self._staging.release(staged)
 
     # ---- primitives -------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The one call made first whenever a GPU is at hand: it installs what the machine lacks,
+# runs the -m gpu tests, the GPU benchmark against transformers and torch, and the device
+# budget, and leaves everything in one folder (the device tool brings $OUT back).
+#
+#   here, once:    bash benchmarks/gpu_check.sh --fetch       # wheels into .whl/ (ignored)
+#   on the GPU:    bash benchmarks/gpu_check.sh               # (device run: carry .whl)
+#
+# On the GPU machine (Python 3.12, CuPy, torch, transformers, h5py there already) it writes
+# to $OUT (else benchmarks/results/):
+#   gpu-check-<date>.log    every step's output, in order
+#   gpu-<date>.json         benchmarks/gpu.py's figures: decode and prefill against
+#                           transformers eager and compiled, training against torch
+#                           (autocast, fused AdamW), the memory ratio
+#   summary.txt             each step's exit status
+# A step that fails is reported and the next runs: the point is to see everything at once.
+# Not here yet: benchmarks/gpu.py with --cuda-graphs (issue 38, part 3, not built).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=".whl"
+# what the GPU machine lacks (its Python 3.12 has CuPy, torch, transformers, h5py)
+PACKAGES=(mpich mpi4py pytest-mpi nvidia-cudnn-frontend nvmath-python)
+
+if [[ "${1:-}" == "--fetch" ]]; then
+  grep -qx "/$WHEELS/" .git/info/exclude 2>/dev/null || echo "/$WHEELS/" >> .git/info/exclude
+  for p in "${PACKAGES[@]}"; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$WHEELS" "$p" \
+      || echo "gpu_check: could not fetch $p" >&2
+  done
+  ls -la "$WHEELS"
+  exit 0
+fi
+
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+day=$(date +%F)
+log="$out/gpu-check-$day.log"
+summary="$out/summary.txt"
+: > "$summary"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+
+step() {   # step NAME COMMAND...: run it, its output to the log, its status to the summary
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$log"
+  local start=$SECONDS
+  "$@" 2>&1 | tee -a "$log"
+  local status=${PIPESTATUS[0]}
+  echo "$name: exit $status in $((SECONDS - start)) s" | tee -a "$summary" "$log"
+}
+
+install() {
+  local site=/tmp/site
+  if ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    echo "no $WHEELS/*.whl carried: using what the machine has"
+    return 0
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "$WHEELS"/*.whl || return 1
+  # pip --target leaves out the mpich wheel's data files: its libraries and mpiexec
+  for w in "$WHEELS"/mpich-*.whl; do
+    [[ -e "$w" ]] || continue
+    rm -rf /tmp/mpich && mkdir -p /tmp/mpich && python3 -m zipfile -e "$w" /tmp/mpich
+    mkdir -p "$site/lib" "$site/bin"
+    cp -a /tmp/mpich/*.data/data/lib/. "$site/lib/" 2>/dev/null
+    cp -a /tmp/mpich/*.data/data/bin/. "$site/bin/" 2>/dev/null
+  done
+  echo "export PYTHONPATH=$site:\$PYTHONPATH LD_LIBRARY_PATH=$site/lib:\${LD_LIBRARY_PATH:-} PATH=$site/bin:\$PATH" > /tmp/site.env
+}
+
+step install install
+[[ -e /tmp/site.env ]] && source /tmp/site.env     # (the step ran in a pipeline's subshell)
+step machine bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+  python3 -c "import cupy, mpi4py, h5py; print(\"cupy\", cupy.__version__, \"mpi4py\",
+  mpi4py.__version__); print(cupy.cuda.runtime.getDeviceProperties(0)[\"name\"])"'
+step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests
+step cupy-suite env HPCPAR_BACKEND=cupy python3 -m pytest -q -x -m "not mpi" \
+  -p no:cacheprovider tests/test_model.py tests/test_generate_cli.py tests/test_logprobs.py \
+  tests/test_samples.py
+step budget python3 benchmarks/device_budget.py --shapes 1b
+step benchmark python3 benchmarks/gpu.py --models 1b,8b --new-tokens 128
+cp benchmarks/results/nvidia-*-"$day".json "$out/gpu-$day.json" 2>/dev/null
+echo "== summary" && cat "$summary"
