@@ -8,15 +8,18 @@ do not depend on how many there are), per run of a phase and per decoder layer.
     python benchmarks/device_budget.py --shapes 1b --train   # and a training step's
     mpiexec -n 2 python benchmarks/device_budget.py --tp 2   # a layout: its staged copies
 
-The arrays are float32 NumPy arrays under the strict backend's wrapper (no GPU, and no device
-kernels: the ops run their NumPy references, each operation of which counts), so the counts
-are those of the code path as it stands, the bytes those of float32 (bfloat16: half). The
-table is the median over the runs of each phase (decode: every step after the first).
+The arrays are float32 NumPy arrays under the strict backend's wrapper, and the ops are the
+GPU's table (``HPCPAR_OPS=device``, ``parallel.ops.counted``): each device kernel runs its
+NumPy reference and counts as the one launch it is (``--native``: every operation of the
+references instead). So the counts are those of the GPU's code path as it stands, the bytes
+those of float32 (bfloat16: half). The table is the median over the runs of each phase
+(decode: every step after the first).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 from statistics import median
@@ -112,7 +115,10 @@ def main(argv=None) -> None:
     ap.add_argument("--train", action="store_true", help="a training step's budget too")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--native", action="store_true",
+                    help="count the NumPy references' every operation (not the GPU's table)")
     args = ap.parse_args(argv)
+    os.environ["HPCPAR_OPS"] = "native" if args.native else "device"
     rank0 = MPI.COMM_WORLD.Get_rank() == 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = MPI.COMM_WORLD.bcast(tmp if rank0 else None)
@@ -126,7 +132,8 @@ def main(argv=None) -> None:
             MPI.COMM_WORLD.barrier()
             title = (f"{shape} shape ({cfg['num_hidden_layers']} of its layers, vocab "
                      f"{cfg['vocab_size']}), {MPI.COMM_WORLD.Get_size()} rank(s), tp "
-                     f"{args.tp} x pp {args.pp}, rank 0's counts, "
+                     f"{args.tp} x pp {args.pp}, {os.environ['HPCPAR_OPS']} ops, rank 0's "
+                     "counts, "
                      f"{args.batch} rows x {args.prompt} prompt tokens + {args.new_tokens}")
             for batching in ("static", "continuous"):
                 budget, result = generation_budget(checkpoint, args, batching)

@@ -77,3 +77,62 @@ def test_a_decode_step_reads_the_device_once_and_every_layer_costs_the_same(tmp_
     assert (ops == ops[0]).all() and ops[0, 1] == ops[0, 2] == ops[0, 0] + 1
     assert all(s.ops > ops[0].sum() for s in steps)            # the layers and the head
     assert b.per_run("prefill") and b.per_run("prefill/layer")
+
+
+def test_a_device_kernels_reference_counts_as_its_one_launch():
+    """The GPU's table on the strict backend: RMSNorm's reference (several array operations)
+    counts as one operation and one new array; the KV-cache write (in place) as one, with no
+    array; and it computes what the reference computes."""
+    from hpcpar.parallel.ops import native_ops
+    from hpcpar.parallel.ops.counted import counted_ops
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((3, 5, 16)).astype(np.float32), rng.random(16).astype(np.float32)
+    ops = counted_ops(xp)
+    assert ops.device
+    b = Budget()
+    with b.counting():
+        with b.phase("norm"):
+            y = ops.rms_norm.forward(xp.asarray(x), xp.asarray(w), 1e-5)
+        cache_k, cache_v = xp.zeros((2, 4, 8, 3)), xp.zeros((2, 4, 8, 3))
+        k, v = xp.asarray(np.ones((2, 1, 4, 3))), xp.asarray(np.ones((2, 1, 4, 3)))
+        starts = xp.asarray(np.array([1, 2]))
+        with b.phase("write"):
+            ops.kv_write.forward(cache_k, cache_v, k, v, starts, False)
+    (norm,), (write,) = b.per_run("norm"), b.per_run("write")
+    assert (norm.ops, norm.allocations, norm.uploads) == (1, 3, 2)   # x, w and y
+    assert norm.allocated_bytes == 2 * x.nbytes + w.nbytes
+    assert (write.ops, write.allocations) == (1, 0)        # in place
+    written = cache_k.get()
+    assert written[0, :, 1].sum() == written[1, :, 2].sum() == 4 * 3 == written.sum() / 2
+    np.testing.assert_array_equal(y.get(), native_ops(np).rms_norm.forward(x, w, 1e-5))
+
+
+def test_the_gpus_control_flow_on_the_cpu_gives_the_references_tokens(tmp_path, monkeypatch):
+    """HPCPAR_OPS=device on the strict backend takes the GPU's path (device ops: whole-prompt
+    prefills, every position's states): the same tokens as the references' path."""
+    from hpcpar.checkpoint import init_checkpoint, preset_config
+    init_checkpoint(tmp_path / "model.h5", dict(preset_config("tiny"), num_hidden_layers=2))
+    prompts = Prompts([np.arange(1, 7), np.arange(3, 12), np.arange(2, 5)])
+    tokens = {}
+    for choice in ("native", "device"):
+        monkeypatch.setenv("HPCPAR_OPS", choice)
+        job = load_job(None, [f"model.checkpoint='{tmp_path / 'model.h5'}'",
+                              "parallel.backend='strict'", "generate.max_new_tokens=6",
+                              "generate.stop_at_eos=false", "generate.logprobs=2"])
+        result = run_generation(MPI.COMM_SELF, job, prompts=prompts, progress=False)
+        tokens[choice] = (result.tokens, result.logprobs.values)
+    np.testing.assert_array_equal(tokens["device"][0], tokens["native"][0])
+    np.testing.assert_allclose(tokens["device"][1], tokens["native"][1], atol=1e-5)
+
+
+def test_device_ops_need_a_device_backend(tmp_path, monkeypatch, capfd):
+    from hpcpar.checkpoint import init_checkpoint
+    from hpcpar.jobs.launch import JobFailed
+    init_checkpoint(tmp_path / "model.h5", "tiny")
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    job = load_job(None, [f"model.checkpoint='{tmp_path / 'model.h5'}'",
+                          "parallel.backend='numpy'", "generate.max_new_tokens=2"])
+    with pytest.raises(JobFailed):
+        run_generation(MPI.COMM_SELF, job, prompts=Prompts([np.arange(1, 4)]), progress=False)
+    err = capfd.readouterr().err
+    assert "HPCPAR_OPS=device" in err and len(err.strip().splitlines()) == 1, err

@@ -27,6 +27,7 @@ from ..checkpoint import Checkpoint, open_checkpoint
 from ..parallel import waits
 from ..parallel.dtypes import dtype_name
 from ..parallel.errors import CommTimeout, Stopped
+from ..parallel.ops import check_ops
 from .job import Job
 from .launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
 from .outputs import claimed
@@ -80,6 +81,7 @@ class JobRun(ABC):
         """The checkpoint opened and the job validated by every rank (an error on one is
         an error on all), then the job's timeout for every wait."""
         path = resolve_checkpoint(self.comm, self.job.model.checkpoint)
+        everyone(self.comm, check_ops, self.job.parallel.backend)
         self.ckpt = everyone(self.comm, open_checkpoint, path)
         if self.checking_phase is None:
             self.plan = everyone(self.comm, self.validate)

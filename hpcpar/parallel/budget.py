@@ -59,6 +59,7 @@ class Budget:
         self._open: list[Counts] = [self.total]
         self._names: list[str] = []
         self._staging = False
+        self._fused = 0                       # inside a fused kernel's reference: not counted
 
     @contextmanager
     def counting(self):
@@ -91,6 +92,8 @@ class Budget:
     # ---- what the strict backend reports ------------------------------------------------
 
     def op(self) -> None:
+        if self._fused:
+            return
         for c in self._open:
             c.ops += 1
 
@@ -120,6 +123,8 @@ class Budget:
     def allocated(self, array) -> None:
         """A new device array (a NumPy array under the strict backend): counted, and its
         bytes alive until it is collected."""
+        if self._fused:
+            return
         nbytes = int(array.nbytes)
         self.live += nbytes
         self.peak = max(self.peak, self.live)
@@ -141,6 +146,34 @@ def staging():
     else:
         with _current.staging():
             yield
+
+
+@contextmanager
+def fused(inputs):
+    """The block is one device kernel (``ops.counted``): one operation, and its outputs
+    (the arrays appended to the list it yields that are not views of ``inputs``) new
+    arrays; what it does inside is not counted. Nothing when no budget counts."""
+    outputs: list = []
+    b = _current
+    if b is None:
+        yield outputs
+        return
+    b._fused += 1
+    try:
+        yield outputs
+    finally:
+        b._fused -= 1
+    b.op()
+    from .strict import arrays_of       # (the strict backend imports this module)
+    held = arrays_of(inputs)
+    for array in arrays_of(outputs):
+        if not any(array is a or _shares(array, a) for a in held):
+            b.allocated(array)
+
+
+def _shares(a, b) -> bool:
+    import numpy as np
+    return bool(np.may_share_memory(a, b))
 
 
 def current() -> Budget | None:

@@ -189,8 +189,9 @@ ENVIRONMENT: dict[str, tuple[Any, Any]] = {
     "HPCPAR_CUDA_AWARE": (Choice(("auto", "1", "0"), YES_NO, note=(
         "1: MPI gets device buffers, 0: staged through host memory, auto: as the MPI library "
         "says")), "auto"),
-    "HPCPAR_OPS": (Choice(("auto", "native"), note=(
-        "native: the NumPy reference ops on a GPU too, for checks")), "auto"),
+    "HPCPAR_OPS": (Choice(("auto", "native", "device"), note=(
+        "native: the NumPy reference ops on a GPU too, for checks; device: the GPU's table "
+        "on the strict backend, each kernel counted as one operation")), "auto"),
 }
 
 

@@ -65,6 +65,11 @@ def _wrap(value):
     return value
 
 
+def arrays_of(value) -> list[np.ndarray]:
+    """The NumPy arrays among (nested) values: arguments, results, contexts."""
+    return _arrays(value, [])
+
+
 def _arrays(value, out: list) -> list:
     """The NumPy arrays among (nested) arguments, unwrapped."""
     if isinstance(value, StrictArray):

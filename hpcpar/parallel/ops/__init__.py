@@ -23,6 +23,7 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
 
 from __future__ import annotations
 
+from ..errors import HpcparError
 from .attention import Attention, AttentionRows
 from .cross_entropy import CrossEntropy
 from .embedding import embedding_lookup
@@ -38,7 +39,9 @@ from .top_k import TopK
 
 def ops_for(backend, cp=None) -> Ops:
     """NumPy references everywhere, except on a CUDA backend, where each op that has a kernel
-    in ``ops/cuda`` runs it (``HPCPAR_OPS=native`` keeps the references there, for checks).
+    in ``ops/cuda`` runs it (``HPCPAR_OPS=native`` keeps the references there, for checks;
+    ``HPCPAR_OPS=device`` on the strict backend takes that table with each kernel's reference
+    counted as one operation, ``ops.counted``: the device budget of the GPU's path).
     With a context-parallel group ``cp`` (a ``Communicator`` of more than one rank) attention
     is ring attention over it (``parallel.context``), its tiles the NumPy reference's."""
     from dataclasses import replace
@@ -49,12 +52,34 @@ def ops_for(backend, cp=None) -> Ops:
         from ..context import RingAttention
         from .tiled_attention import TiledAttention
         return replace(ops_for(backend), attention=RingAttention(TiledAttention(xp), cp))
-    if backend.is_gpu and environment_value("HPCPAR_OPS") != "native":
+    choice = environment_value("HPCPAR_OPS")
+    if backend.is_gpu and choice != "native":
         from .cuda import cuda_ops
         return cuda_ops(xp)
+    if choice == "device":
+        check_ops(backend.name)
+        from .counted import counted_ops
+        return counted_ops(xp)
     return native_ops(xp)
+
+
+def check_ops(backend: str) -> None:
+    """Refuse ``HPCPAR_OPS=device`` where the arrays are the host's (no device table):
+    ``backend`` is a job's backend name (auto: ``HPCPAR_BACKEND``, and without CuPy NumPy's)."""
+    import importlib.util
+
+    from ..environment import environment_value
+    if environment_value("HPCPAR_OPS") != "device":
+        return
+    name = environment_value("HPCPAR_BACKEND") if backend == "auto" else backend
+    if name == "auto" and importlib.util.find_spec("cupy") is None:
+        name = "numpy"
+    if name == "numpy":
+        raise HpcparError("HPCPAR_OPS=device takes the device kernels' table, and this job's "
+                          "arrays are NumPy's: use it with the strict backend "
+                          "(HPCPAR_BACKEND=strict) or a GPU")
 
 
 __all__ = ["Attention", "AttentionRows", "CrossEntropy", "GeGLU", "KVWrite", "Linear", "Ops",
            "RMSNorm", "Rotary", "SwiGLU", "TopK", "embedding_lookup", "linear", "linear_input_grad", "native_ops",
-           "ops_for"]
+           "ops_for", "check_ops"]

@@ -1,0 +1,55 @@
+"""The device kernels' bodies on the strict backend (``HPCPAR_OPS=device``): the table of
+``ops/cuda`` with each of its kernels replaced by the NumPy reference it is checked against,
+counted by the device budget (``parallel.budget``) as the one operation the kernel is, its
+outputs as its allocations and nothing of what the reference does inside. The rest of the
+table (matrix products, the loss, top-k) is the references', as ``cuda_ops`` has it, and
+``device`` is set, so the jobs take the GPU's control flow.
+
+What a GPU run launches is then counted on the CPU: the GPU path's operations per layer,
+its reads and its allocations (``benchmarks/device_budget.py``).
+"""
+
+from __future__ import annotations
+
+from .. import budget
+from .cross_entropy import CrossEntropy
+from .geglu import GeGLU
+from .kv_write import KVWrite
+from .linear import Linear
+from .rms_norm import RMSNorm
+from .rotary import Rotary
+from .swiglu import SwiGLU
+from .table import Ops
+from .tiled_attention import TiledAttention
+from .top_k import TopK
+
+# each kernel of ops/cuda: the reference class and the methods its kernel replaces
+KERNELS = {"rms_norm": (RMSNorm, ("forward", "add_forward", "forward_train", "backward")),
+           "rotary": (Rotary, ("apply", "backward_one")),
+           "swiglu": (SwiGLU, ("forward", "backward")),
+           "attention": (TiledAttention, ("forward", "forward_train", "backward")),
+           "kv_write": (KVWrite, ("forward",))}
+
+
+def _counted(method):
+    def one_kernel(self, *args, **kwargs):
+        with budget.fused(args) as outputs:
+            outputs.append(method(self, *args, **kwargs))
+        return outputs[0]
+    one_kernel.__name__, one_kernel.__doc__ = method.__name__, method.__doc__
+    return one_kernel
+
+
+def counted_class(base: type, methods: tuple[str, ...]) -> type:
+    """``base`` with each of ``methods`` counted as one device operation."""
+    return type(f"Counted{base.__name__}", (base,),
+                {m: _counted(getattr(base, m)) for m in methods})
+
+
+def counted_ops(xp) -> Ops:
+    """``cuda_ops``' table on the strict backend: each kernel its counted reference."""
+    made = {name: counted_class(base, methods)(xp)
+            for name, (base, methods) in KERNELS.items()}
+    return Ops(xp, Linear(xp), made["rms_norm"], made["rotary"], made["swiglu"],
+               made["attention"], made["kv_write"], CrossEntropy(xp), TopK(xp), GeGLU(xp),
+               device=True)
