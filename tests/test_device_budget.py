@@ -136,3 +136,29 @@ def test_device_ops_need_a_device_backend(tmp_path, monkeypatch, capfd):
         run_generation(MPI.COMM_SELF, job, prompts=Prompts([np.arange(1, 4)]), progress=False)
     err = capfd.readouterr().err
     assert "HPCPAR_OPS=device" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_loading_holds_each_weight_once_and_one_merged_projection_more(tmp_path,
+                                                                       monkeypatch):
+    """The device bytes alive while a stage loads and builds: its weights, plus at most one
+    merged projection being built (its blocks and the merged copy side by side), never a
+    second copy of the model or of the head, or a temporary the size of the embedding (the
+    NaN / inf check runs a block at a time: 16 KB here, 64 MB in a run)."""
+    from hpcpar.checkpoint import init_checkpoint, preset_config
+    from hpcpar.parallel import dtypes
+    monkeypatch.setattr(dtypes, "CHECK_BLOCK_BYTES", 16 << 10)
+    cfg = dict(preset_config("tiny"), num_hidden_layers=3, vocab_size=4096,
+               tie_word_embeddings=False)
+    init_checkpoint(tmp_path / "model.h5", cfg)
+    job = load_job(None, [f"model.checkpoint='{tmp_path / 'model.h5'}'",
+                          "parallel.backend='strict'", "generate.max_new_tokens=2"])
+    b = Budget()
+    with b.counting():
+        result = run_generation(MPI.COMM_SELF, job, prompts=Prompts([np.arange(1, 5)]),
+                                progress=False)
+    (load,) = b.per_run("load")
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    weights = max(result.report.weight_mb) * 1e6
+    largest_group = 2 * i * h * 4                         # gate and up, float32
+    assert weights <= load.peak_bytes <= weights + largest_group * 1.01, (load.peak_bytes,
+                                                                            weights)

@@ -22,7 +22,7 @@ from ..models.config import ConfigError, ModelConfig
 from ..models.sharding import shard_of
 from ..models.tensors import TensorSpec, stored_tensors
 from ..parallel.backend import NUMPY, ArrayBackend
-from ..parallel.dtypes import FLOAT_DTYPES, dtype_name, nonfinite
+from ..parallel.dtypes import FLOAT_DTYPES, any_nonfinite, dtype_name, nonfinite
 from ..parallel.errors import HpcparError
 from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP, logical_dtype,
                      storage_dtype)
@@ -155,10 +155,13 @@ class LoadedShard:
 
 def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_size: int = 1,
                dtype: np.dtype | None = None, backend: ArrayBackend = NUMPY,
-               dataset: str = "{}") -> LoadedShard:
+               dataset: str = "{}", transposed: frozenset = frozenset()) -> LoadedShard:
     """Read this rank's slice of each tensor in ``specs`` into arrays of ``dtype`` (default:
     the checkpoint's) on ``backend``'s device. ``dataset`` names the datasets read, with {}
     for the tensor name (a training checkpoint's optimizer state is shaped like the tensors).
+    A matrix whose name is in ``transposed`` is stored transposed on the device (transposed on
+    the host first) and given as its view in the file's orientation: a model that keeps it
+    so takes it without a second device copy.
 
     Only the slice is read (an HDF5 hyperslab selection), straight into a preallocated buffer
     when no dtype conversion is needed; vocabulary padding rows stay zero.
@@ -185,8 +188,12 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
             if host.dtype != dtype:
                 with np.errstate(over="ignore"):        # an overflow is refused just below
                     host = host.astype(dtype)
-            out.tensors[spec.name] = arr = backend.asarray(host)
-            flags.append(nonfinite(backend.xp, arr).any())
+            if spec.name in transposed:
+                arr = backend.asarray(np.ascontiguousarray(host.T))
+                out.tensors[spec.name] = arr.T
+            else:
+                out.tensors[spec.name] = arr = backend.asarray(host)
+            flags.append(any_nonfinite(backend.xp, arr))
     _check_finite(ckpt, dataset, specs, out.tensors, flags, backend)
     backend.release_host_staging()
     out.seconds = perf_counter() - start

@@ -50,6 +50,22 @@ _EXPONENT_MASKS = {"float64": (np.uint64, 0x7FF0000000000000), "float32": (np.ui
                    "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
 
 
+CHECK_BLOCK_BYTES = 64 << 20       # ``any_nonfinite``'s temporaries: at most about this much
+
+
+def any_nonfinite(xp, a):
+    """Whether ``a`` holds a NaN or inf anywhere, as a device boolean (no host read): the
+    test of ``nonfinite`` a block of at most ``CHECK_BLOCK_BYTES`` at a time, so that checking
+    a large tensor (a vocabulary's embedding) needs no temporary its size."""
+    flat = a.reshape(-1)
+    step = max(1, CHECK_BLOCK_BYTES // max(a.itemsize, 1))
+    found = None
+    for start in range(0, flat.size, step):
+        part = nonfinite(xp, flat[start:start + step]).any()
+        found = part if found is None else found | part
+    return found if found is not None else xp.zeros((), dtype=bool)
+
+
 def nonfinite(xp, a):
     """Where ``a`` (a float array of NumPy or CuPy) holds NaN or inf, from its bits: the same
     integer test on every backend, bfloat16 included, and no host copy of a device array."""

@@ -43,9 +43,18 @@ class Frozen:
 
 def frozen_matrix(xp, blocks: list) -> Frozen:
     """[out_k, in] blocks stacked along out, stored transposed ([in, sum out_k], contiguous):
-    ``data`` is its [out, in] view. The blocks are copied; the caller drops them."""
-    merged = blocks[0] if len(blocks) == 1 else xp.concatenate(blocks, axis=0)
-    return Frozen(xp.ascontiguousarray(merged.T).T)
+    ``data`` is its [out, in] view. The blocks are copied once, each straight into its place
+    (no merged copy on the way: loading holds the blocks and the result, nothing more); the
+    caller drops them. One block already stored so (``load_shard``'s ``transposed``) is taken
+    as it is."""
+    if len(blocks) == 1 and blocks[0].T.flags.c_contiguous:
+        return Frozen(blocks[0])
+    out = xp.empty((blocks[0].shape[1], sum(b.shape[0] for b in blocks)), dtype=blocks[0].dtype)
+    at = 0
+    for block in blocks:
+        out[:, at:at + block.shape[0]] = block.T
+        at += block.shape[0]
+    return Frozen(out.T)
 
 
 def _rows(a):
@@ -220,17 +229,20 @@ class ColumnParallelLinear:
 def column_parallel(ops: Ops, w: dict, roles: tuple, tp: Communicator,
                     merge: bool) -> ColumnParallelLinear:
     """The column-parallel projections ``roles`` of a layer's weights ``w`` (by role; biases
-    under role + "_bias", where the model has them), merged when ``merge``."""
+    under role + "_bias", where the model has them), merged when ``merge``: then taken out
+    of ``w``, so that each block is freed once merged (loading holds one copy at a time)."""
     biases = [w.get(r + "_bias") for r in roles]
     biases = biases if any(b is not None for b in biases) else None
-    make = ColumnParallelLinear.merged if merge else ColumnParallelLinear
-    return make(ops, [w[r] for r in roles], biases, tp)
+    if merge:
+        return ColumnParallelLinear.merged(ops, [w.pop(r) for r in roles], biases, tp)
+    return ColumnParallelLinear(ops, [w[r] for r in roles], biases, tp)
 
 
 def row_parallel(ops: Ops, w: dict, role: str, tp: Communicator,
                  merge: bool) -> "RowParallelLinear":
-    """The row-parallel projection ``role``, stored transposed when ``merge`` (frozen)."""
-    weight = frozen_matrix(ops.xp, [w[role].data]) if merge else w[role]
+    """The row-parallel projection ``role``, stored transposed when ``merge`` (frozen; then
+    taken out of ``w``, as ``column_parallel`` does)."""
+    weight = frozen_matrix(ops.xp, [w.pop(role).data]) if merge else w[role]
     return RowParallelLinear(ops, weight, w.get(role + "_bias"), tp)
 
 

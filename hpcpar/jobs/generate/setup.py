@@ -13,6 +13,7 @@ from ...checkpoint import Checkpoint, load_shard
 from ...models.decoder import DecoderStage
 from ...models.tensors import StageSpan, stage_tensors
 from ...models.tokenizer import StoredTokenizer
+from ...parallel import budget
 from ...parallel.comm import CommStats
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
@@ -86,13 +87,15 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
     layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.coord("pp"), layout.stage_layers)
     specs = stage_tensors(cfg, layers, mesh.is_first("pp"), mesh.is_last("pp"),
                           experts_held(cfg, rt.ep))
-    with phase("loading the checkpoint"):
+    with phase("loading the checkpoint"), budget.phase("load"):
         fault_point("load")
+        # the head is kept transposed (one GEMM layout): so read, it is never copied
+        heads = frozenset(s.name for s in specs if s.role == "head")
         shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,
-                         backend=backend)
-    span = StageSpan(layers, mesh.is_first("pp"), mesh.is_last("pp"))
-    stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, span, tp,
-                                      ops_for(backend, rt.cp), dtype, rt.ep)
+                         backend=backend, transposed=heads)
+        span = StageSpan(layers, mesh.is_first("pp"), mesh.is_last("pp"))
+        stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, span, tp,
+                                          ops_for(backend, rt.cp), dtype, rt.ep)
     backend.release_unused_device_memory()
     return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard,
                          rt.cp, rt)
