@@ -22,7 +22,8 @@ WHEELS=".whl"
 PACKAGES=(mpich mpi4py pytest-mpi nvidia-cudnn-frontend nvmath-python)
 
 if [[ "${1:-}" == "--fetch" ]]; then
-  grep -qx "/$WHEELS/" .git/info/exclude 2>/dev/null || echo "/$WHEELS/" >> .git/info/exclude
+  exclude="$(git rev-parse --git-common-dir)/info/exclude"       # (a worktree's too)
+  grep -qx "/$WHEELS/" "$exclude" 2>/dev/null || echo "/$WHEELS/" >> "$exclude"
   for p in "${PACKAGES[@]}"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
@@ -65,6 +66,7 @@ install() {
     mkdir -p "$site/lib" "$site/bin"
     cp -a /tmp/mpich/*.data/data/lib/. "$site/lib/" 2>/dev/null
     cp -a /tmp/mpich/*.data/data/bin/. "$site/bin/" 2>/dev/null
+    chmod +x "$site/bin/"*                  # (zipfile keeps no mode bits)
   done
   echo "export PYTHONPATH=$site:\$PYTHONPATH LD_LIBRARY_PATH=$site/lib:\${LD_LIBRARY_PATH:-} PATH=$site/bin:\$PATH" > /tmp/site.env
 }
