@@ -98,18 +98,15 @@ class Budget:
             c.ops += 1
 
     def read(self) -> None:
-        for c in self._open:
-            if self._staging:
-                c.staged += 1
-            else:
-                c.reads += 1
+        self._transfer("reads")
 
     def upload(self) -> None:
+        self._transfer("uploads")
+
+    def _transfer(self, kind: str) -> None:
+        kind = "staged" if self._staging else kind        # a communicator's, counted apart
         for c in self._open:
-            if self._staging:
-                c.staged += 1
-            else:
-                c.uploads += 1
+            setattr(c, kind, getattr(c, kind) + 1)
 
     @contextmanager
     def staging(self):
