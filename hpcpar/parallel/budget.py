@@ -146,10 +146,11 @@ def staging():
 
 
 @contextmanager
-def fused(inputs):
+def fused(inputs, arrays_of):
     """The block is one device kernel (``ops.counted``): one operation, and its outputs
     (the arrays appended to the list it yields that are not views of ``inputs``) new
-    arrays; what it does inside is not counted. Nothing when no budget counts."""
+    arrays; what it does inside is not counted. ``arrays_of(value)``: the arrays in a
+    (nested) value (the strict backend's). Nothing when no budget counts."""
     outputs: list = []
     b = _current
     if b is None:
@@ -161,7 +162,6 @@ def fused(inputs):
     finally:
         b._fused -= 1
     b.op()
-    from .strict import arrays_of       # (the strict backend imports this module)
     held = arrays_of(inputs)
     for array in arrays_of(outputs):
         if not any(array is a or _shares(array, a) for a in held):

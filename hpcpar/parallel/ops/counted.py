@@ -12,6 +12,7 @@ its reads and its allocations (``benchmarks/device_budget.py``).
 from __future__ import annotations
 
 from .. import budget
+from ..strict import arrays_of
 from .cross_entropy import CrossEntropy
 from .geglu import GeGLU
 from .kv_write import KVWrite
@@ -33,7 +34,7 @@ KERNELS = {"rms_norm": (RMSNorm, ("forward", "add_forward", "forward_train", "ba
 
 def _counted(method):
     def one_kernel(self, *args, **kwargs):
-        with budget.fused(args) as outputs:
+        with budget.fused(args, arrays_of) as outputs:
             outputs.append(method(self, *args, **kwargs))
         return outputs[0]
     one_kernel.__name__, one_kernel.__doc__ = method.__name__, method.__doc__
