@@ -17,9 +17,11 @@ prompt is waiting, the last segment runs to the end of the longest row, as stati
 does.
 
 Rows carry their own lengths and cache positions (``AttentionRows``), so a row's tokens are
-those of running it alone; draws are keyed by (seed, prompt index, token index), so a seed
-gives the same tokens whatever the batching. Outputs stay in input order: the prompts of a
-micro-batch are the ones static batching gives it, in the same rows of the output.
+those of running it alone; draws are keyed by (seed, prompt index, token index, sample), so a
+seed gives the same tokens whatever the batching. Outputs stay in input order: the prompts of
+a micro-batch are the ones static batching gives it, in the same rows of the output. The
+samples of a prompt (``--n``) refilled together share one prefill: it runs on one slot per
+prompt and the others take copies of its KV-cache rows and logits.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ Step 0 of a micro-batch is its prefill: the prompts (each row's tokens first, th
 go through the stage and fill the KV cache. Step t > 0 feeds the token sampled at step t - 1,
 one position per row, at cache slot L_b + t - 1 of row b (L_b its prompt length). The last
 stage samples from each row's last real position; with several stages it sends the tokens
-back to the first, which embeds them for the next step.
+back to the first, which embeds them for the next step. The samples of one prompt (``--n``)
+are rows of their own that share its prefill: one row per prompt runs it, and the others
+take copies of its KV-cache rows and its logits (``prefill_groups``). Where a row asks, the
+last stage also reads its tokens' log-probabilities (``generate.logprobs``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@ the penalties on tokens a row has seen.
 
 Reproducible by seed and independent of the layout: the candidates are the same whatever the
 tensor-parallel split (gathered from the vocab-parallel head in a canonical order), and the
-random draw for a row comes from its own generator keyed by (seed, prompt index, step), not
-from a stream whose position depends on how rows were batched.
+random draw for a row comes from its own generator keyed by (seed, prompt index, step), and
+the sample's index past a prompt's first (``--n``), not from a stream whose position depends
+on how rows were batched. A prompt line with its own seed leaves its index out (vLLM's
+per-request seed: the same line draws the same wherever it is).
 
 The penalties change the logits before anything else (greedy too), each with the meaning of
 the library that named it:
