@@ -79,8 +79,10 @@ OWN_SAMPLING = [{}, {"temperature": 0.9, "top_k": 20, "seed": 5},
 @pytest.mark.mpi(min_size=2)
 def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint):
     """Greedy rows, top-k rows, whole-vocabulary top-p rows and another seed in one batch:
-    each row's tokens are those of a job whose own settings are that row's, on one rank, and
-    every layout (static, or one row in flight) gives the single rank's."""
+    each greedy row's tokens are those of a greedy job, each row with its own seed's those of
+    the same lines alone (a line's own seed keys its draws wherever it is, as vLLM's
+    per-request seed), on one rank, and every layout (static, or one row in flight) gives
+    the single rank's."""
     comm = MPI.COMM_WORLD
     cfg, path = checkpoint
     prompts = PROMPTS * 2
@@ -88,9 +90,14 @@ def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint
     mixed = Prompts(prompts, sampling=own)
     single = _generate(MPI.COMM_SELF, path, prompts=mixed)
     for settings in OWN_SAMPLING:
-        alike = _generate(MPI.COMM_SELF, path, prompts=Prompts(prompts), **settings)
         rows = [i for i, o in enumerate(own) if o == settings]
-        assert single.tokens[rows].tolist() == alike.tokens[rows].tolist(), settings
+        if "seed" in settings:
+            alike = _generate(MPI.COMM_SELF, path, prompts=Prompts(
+                [prompts[i] for i in rows], sampling=[settings] * len(rows)))
+            assert single.tokens[rows].tolist() == alike.tokens.tolist(), settings
+        else:
+            alike = _generate(MPI.COMM_SELF, path, prompts=Prompts(prompts), **settings)
+            assert single.tokens[rows].tolist() == alike.tokens[rows].tolist(), settings
     for layout in _layouts(comm, cfg)[:2]:
         static = _generate(comm, path, layout, prompts=mixed, batching="'static'")
         refilled = _generate(comm, path, layout, prompts=mixed, batch_size=1)
