@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 from statistics import median
 
@@ -32,16 +33,13 @@ from hpcpar.jobs.job import load_job
 from hpcpar.parallel.budget import Budget, Counts
 
 SHAPES = {"1b": "llama3-1b", "8b": "llama3-8b"}
-COLUMNS = ("ops", "reads", "uploads", "staged", "allocations", "allocated_bytes",
-           "peak_bytes")
-
-
 def typical(runs: list[Counts], skip_first: bool = False) -> Counts | None:
     """The median run of a phase (each count's own median)."""
     runs = runs[1:] if skip_first and len(runs) > 1 else runs
     if not runs:
         return None
-    return Counts(*(int(median(getattr(r, c) for r in runs)) for c in COLUMNS))
+    return Counts(**{f.name: int(median(getattr(r, f.name) for r in runs))
+                     for f in fields(Counts)})
 
 
 def layout(args) -> list[str]:

@@ -307,3 +307,15 @@ def generate_here(path, max_new_tokens: int, *sets, prompts=None):
                           "generate.stop_at_eos=false", *sets])
     return run_generation(MPI.COMM_SELF, job, prompts=Prompts(PROMPTS if prompts is None
                                                              else prompts), progress=False)
+
+
+def refused(capfd, run) -> str:
+    """The one-line error of a job that ``run`` starts in this process, whether raised here
+    or printed by rank 0 (``JobFailed``): the exception's text and the captured stderr."""
+    import pytest
+
+    from hpcpar.jobs.launch import JobFailed
+    from hpcpar.parallel.errors import HpcparError
+    with pytest.raises((HpcparError, JobFailed)) as failed:
+        run()
+    return f"{failed.value} {capfd.readouterr().err}"

@@ -13,11 +13,9 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS, build_hf_model, generate_here, mpirun  # noqa: E402
+from helpers import PROMPTS, build_hf_model, generate_here, mpirun, refused  # noqa: E402
 from hpcpar.jobs.generate import run_generation  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
-from hpcpar.jobs.launch import JobFailed  # noqa: E402
-from hpcpar.parallel.errors import HpcparError  # noqa: E402
 
 K = 5
 TOLERANCE = 2e-5            # float32 logits, summed in another order
@@ -138,20 +136,13 @@ def test_logprobs_are_the_same_under_tp_and_pp_in_hdf5_and_json_lines(llama, tmp
     assert "prompt_logprobs" not in records[0]
 
 
-def _refused(capfd, run) -> str:
-    """The one-line error of a job that ``run`` starts, raised here or printed by rank 0."""
-    with pytest.raises((HpcparError, JobFailed)) as failed:
-        run()
-    return f"{failed.value} {capfd.readouterr().err}"
-
-
 @pytest.mark.parametrize("sets, message", [
     (["generate.logprobs=21"], "generate.logprobs must be in [0, 20]"),
     (["generate.prompt_logprobs=-1"], "generate.prompt_logprobs must be in [0, 20]"),
 ])
 def test_logprobs_that_cannot_be_given_are_refused(llama, capfd, sets, message):
     _, path = llama
-    assert message in _refused(capfd, lambda: generate_here(path, 4, *sets))
+    assert message in refused(capfd, lambda: generate_here(path, 4, *sets))
 
 
 def test_prompt_logprobs_under_cp_are_one_line_before_any_work(llama, tmp_path):
@@ -173,7 +164,7 @@ def test_a_lines_logprobs_must_be_a_count(llama, tmp_path, capfd, value, message
     _, path = llama
     (tmp_path / "p.jsonl").write_text(f'{{"ids": [1, 2], "logprobs": {value}}}\n')
     job = load_job(None, [f"model.checkpoint='{path}'", f"data.prompts='{tmp_path / 'p.jsonl'}'"])
-    error = _refused(capfd, lambda: run_generation(MPI.COMM_SELF, job, progress=False))
+    error = refused(capfd, lambda: run_generation(MPI.COMM_SELF, job, progress=False))
     assert "p.jsonl:1: " in error and message in error
 
 

@@ -14,12 +14,10 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS, build_hf_model, generate_here  # noqa: E402
+from helpers import PROMPTS, build_hf_model, generate_here, refused  # noqa: E402
 from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
-from hpcpar.jobs.launch import JobFailed  # noqa: E402
 from hpcpar.models.decoder import DecoderStage  # noqa: E402
-from hpcpar.parallel.errors import HpcparError  # noqa: E402
 
 SAMPLED = ["generate.temperature=1.2", "generate.seed=3", "generate.top_k=30"]
 
@@ -131,12 +129,6 @@ def test_a_lines_own_n_in_hdf5_and_json_lines(llama, tmp_path):
     np.testing.assert_array_equal(results["o.h5"].tokens, results["o.jsonl"].tokens)
 
 
-def _refused(capfd, run) -> str:
-    with pytest.raises((HpcparError, JobFailed)) as failed:
-        run()
-    return f"{failed.value} {capfd.readouterr().err}"
-
-
 @pytest.mark.parametrize("line, message", [
     ('{"ids": [1, 2], "n": 0}', "n must be in [1, 1024]"),
     ('{"ids": [1, 2], "n": true}', '"n" must be an integer, got true'),
@@ -146,9 +138,9 @@ def test_a_bad_n_is_one_error(llama, tmp_path, capfd, line, message):
     _, path = llama
     (tmp_path / "p.jsonl").write_text(line + "\n")
     job = load_job(None, [f"model.checkpoint='{path}'", f"data.prompts='{tmp_path / 'p.jsonl'}'"])
-    assert message in _refused(capfd, lambda: run_generation(MPI.COMM_SELF, job,
+    assert message in refused(capfd, lambda: run_generation(MPI.COMM_SELF, job,
                                                              progress=False))
-    assert "generate.n must be in [1, 1024]" in _refused(capfd, lambda: _run(path, 0))
+    assert "generate.n must be in [1, 1024]" in refused(capfd, lambda: _run(path, 0))
 
 
 def test_saved_prompt_logits_are_once_per_prompt(llama, tmp_path):

@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+import numpy as np
 
 _current: "Budget | None" = None
 
@@ -42,10 +44,6 @@ class Counts:
     allocations: int = 0
     allocated_bytes: int = 0
     peak_bytes: int = 0          # live bytes at this phase's peak (all phases' arrays)
-
-    def __add__(self, other: "Counts") -> "Counts":
-        return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)[:-1]),
-                      max(self.peak_bytes, other.peak_bytes))
 
 
 class Budget:
@@ -169,7 +167,6 @@ def fused(inputs, arrays_of):
 
 
 def _shares(a, b) -> bool:
-    import numpy as np
     return bool(np.may_share_memory(a, b))
 
 

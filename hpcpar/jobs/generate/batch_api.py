@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ...parallel.errors import HpcparError
-from .output import JsonLines
-from .prompts import PromptError, PromptLine, Prompts, prompt_line, read_records
+from .lines import JsonLines
+from .prompts import PromptError, Prompts, prompt_line, read_records
 from .results import RowResults
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -65,6 +65,11 @@ class Request:
     logprobs: bool = False
     error: str | None = None
     names: dict = field(default_factory=dict)   # a prompt line's key -> the body's field
+
+    @property
+    def digest(self) -> str:
+        """The request's ids' stem: from its custom_id, so a resumed run writes the same."""
+        return hashlib.sha256(self.custom_id.encode()).hexdigest()[:24]
 
     def in_its_words(self, message: str) -> str:
         """``message`` with the prompt line's keys named as the request's body names them."""
@@ -277,7 +282,7 @@ class BatchLines(JsonLines):
         return prompt * width + np.arange(int(self.samples.counts[prompt]))
 
     def _line(self, request: Request, body: dict | None, error: dict | None) -> dict:
-        digest = hashlib.sha256(request.custom_id.encode()).hexdigest()[:24]
+        digest = request.digest
         response = None if body is None else {"status_code": 200,
                                               "request_id": f"hpcpar-{digest}", "body": body}
         return {"id": f"batch_req_{digest}", "custom_id": request.custom_id,
@@ -303,8 +308,7 @@ class BatchLines(JsonLines):
             choice["finish_reason"] = "length" if reason == "length" else "stop"
             choices.append(choice)
         completion = int(results.lengths[rows].sum())
-        digest = hashlib.sha256(request.custom_id.encode()).hexdigest()[:24]
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{digest}",
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request.digest}",
                 "object": "chat.completion" if chat else "text_completion",
                 "created": self.created, "model": request.model or self.model,
                 "choices": choices,
@@ -341,10 +345,4 @@ def _completion_logprobs(entries: list[dict], decode) -> dict:
             "text_offset": offsets}
 
 
-def requests_line(prompts: Prompts) -> str | None:
-    """The report's line on a Batch API file's requests, or None for other prompts."""
-    requests = prompts.requests
-    return None if requests is None else f"batch: {requests.summary()}"
-
-
-__all__ = ["BatchLines", "PromptLine", "Request", "Requests", "load_requests", "screen"]
+__all__ = ["BatchLines", "Request", "Requests", "is_batch_file", "load_requests", "screen"]

@@ -262,8 +262,9 @@ class ContinuousProgram(ReplicaProgram):
         tokens = next_tokens(stage.head, last[:, 0], self.sampling,
                              self.global_rows[prompts], self.generated[prompts],
                              self.backend.to_host, history)
-        live = np.isin(slots, self._producing(mb, step)) & ~self.done[prompts]
-        self.read_logprobs(last[:, 0], tokens, prompts, self.generated[prompts], live)
+        if self.reader is not None:              # rows that asked for log-probs
+            live = np.isin(slots, self._producing(mb, step)) & ~self.done[prompts]
+            self.read_logprobs(last[:, 0], tokens, prompts, self.generated[prompts], live)
         self.step_tokens[mb][slots] = tokens
         self._record(mb, step, self.step_tokens[mb])
 

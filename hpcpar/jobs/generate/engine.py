@@ -28,7 +28,8 @@ from ..skeleton import JobRun
 from .batching import micro_batches, replica_rows
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .batch_api import BatchLines, Requests
-from .output import JsonLines, PartialOutput, RunShape, unpad_into
+from .lines import JsonLines
+from .output import PartialOutput, RunShape, unpad_into
 from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
 from .program import GenerationProgram, RowRules, any_rank
 from .progress import GenerationProgress

@@ -26,9 +26,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ...checkpoint.files import (JSONL_KEYS, OUTPUT_KIND, WriteError, check_space,
-                                 quiet_deallocation, remove_stale_temporaries, reserve,
-                                 write_point, writing)
+from ...checkpoint.files import (OUTPUT_KIND, WriteError, check_space, quiet_deallocation,
+                                 remove_stale_temporaries, reserve, write_point, writing)
 from ...parallel.errors import HpcparError
 from .results import ResultShape, RowResults, Samples
 
@@ -195,68 +194,6 @@ def regroup(f: h5py.File, results: ResultShape, samples: Samples) -> None:
     f.create_dataset("samples", data=samples.counts)
 
 
-class JsonLines:
-    """A generation's results as JSON lines (``--out NAME.jsonl``), one per prompt in input
-    order: its index, text, token ids, finish reason and token counts. Lines are appended to
-    a hidden ``.NAME.jsonl.lines`` as the finished prompts form a longer prefix, and renamed
-    into place at the end. The partial HDF5 file stays the resumable record: a resumed run
-    writes the lines again from it."""
-
-    def __init__(self, path: Path, describe, more=None, samples: Samples | None = None):
-        """``describe(row, tokens_row, length)``: the row's text (None without a
-        tokenizer) and why it ended; ``more(row, results)``: the line's other fields
-        (its log-probabilities); ``samples``: the rows' prompts, when a prompt has several
-        (each line then names its ``sample`` after its prompt's ``index``)."""
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.lines")
-        self.describe, self.more, self.samples = describe, more, samples
-        self.written = 0
-        self.file = None
-
-    def start(self) -> None:
-        self.file = open(self.tmp, "w", encoding="utf-8")
-        self.written = 0
-
-    def extend(self, results: RowResults, done: np.ndarray, prompt_lengths: np.ndarray) -> None:
-        """Write the lines of the finished prompts that now follow the written ones."""
-        end = self.written
-        while end < len(done) and done[end]:
-            end += 1
-        tokens, lengths = results.tokens, results.lengths
-        samples = self.samples
-        for r in range(self.written, end):
-            prompt, sample = (r, 0) if samples is None else samples.prompt_of(r)
-            if sample >= (1 if samples is None else samples.counts[prompt]):
-                continue                                 # past the prompt's own n
-            text, reason = self.describe(r, tokens[r], lengths[r])
-            line = dict(zip(JSONL_KEYS, (prompt, text, tokens[r, :lengths[r]].tolist(),
-                                         reason, int(prompt_lengths[r]), int(lengths[r]))))
-            if samples is not None and samples.width > 1:
-                line = {"index": prompt, "sample": sample} | line
-            if self.more is not None:
-                line |= self.more(r, results)
-            self.file.write(json.dumps(line, ensure_ascii=False) + "\n")
-        if end > self.written:
-            self.flush()
-            self.written = end
-
-    def flush(self) -> None:
-        write_point(self.tmp)
-        self.file.flush()
-
-    def commit(self) -> None:
-        self.file.close()
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        if self.file is not None and not self.file.closed:
-            try:
-                self.file.close()
-            except OSError:
-                pass
-        self.tmp.unlink(missing_ok=True)
-
-
 class PartialOutput:
     """The output file while a generation runs (rank 0 only): a hidden sibling
     ``.NAME.partial`` that holds every dataset from the start, receives the finished
@@ -266,7 +203,7 @@ class PartialOutput:
     stopped early leaves it for ``resume="auto"``, which keeps the prompts it finished. The
     output path itself only ever holds a complete file.
 
-    With ``lines`` (a ``.jsonl`` output) the results go out as ``JsonLines`` as they
+    With ``lines`` (a ``.jsonl`` output, ``generate.lines``) the results go out as they
     finish, and the partial file is removed once they are complete.
 
     A write that fails (a full disk, a quota, a failing file system) is kept in ``failed``
@@ -274,7 +211,7 @@ class PartialOutput:
     if it can still be resumed, and removed otherwise."""
 
     def __init__(self, path: str | Path, shape: RunShape, resume: str | None,
-                 lines: JsonLines | None = None):
+                 lines=None):
         self.path = Path(path)
         self.partial = self.path.with_name(f".{self.path.name}.partial")
         self.shape = shape

@@ -137,12 +137,12 @@ class ReplicaProgram(ABC):
                                    stage.tp, cp)
         self.sampling = rules.sampling if rules.sampling is not None else settings.sampling
         self.needs_history = needs_history(self.sampling, self.global_rows)
-        self.min_tokens = of_rows(self.sampling, self.global_rows).min_tokens
+        own = of_rows(self.sampling, self.global_rows)          # each row's settings
+        self.min_tokens = own.min_tokens
         self.stop_ids = (None if rules.stop_ids is None
                          else [rules.stop_ids[g] for g in self.global_rows])
         self.stops = rules.stops
         self.cp = cp
-        own = of_rows(self.sampling, self.global_rows)
         self.token_ks, self.prompt_ks = own.logprobs, own.prompt_logprobs   # -1: none
         self.source = own.prompt              # each row's prompt (its samples share one)
         self.reader = (LogprobReader(stage.head, backend.to_host)
@@ -224,9 +224,11 @@ class ReplicaProgram(ABC):
         """The log-probability of each ``live`` row's new token (``rows``: indices here,
         ``steps``: each one's token index) into the results, where the row asks; ``last``
         (its logits, this rank's vocabulary) is overwritten."""
+        if self.reader is None:            # no row of this replica asks (or not the last stage)
+            return
         rows = np.asarray(rows, np.int64)
         ks = np.where(live, self.token_ks[rows], -1)
-        if self.reader is None or (ks < 0).all():
+        if (ks < 0).all():
             return
         found = self.reader.of_tokens(last, tokens, ks)
         self.results.put_logprobs("", rows[live], np.asarray(steps)[live],
@@ -379,8 +381,9 @@ class GenerationProgram(ReplicaProgram):
                                    list(self.tokens[rows, :step]))
         tokens = next_tokens(stage.head, last, self.sampling, batch.rows, step,
                              self.backend.to_host, history)
-        self.read_logprobs(last, tokens, range(rows.start, rows.stop),
-                           np.full(batch.size, step), ~self.done[rows])
+        if self.reader is not None:
+            self.read_logprobs(last, tokens, range(rows.start, rows.stop),
+                               np.full(batch.size, step), ~self.done[rows])
         self._record(batch, step, tokens)
 
     def _prefill_logits(self, batch: MicroBatch, y):

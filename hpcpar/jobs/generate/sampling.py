@@ -208,7 +208,10 @@ def sample_from_candidates(values: np.ndarray, ids: np.ndarray,
     kept = (probs > 0).sum(axis=1)                       # the candidates left, a prefix
     out = np.empty(len(rows), dtype=np.int64)
     for i in range(len(rows)):
-        key = [int(p.seed[i])] + [int(p.prompt[i])] * (not p.own_seed[i]) + [int(steps[i])]
+        key = [int(p.seed[i])]
+        if not p.own_seed[i]:                    # a line's own seed: the same wherever it is
+            key.append(int(p.prompt[i]))
+        key.append(int(steps[i]))
         if p.sample[i]:
             key.append(int(p.sample[i]))
         u = np.random.default_rng(key).random() * cdf[i, -1]
