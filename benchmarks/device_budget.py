@@ -1,5 +1,6 @@
-"""What a GPU would be asked to do per step, counted on the CPU: ``parallel.budget`` on the
-strict device backend counts each phase's array operations (a kernel launch each on a GPU),
+"""What a GPU would be asked to do per step, counted on the CPU.
+
+``parallel.budget`` on the strict device backend counts each phase's array operations (a kernel launch each on a GPU),
 device-to-host reads (each a sync), uploads, allocations and the peak of live device bytes,
 for the Llama-3.2-1B and Llama-3.1-8B shapes with their layers cut down (a layer's counts
 do not depend on how many there are), per run of a phase and per decoder layer.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
@@ -27,7 +29,7 @@ from statistics import median
 
 from mpi4py import MPI
 
-from hpcpar.checkpoint import init_checkpoint, preset_config
+from hpcpar.checkpoint import init_checkpoint, open_checkpoint, preset_config
 from hpcpar.jobs.generate import Prompts, random_prompts, run_generation
 from hpcpar.jobs.job import load_job
 from hpcpar.parallel.budget import Budget, Counts
@@ -51,7 +53,8 @@ def generation_budget(checkpoint: Path, args, batching: str) -> tuple[Budget, ob
     job = load_job(None, [f"model.checkpoint='{checkpoint}'", *layout(args),
                           f"generate.max_new_tokens={args.new_tokens}",
                           "generate.stop_at_eos=false", f"generate.batching='{batching}'"])
-    prompts = random_prompts(args.batch, (args.prompt, args.prompt), 1000, seed=1)
+    vocab = min(1000, open_checkpoint(checkpoint).config.vocab_size)
+    prompts = random_prompts(args.batch, (args.prompt, args.prompt), vocab, seed=1)
     budget = Budget()
     with budget.counting():
         result = run_generation(MPI.COMM_WORLD, job, prompts=Prompts(prompts.ids),
@@ -102,13 +105,32 @@ TRAINING_PHASES = [("forward (a micro-batch)", "train step/forward", False),
                    ("optimizer step", "optimizer", False)]
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _shapes(text: str) -> list[str]:
+    shapes = text.split(",")
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown shape {unknown[0]!r}; the shapes are "
+                                         f"{', '.join(SHAPES)}")
+    return shapes
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="1b,8b")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=4, help="rows (prompts, training samples)")
-    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens (training: seq len)")
-    ap.add_argument("--new-tokens", type=int, default=4)
+    ap.add_argument("--shapes", type=_shapes, default="1b,8b",
+                    help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--layers", type=_positive, default=2)
+    ap.add_argument("--batch", type=_positive, default=4,
+                    help="rows (prompts, training samples)")
+    ap.add_argument("--prompt", type=_positive, default=32,
+                    help="prompt tokens (training: seq len)")
+    ap.add_argument("--new-tokens", type=_positive, default=4)
     ap.add_argument("--vocab", type=int, default=0, help="0: the shape's own")
     ap.add_argument("--train", action="store_true", help="a training step's budget too")
     ap.add_argument("--tp", type=int, default=1)
@@ -120,7 +142,7 @@ def main(argv=None) -> None:
     rank0 = MPI.COMM_WORLD.Get_rank() == 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = MPI.COMM_WORLD.bcast(tmp if rank0 else None)
-        for shape in args.shapes.split(","):
+        for shape in args.shapes:
             cfg = dict(preset_config(SHAPES[shape]), num_hidden_layers=args.layers)
             if args.vocab:
                 cfg["vocab_size"] = args.vocab
@@ -151,4 +173,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hpcpar.jobs.launch import run_guarded
+    sys.exit(run_guarded(main))          # a bad setting: one line, status 2, every rank

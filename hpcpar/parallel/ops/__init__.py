@@ -76,8 +76,8 @@ def check_ops(backend: str) -> None:
         name = "numpy"
     if name == "numpy":
         raise HpcparError("HPCPAR_OPS=device takes the device kernels' table, and this job's "
-                          "arrays are NumPy's: use it with the strict backend "
-                          "(HPCPAR_BACKEND=strict) or a GPU")
+                          "arrays are NumPy's: use it with the strict backend (--backend "
+                          "strict, or HPCPAR_BACKEND=strict with no --backend) or a GPU")
 
 
 __all__ = ["Attention", "AttentionRows", "CrossEntropy", "GeGLU", "KVWrite", "Linear", "Ops",
