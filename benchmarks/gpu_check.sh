@@ -14,6 +14,9 @@
 #                           (autocast, fused AdamW), the memory ratio
 #   summary.txt             each step's exit status
 # A step that fails is reported and the next runs: the point is to see everything at once.
+# Each step has a time limit, so a lease's few minutes see every step: GPU_CHECK_BENCH sets
+# benchmarks/gpu.py's arguments (default: 1B and 8B, +128), GPU_CHECK_BUDGET=0 skips the
+# device budget (a CPU count: the same here as there).
 # Not here yet: benchmarks/gpu.py with --cuda-graphs (issue 38, part 3, not built).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,11 +45,12 @@ summary="$out/summary.txt"
 : > "$summary"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
 
-step() {   # step NAME COMMAND...: run it, its output to the log, its status to the summary
-  local name=$1; shift
-  echo "== $name: $*" | tee -a "$log"
+step() {   # step NAME SECONDS COMMAND...: run it (at most SECONDS), output to the log, status
+  local name=$1 limit=$2; shift 2
+  echo "== $name (at most $limit s): $*" | tee -a "$log"
   local start=$SECONDS
-  "$@" 2>&1 | tee -a "$log"
+  if [[ $(type -t "$1") == function ]]; then "$@"; else timeout -k 10 "$limit" "$@"; fi 2>&1 \
+    | tee -a "$log"
   local status=${PIPESTATUS[0]}
   echo "$name: exit $status in $((SECONDS - start)) s" | tee -a "$summary" "$log"
 }
@@ -71,16 +75,18 @@ install() {
   echo "export PYTHONPATH=$site:\$PYTHONPATH LD_LIBRARY_PATH=$site/lib:\${LD_LIBRARY_PATH:-} PATH=$site/bin:\$PATH" > /tmp/site.env
 }
 
-step install install
+step install 120 install
 [[ -e /tmp/site.env ]] && source /tmp/site.env     # (the step ran in a pipeline's subshell)
-step machine bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
+step machine 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   python3 -c "import cupy, mpi4py, h5py; print(\"cupy\", cupy.__version__, \"mpi4py\",
   mpi4py.__version__); print(cupy.cuda.runtime.getDeviceProperties(0)[\"name\"])"'
-step gpu-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests
-step cupy-suite env HPCPAR_BACKEND=cupy python3 -m pytest -q -x -m "not mpi" \
+step gpu-tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+[[ "${GPU_CHECK_BUDGET:-1}" == 0 ]] || step budget 120 python3 benchmarks/device_budget.py --shapes 1b
+# shellcheck disable=SC2086
+step benchmark "${GPU_CHECK_BENCH_SECONDS:-420}" python3 benchmarks/gpu.py \
+  ${GPU_CHECK_BENCH:---models 1b,8b --new-tokens 128}
+step cupy-suite "${GPU_CHECK_SUITE_SECONDS:-150}" env HPCPAR_BACKEND=cupy python3 -m pytest -q -x -m "not mpi" \
   -p no:cacheprovider tests/test_model.py tests/test_generate_cli.py tests/test_logprobs.py \
   tests/test_samples.py
-step budget python3 benchmarks/device_budget.py --shapes 1b
-step benchmark python3 benchmarks/gpu.py --models 1b,8b --new-tokens 128
 cp benchmarks/results/nvidia-*-"$day".json "$out/gpu-$day.json" 2>/dev/null
 echo "== summary" && cat "$summary"

@@ -216,3 +216,18 @@ def test_free_memory_on_a_gpu_is_the_drivers_free_plus_the_pools_free_blocks():
     fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(
         memGetInfo=lambda: (5 << 30, 80 << 30))), get_default_memory_pool=lambda: pool)
     assert ArrayBackend("cupy", fake).free_memory_bytes() == 8 << 30
+
+
+@pytest.mark.parametrize("cls", ["MpiCommunicator", "NcclCommunicator"])
+def test_a_communicator_overrides_the_base_methods_only_with_their_own_signatures(cls):
+    # the NCCL communicator once named its reduction-op lookup `_op`, replacing the base's
+    # prepared-collective `_op` with a one-argument function: every all-gather on a GPU failed
+    import inspect
+    from hpcpar.parallel.comm import base, mpi, nccl
+    sub = getattr(mpi, cls, None) or getattr(nccl, cls)
+    clashes = [name for name, fn in vars(sub).items()
+               if callable(fn) and callable(getattr(base.Communicator, name, None))
+               and not name.startswith("__")
+               and list(inspect.signature(fn).parameters)
+               != list(inspect.signature(getattr(base.Communicator, name)).parameters)]
+    assert clashes == [], f"{cls} replaces {clashes} of Communicator with other signatures"

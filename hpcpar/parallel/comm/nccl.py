@@ -111,12 +111,13 @@ class NcclCommunicator(Communicator):
     def _t(self, a) -> int:
         return _nccl_dtype(self._lib, a.dtype)
 
-    def _op(self, op: str) -> int:
+    def _nccl_op(self, op: str) -> int:
         return self._lib.NCCL_MAX if op == "max" else self._lib.NCCL_SUM
 
     def _all_reduce(self, buf, op) -> None:
         ptr = buf.data.ptr
-        self._comm.allReduce(ptr, ptr, buf.size, self._t(buf), self._op(op), self._stream())
+        self._comm.allReduce(ptr, ptr, buf.size, self._t(buf), self._nccl_op(op),
+                             self._stream())
 
     def _iall_reduce(self, buf) -> Request:
         self._all_reduce(buf, "sum")          # enqueued on the stream: already asynchronous
@@ -182,7 +183,7 @@ class NcclCommunicator(Communicator):
 
     def _reduce(self, buf, root, op) -> None:
         ptr = buf.data.ptr
-        self._comm.reduce(ptr, ptr, buf.size, self._t(buf), self._op(op), root, self._stream())
+        self._comm.reduce(ptr, ptr, buf.size, self._t(buf), self._nccl_op(op), root, self._stream())
 
     def _broadcast(self, buf, root) -> None:
         self._comm.bcast(buf.data.ptr, buf.size, self._t(buf), root, self._stream())
