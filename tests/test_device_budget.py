@@ -162,3 +162,41 @@ def test_loading_holds_each_weight_once_and_one_merged_projection_more(tmp_path,
     largest_group = 2 * i * h * 4                         # gate and up, float32
     assert weights <= load.peak_bytes <= weights + largest_group * 1.01, (load.peak_bytes,
                                                                             weights)
+
+
+@pytest.mark.parametrize("kind", ["generate", "score", "train"])
+def test_a_job_frees_its_device_memory_when_it_returns(tmp_path, kind):
+    """A library call that returns has released the model, its caches and its optimizer
+    state at once, not when Python's cycle collector next runs: on the H100 a generation left
+    its 2.7 GB of weights alive, and the next call in the same process held two models."""
+    import gc
+    from hpcpar.checkpoint import init_checkpoint, preset_config
+    from hpcpar.jobs.score.engine import run_scoring
+    from hpcpar.jobs.train.engine import run_training
+    cfg = dict(preset_config("tiny"), num_hidden_layers=2)
+    init_checkpoint(tmp_path / "model.h5", cfg)
+    rows = np.random.default_rng(0).integers(1, cfg["vocab_size"], (4, 12))
+    np.save(tmp_path / "rows.npy", rows)
+    sets = [f"model.checkpoint='{tmp_path / 'model.h5'}'", "parallel.backend='strict'"]
+    run = {
+        "generate": lambda: run_generation(MPI.COMM_SELF, load_job(None, sets + [
+            "generate.max_new_tokens=3"]), prompts=Prompts(list(rows)), progress=False),
+        "score": lambda: run_scoring(MPI.COMM_SELF, load_job(None, sets + [
+            f"score.data='{tmp_path / 'rows.npy'}'", f"output.path='{tmp_path / 's.h5'}'"]),
+            progress=False),
+        "train": lambda: run_training(MPI.COMM_SELF, load_job(None, sets + [
+            f"data.dataset='{tmp_path / 'rows.npy'}'", "train.steps=2", "train.global_batch=2",
+            f"output.path='{tmp_path / 'out'}'"]), progress=False),
+    }[kind]
+    b = Budget()
+    gc.collect()
+    gc.disable()
+    try:
+        with b.counting():
+            result = run()
+            assert result is not None and b.peak > 0
+            del result
+            left = b.live
+    finally:
+        gc.enable()
+    assert left == 0, f"{left} device bytes alive after run_{kind} returned"

@@ -76,6 +76,15 @@ class JobRun(ABC):
             self.close_bar(final=False)
             if tracing:
                 tracing.abandon()
+            self.release()
+
+    def release(self) -> None:
+        """Drop what the run made (model, caches, programs, streams) as the call returns.
+        Its programs and streams call back into the run, so without this the device memory
+        would wait for Python's cycle collector: a second run in the process held two
+        models."""
+        for name in [n for n in vars(self) if n not in ("comm", "job", "rank", "size")]:
+            delattr(self, name)
 
     def setup(self) -> None:
         """The checkpoint opened and the job validated by every rank (an error on one is

@@ -31,7 +31,9 @@ def save_interval() -> float:
 class FinishedRows:
     """One wave's stream. ``pump()`` at every step of the programs that own or collect rows
     (cheap until ``interval`` has passed), ``close()`` at the wave's end on every rank: it
-    returns once every replica has finished the wave."""
+    returns once every replica has finished the wave. The channel's callbacks close over the
+    program, not over this stream: through its channel the stream would refer to itself, and
+    the program with its model would outlive the run until Python's cycle collector ran."""
 
     def __init__(self, world, layout: ParallelConfig, board, program,
                  receive: Receive | None, interval: float,
@@ -39,20 +41,20 @@ class FinishedRows:
         """``program``: this rank's generation program (``global_rows``, ``done``,
         ``results``, ``worked``); ``receive``: rank 0's sink for finished rows;
         ``heard(dp_rank, tokens)``: rank 0's sink for each replica's tokens done."""
-        self.program, self.receive = program, receive
-        self.sent = np.zeros(len(program.done), dtype=bool)
-        self.channel = ReplicaChannel(world, layout, board, interval, self._new_rows,
-                                      self._deliver, lambda: program.worked, heard)
+        self.program = program
+        sent = np.zeros(len(program.done), dtype=bool)
+
+        def new_rows() -> np.ndarray:
+            """The rows finished since the last message, packed (empty: none)."""
+            new = program.done & ~sent
+            if not new.any():
+                return np.empty(0, np.int64)
+            np.logical_or(sent, new, out=sent)
+            return program.results.take(new).pack(program.global_rows[new])
+
+        def deliver(body: np.ndarray) -> None:
+            receive(*RowResults.unpack(body, program.results.shape))
+
+        self.channel = ReplicaChannel(world, layout, board, interval, new_rows, deliver,
+                                      lambda: program.worked, heard)
         self.pump, self.close = self.channel.pump, self.channel.close
-
-    def _new_rows(self) -> np.ndarray:
-        """The rows finished since the last message, packed (empty: none)."""
-        p = self.program
-        new = p.done & ~self.sent
-        if not new.any():
-            return np.empty(0, np.int64)
-        self.sent |= new
-        return p.results.take(new).pack(p.global_rows[new])
-
-    def _deliver(self, body: np.ndarray) -> None:
-        self.receive(*RowResults.unpack(body, self.program.results.shape))

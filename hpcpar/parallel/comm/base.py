@@ -12,6 +12,7 @@ only move contiguous buffers: ``_all_reduce``, ``_iall_reduce``, ``_all_gather``
 from __future__ import annotations
 
 import math
+import weakref
 from abc import ABC, abstractmethod
 from time import perf_counter
 from typing import Callable, Iterable, Sequence
@@ -227,7 +228,10 @@ class Communicator(ABC):
                         concat_axis, _key(split_sizes), _key(concat_sizes))
 
     def _op(self, name: str, make, *key):
-        """The prepared operation for ``key``, made once (bad input raises every time)."""
+        """The prepared operation for ``key``, made once (bad input raises every time). The
+        operations hold their communicator weakly: kept in its own table, they
+        would otherwise make it a cycle that only Python's cycle collector frees, staging
+        buffers and MPI communicator included."""
         op = self._ops.get((name, *key))
         if op is None:
             if len(self._ops) >= 4096:                   # shapes that never repeat
@@ -244,17 +248,18 @@ class Communicator(ABC):
         total = math.prod(result_shape)
         nbytes = total * np.dtype(dtype).itemsize
         xp = self.xp
+        me = weakref.proxy(self)                          # held weakly: see _op
 
         def gather(x, out=None):
             _check_out(out, result_shape, dtype)
             send = xp.ascontiguousarray(x).reshape(-1)     # rank r's block: its whole x
-            landing = self._landing(out, result_shape, dtype) if axis == 0 \
+            landing = me._landing(out, result_shape, dtype) if axis == 0 \
                 else xp.empty(total, dtype=dtype)
-            if self.size == 1:
+            if me.size == 1:
                 landing.reshape(-1)[...] = send
             else:
-                self._run("all_gather", nbytes, self._all_gather, send, landing.reshape(-1),
-                          counts)
+                me._run("all_gather", nbytes, me._all_gather, send, landing.reshape(-1),
+                        counts)
             if axis == 0:              # the blocks stacked along the first axis: in place
                 return _into(out, landing)
             result = out if out is not None else xp.empty(result_shape, dtype=dtype)
@@ -276,16 +281,17 @@ class Communicator(ABC):
         per_index = math.prod(_with_length(shape, axis, 1))
         counts = [s * per_index for s in sizes]
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        me = weakref.proxy(self)                          # held weakly: see _op
 
         def scatter(x, out=None):
             _check_out(out, block_shape, dtype)
-            send = self._pack_blocks(x, axis, sizes)          # flat: block r, then r + 1
-            block = self._landing(out, block_shape, dtype)
-            if self.size == 1:
+            send = me._pack_blocks(x, axis, sizes)            # flat: block r, then r + 1
+            block = me._landing(out, block_shape, dtype)
+            if me.size == 1:
                 block.reshape(-1)[...] = send
             else:
-                self._run("reduce_scatter", nbytes, self._reduce_scatter, send,
-                          block.reshape(-1), counts)
+                me._run("reduce_scatter", nbytes, me._reduce_scatter, send,
+                        block.reshape(-1), counts)
             return _into(out, block)
         scatter.result_shape = block_shape
         return scatter
@@ -307,15 +313,16 @@ class Communicator(ABC):
         result_shape, block_shape = arriving(sum(theirs)), arriving(0)
         nbytes = (sum(recv_counts) + math.prod(shape)) * np.dtype(dtype).itemsize
         xp = self.xp
+        me = weakref.proxy(self)                          # held weakly: see _op
 
         def exchange(x):
-            send = self._pack_blocks(x, split_axis, cut)  # flat: block j, then block j + 1
+            send = me._pack_blocks(x, split_axis, cut)    # flat: block j, then block j + 1
             recv = xp.empty(sum(recv_counts), dtype=dtype)
-            if self.size == 1:
+            if me.size == 1:
                 recv[...] = send
             else:
-                self._run("all_to_all", nbytes, self._all_to_all, send, send_counts, recv,
-                          recv_counts)
+                me._run("all_to_all", nbytes, me._all_to_all, send, send_counts, recv,
+                        recv_counts)
             if concat_axis == 0:       # blocks stacked along the first axis: already in place
                 return recv.reshape(result_shape)
             out = xp.empty(result_shape, dtype=dtype)

@@ -91,7 +91,7 @@ class Pipeline:
                                   f"backward(dy, ctx) -> dx (hpcpar.parallel.Stage)")
         self._checked: set[tuple] = set()
         self._errors = _ErrorChannel(group)
-        self.executor: PipelineExecutor | None = None
+        self.times = None           # the last step's compute and wait times (bubble())
 
     @property
     def is_last(self) -> bool:
@@ -169,16 +169,16 @@ class Pipeline:
         finally:
             waits.listen_for_alarm(previous)
             self._errors.stop()
-        self.executor = executor
+        self.times = executor.times     # not the executor: it holds the step's activations
 
     # ---- figures ---------------------------------------------------------------------------
 
     def bubble(self) -> float:
         """The measured idle share of this stage in the last step: waiting / (compute +
         waiting)."""
-        if self.executor is None:
+        if self.times is None:
             return 0.0
-        t = self.executor.times
+        t = self.times
         busy, idle = sum(t.compute), sum(t.wait)
         return idle / (busy + idle) if busy + idle else 0.0
 
