@@ -8,6 +8,8 @@ Workloads (random weights of the Llama-3.2-1B / Llama-3.1-8B shapes, bfloat16):
   (sdpa; prefill as ``model(ids, logits_to_keep=1)``, decode as ``generate()`` minus that
   prefill) and of transformers with its static cache and torch.compile (as its users run it
   at its best; the first, compiling call is not timed);
+- decode with ``--cuda-graphs`` (``--cuda-graphs`` here): each decode step a replayed CUDA
+  graph, a row of its own beside the eager decode;
 - training (``--train``, 1B only by default): tokens/s of full steps (forward, backward,
   AdamW over float32 masters, bf16 compute, 8 x 1024 tokens per step in 2 micro-batches) of
   hpcpar against torch as its users run it: LlamaForCausalLM in float32 under bf16 autocast,
@@ -75,7 +77,8 @@ def matrix_params(cfg) -> tuple[int, int]:
     return L * per_layer + embed, 2 * total
 
 
-def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int) -> dict:
+def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int,
+               graphs: bool = False) -> dict:
     from mpi4py import MPI
     from hpcpar.jobs.generate import Prompts, run_generation
     from hpcpar.jobs.job import load_job
@@ -83,7 +86,7 @@ def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int) -> dict:
     def once(tokens):
         sets = [f"model.checkpoint='{checkpoint}'", "parallel.dp=1", "parallel.backend='cupy'",
                 "model.dtype='bfloat16'", f"generate.max_new_tokens={tokens}",
-                "generate.stop_at_eos=false"]
+                "generate.stop_at_eos=false", f"generate.cuda_graphs={str(graphs).lower()}"]
         return run_generation(MPI.COMM_SELF, load_job(None, sets),
                               prompts=Prompts(list(prompts)), progress=False)
 
@@ -194,6 +197,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-length", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-compiled", action="store_true", help="skip transformers + compile")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="hpcpar's decode also with --cuda-graphs (a row of its own)")
     ap.add_argument("--train", default="1b", help="models to train ('' for none)")
     ap.add_argument("--train-batch", type=int, default=8)
     ap.add_argument("--train-seq-len", type=int, default=1024)
@@ -226,6 +231,12 @@ def main(argv=None) -> None:
               f"load {mine['load_seconds']:.2f} s ({mine['load_gb_per_s']:.2f} GB/s); GPU pool "
               f"{mine['device_mb']:,.0f} MB for weights {mine['weight_mb']:,.0f} MB + KV cache "
               f"{mine['kv_cache_mb']:,.0f} MB", flush=True)
+        graphed = run_hpcpar(path, prompts, args.new_tokens, graphs=True) \
+            if args.cuda_graphs else None
+        if graphed:
+            same = float((graphed["tokens"] == mine["tokens"]).mean())
+            print(f"{name}: hpcpar --cuda-graphs decode {graphed['decode']:,.0f} tok/s; its "
+                  f"tokens equal the eager run's in {same:.0%} of places", flush=True)
         n_matrix, weight_bytes = matrix_params(cfg)
         if name in args.train.split(","):
             cp.get_default_memory_pool().free_all_blocks()
@@ -260,6 +271,11 @@ def main(argv=None) -> None:
                          "hpcpar": mine[phase], "transformers": eager[phase],
                          "transformers_compiled": compiled[phase] if compiled else None,
                          "floor": floors[phase]})
+        if graphed:
+            rows.append({"workload": f"generate-{name}-bf16", "phase": "decode-graphs",
+                         "hpcpar": graphed["decode"], "transformers": eager["decode"],
+                         "transformers_compiled": compiled["decode"] if compiled else None,
+                         "floor": floors["decode"]})
         rows.append({"workload": f"generate-{name}-bf16", "phase": "memory", **{
             k: mine[k] for k in ("load_seconds", "load_gb_per_s", "weight_mb", "kv_cache_mb",
                                  "device_mb")}})

@@ -9,15 +9,15 @@
 # On the GPU machine (Python 3.12, CuPy, torch, transformers, h5py there already) it writes
 # to $OUT (else benchmarks/results/):
 #   gpu-check-<date>.log    every step's output, in order
-#   gpu-<date>.json         benchmarks/gpu.py's figures: decode and prefill against
-#                           transformers eager and compiled, training against torch
-#                           (autocast, fused AdamW), the memory ratio
+#   gpu-<date>.json         benchmarks/gpu.py's figures: decode (eager and --cuda-graphs)
+#                           and prefill against transformers eager and compiled, training
+#                           against torch (autocast, fused AdamW), the memory ratio
 #   summary.txt             each step's exit status
 # A step that fails is reported and the next runs: the point is to see everything at once.
 # Each step has a time limit, so a lease's few minutes see every step: GPU_CHECK_BENCH sets
-# benchmarks/gpu.py's arguments (default: 1B and 8B, +128), GPU_CHECK_BUDGET=0 skips the
-# device budget (a CPU count: the same here as there).
-# Not here yet: benchmarks/gpu.py with --cuda-graphs (issue 38, part 3, not built).
+# benchmarks/gpu.py's arguments (default: 1B and 8B, +128, with --cuda-graphs),
+# GPU_CHECK_BUDGET=0 skips the device budget (a CPU count: the same here as there), a step's
+# GPU_CHECK_*_SECONDS its limit (GPU_CHECK_SUITE_SECONDS=0 skips the CuPy suite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=".whl"
@@ -80,12 +80,12 @@ step install 120 install
 step machine 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv;
   python3 -c "import cupy, mpi4py, h5py; print(\"cupy\", cupy.__version__, \"mpi4py\",
   mpi4py.__version__); print(cupy.cuda.runtime.getDeviceProperties(0)[\"name\"])"'
-step gpu-tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+step gpu-tests "${GPU_CHECK_TESTS_SECONDS:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests
 [[ "${GPU_CHECK_BUDGET:-1}" == 0 ]] || step budget 120 python3 benchmarks/device_budget.py --shapes 1b
 # shellcheck disable=SC2086
 step benchmark "${GPU_CHECK_BENCH_SECONDS:-420}" python3 benchmarks/gpu.py \
-  ${GPU_CHECK_BENCH:---models 1b,8b --new-tokens 128}
-step cupy-suite "${GPU_CHECK_SUITE_SECONDS:-150}" env HPCPAR_BACKEND=cupy python3 -m pytest -q -x -m "not mpi" \
+  ${GPU_CHECK_BENCH:---models 1b,8b --new-tokens 128 --cuda-graphs}
+[[ "${GPU_CHECK_SUITE_SECONDS:-150}" == 0 ]] || step cupy-suite "${GPU_CHECK_SUITE_SECONDS:-150}" env HPCPAR_BACKEND=cupy python3 -m pytest -q -x -m "not mpi" \
   -p no:cacheprovider tests/test_model.py tests/test_generate_cli.py tests/test_logprobs.py \
   tests/test_samples.py
 cp benchmarks/results/nvidia-*-"$day".json "$out/gpu-$day.json" 2>/dev/null

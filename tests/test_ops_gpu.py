@@ -199,13 +199,13 @@ def test_fused_attention_training_forward_and_backward(cp, device_ops, native, d
 
 # ---- whole jobs ------------------------------------------------------------------------
 
-def _generate(path, prompts, backend, dtype, tokens=6):
+def _generate(path, prompts, backend, dtype, tokens=6, *extra):
     from mpi4py import MPI
     from hpcpar.jobs.generate import Prompts, run_generation
     from hpcpar.jobs.job import load_job
     sets = [f"model.checkpoint='{path}'", "parallel.dp=1", "generate.save_logits=true",
             f"parallel.backend='{backend}'", f"model.dtype='{dtype}'",
-            f"generate.max_new_tokens={tokens}", "generate.stop_at_eos=false"]
+            f"generate.max_new_tokens={tokens}", "generate.stop_at_eos=false", *extra]
     return run_generation(MPI.COMM_SELF, load_job(None, sets), prompts=Prompts(prompts),
                           progress=False)
 
@@ -251,3 +251,24 @@ def test_free_device_memory_counts_the_pools_free_blocks(cp):
     assert before - held >= 256 << 20
     del block                                             # back in the pool, not the driver
     assert backend.free_memory_bytes() >= before - (8 << 20)
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+def test_graphed_decode_on_the_gpu_gives_the_eager_steps(tmp_path, monkeypatch, batching):
+    """--cuda-graphs: each decode step after the first two is a replay, and its tokens and
+    their log-probabilities are the eager steps' (float16: the graph's products are
+    cuBLASLt's planned matmuls, the eager ones cuBLAS's; they may round apart)."""
+    from helpers import GQA, PROMPTS, make_checkpoint
+    from hpcpar.parallel.graphs import StepGraph
+    path, _ = make_checkpoint(tmp_path, dict(GQA, head_dim=16))
+    replays = []
+    call = StepGraph.__call__
+    monkeypatch.setattr(StepGraph, "__call__",
+                        lambda self: replays.append(self._impl.captured) or call(self))
+    sets = ["generate.logprobs=0", f"generate.batching='{batching}'"]
+    eager = _generate(path, PROMPTS, "cupy", "float16", 8, *sets)
+    graphed = _generate(path, PROMPTS, "cupy", "float16", 8, *sets,
+                        "generate.cuda_graphs=true")
+    assert replays.count(True) >= 5
+    assert graphed.tokens.tolist() == eager.tokens.tolist()
+    np.testing.assert_allclose(graphed.logprobs.values, eager.logprobs.values, atol=2e-2)

@@ -13,7 +13,8 @@
                 stop_at_eos, stop (strings), stop_token_ids,
                 save_logits,
                 batching ("continuous" or "static"), batch_size (rows in flight per
-                micro-batch; 0: what fits)
+                micro-batch; 0: what fits), cuda_graphs (decode steps replayed as CUDA
+                graphs)
     [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
     [score]     data = "texts.jsonl"        sequences to score (.npy ids left-padded with
                                              negative ids, or .jsonl of {ids} / {text})
@@ -107,6 +108,7 @@ class GenerateSection:
     save_logits: bool = False
     batching: str = "continuous"    # or "static": every micro-batch runs to its longest row
     batch_size: int = 0             # rows in flight per micro-batch (0: what fits)
+    cuda_graphs: bool = False       # each decode step a replayed CUDA graph (one rank a model)
     stop: tuple[str, ...] = ()      # stop strings: a row ends once its text holds one
     stop_token_ids: tuple[int, ...] = ()    # ids that end a row as EOS does (reason "stop")
     wave_size: int = 0              # prompts per wave (0: all at once); the output is

@@ -31,6 +31,7 @@ JOB_FLAGS = {
     "save_logits": ("generate", "save_logits"), "stop_at_eos": ("generate", "stop_at_eos"),
     "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
     "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
+    "cuda_graphs": ("generate", "cuda_graphs"),
     "out": ("output", "path"), "trace": ("output", "trace"),
 }
 # training flags -> (job section, key); --seed goes to [train] when the job trains
@@ -146,6 +147,9 @@ def _job_flags(p, required: bool, out_help: str) -> None:
                         "static: each micro-batch runs until its longest row is done")
     p.add_argument("--batch-size", type=int,
                    help="rows in flight per micro-batch (default: what fits the KV cache)")
+    p.add_argument("--cuda-graphs", action="store_const", const=True,
+                   help="replay each decode step as a CUDA graph (a GPU, one rank per model "
+                        "replica, bfloat16 or float16; not run on a GPU yet)")
     p.add_argument("--wave-size", type=int,
                    help="prompts per wave: the output is saved, and the job can stop, after "
                         "each (default: all at once)")

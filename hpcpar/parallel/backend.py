@@ -63,6 +63,14 @@ class ArrayBackend:
         """Move a host array to this backend's device (no copy on NumPy)."""
         return self.xp.asarray(host) if self.on_device else host
 
+    def copy_in(self, array, host: np.ndarray) -> None:
+        """Host data into an existing array of the same shape, in place (a device buffer:
+        one upload; CuPy takes it through ``set`` alone)."""
+        if self.on_device:
+            array.set(np.ascontiguousarray(host, dtype=array.dtype))
+        else:
+            array[...] = host
+
     def to_host(self, a) -> np.ndarray:
         return a.get() if self.is_device_array(a) else np.asarray(a)
 

@@ -13,13 +13,16 @@ NumPy array and refuses the same things:
 - ``xp.ascontiguousarray(numpy_array)`` (CuPy takes only its own arrays there).
 
 What CuPy allows stays allowed: Python scalars and lists, ``int(x)`` / ``float(x)`` of one
-element, ``x.item()``, ``x[...] = numpy_array`` (a host-to-device copy), NumPy functions called
-on device arrays (dispatched through ``__array_function__`` / ``__array_ufunc__``).
+element, ``x.item()``, ``x.set(numpy_array)`` (a host-to-device copy), NumPy functions called
+on device arrays (dispatched through ``__array_function__`` / ``__array_ufunc__``). And what it
+refuses is refused: ``x[...] = numpy_array`` (CuPy 14 fills a view from scalars alone).
 Everything is computed by NumPy on the host, so results equal a NumPy run bit for bit.
 
 While a ``parallel.budget.Budget`` counts, every operation here reports to it: an operation
 that computes (one kernel launch on a GPU), a new array and its bytes, a read back to the host
 (a sync), an upload. Views (slices, reshapes, transposes) compute nothing and are not counted.
+While a step is captured (``parallel.capture``, for ``parallel.graphs``), every operation is
+recorded and what a CUDA graph cannot hold (a read, an upload, CuPy's matmul) is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import types
 
 import numpy as np
 
-from . import budget
+from . import budget, capture
 
 _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed (strict device backend, "
              "as CuPy). Please use `.get()` to construct a NumPy array explicitly.")
@@ -55,9 +58,12 @@ def _unwrap_kwargs(kwargs: dict) -> dict:
 
 
 def _wrap(value):
-    """Results from NumPy: arrays (and arrays in tuples) become StrictArrays."""
+    """Results from NumPy: arrays (and arrays in tuples) become StrictArrays; so does a
+    reduction's NumPy scalar (CuPy's is a 0-d device array, and reading it is a sync)."""
     if isinstance(value, np.ndarray):
         return StrictArray(value)
+    if isinstance(value, np.generic):
+        return StrictArray(np.asarray(value))
     if isinstance(value, tuple):
         return tuple(_wrap(v) for v in value)
     if isinstance(value, list):
@@ -93,10 +99,11 @@ def _counted(result, inputs: list, computes: bool = True):
     b = budget._current
     if b is None:
         return result
-    fresh = [r for r in (result if isinstance(result, tuple) else (result,))
+    several = isinstance(result, (tuple, list))          # (``split`` returns a list of views)
+    fresh = [r for r in (result if several else (result,))
              if isinstance(r, np.ndarray)
              and not any(np.may_share_memory(r, a) for a in inputs)]
-    if result is None or not isinstance(result, (np.ndarray, tuple)) or fresh:
+    if result is None or not (several or isinstance(result, np.ndarray)) or fresh:
         if computes:
             b.op()
     for r in fresh:
@@ -105,9 +112,30 @@ def _counted(result, inputs: list, computes: bool = True):
 
 
 def _read() -> None:
+    if capture._active is not None:
+        capture._active.read()
     b = budget._current
     if b is not None:
         b.read()
+
+
+def _upload() -> None:
+    if capture._active is not None:
+        capture._active.upload()
+    if budget._current is not None:
+        budget._current.upload()
+
+
+def _record(name: str, args) -> None:
+    if capture._active is not None:
+        capture._active.record(name, args)
+
+
+def _basic(key) -> bool:
+    """An index of ints, slices, ``...`` and ``None`` alone (a view: CuPy's basic indexing)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (int, slice, np.integer))
+               for k in keys)
 
 
 def _index(key):
@@ -143,8 +171,7 @@ class StrictArray:
     def set(self, arr, stream=None) -> None:
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"Only numpy.ndarray can be set to a device array, not {type(arr)}")
-        if budget._current is not None:
-            budget._current.upload()
+        _upload()
         self._a[...] = arr
 
     def item(self):
@@ -174,6 +201,8 @@ class StrictArray:
     # ---- NumPy's protocols: device arrays in, device arrays out -----------------------------
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _record(ufunc.__name__ if method == "__call__" else f"{ufunc.__name__}.{method}",
+                (inputs, kwargs))
         out = kwargs.pop("out", None)
         kwargs = _unwrap_kwargs(kwargs)
         if out is not None:
@@ -186,6 +215,7 @@ class StrictArray:
         return _wrap(_counted(result, _arrays(args, [])))
 
     def __array_function__(self, func, types_, args, kwargs):
+        _record(func.__name__, (args, kwargs))
         args, kwargs = _unwrap(args), _unwrap_kwargs(kwargs)
         return _wrap(_counted(func(*args, **kwargs), _arrays((args, kwargs), []),
                               func.__name__ not in _ALLOCATE_ONLY))
@@ -203,13 +233,19 @@ class StrictArray:
     T = property(lambda self: StrictArray(self._a.T))
 
     def __getitem__(self, key):
+        _record("getitem", (self, key))
         return _wrap(_counted(self._a[_index(key)], [self._a]))
 
     def __setitem__(self, key, value):
+        _record("setitem", (self, key, value))
         if isinstance(value, StrictArray):
             value = value._a
-        elif isinstance(value, np.ndarray) and budget._current is not None:
-            budget._current.upload()
+        elif isinstance(value, np.ndarray) and value.ndim and _basic(key):
+            # CuPy 14 fills a basic slice from scalars alone (found on an H100)
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill (as CuPy): "
+                             "copy host data in with .set() or xp.asarray first")
+        elif isinstance(value, np.ndarray):
+            _upload()
         self._a[_index(key)] = value
         _counted(None, [])
 
@@ -269,12 +305,17 @@ class _Function:
         self._fn = fn
 
     def __call__(self, *args, **kwargs):
+        _record(getattr(self._fn, "__name__", "function"), (args, kwargs))
         args, kwargs = _unwrap(args), _unwrap_kwargs(kwargs)
         inputs = _arrays((args, kwargs), [])
         owner = getattr(self._fn, "__self__", None)     # a bound method's array
         if isinstance(owner, np.ndarray):
             inputs.append(owner)
-        return _wrap(_counted(self._fn(*args, **kwargs), inputs,
+        result = self._fn(*args, **kwargs)
+        if kwargs.get("out") is not None:   # written into ``out``: a kernel, no new array
+            _counted(None, [])
+            return _wrap(result)
+        return _wrap(_counted(result, inputs,
                               getattr(self._fn, "__name__", "") not in _ALLOCATE_ONLY))
 
     def __getattr__(self, name):
@@ -290,14 +331,15 @@ def asarray(a, dtype=None, order=None):
     if isinstance(a, StrictArray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     data = np.array(a, dtype=dtype, order=order or "K", copy=True)
+    _upload()
     if budget._current is not None:
-        budget._current.upload()
         budget._current.allocated(data)
     return StrictArray(data)
 
 
 def array(a, dtype=None, copy=True, order="K"):
     if isinstance(a, StrictArray):
+        _record("array", (a, dtype, order))
         return StrictArray(_counted(np.array(a._a, dtype=dtype, copy=True, order=order), []))
     return asarray(a, dtype=dtype, order=order)
 
@@ -306,7 +348,14 @@ def ascontiguousarray(a, dtype=None):
     if not isinstance(a, StrictArray):          # CuPy: "Argument 'a' has incorrect type"
         raise TypeError(f"Argument 'a' has incorrect type (expected device array, got "
                         f"{type(a).__name__}): ascontiguousarray takes only device arrays")
+    _record("ascontiguousarray", (a, dtype))
     return StrictArray(_counted(np.ascontiguousarray(a._a, dtype=dtype), [a._a]))
+
+
+def peek(a: StrictArray) -> np.ndarray:
+    """The host array behind ``a``, uncounted and unchecked: for the backend's own checks
+    (``parallel.graphs``), never for the program's reads."""
+    return a._a
 
 
 def asnumpy(a, out=None):

@@ -37,6 +37,7 @@ from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from .batching import MicroBatch
+from .decode import decode_steps
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
 from .sampling import next_tokens
 from .schedule import generation
@@ -91,6 +92,8 @@ class ContinuousProgram(ReplicaProgram):
         local = self.cache_capacity(self.capacity)
         self.caches = [stage.new_cache(w, local) for w in self.width]
         self.split = [self.split_kv(w, local) for w in self.width]     # under cp
+        self.decode = decode_steps(stage, self.caches, self.width, backend,
+                                   rules.settings.cuda_graphs, cp)
         self.shards: dict[int, object] = {}                 # mb -> its refill's ContextShard
         self.slots = [_Slots(np.full(w, -1, np.int64), np.zeros(w, np.int64),
                              list(range(int(self.offsets[i]), int(self.offsets[i + 1]))))
@@ -212,6 +215,11 @@ class ContinuousProgram(ReplicaProgram):
             if split is not None:
                 split.prefilled(shard, lengths, s.new)
                 self.shards[a.mb] = shard
+        elif self.decode is not None:                    # the whole model on this rank
+            logits = self.decode[a.mb](self.step_tokens[a.mb], s.position + 1)
+            s.position = np.minimum(s.position + (s.prompt >= 0), self.capacity - 1)
+            self._sample(a.mb, a.step, logits=logits)
+            return
         else:
             held = s.prompt >= 0
             if split is None:
@@ -246,14 +254,16 @@ class ContinuousProgram(ReplicaProgram):
 
     # ---- the last stage ----------------------------------------------------------------------
 
-    def _sample(self, mb: int, step: int, y) -> None:
+    def _sample(self, mb: int, step: int, y=None, logits=None) -> None:
+        """The step's tokens from the stage's output ``y``, or from this rank's ``logits``
+        (width, 1, vocab_i) where a ``DecodeStep`` ran."""
         stage, s = self.stage, self.slots[mb]
         if self._refill(mb, step):
             slots = s.new
             last = self._prefill_logits(mb, y)
         else:
             slots = np.arange(len(s.prompt))
-            last = stage.logits(y)
+            last = stage.logits(y) if logits is None else logits
         prompts = np.where(s.prompt[slots] >= 0, s.prompt[slots], 0)
         history = None
         if self.needs_history:

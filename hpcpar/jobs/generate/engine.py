@@ -27,6 +27,7 @@ from ..replicas import owners
 from ..skeleton import JobRun
 from .batching import micro_batches, replica_rows
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
+from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
 from .lines import JsonLines
 from .output import PartialOutput, RunShape, unpad_into
@@ -81,8 +82,10 @@ class GenerationRun(JobRun):
         return validate(self.job, self.ckpt, self.size, self.prompts)
 
     def open(self) -> None:
+        check = (partial(check_graphed_backend, dtype=self.plan.dtype, cfg=self.ckpt.config)
+                 if self.plan.settings.cuda_graphs else None)
         self.ranks = open_stage(self.comm, self.job, self.plan.layout, self.ckpt,
-                                self.plan.dtype)
+                                self.plan.dtype, check)
 
     # ---- work: the waves ---------------------------------------------------------------
 

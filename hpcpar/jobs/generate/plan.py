@@ -19,6 +19,7 @@ from ...parallel.dtypes import dtype_name, float_dtype
 from ...parallel.errors import HpcparError
 from ..job import Job
 from ..layout import ParallelConfig
+from .decode import check_graphed_layout
 from .program import GenerationSettings
 from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .batch_api import is_batch_file, load_requests, screen
@@ -76,7 +77,10 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
                           "once: bound it with --micro-batches or --wave-size instead, or "
                           "drop --batching static")
     settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
-                                  gen.save_logits, gen.batching, gen.batch_size)
+                                  gen.save_logits, gen.batching, gen.batch_size,
+                                  gen.cuda_graphs)
+    if gen.cuda_graphs:
+        check_graphed_layout(layout, cfg)
     tokenizer = load_tokenizer(ckpt)
     source = job.data.prompts
     from_file = prompts is None and source != "random"

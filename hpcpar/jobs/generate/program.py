@@ -26,6 +26,7 @@ from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from .batching import MicroBatch, replica_order
+from .decode import decode_steps
 from .logprobs import LogprobReader
 from .results import ResultShape, RowResults
 from .sampling import History, PromptSampling, SamplingParams, needs_history, next_tokens, of_rows
@@ -40,6 +41,7 @@ class GenerationSettings:
     save_logits: bool = False
     batching: str = "continuous"    # or "static" (see ``generate.continuous``)
     batch_size: int = 0             # continuous: rows in flight per micro-batch (0: all)
+    cuda_graphs: bool = False       # decode steps replayed as CUDA graphs (``generate.decode``)
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,8 @@ class GenerationProgram(ReplicaProgram):
         capacity = [self.cache_capacity(mb.length + n) for mb in mbs]
         self.caches = [stage.new_cache(mb.size, c) for mb, c in zip(mbs, capacity)]
         self.split = [self.split_kv(mb.size, c) for mb, c in zip(mbs, capacity)]
+        self.decode = decode_steps(stage, self.caches, [mb.size for mb in mbs], backend,
+                                   rules.settings.cuda_graphs, cp)
         self.shards: dict[int, object] = {}                  # mb -> its prefill's ContextShard
         self.groups = [self.prefill_groups(np.arange(self.offsets[i], self.offsets[i + 1]))
                        for i in range(len(mbs))]            # one prefill row per prompt
@@ -332,6 +336,11 @@ class GenerationProgram(ReplicaProgram):
 
     def forward(self, mb: int, step: int) -> None:
         stage, batch, xp = self.stage, self.mbs[mb], self.xp
+        if step > 0 and self.decode is not None:         # the whole model on this rank
+            logits = self.decode[mb](self.tokens[self._local(batch), step - 1],
+                                     batch.lengths + step)
+            self._sample(batch, step, logits=logits[:, 0])
+            return
         split, cache = self.split[mb], self.caches[mb]
         keep, first = None, self.groups[mb][0]
         if step == 0:                        # one row per prompt, into its rows of the cache
@@ -368,9 +377,13 @@ class GenerationProgram(ReplicaProgram):
 
     # ---- the last stage ---------------------------------------------------------------------
 
-    def _sample(self, batch: MicroBatch, step: int, y) -> None:
+    def _sample(self, batch: MicroBatch, step: int, y=None, logits=None) -> None:
+        """Step ``step``'s tokens from the stage's output ``y``, or from this rank's
+        ``logits`` (b, vocab_i) of each row's next token where a ``DecodeStep`` ran."""
         stage, rows = self.stage, self._local(batch)
-        if step == 0:
+        if logits is not None:
+            last = logits
+        elif step == 0:
             last = self._prefill_logits(batch, y)
         else:
             last = stage.logits(y)[:, 0]                              # (b, vocab_i)

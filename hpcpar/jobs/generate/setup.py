@@ -79,11 +79,14 @@ class InferenceRank:
 
 
 def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
-               dtype: np.dtype) -> InferenceRank:
-    """Collective over ``comm``: this rank's place, device, communicators and stage."""
+               dtype: np.dtype, check_backend=None) -> InferenceRank:
+    """Collective over ``comm``: this rank's place, device, communicators and stage;
+    ``check_backend(backend)`` refuses what the chosen backend cannot run, before loading."""
     cfg = ckpt.config
     rt = open_runtime(comm, job, layout, dtype)
     mesh, backend, tp = rt.mesh, rt.backend, rt.tp
+    if check_backend is not None:
+        everyone(comm, check_backend, backend)
     layers = stage_layers(cfg.num_hidden_layers, layout.pp, mesh.coord("pp"), layout.stage_layers)
     specs = stage_tensors(cfg, layers, mesh.is_first("pp"), mesh.is_last("pp"),
                           experts_held(cfg, rt.ep))

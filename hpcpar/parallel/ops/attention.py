@@ -52,8 +52,12 @@ class AttentionRows:
                              int(kv.max()) if kv.size else 0, from_start)
 
     def starts(self):
-        """(B,) the position of each row's first query: kv_lengths - q_lengths."""
-        return self.kv_lengths - self.q_lengths
+        """(B,) the position of each row's first query: kv_lengths - q_lengths, computed once
+        per rows (every layer's cache write and the rotary positions read it)."""
+        starts = self.__dict__.get("_starts")
+        if starts is None:
+            starts = self.__dict__["_starts"] = self.kv_lengths - self.q_lengths
+        return starts
 
     def cache_slots(self):
         """(B,) the KV-cache slot of each row's first query's key: its position, or where a

@@ -2,8 +2,10 @@
 ``ops/cuda`` with each of its kernels replaced by the NumPy reference it is checked against,
 counted by the device budget (``parallel.budget``) as the one operation the kernel is, its
 outputs as its allocations and nothing of what the reference does inside. The rest of the
-table (matrix products, the loss, top-k) is the references', as ``cuda_ops`` has it, and
-``device`` is set, so the jobs take the GPU's control flow.
+table (the loss, top-k) is the references', as ``cuda_ops`` has it, and
+``device`` is set, so the jobs take the GPU's control flow. A kernel is also what a CUDA
+graph's capture accepts (``parallel.capture``): the planned GEMM of ``ops/cuda/linear``,
+cuDNN's attention, the compiled kernels.
 
 What a GPU run launches is then counted on the CPU: the GPU path's operations per layer,
 its reads and its allocations (``benchmarks/device_budget.py``).
@@ -11,7 +13,7 @@ its reads and its allocations (``benchmarks/device_budget.py``).
 
 from __future__ import annotations
 
-from .. import budget
+from .. import budget, capture
 from ..strict import arrays_of
 from .cross_entropy import CrossEntropy
 from .geglu import GeGLU
@@ -25,7 +27,8 @@ from .tiled_attention import TiledAttention
 from .top_k import TopK
 
 # each kernel of ops/cuda: the reference class and the methods its kernel replaces
-KERNELS = {"rms_norm": (RMSNorm, ("forward", "add_forward", "forward_train", "backward")),
+KERNELS = {"linear": (Linear, ("forward", "input_grad")),
+           "rms_norm": (RMSNorm, ("forward", "add_forward", "forward_train", "backward")),
            "rotary": (Rotary, ("apply", "backward_one")),
            "swiglu": (SwiGLU, ("forward", "backward")),
            "attention": (TiledAttention, ("forward", "forward_train", "backward")),
@@ -34,7 +37,7 @@ KERNELS = {"rms_norm": (RMSNorm, ("forward", "add_forward", "forward_train", "ba
 
 def _counted(method):
     def one_kernel(self, *args, **kwargs):
-        with budget.fused(args, arrays_of) as outputs:
+        with budget.fused(args, arrays_of) as outputs, capture.kernel():
             outputs.append(method(self, *args, **kwargs))
         return outputs[0]
     one_kernel.__name__, one_kernel.__doc__ = method.__name__, method.__doc__
@@ -51,6 +54,6 @@ def counted_ops(xp) -> Ops:
     """``cuda_ops``' table on the strict backend: each kernel its counted reference."""
     made = {name: counted_class(base, methods)(xp)
             for name, (base, methods) in KERNELS.items()}
-    return Ops(xp, Linear(xp), made["rms_norm"], made["rotary"], made["swiglu"],
+    return Ops(xp, made["linear"], made["rms_norm"], made["rotary"], made["swiglu"],
                made["attention"], made["kv_write"], CrossEntropy(xp), TopK(xp), GeGLU(xp),
                device=True)

@@ -7,14 +7,14 @@ from __future__ import annotations
 def cuda_ops(xp):
     from ..cross_entropy import CrossEntropy
     from ..geglu import GeGLU
-    from ..linear import Linear
     from ..table import Ops
     from ..top_k import TopK
     from .attention import CudnnAttention
     from .kv_write import KVWriteCuda
+    from .linear import LinearCuda
     from .rms_norm import RMSNormCuda
     from .rotary import RotaryCuda
     from .swiglu import SwiGLUCuda
-    return Ops(xp, Linear(xp), RMSNormCuda(xp), RotaryCuda(xp), SwiGLUCuda(xp),
+    return Ops(xp, LinearCuda(xp), RMSNormCuda(xp), RotaryCuda(xp), SwiGLUCuda(xp),
                CudnnAttention(xp), KVWriteCuda(xp), CrossEntropy(xp), TopK(xp), GeGLU(xp),
                device=True)

@@ -157,6 +157,11 @@ class CudnnAttention(Attention):
 
     def forward(self, q, keys, values, rows: AttentionRows):
         if not self._fused(q, rows):
+            if cupy.cuda.get_current_stream().is_capturing():
+                raise HpcparError(
+                    f"attention in {q.dtype.name}{' over a sliding window' if rows.window else ''}"
+                    " runs the reference, whose matmuls CUDA-graph capture refuses: use "
+                    "--dtype bfloat16 or float16 (cuDNN's kernel), or run without --cuda-graphs")
             return super().forward(q, keys, values, rows)
         causal = q.shape[1] > 1
         if rows.from_start:           # prefill reads its own T keys: one graph per (B, T)
