@@ -50,6 +50,12 @@ class StepGraph:
         self.replays += 1
         return self._impl.replay()
 
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes the graph's own pool holds (its temporaries and outputs; CuPy)."""
+        pool = getattr(self._impl, "pool", None)
+        return pool.total_bytes() if pool is not None else 0
+
 
 class _CudaGraph:
     def __init__(self, step):

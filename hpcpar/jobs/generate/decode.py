@@ -45,6 +45,11 @@ class DecodeStep:
         self.max_kv = int(np.max(kv_lengths))
         return self._compute()
 
+    @property
+    def graph_bytes(self) -> int:
+        """Device bytes its graph holds beside CuPy's default pool (0 without one)."""
+        return self.graph.held_bytes if self.graph is not None else 0
+
     def _compute(self):
         stage, tokens, kv_lengths = self.stage, self.inputs[0], self.inputs[1]
         rows = AttentionRows(self.q_lengths, kv_lengths, self.max_kv, from_start=False)

@@ -346,7 +346,8 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         pp_send_bytes=nbytes("pp.send"),
         pp_recv_bytes=nbytes("pp.recv"),
         peak_host_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        device_bytes=backend.device_memory_bytes(),
+        device_bytes=backend.device_memory_bytes() + sum(
+            step.graph_bytes for step in program.decode or []),
         kv_cache_bytes=sum(c.nbytes for c in program.caches),
         weight_bytes=stage.weight_bytes)
 
