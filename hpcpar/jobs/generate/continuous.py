@@ -217,7 +217,7 @@ class ContinuousProgram(ReplicaProgram):
                 self.shards[a.mb] = shard
         elif self.decode is not None:                    # the whole model on this rank
             logits = self.decode[a.mb](self.step_tokens[a.mb], s.position + 1)
-            s.position = np.minimum(s.position + (s.prompt >= 0), self.capacity - 1)
+            self._advance(s)
             self._sample(a.mb, a.step, logits=logits)
             return
         else:
@@ -232,12 +232,16 @@ class ContinuousProgram(ReplicaProgram):
             y = stage.forward(x, rows, cache)
             if split is not None:
                 split.decoded(s.position, held)
-            # every stage alike (slots change at refills only); a finished row stays in bounds
-            s.position = np.minimum(s.position + held, self.capacity - 1)
+            self._advance(s)
         if stage.last:
             self._sample(a.mb, a.step, y)
         else:
             self.outputs[a.mb] = y
+
+    def _advance(self, s: _Slots) -> None:
+        """A decode step's slots one position on: every stage alike (slots change at refills
+        only); a finished row stays in bounds."""
+        s.position = np.minimum(s.position + (s.prompt >= 0), self.capacity - 1)
 
     def _lengths(self, rows: np.ndarray) -> np.ndarray:
         return np.array([len(self.prompt_ids[p]) for p in rows], np.int64)
