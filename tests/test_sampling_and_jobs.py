@@ -107,6 +107,34 @@ def test_lm_head_argmax_and_top_k_on_one_rank_match_numpy():
     assert head.full_logits(local).shape == (5, 37)
 
 
+def test_a_step_of_greedy_and_top_k_rows_reads_the_device_once():
+    """The greedy rows take their best candidate from the drawn rows' top-k exchange (ties to
+    the lower id, as the argmax), so a mixed step reads its candidates once, in one array."""
+    from hpcpar.jobs.generate.sampling import PromptSampling, next_tokens
+    from hpcpar.parallel.backend import ArrayBackend
+    from hpcpar.parallel.budget import Budget
+    from hpcpar.parallel.strict import xp
+    tp = create_communicator(MPI.COMM_SELF, "mpi", backend=ArrayBackend("strict", xp),
+                             name="tp")
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((30, 8)).astype(np.float32)
+    weight[7] = weight[3]                              # a tie: the lower id, 3, wins
+    head = ParallelLMHead(native_ops(xp), Frozen(xp.asarray(weight)), 30, tp)
+    h = rng.standard_normal((4, 8)).astype(np.float32)
+    h[0] = weight[3] * 10
+    settings = PromptSampling.build(SamplingParams(temperature=0.0, seed=1),
+                                    [{}, {"temperature": 0.9, "top_k": 3}, {},
+                                     {"temperature": 1.5, "top_k": 5}])
+    budget = Budget()
+    with budget.counting():
+        tokens = next_tokens(head, head.local_logits(xp.asarray(h)), settings, np.arange(4),
+                             0, lambda a: a.get())
+    assert budget.total.reads == 1
+    expected = h @ weight.T
+    assert tokens[0] == 3 and tokens[2] == expected[2].argmax()
+    assert tokens[1] in np.argsort(-expected[1])[:3] and tokens[3] in np.argsort(-expected[3])[:5]
+
+
 def test_job_file_sets_and_flags_override_in_order(tmp_path):
     (tmp_path / "job.toml").write_text(
         '[model]\ncheckpoint = "m.h5"\n[data]\nprompts = "p.jsonl"\n'

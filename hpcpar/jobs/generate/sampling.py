@@ -256,14 +256,19 @@ def next_tokens(head, local_logits, params: SamplingParams | PromptSampling, row
         local_logits = adjusted_logits(head, local_logits, p, history, head.xp, to_host)
     greedy = p.temperature == 0.0
     tokens = np.empty(len(rows), dtype=np.int64)
-    if greedy.any():
-        tokens[:] = to_host(head.argmax(local_logits))
-    if greedy.all():
-        return tokens
     drawn = ~greedy
+    if greedy.all() or not (p.top_k[drawn] > 0).all():
+        if greedy.any():
+            tokens[:] = to_host(head.argmax(local_logits))
+        if greedy.all():
+            return tokens
     if (p.top_k[drawn] > 0).all():
+        # one read for every row: a greedy row's token is its best candidate (the argmax's
+        # tie rule: the lower id), a drawn row's candidates come with it
         values, ids = head.top_k(local_logits, int(p.top_k[drawn].max()))
-        values, ids = to_host(values), to_host(ids)
+        both = to_host(head.xp.stack([values, ids.astype(values.dtype)]))
+        values, ids = both[0], both[1].astype(np.int64)    # exact: vocabularies < 2**24
+        tokens[greedy] = ids[greedy, 0]
     else:
         full = to_host(head.full_logits(local_logits))                    # (rows, vocab)
         ids = np.argsort(-full, axis=1, kind="stable")
