@@ -1,8 +1,9 @@
 """Data parallelism over any model's parameters: gradients summed over replicas in buckets
 while the backward runs, replicas' partial gradients summed, and the global gradient norm.
 
-The gradients live in a few flat buffers (buckets), filled in the order the backward
-completes them (for a layered model: the last layer first). As soon as every gradient of a
+The gradients live in one flat buffer (one per dtype), in the order the backward completes
+them (for a layered model: the last layer first), cut into buckets: spans of it, so a
+bucket's AllReduce sums the gradients where they are. As soon as every gradient of a
 bucket is complete (``grads_done``), a non-blocking AllReduce of the whole bucket starts over
 the data-parallel group, so the reduction overlaps the rest of the backward; ``finish``
 starts what is left and waits, and says how long it had to wait (the part not hidden).
@@ -29,6 +30,7 @@ import numpy as np
 from .comm import Communicator, Request
 from .comm.agreement import trusted
 from .errors import HpcparError
+from .flat import adopt, home
 from .params import Parameter
 
 BUCKET_BYTES = 25 << 20        # PyTorch DDP's default bucket size
@@ -36,12 +38,14 @@ BUCKET_BYTES = 25 << 20        # PyTorch DDP's default bucket size
 
 class GradientReducer:
     """Buckets over ``groups`` (lists of params, in the order their gradients complete);
-    every param's ``grad`` becomes a view into its bucket's flat buffer."""
+    every param's ``grad`` becomes a view into one flat gradient buffer (one per dtype),
+    whose spans the buckets are; the arrays it replaced are made read-only (``flat.adopt``).
+    An optimizer made after it steps the same buffer, in the same order."""
 
     def __init__(self, dp: Communicator, groups: list[list[Parameter]], xp=None,
                  bucket_bytes: int = BUCKET_BYTES):
         self.dp, self.xp = dp, xp if xp is not None else dp.xp
-        self.buckets: list = []                             # each bucket's flat buffer
+        self.buckets: list = []                 # each bucket: a span of a buffer of ``flats``
         self.bucket_params: list[list[Parameter]] = []      # each bucket's params, in order
         self.bucket_of: dict[int, int] = {}
         self.views: dict[int, object] = {}                  # each param's grad, in its bucket
@@ -55,21 +59,7 @@ class GradientReducer:
             None if taken is None else HpcparError(
                 f"GradientReducer: parameter {_label(taken, unique)} already belongs to "
                 f"another GradientReducer; make one per set of parameters"))
-        current: list[Parameter] = []
-        size = 0
-        seen: set[int] = set()
-        for group in groups:
-            for p in group:
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                current.append(p)
-                size += p.grad.nbytes
-            if size >= bucket_bytes:
-                self._make_bucket(current)
-                current, size = [], 0
-        if current:
-            self._make_bucket(current)
+        self._make_buckets(_bucket_lists(groups, bucket_bytes))
         for p in unique:
             p.reducer = self
         self.pending: dict[int, set[int]] = {}
@@ -80,18 +70,21 @@ class GradientReducer:
         self.exposed_seconds = 0.0          # waited for after the backward, over the run
         self.started_early = self.started = 0   # buckets launched during the backward / all
 
-    def _make_bucket(self, params: list[Parameter]) -> None:
-        dtype = params[0].grad.dtype
-        flat = self.xp.zeros(sum(p.grad.size for p in params), dtype=dtype)
-        offset = 0
-        for p in params:
-            view = flat[offset:offset + p.grad.size].reshape(p.grad.shape)
-            view[...] = p.grad
-            p.grad = self.views[id(p)] = view
-            offset += p.grad.size
-            self.bucket_of[id(p)] = len(self.buckets)
-        self.buckets.append(flat)
-        self.bucket_params.append(list(params))
+    def _make_buckets(self, buckets: list[list[Parameter]]) -> None:
+        """One flat gradient buffer per dtype, its params in bucket order, so that each
+        bucket is a span of it (``flat``): the AllReduce runs on the gradients themselves,
+        nothing is copied into a bucket or out of it."""
+        by_dtype: dict[object, list[Parameter]] = {}
+        for params in buckets:
+            by_dtype.setdefault(params[0].grad.dtype, []).extend(params)
+        self.flats = [adopt(self.xp, params, "grad") for params in by_dtype.values()]
+        for params in buckets:
+            flat, first = home(params[0], "grad")
+            self.buckets.append(flat.span(first, first + len(params)))
+            self.bucket_params.append(list(params))
+            for p in params:
+                self.bucket_of[id(p)] = len(self.buckets) - 1
+                self.views[id(p)] = p.grad
 
     def start_step(self) -> None:
         """A new step's reduction begins (implied by ``grads_done`` and ``finish``)."""
@@ -151,8 +144,8 @@ class GradientReducer:
         self.finish()
 
     def zero_grad(self) -> None:
-        for flat in self.buckets:
-            flat[...] = 0
+        for flat in self.flats:               # one operation per buffer, not per bucket
+            flat.buffer[...] = 0
         self.step_begins()
 
     def use_for_step(self) -> None:
@@ -174,6 +167,32 @@ class GradientReducer:
                         f"GradientReducer: the gradient of parameter {_label(p, self.params)} was "
                         f"replaced by a new array, which the sum over dp would miss; add into "
                         f"it in place (p.grad += ..., p.zero_grad())")
+
+
+def _bucket_lists(groups: list[list[Parameter]], bucket_bytes: int) -> list[list[Parameter]]:
+    """The params of each bucket: each param once, in order; a bucket closes at the end of
+    a group once it holds ``bucket_bytes``, and where the gradients' dtype changes (a
+    bucket is one span of one buffer)."""
+    out: list[list[Parameter]] = []
+    current: list[Parameter] = []
+    size = 0
+    seen: set[int] = set()
+    for group in groups:
+        for p in group:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if current and p.grad.dtype != current[0].grad.dtype:
+                out.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.grad.nbytes
+        if size >= bucket_bytes:
+            out.append(current)
+            current, size = [], 0
+    if current:
+        out.append(current)
+    return out
 
 
 def _label(p: Parameter, among) -> str:

@@ -10,7 +10,9 @@ ranks under GQA), ``counted`` (whether this rank's elements count in the global 
 norm: by default, unless it is a replica other than the first), and ``master`` (the float32
 weights the optimizer updates; ``data`` itself unless computing in 16 bits). An optimizer
 keeps a parameter's state by the object itself, so two parameters never share it, whatever
-their names.
+their names. A ``GradientReducer`` and an optimizer move the arrays into their flat buffers
+(``flat``) and rebind ``grad``, ``master`` and ``data`` to views of them: read and write a
+parameter's arrays through it, in place.
 
 ``named_parameters(obj)`` finds every ``Parameter`` of a model the way torch's modules do,
 by attribute path (``"mlp.up.weight"``, ``"layers.0.weight"``): hpcpar's layers and the
@@ -39,6 +41,9 @@ class Parameter:
     partial_grad: bool = False   # each replica's backward adds a part of the gradient
     # the GradientReducer that sums this gradient over dp (it sets itself)
     reducer: object = field(default=None, init=False, repr=False)
+    # where grad / master / data lie in flat buffers: attr -> (``flat.Flat``, index), set by
+    # whoever put them there (a GradientReducer, ZeRO's shards, an optimizer)
+    homes: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         if self.master is None:
