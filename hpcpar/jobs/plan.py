@@ -1,8 +1,9 @@
 """``hpcpar plan``: what a layout costs, computed from the config alone (no MPI, no weights).
 
 For each pipeline stage: its layers, the bytes of parameters a rank of that stage holds, its
-KV cache for the job's batch and length, and the bytes it all-reduces over tp and sends to
-the next stage per token; then the pipeline bubble and the prefill schedule, drawn.
+KV cache for the job's batch and length, its activations at their peak and the device bytes
+that makes at the rank's peak (``generate.memory``), and the bytes it all-reduces over tp and
+sends to the next stage per token; then the pipeline bubble and the prefill schedule, drawn.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..models.config import ModelConfig, ep_problems
+from ..models.decoder import PREFILL_CHUNK
 from ..models.kv_cache import kv_cache_bytes
 from ..models.sharding import shard_of
-from ..models.tensors import layer_tensors, stage_tensors
+from ..models.tensors import StageSpan, stage_tensors
 from ..parallel.context import ContextShard
 from ..parallel.pipeline.partition import stage_layers
 from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
 from ..parallel.splits import expert_block
-from .job import TrainSection
+from .generate.memory import StageMemory, rank_widths, rows_at_once, stage_memory
+from .job import GenerateSection, TrainSection
 from .layout import ParallelConfig
 
 
@@ -33,6 +36,15 @@ class StagePlan:
     send_bytes_per_token: int
     expert_bytes: int = 0              # per rank: its ep block of every MoE layer's experts
     all_to_all_bytes_per_token: int = 0
+    activation_bytes: int = 0          # per rank, at their peak (``generate.memory``)
+    loading_bytes: int = 0             # per rank, beside the weights while loading
+
+    @property
+    def peak_bytes(self) -> int:
+        """The predicted peak of device bytes on a rank of this stage (loading ends before
+        the KV cache and the activations exist)."""
+        return StageMemory(self.kv_cache_bytes, self.activation_bytes,
+                           self.loading_bytes).peak(self.weight_bytes)
 
 
 def rank0_experts(cfg: ModelConfig, ep: int) -> range | None:
@@ -51,10 +63,14 @@ def all_to_all_bytes(cfg: ModelConfig, layers: range, ep: int, itemsize: int) ->
 
 
 def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
-                max_new_tokens: int, itemsize: int) -> list[StagePlan]:
-    replica_batch = -(-batch // layout.dp)
-    k_proj = next(spec for spec in layer_tensors(cfg, 0) if spec.role == "k")
-    kv_heads = shard_of(k_proj, cfg, 0, layout.tp).shape[0] // cfg.head_dim   # per rank
+                max_new_tokens: int, itemsize: int,
+                gen: GenerateSection | None = None) -> list[StagePlan]:
+    """Per stage, a rank's bytes and traffic for ``batch`` prompts of up to
+    ``prompt_length`` tokens (``gen``: the job's batching and sampling; default: a job's
+    defaults)."""
+    gen = gen or GenerateSection()
+    rows = rows_at_once(layout, batch, prompt_length, gen)
+    w = rank_widths(cfg, layout.tp)
     out = []
     for s in range(layout.pp):
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)
@@ -65,19 +81,25 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         weights = sum(sizes.values())
         experts = sum(sizes[spec.name] for spec in specs if spec.expert is not None)
         reduces = (2 * len(layers) + (1 if first else 0)) if layout.tp > 1 else 0
+        kv = kv_cache_bytes(len(layers), rows.cached, w.kv // cfg.head_dim,
+                            prompt_length + max_new_tokens, cfg.head_dim, itemsize)
+        memory = stage_memory(cfg, layout.tp, rows, prompt_length,
+                              StageSpan(layers, first, last), specs, sizes, kv, itemsize, gen)
         out.append(StagePlan(
-            s, layers, weights * itemsize,
-            kv_cache_bytes(len(layers), replica_batch, kv_heads,
-                           prompt_length + max_new_tokens, cfg.head_dim, itemsize),
+            s, layers, weights * itemsize, kv,
             reduces * cfg.hidden_size * itemsize,
             0 if last else cfg.hidden_size * itemsize, experts * itemsize,
-            all_to_all_bytes(cfg, layers, layout.ep, itemsize)))
+            all_to_all_bytes(cfg, layers, layout.ep, itemsize),
+            memory.activations, memory.loading))
     return out
 
 
 def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
-                max_new_tokens: int, itemsize: int, model_name: str) -> str:
-    stages = plan_stages(cfg, layout, batch, prompt_length, max_new_tokens, itemsize)
+                max_new_tokens: int, itemsize: int, model_name: str,
+                gen: GenerateSection | None = None) -> str:
+    gen = gen or GenerateSection()
+    stages = plan_stages(cfg, layout, batch, prompt_length, max_new_tokens, itemsize, gen)
+    rows = rows_at_once(layout, batch, prompt_length, gen)
     total_params = sum(int(np.prod(s.shape)) for s in stage_tensors(
         cfg, range(cfg.num_hidden_layers), True, True))
     M = layout.micro_batches
@@ -90,6 +112,7 @@ def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         f"{max_new_tokens} new tokens, {itemsize}-byte values",
         "",
         f"{'stage':>5} {'layers':>8} {'weights/rank':>13} {'KV cache/rank':>14} "
+        f"{'activations':>12} {'peak/rank':>10} "
         f"{'tp all-reduce/token':>20} {'pp send/token':>14}",
     ]
     moe = bool(cfg.moe_layers)
@@ -98,14 +121,22 @@ def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
     for s in stages:
         span = f"{s.layers.start}-{s.layers.stop - 1}"
         lines.append(f"{s.stage:>5} {span:>8} {_size(s.weight_bytes):>13} "
-                     f"{_size(s.kv_cache_bytes):>14} {_size(s.all_reduce_bytes_per_token):>20} "
+                     f"{_size(s.kv_cache_bytes):>14} {_size(s.activation_bytes):>12} "
+                     f"{_size(s.peak_bytes):>10} {_size(s.all_reduce_bytes_per_token):>20} "
                      f"{_size(s.send_bytes_per_token):>14}"
                      + (f" {_size(s.expert_bytes):>13} "
                         f"{_size(s.all_to_all_bytes_per_token):>20}" if moe else ""))
-    peak = max(s.weight_bytes + s.kv_cache_bytes for s in stages)
+    top = max(stages, key=lambda s: s.peak_bytes)
     lines += [
         "",
-        f"largest rank: {_size(peak)} of weights and KV cache (activations and logits extra)",
+        f"largest rank: {_size(top.peak_bytes)} at its peak: weights "
+        f"{_size(top.weight_bytes)} + KV cache {_size(top.kv_cache_bytes)} + activations "
+        f"{_size(top.activation_bytes)} (loading: the weights + {_size(top.loading_bytes)}, "
+        "its NaN / inf check)",
+        f"activations: {gen.batching} batching's peak on a GPU (or HPCPAR_OPS=device), of a "
+        f"prefill of {rows.prefill} row(s) x {prompt_length} tokens at once and a decode step "
+        f"of {rows.decode}; on the CPU (NumPy) a prefill runs {PREFILL_CHUNK} positions at "
+        "a time",
         f"pipeline bubble with {M} micro-batch(es): (S-1)/(S+M-1) = "
         f"{bubble_fraction(layout.pp, M):.1%}",
         "prefill schedule (GPipe forward; F<m> = micro-batch m computing, . = idle):",
@@ -174,7 +205,7 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
                      train: TrainSection, rows: int, here: int) -> str:
     """Stage ``s``'s line of the training plan."""
     from ..parallel.pipeline.training_schedules import peak_activations_formula
-    from .train.memory import activation_bytes, state_bytes
+    from .train.memory import FLOAT, activation_bytes, state_bytes
     from .train.setup import chunk_layers
     p, M, kind = layout.pp, layout.micro_batches, layout.schedule
     chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
@@ -191,9 +222,11 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
     per_mb = act // len(chunks)
     peak = peak_activations_formula(kind, p, M, s, V) * per_mb
     st = state_bytes(count, train.optimizer)
-    if train.zero:      # dense state over dp x cp, an expert's over the dp / ep holding it
-        dense = state_bytes(count - experts, train.optimizer)["optimizer"]
-        moe = st["optimizer"] - dense
+    if train.zero:      # dense state over dp x cp, an expert's over the dp / ep holding it,
+        # each rank's piece with its own float32 weights (the copy its optimizer updates)
+        def sharded(n: int) -> int:
+            return state_bytes(n, train.optimizer)["optimizer"] + n * FLOAT
+        dense, moe = sharded(count - experts), sharded(experts)
         st["optimizer"] = (-(-dense // (layout.dp * layout.cp))
                            + -(-moe // (layout.dp // layout.ep * layout.cp)))
     span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
