@@ -5,7 +5,10 @@ SGD and AdamW follow ``torch.optim.SGD`` (momentum, no dampening, no Nesterov) a
 ``torch.optim.AdamW`` (bias correction, eps outside the square root, decoupled weight decay)
 operation for operation, so float32 results agree with torch's to rounding. Weight decay
 applies to matrices (embeddings and linear weights), not to norm weights or biases.
-Every update is elementwise, so it runs on each rank's shard as it is.
+Every update is elementwise, so it runs on each rank's shard as it is, and on many tensors
+at once: a step is a fixed number of passes over flat buffers (master weights, gradients and
+each state one contiguous array per dtype, each parameter's a view; ``optim_layout``), the
+gradient scale (clipping) and the weight decay among them, whatever the number of tensors.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from typing import Mapping
 import numpy as np
 
 from .errors import HpcparError
+from .flat import Flat, spans
+from .optim_layout import Block, Group, plan
 from .optim_settings import OptimizerSettings
 from .params import Parameter
 
-BLOCK = 1 << 15                 # elements per block of the AdamW update (L2-sized)
+BLOCK = 1 << 15                 # elements per block of the update on the CPU (L2-sized)
 STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
 
 
@@ -32,12 +37,22 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 
 class Optimizer:
-    """Per-parameter state (same shape as the shard) and the update of one step.
+    """The update of one step over flat buffers, and each parameter's state (same shape as
+    the parameter: a view of one of the state's buffers).
 
     ``params``: a list of ``Parameter``s, or a dict name -> Parameter (``named_parameters``),
     whose names ``state_dict`` uses (a list's parameters are named by their own ``name``).
     The state of each parameter is its own, whatever the names; a parameter listed twice is
-    an error (a tied weight is one Parameter, stepped once)."""
+    an error (a tied weight is one Parameter, stepped once).
+
+    Made, it takes the parameters' arrays into flat buffers (``optim_layout``): each
+    ``p.master`` (with ``p.data`` when it is the master), each separate 16-bit ``p.data``,
+    and each ``p.grad`` that no ``GradientReducer`` holds, becomes a view of a buffer of its
+    kind; gradients a reducer holds stay where they are, in its buffer (make the reducer
+    first). Use the parameters' arrays through the parameters afterwards: an array taken
+    from one before is a copy the optimizer no longer updates, and it is made read-only
+    where the backend can (NumPy), so a write into it fails. Arrays assigned to a
+    parameter later (``p.grad = g``) are refused at the next step; write in place."""
 
     def __init__(self, settings: OptimizerSettings, params, xp):
         problems = settings.problems()
@@ -53,32 +68,45 @@ class Optimizer:
         self.state_names = STATE_NAMES[settings.optimizer]
         self.state: dict[Parameter, dict[str, object]] = {}     # by the object itself
         self.steps = 0                      # optimizer steps taken (AdamW's bias correction)
-        # On the CPU the update runs block by block through one cache-sized scratch buffer:
-        # it allocates nothing, and its ten elementwise passes read memory about once. A
-        # device (a GPU, or the strict backend that stands in for one) takes each tensor
-        # whole (one kernel per pass, not one per block).
-        largest = max((p.master.size for p in params), default=1)
-        self.block = BLOCK if xp is np else largest
-        self._scratch = xp.empty(self.block, dtype=params[0].master.dtype) if params else None
+        # On the CPU each run of parameters is updated block by block through one
+        # cache-sized scratch buffer: it allocates nothing, and the dozen elementwise passes
+        # read memory about once (the 100m preset's AdamW step, one thread: 0.29 s; the
+        # same passes over whole runs: 0.62-0.71 s; ``benchmarks/optimizer.py``). A device
+        # (a GPU, or the strict backend that stands in for one) takes each run whole: one
+        # kernel per pass, through a scratch made for the step (the memory pool hands it
+        # to the next forward) rather than one held for good.
+        self.block = BLOCK if xp is np else None
+        self.groups = plan(xp, params, self.block, settings.weight_decay)
+        self._bound = [(p, a, getattr(p, a)) for g in self.groups for p in g.params
+                       for a in g.attrs]
+        self._scratch = {}
+        self._make_state()            # zeros, as torch's first step makes them
+
+    def _make_state(self) -> None:
+        """Every state's buffers (zeros); each parameter's state is views of them."""
+        for g in self.groups:
+            dtype = g.params[0].master.dtype
+            g.states = {k: Flat(self.xp, [p.master.shape for p in g.params], dtype)
+                        for k in self.state_names}
+            for i, p in enumerate(g.params):
+                self.state[p] = {k: flat.views[i] for k, flat in g.states.items()}
 
     def state_of(self, p: Parameter) -> dict[str, object]:
-        st = self.state.get(p)
-        if st is None:
-            st = self.state[p] = {k: self.xp.zeros_like(p.master) for k in self.state_names}
-        return st
+        return self.state[p]
 
     def state_dict(self) -> dict[str, dict[str, object]]:
         """Each parameter's state (``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``, and
         ``step``, the optimizer steps taken, as torch keeps per parameter) by its name, as a
-        checkpoint stores it; the names must be unique and non-empty."""
+        checkpoint stores it; the names must be unique and non-empty. The arrays are views
+        of the optimizer's buffers: copy them to keep them."""
         _check_names(self.names)
         return {name: {**self.state_of(p), "step": self.steps}
                 for name, p in zip(self.names, self.params)}
 
     def load_state_dict(self, states: Mapping[str, Mapping[str, object]]) -> None:
-        """The state of each named parameter (shapes checked), taken as it is where it is
-        already an array of this optimizer's module and dtype, else copied; and the step
-        count, where the state has it (a checkpoint of the jobs keeps it apart)."""
+        """The state of each named parameter (shapes checked), copied into the optimizer's
+        buffers; and the step count, where the state has it (a checkpoint of the jobs keeps
+        it apart)."""
         _check_names(self.names)
         missing = [n for n in self.names if n not in states]
         if missing:
@@ -91,75 +119,105 @@ class Optimizer:
         if steps:                # AdamW's bias correction, SGD's first momentum step
             self.steps = steps.pop()
         for name, p in zip(self.names, self.params):
-            st = {}
             for key in self.state_names:
                 value = states[name][key]
                 if tuple(value.shape) != tuple(p.master.shape):
                     raise HpcparError(f"optimizer state {name}/{key}: shape "
                                       f"{tuple(value.shape)}, the parameter's is "
                                       f"{tuple(p.master.shape)}")
-                st[key] = self.xp.asarray(value, dtype=p.master.dtype)
-            self.state[p] = st
+                view = self.state_of(p)[key]
+                view[...] = self.xp.asarray(value, dtype=view.dtype)   # host data: uploaded
 
     def zero_grad(self) -> None:
-        """Zero every parameter's gradient (which begins a data-parallel step)."""
-        for p in self.params:
-            p.zero_grad()
+        """Zero every parameter's gradient (which begins a data-parallel step): one
+        operation per gradient buffer."""
+        for span in spans(self.params, "grad"):
+            span[...] = 0
+        for reducer in _reducers(self.params):
+            reducer.step_begins()
 
     def step(self, lr: float | None = None, grad_scale: float = 1.0) -> None:
         """Update every parameter's master weights from its ``grad`` (multiplied by
-        ``grad_scale`` first: the clip coefficient, over the loss scale), at ``lr``
-        (default: the settings' lr); a 16-bit compute copy is refreshed from them
-        (``Parameter.refresh``). Parameters held by a ``GradientReducer`` must have been
-        summed over dp (its ``finish``) since the last step."""
+        ``grad_scale`` first, in place: the clip coefficient, over the loss scale), at ``lr``
+        (default: the settings' lr); a 16-bit compute copy is refreshed from them. Parameters
+        held by a ``GradientReducer`` must have been summed over dp (its ``finish``) since
+        the last step."""
         lr = self.s.lr if lr is None else lr
-        for reducer in {id(p.reducer): p.reducer for p in self.params
-                        if p.reducer is not None}.values():
+        self._check_bound()
+        for reducer in _reducers(self.params):
             reducer.use_for_step()
         self.steps += 1
-        for p in self.params:
-            g = p.grad
-            if grad_scale != 1.0:
-                g *= grad_scale
-            if self.s.optimizer == "sgd":
-                self._sgd(p, g, lr)
-            else:
-                self._adamw(p, g, lr)
-            p.refresh()                  # a 16-bit compute copy follows its master weights
+        update = self._sgd if self.s.optimizer == "sgd" else self._adamw
+        for g in self.groups:
+            tmp = self._scratch_for(g)
+            for run in g.runs:
+                arrays = {**run.arrays, **g.state_spans(run)}
+                for blk in run.blocks:
+                    a = {k: v[blk.start:blk.stop] for k, v in arrays.items()}
+                    if grad_scale != 1.0:
+                        a["grad"] *= grad_scale
+                    update(a, tmp[:blk.stop - blk.start], lr, blk)
+                    if "data" in a:      # a 16-bit compute copy follows its master weights
+                        a["data"][...] = a["master"]
 
-    def _sgd(self, p: Parameter, g, lr: float) -> None:
-        s = self.s
-        if s.weight_decay and p.decay:
-            g = g + s.weight_decay * p.master
+    def _scratch_for(self, g: Group):
+        dtype = g.params[0].master.dtype
+        if self.block is None:                   # a device: for this step only
+            return self.xp.empty(g.largest, dtype=dtype)
+        if dtype not in self._scratch:
+            self._scratch[dtype] = self.xp.empty(self.block, dtype=dtype)
+        return self._scratch[dtype]
+
+    def _check_bound(self) -> None:
+        """Every array the optimizer steps is still the parameter's own (one assigned since
+        would be left out of the update, or would not see it)."""
+        for p, attr, array in self._bound:
+            if getattr(p, attr) is not array:
+                raise HpcparError(
+                    f"optimizer: the {_WHAT[attr]} of parameter {_name(p, self.params)} is "
+                    f"not the array the optimizer steps: a new array was assigned to it"
+                    f"{_MOVED if attr == 'grad' else ''}; write into it in place "
+                    f"(p.{attr}[...] = ..., p.{attr} += ...)")
+
+    def _sgd(self, a: dict, tmp, lr: float, blk: Block) -> None:
+        """torch's SGD (momentum without dampening), elementwise over one block."""
+        s, xp = self.s, self.xp
+        w, g = a["master"], a["grad"]
+        if s.weight_decay and blk.decay != "none":       # torch: g = g + wd * w
+            xp.multiply(w, s.weight_decay, out=tmp)
+            if blk.decay == "some":
+                xp.multiply(tmp, blk.mask, out=tmp)   # 0 where it does not decay: g + 0 is g
+            tmp += g
+            g = tmp
         if s.momentum:
-            st = self.state_of(p)
-            buf = st["momentum_buffer"]
+            buf = a["momentum_buffer"]
             if self.steps == 1:                       # torch: the buffer starts as the grad
                 buf[...] = g
             else:
                 buf *= s.momentum
                 buf += g
             g = buf
-        p.master -= lr * g
+        if g is tmp:                                  # w -= lr * g
+            tmp *= lr
+        else:
+            xp.multiply(g, lr, out=tmp)
+        w -= tmp
 
-    def _adamw(self, p: Parameter, g, lr: float) -> None:
-        """torch's single-tensor AdamW, elementwise, one block of elements at a time."""
-        st = self.state_of(p)
-        decay = 1.0 - lr * self.s.weight_decay if self.s.weight_decay and p.decay else 1.0
-        arrays = [a.reshape(-1) for a in (p.master, g, st["exp_avg"], st["exp_avg_sq"])]
-        for start in range(0, g.size, self.block):
-            self._adamw_block(*(a[start:start + self.block] for a in arrays), lr, decay)
-
-    def _adamw_block(self, w, g, m, v, lr: float, decay: float) -> None:
+    def _adamw(self, a: dict, tmp, lr: float, blk: Block) -> None:
+        """torch's single-tensor AdamW, elementwise over one block."""
         s, xp = self.s, self.xp
+        w, g, m, v = a["master"], a["grad"], a["exp_avg"], a["exp_avg_sq"]
         b1, b2 = s.betas
-        if decay != 1.0:
+        decay = 1.0 - lr * s.weight_decay
+        if blk.decay == "all" and decay != 1.0:        # torch: param.mul_(1 - lr * wd)
             w *= decay
-        tmp = self._scratch[:g.size]
+        elif blk.decay == "some" and decay != 1.0:
+            xp.multiply(w, decay, out=tmp)
+            xp.copyto(w, tmp, where=blk.mask)
         xp.subtract(g, m, out=tmp)                      # torch: exp_avg.lerp_(grad, 1 - b1)
         tmp *= 1.0 - b1
         m += tmp
-        v *= b2                                         # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
+        v *= b2                              # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
         xp.multiply(g, g, out=tmp)
         tmp *= 1.0 - b2
         v += tmp
@@ -171,6 +229,23 @@ class Optimizer:
         xp.divide(m, tmp, out=tmp)                      # param.addcdiv_(m, denom, -lr / bc1)
         tmp *= lr / bc1
         w -= tmp
+
+
+_WHAT = {"grad": "gradient", "master": "master weights", "data": "compute copy"}
+_MOVED = (" (or a GradientReducer made after the optimizer moved it into its buffer: make "
+          "the reducer first)")
+
+
+def _reducers(params: list) -> list:
+    """The GradientReducers holding ``params``, each once."""
+    return list({id(p.reducer): p.reducer for p in params if p.reducer is not None}.values())
+
+
+def _name(p: Parameter, among: list) -> str:
+    if p.name:
+        return repr(p.name)
+    index = next(i for i, q in enumerate(among) if q is p)
+    return f"{index} of shape {tuple(p.master.shape)}"
 
 
 def _check_params(params: list, names: list) -> None:

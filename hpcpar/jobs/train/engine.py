@@ -18,6 +18,7 @@ import numpy as np
 
 from ...parallel import budget, trace
 from ...parallel.data_parallel import local_sq_norm
+from ...parallel.flat import spans
 from ...parallel.optim import LossScaler, Optimizer, clip_coefficient
 from ...parallel.optim_settings import learning_rate
 from ...parallel.pipeline.executor import PipelineExecutor
@@ -191,8 +192,8 @@ class TrainingRun(JobRun):
             else None
         batches = replica_batches(self.plan.dataset, rt.mesh, self.plan.layout.micro_batches,
                                   first_sample, self.job.train, self.xp, scale)
-        for p in self.params:
-            p.grad[...] = 0
+        for span in spans(self.params, "grad"):     # one operation per gradient buffer
+            span[...] = 0
         for reducer in reducers:
             reducer.start_step()
         program = self._program(batches, overlap)
