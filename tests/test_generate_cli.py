@@ -336,3 +336,28 @@ def test_min_tokens_ignores_a_stop_string_its_first_tokens_complete(workdir, fla
     first = _lines(workdir / out)[0]
     assert len(first["token_ids"]) >= min_tokens              # the early stop did not count
     assert decode(first["token_ids"]).startswith(first["text"])
+
+
+def test_a_text_holding_nul_is_stored_in_hdf5_and_kept_in_json_lines(tmp_path):
+    """HDF5's strings end at a NUL, which a byte-level tokenizer decodes from byte 0: the
+    HDF5 text holds U+FFFD there (counted in an attribute), JSON lines the NUL itself, and
+    the tokens are the same (it was a traceback after the whole run)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from hpcpar.checkpoint import convert
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}\0" for i in range(247)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    write_hf_checkpoint(tmp_path / "hf", GQA, extra=realistic_tensors(GQA, 0))
+    tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    convert(tmp_path / "hf", tmp_path / "model.h5")
+    np.save(tmp_path / "ids.npy", np.array([[5, 6, 7, 8], [9, 10, 11, 12]]))
+    for out in ("out.h5", "out.jsonl"):
+        proc = _generate(tmp_path, 1, "ids.npy", out, "--ignore-eos")
+        assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    with h5py.File(tmp_path / "out.h5") as f:
+        texts = [t.decode() for t in f["text"][()]]
+        assert f["text"].attrs["nul_replaced"] == 2
+        assert f["tokens"][()].tolist() == [line["token_ids"] for line in lines]
+    assert all("\0" in line["text"] for line in lines)
+    assert texts == [line["text"].replace("\0", "\ufffd") for line in lines]

@@ -176,6 +176,15 @@ def check_partial(path: Path, shape: RunShape) -> None:
                           "start over")
 
 
+def hdf5_texts(texts: list[str]) -> tuple[list[str], int]:
+    """The texts as an HDF5 string can hold them, and how many changed: HDF5's strings end
+    at a NUL, so a NUL a byte-level tokenizer decoded is stored as U+FFFD (the ``text``
+    dataset's ``nul_replaced`` attribute counts the rows; the tokens are exact, and JSON
+    lines keep the NUL)."""
+    stored = [t.replace("\0", "\ufffd") for t in texts]
+    return stored, sum(a != b for a, b in zip(stored, texts))
+
+
 def by_prompt(values: np.ndarray, width: int) -> np.ndarray:
     """Rows (one per sample, ``width`` per prompt) as [prompts, width, ...]; unchanged with
     one sample per prompt."""
@@ -348,8 +357,11 @@ class PartialOutput:
             samples = self.shape.samples
             width = 1 if samples is None else samples.width
             if texts is not None:
-                f.create_dataset("text", data=by_prompt(np.array(texts, object), width),
+                stored, replaced = hdf5_texts(texts)
+                f.create_dataset("text", data=by_prompt(np.array(stored, object), width),
                                  dtype=h5py.string_dtype("utf-8"))
+                if replaced:
+                    f["text"].attrs["nul_replaced"] = replaced
             f.create_dataset("finish_reason", data=by_prompt(np.array(reasons, object), width),
                              dtype=h5py.string_dtype("utf-8"))
             if width > 1:
