@@ -1,7 +1,9 @@
 """CUDA-graph decode (``--cuda-graphs``), checked on the CPU: the strict backend stands in for
 the GPU (``parallel.graphs``): it refuses in a captured step what a CUDA graph cannot hold (a
-read, an upload, CuPy's matmul) and checks every replay against the capture. The tokens are
-the eager steps' under both batchings; the GPU's own run is ``tests/test_ops_gpu.py``'s."""
+read, an upload, CuPy's matmul) and checks every replay against the capture. There a graphed
+step is the eager step's computation, so the tokens and log-probs are the eager ones, bit for
+bit, under both batchings (in float16: float32 runs the reference attention, which a GPU's
+capture refuses); the GPU's own run is ``tests/test_ops_gpu.py``'s."""
 
 import numpy as np
 import pytest
@@ -30,20 +32,31 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-def _generate(path, *sets, graphs=False):
+def _generate(path, *sets, graphs=False, prompts=PROMPTS):
     job = load_job(None, [f"model.checkpoint='{path}'", "parallel.backend='strict'",
-                          "generate.max_new_tokens=7", "generate.stop_at_eos=false",
+                          "model.dtype='float16'", "generate.max_new_tokens=7",
+                          "generate.stop_at_eos=false",
                           f"generate.cuda_graphs={str(graphs).lower()}", *sets])
-    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(PROMPTS), progress=False)
+    return run_generation(MPI.COMM_SELF, job, prompts=Prompts(prompts), progress=False)
+
+
+def _same_steps(eager, graphed):
+    assert graphed.tokens.tolist() == eager.tokens.tolist()
+    assert graphed.lengths.tolist() == eager.lengths.tolist()
+    if eager.logprobs is not None:
+        np.testing.assert_array_equal(graphed.logprobs.values, eager.logprobs.values)
+        np.testing.assert_array_equal(graphed.logprobs.top_ids, eager.logprobs.top_ids)
 
 
 @pytest.mark.parametrize("sets", [
     ("generate.batching='static'", "parallel.micro_batches=2"),
-    ("generate.batch_size=2",),                       # refills: slots change prompts
-    ("generate.temperature=0.8", "generate.top_k=5", "generate.seed=3",
-     "generate.repetition_penalty=1.3"),
-], ids=["static", "continuous-refills", "sampled-penalized"])
-def test_graphed_decode_gives_the_eager_tokens(checkpoint, monkeypatch, sets):
+    ("generate.batch_size=2", "generate.logprobs=2"),   # refills: slots change prompts
+    ("generate.temperature=1.5", "generate.top_k=5", "generate.seed=3",
+     "generate.repetition_penalty=1.3", "generate.max_new_tokens=40"),
+    ("generate.temperature=1.5", "generate.top_p=0.9", "generate.seed=2",
+     "generate.batch_size=3", "generate.max_new_tokens=40"),
+], ids=["static", "continuous-refills-logprobs", "sampled-penalized", "sampled-top-p"])
+def test_graphed_decode_gives_the_eager_steps(checkpoint, monkeypatch, sets):
     monkeypatch.setenv("HPCPAR_OPS", "device")
     replays = []
     call = StepGraph.__call__
@@ -51,9 +64,28 @@ def test_graphed_decode_gives_the_eager_tokens(checkpoint, monkeypatch, sets):
                         lambda self: replays.append(self._impl.captured) or call(self))
     eager = _generate(checkpoint, *sets)
     graphed = _generate(checkpoint, *sets, graphs=True)
-    assert graphed.tokens.tolist() == eager.tokens.tolist()
-    assert graphed.lengths.tolist() == eager.lengths.tolist()
+    _same_steps(eager, graphed)
     assert replays.count(False) >= 1 and replays.count(True) >= 4   # captured, then replayed
+
+
+def test_a_sequence_past_the_reference_attentions_first_tile(checkpoint, monkeypatch):
+    """Past 128 keys the attention's reference reads which tiles to skip: the kernel's own
+    work, which a device kernel does on the device (it was refused as the step's read)."""
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    sets = ("generate.max_new_tokens=140",)
+    prompts = [np.arange(1, 7)]
+    _same_steps(_generate(checkpoint, *sets, prompts=prompts),
+                _generate(checkpoint, *sets, graphs=True, prompts=prompts))
+
+
+@pytest.mark.parametrize("family", ["gemma", "qwen3", "qwen2", "phi3"])
+def test_each_familys_graphed_decode_gives_the_eager_steps(tmp_path, monkeypatch, family):
+    """Gemma's scaled embedding copied its scale in at every step (refused under capture)."""
+    from helpers import build_hf_model
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    _, path = build_hf_model(family, tmp_path)
+    _same_steps(_generate(path, "generate.logprobs=1"),
+                _generate(path, "generate.logprobs=1", graphs=True))
 
 
 def test_a_graphed_decode_step_uploads_its_inputs_once_and_reads_its_tokens_once(
@@ -72,6 +104,18 @@ def test_the_job_refuses_graphs_where_they_cannot_run(checkpoint, monkeypatch, c
                                                graphs=True))
     assert "--cuda-graphs needs a GPU" in message and "NumPy" in message
     assert "HPCPAR_OPS=device" in refused(capfd, lambda: _generate(checkpoint, graphs=True))
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    message = refused(capfd, lambda: _generate(checkpoint, "model.dtype='float32'",
+                                               graphs=True))
+    assert "float32 attention runs the reference" in message and "bfloat16" in message
+
+
+def test_a_sliding_window_is_refused(tmp_path, monkeypatch, capfd):
+    from helpers import build_hf_model
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    _, path = build_hf_model("mistral", tmp_path)
+    assert "a sliding window runs the reference" in refused(
+        capfd, lambda: _generate(path, graphs=True))
 
 
 def test_a_layout_that_splits_the_model_is_refused():
@@ -124,7 +168,7 @@ def test_what_a_graph_cannot_hold_is_refused_at_capture(extra, what):
 
 def test_a_device_kernels_own_products_are_captured():
     def in_kernel(s, y):
-        with kernel():                    # ops.counted: cuDNN's attention, the planned GEMM
+        with kernel("product", y):        # ops.counted: cuDNN's attention, the planned GEMM
             return y @ xp.ones((4, 4), np.float32)
     graph = StepGraph(STRICT, Step(in_kernel))
     graph()

@@ -148,8 +148,8 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     p.add_argument("--batch-size", type=int,
                    help="rows in flight per micro-batch (default: what fits the KV cache)")
     p.add_argument("--cuda-graphs", action="store_const", const=True,
-                   help="replay each decode step as a CUDA graph (a GPU, one rank per model "
-                        "replica, bfloat16 or float16; not run on a GPU yet)")
+                   help="replay each decode step as a CUDA graph (a GPU, a whole dense model "
+                        "per rank, bfloat16 or float16)")
     p.add_argument("--wave-size", type=int,
                    help="prompts per wave: the output is saved, and the job can stop, after "
                         "each (default: all at once)")

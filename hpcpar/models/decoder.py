@@ -253,6 +253,7 @@ class DecoderStage:
                 head = frozen_matrix(xp, [head.data])
             self.head = ParallelLMHead(ops, head, cfg.vocab_size, tp)
         self.rope = RotaryEmbedding(cfg, xp, dtype)
+        self._embed_scales: dict = {}     # the embedding's scale on the device, by dtype
         self.hidden_size = cfg.hidden_size
         self.weight_bytes = self.expert_bytes = 0        # set by the constructors
         # chunked prefill has not run on a GPU yet: there a prompt goes whole
@@ -312,7 +313,11 @@ class DecoderStage:
         transformers does); the same for the gradient. Llama: x itself."""
         if self.cfg.embed_scale == 1.0:
             return x
-        return x * self.xp.asarray(self.cfg.embed_scale, dtype=x.dtype)
+        scale = self._embed_scales.get(x.dtype)
+        if scale is None:       # once per dtype: copied in at every step, a CUDA graph's
+            scale = self._embed_scales[x.dtype] = self.xp.asarray(   # replay could not
+                self.cfg.embed_scale, dtype=x.dtype)
+        return x * scale
 
     def positions(self, rows: AttentionRows, T: int):
         """The rotary tables (cos, sin) of each row's T positions from its start (this rank's

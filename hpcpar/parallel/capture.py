@@ -14,6 +14,7 @@ replay can be compared with the capture (``parallel.graphs``).
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import numpy as np
@@ -39,7 +40,9 @@ class Capture:
         self._kernels = 0             # inside a device kernel's reference (ops.counted)
 
     def record(self, name: str, args) -> None:
-        if name in GEMMS and not self._kernels:
+        if self._kernels:                 # inside a kernel: its launch is what is recorded
+            return
+        if name in GEMMS:
             raise CaptureError(
                 f"{self.what} runs an array {name} outside the ops' capture-safe GEMM "
                 "(CuPy's matmul refuses CUDA-graph capture): route the product through "
@@ -47,11 +50,15 @@ class Capture:
         self.ops.append((name, signature(args)))
 
     def read(self) -> None:
+        if self._kernels:                 # a kernel's reference, not the device kernel
+            return
         raise CaptureError(f"{self.what} reads the device back (a sync) inside the captured "
                            "step, which a CUDA graph cannot hold: read after the step, or run "
                            "without --cuda-graphs")
 
     def upload(self) -> None:
+        if self._kernels:
+            return
         raise CaptureError(f"{self.what} copies host data to the device inside the captured "
                            "step (a replay would copy the first step's data): write the "
                            "inputs into the step's buffers before it, or run without "
@@ -81,12 +88,15 @@ def active(capture: Capture):
 
 
 @contextmanager
-def kernel():
-    """The block is one device kernel (``ops.counted``): its reference's products are the
-    kernel's own (cuDNN's attention, the planned GEMM), which capture accepts."""
+def kernel(name: str, args):
+    """The block is one device kernel ``name`` on ``args`` (``ops.counted``): its launch is
+    recorded, and what its NumPy reference does inside (products, a read of the tiles to
+    skip, a constant copied in) is the kernel's own work on the device, which capture
+    accepts (cuDNN's attention, the planned GEMM)."""
     if _active is None:
         yield
         return
+    _active.record(f"kernel {name}", args)
     _active._kernels += 1
     try:
         yield
@@ -108,6 +118,9 @@ def signature(value):
         return tuple(sorted((str(k), signature(v)) for k, v in value.items()))
     if isinstance(value, slice):
         return ("slice", value.start, value.stop, value.step)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__,) + tuple(
+            signature(getattr(value, f.name)) for f in dataclasses.fields(value))
     if value is None or isinstance(value, (bool, int, float, complex, str, np.generic)):
         return repr(value)
     return type(value).__name__

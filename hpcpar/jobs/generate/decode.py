@@ -6,8 +6,9 @@ Its inputs sit in one device buffer allocated once per micro-batch and written i
 upload a step (each row's last token, and the keys the row has with this step's), so the step
 reads and writes fixed addresses only, and its shapes never change: a CUDA graph can replay it
 (``--cuda-graphs``: ``parallel.graphs``, one graph per micro-batch, each over its own rows and
-cache). A graphed step's attention reads the whole cache (cuDNN's kernel does in any case; the
-per-row lengths mask the rest), an eager one the keys the longest row has.
+cache). On a device its attention reads the whole cache, graphed or not (cuDNN's kernel does;
+the per-row lengths mask the rest), so a graphed step computes what the eager one does; on the
+host, the keys the longest row has.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class DecodeStep:
         self.inputs = xp.zeros((2, rows), dtype=xp.int32)     # last tokens; keys per row
         self.q_lengths = xp.ones(rows, dtype=xp.int32)         # one query per row
         self.max_kv = cache.capacity
+        self.whole_cache = backend.on_device
         self.graph = (StepGraph(backend, self._compute, f"the decode step of {rows} rows")
                       if graphed else None)
 
@@ -42,7 +44,8 @@ class DecodeStep:
         self.backend.copy_in(self.inputs, np.stack([tokens, kv_lengths]))
         if self.graph is not None:
             return self.graph()
-        self.max_kv = int(np.max(kv_lengths))
+        if not self.whole_cache:
+            self.max_kv = int(np.max(kv_lengths))
         return self._compute()
 
     @property
@@ -81,15 +84,16 @@ def check_graphed_layout(layout: ParallelConfig, cfg: ModelConfig) -> None:
 
 
 def check_graphed_backend(backend, dtype: np.dtype, cfg: ModelConfig) -> None:
-    """``--cuda-graphs`` on a device backend, and on a GPU only where every kernel of the
-    step can be captured: cuDNN's attention (half precision, no sliding window)."""
+    """``--cuda-graphs`` on a device backend, where every kernel of the step can be captured:
+    cuDNN's attention (half precision, no sliding window). The strict backend refuses what a
+    GPU would, whose path it checks."""
     if not backend.on_device:
         raise HpcparError("--cuda-graphs needs a GPU (--backend cupy), or the strict backend "
                           "that checks the GPU path on the CPU; this job's arrays are NumPy's")
     if not backend.is_gpu and environment_value("HPCPAR_OPS") != "device":
         raise HpcparError("--cuda-graphs on the strict backend checks the GPU's path, whose "
                           "ops are the device kernels': set HPCPAR_OPS=device")
-    if backend.is_gpu and (np.dtype(dtype).itemsize > 2 or cfg.sliding_window is not None):
+    if np.dtype(dtype).itemsize > 2 or cfg.sliding_window is not None:
         what = ("a sliding window" if cfg.sliding_window is not None
                 else f"{dtype_name(dtype)} attention")
         raise HpcparError(f"--cuda-graphs: {what} runs the reference attention, whose "

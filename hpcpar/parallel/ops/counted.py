@@ -37,7 +37,8 @@ KERNELS = {"linear": (Linear, ("forward", "input_grad")),
 
 def _counted(method):
     def one_kernel(self, *args, **kwargs):
-        with budget.fused(args, arrays_of) as outputs, capture.kernel():
+        with budget.fused(args, arrays_of) as outputs, \
+                capture.kernel(f"{type(self).__name__}.{method.__name__}", (args, kwargs)):
             outputs.append(method(self, *args, **kwargs))
         return outputs[0]
     one_kernel.__name__, one_kernel.__doc__ = method.__name__, method.__doc__
