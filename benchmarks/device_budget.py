@@ -9,6 +9,9 @@ do not depend on how many there are), per run of a phase and per decoder layer.
     python benchmarks/device_budget.py --shapes 1b --train   # and a training step's
     mpiexec -n 2 python benchmarks/device_budget.py --tp 2   # a layout: its staged copies
 
+Beside each generation table, the plan's prediction of rank 0's peak (``hpcpar plan``'s
+weights + KV cache + activations, ``jobs.generate.memory``) and the measured one.
+
 The arrays are float32 NumPy arrays under the strict backend's wrapper, and the ops are the
 GPU's table (``HPCPAR_OPS=device``, ``parallel.ops.counted``): each device kernel runs its
 NumPy reference and counts as the one launch it is (``--native``: every operation of the
@@ -32,6 +35,8 @@ from mpi4py import MPI
 from hpcpar.checkpoint import init_checkpoint, open_checkpoint, preset_config
 from hpcpar.jobs.generate import Prompts, random_prompts, run_generation
 from hpcpar.jobs.job import load_job
+from hpcpar.jobs.layout import ParallelConfig
+from hpcpar.jobs.plan import plan_stages
 from hpcpar.parallel.budget import Budget, Counts
 
 SHAPES = {"1b": "llama3-1b", "8b": "llama3-8b"}
@@ -49,17 +54,29 @@ def layout(args) -> list[str]:
     return ["parallel.backend='strict'", f"parallel.tp={args.tp}", f"parallel.pp={args.pp}"]
 
 
-def generation_budget(checkpoint: Path, args, batching: str) -> tuple[Budget, object]:
+def generation_budget(checkpoint: Path, args, batching: str) -> tuple[Budget, object, str]:
+    """The run's budget, its result, and the plan's prediction of rank 0's peak beside the
+    measured one."""
     job = load_job(None, [f"model.checkpoint='{checkpoint}'", *layout(args),
                           f"generate.max_new_tokens={args.new_tokens}",
                           "generate.stop_at_eos=false", f"generate.batching='{batching}'"])
-    vocab = min(1000, open_checkpoint(checkpoint).config.vocab_size)
-    prompts = random_prompts(args.batch, (args.prompt, args.prompt), vocab, seed=1)
+    cfg = open_checkpoint(checkpoint).config
+    prompts = random_prompts(args.batch, (args.prompt, args.prompt), min(1000, cfg.vocab_size),
+                             seed=1)
     budget = Budget()
     with budget.counting():
         result = run_generation(MPI.COMM_WORLD, job, prompts=Prompts(prompts.ids),
                                 progress=False)
-    return budget, result
+    world = MPI.COMM_WORLD.Get_size()
+    planned = plan_stages(cfg, ParallelConfig(dp=world // (args.tp * args.pp), pp=args.pp,
+                                              tp=args.tp),
+                          args.batch, args.prompt, args.new_tokens, 4, job.generate)[0]
+    return budget, result, (
+        f"plan (rank 0): weights {planned.weight_bytes / 1e6:.0f} MB + KV cache "
+        f"{planned.kv_cache_bytes / 1e6:.1f} MB + activations "
+        f"{planned.activation_bytes / 1e6:.1f} MB (loading: + {planned.loading_bytes / 1e6:.1f}"
+        f" MB) = peak {planned.peak_bytes / 1e6:.0f} MB; measured {budget.peak / 1e6:.0f} MB "
+        f"= {budget.peak / planned.peak_bytes:.3f}x the plan")
 
 
 def training_budget(checkpoint: Path, args, out: Path) -> Budget:
@@ -156,14 +173,14 @@ def main(argv=None) -> None:
                      "counts, "
                      f"{args.batch} rows x {args.prompt} prompt tokens + {args.new_tokens}")
             for batching in ("static", "continuous"):
-                budget, result = generation_budget(checkpoint, args, batching)
+                budget, result, planned = generation_budget(checkpoint, args, batching)
                 if rank0:
                     r = result.report
                     print(table(f"{title}, {batching} batching; weights "
                                 f"{max(r.weight_mb):.0f} MB, KV cache "
                                 f"{max(r.kv_cache_mb):.1f} MB, whole run's peak "
                                 f"{budget.peak / 1e6:.0f} MB (from loading on)",
-                                rows(budget, GENERATION_PHASES)) + "\n")
+                                rows(budget, GENERATION_PHASES)) + "\n" + planned + "\n")
             if args.train:
                 budget = training_budget(checkpoint, args, Path(tmp) / f"run-{shape}")
                 if rank0:

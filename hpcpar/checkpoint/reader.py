@@ -24,6 +24,7 @@ from ..models.tensors import TensorSpec, stored_tensors
 from ..parallel.backend import NUMPY, ArrayBackend
 from ..parallel.dtypes import FLOAT_DTYPES, any_nonfinite, dtype_name, nonfinite
 from ..parallel.errors import HpcparError
+from ..parallel.layers import stored_matrix
 from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP, logical_dtype,
                      storage_dtype)
 
@@ -151,53 +152,86 @@ class LoadedShard:
     tensors: dict[str, object] = field(default_factory=dict)   # name -> xp array
     bytes_read: int = 0
     seconds: float = 0.0
+    # name -> (the [rows, in] view of the matrix it was read into, its first row there)
+    placed: dict[str, tuple[object, int]] = field(default_factory=dict)
 
 
 def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_size: int = 1,
                dtype: np.dtype | None = None, backend: ArrayBackend = NUMPY,
-               dataset: str = "{}", transposed: frozenset = frozenset()) -> LoadedShard:
+               dataset: str = "{}", stacks: list[tuple[str, ...]] = ()) -> LoadedShard:
     """Read this rank's slice of each tensor in ``specs`` into arrays of ``dtype`` (default:
     the checkpoint's) on ``backend``'s device. ``dataset`` names the datasets read, with {}
     for the tensor name (a training checkpoint's optimizer state is shaped like the tensors).
-    A matrix whose name is in ``transposed`` is stored transposed on the device (transposed on
-    the host first) and given as its view in the file's orientation: a model that keeps it
-    so takes it without a second device copy.
 
-    Only the slice is read (an HDF5 hyperslab selection), straight into a preallocated buffer
-    when no dtype conversion is needed; vocabulary padding rows stay zero.
+    ``stacks``: groups of matrices (by name) a model multiplies as one (q, k and v) or alone
+    in the products' layout (``decoder.matrix_stacks``). Each group is read into one
+    ``layers.stored_matrix``, each part straight into its rows (on a device, one upload), and
+    a part is given as its rows there (a view; where: ``placed``): loading holds each weight
+    once, and no merged copy is made after it.
+
+    Only the slice is read (an HDF5 hyperslab selection) into a host buffer, which is the
+    tensor on the host when no dtype conversion is needed; vocabulary padding rows stay zero.
     """
     dtype = np.dtype(dtype or ckpt.dtype)
-    stored = storage_dtype(ckpt.dtype)
+    shards = {spec.name: shard_of(spec, ckpt.config, tp_rank, tp_size) for spec in specs}
+    where = _places(stacks, shards)
+    matrices: dict = {}
     out = LoadedShard()
     start = perf_counter()
     flags = []              # per tensor, on the device: holds a NaN or inf (read once, below)
     with ckpt.open() as f:
         for spec in specs:
-            shard = shard_of(spec, ckpt.config, tp_rank, tp_size)
-            raw = np.zeros(shard.shape, dtype=stored)
-            # the weights of a fused tensor's part are rows of it; optimizer state is per part
-            name, source = ((spec.file_name, spec.file_region(shard.source)) if dataset == "{}"
-                            else (dataset.format(spec.name), shard.source))
-            try:
-                f[name].read_direct(raw, source_sel=source, dest_sel=shard.dest)
-            except (OSError, KeyError) as e:
-                raise CheckpointError(f"{ckpt.path}: reading {name} failed, the "
-                                      f"file is truncated or corrupt ({_first_line(e)})") from None
-            out.bytes_read += shard.source_numel * stored.itemsize
-            host = raw.view(ckpt.dtype) if stored != ckpt.dtype else raw
+            host = _read(f, ckpt, spec, shards[spec.name], dataset, out)
             if host.dtype != dtype:
                 with np.errstate(over="ignore"):        # an overflow is refused just below
                     host = host.astype(dtype)
-            if spec.name in transposed:
-                arr = backend.asarray(np.ascontiguousarray(host.T))
-                out.tensors[spec.name] = arr.T
+            if spec.name in where:
+                group, first, shape = where[spec.name]
+                if group not in matrices:
+                    matrices[group] = stored_matrix(backend.xp, *shape, dtype)
+                arr = matrices[group][first:first + host.shape[0]]
+                backend.copy_in(arr, host)
+                out.placed[spec.name] = (matrices[group], first)
             else:
-                out.tensors[spec.name] = arr = backend.asarray(host)
-            flags.append(any_nonfinite(backend.xp, arr))
+                arr = backend.asarray(host)
+            out.tensors[spec.name] = arr
+            # checked where the tensor is (a GPU checks its own copy; the host its buffer)
+            flags.append(any_nonfinite(backend.xp, arr if backend.on_device else host))
     _check_finite(ckpt, dataset, specs, out.tensors, flags, backend)
     backend.release_host_staging()
     out.seconds = perf_counter() - start
     return out
+
+
+def _places(stacks: list[tuple[str, ...]], shards: dict) -> dict[str, tuple[int, int, tuple]]:
+    """Each stacked tensor's (group, first row, the group's matrix shape), from the slices
+    this rank reads (``shards``); the tensors of a group take its rows in order."""
+    where = {}
+    for group, names in enumerate(stacks):
+        rows = sum(shards[n].shape[0] for n in names)
+        at = 0
+        for n in names:
+            where[n] = (group, at, (rows, shards[n].shape[1]))
+            at += shards[n].shape[0]
+    return where
+
+
+def _read(f: h5py.File, ckpt: Checkpoint, spec: TensorSpec, shard, dataset: str,
+          out: LoadedShard) -> np.ndarray:
+    """This rank's slice ``shard`` of ``spec`` (of the dataset ``dataset`` names), read into
+    a host buffer of the checkpoint's dtype; its bytes counted in ``out``."""
+    stored = storage_dtype(ckpt.dtype)
+    raw = np.zeros(shard.shape, dtype=stored)
+    # the weights of a fused tensor's part are rows of it; optimizer state is per part
+    name, source = ((spec.file_name, spec.file_region(shard.source)) if dataset == "{}"
+                    else (dataset.format(spec.name), shard.source))
+    try:
+        f[name].read_direct(raw, source_sel=source, dest_sel=shard.dest)
+    except (OSError, KeyError) as e:
+        raise CheckpointError(f"{ckpt.path}: reading {name} failed, the "
+                              f"file is truncated or corrupt ({_first_line(e)})") from None
+    out.bytes_read += shard.source_numel * stored.itemsize
+    return raw.view(ckpt.dtype) if stored != ckpt.dtype else raw
 
 
 def _check_finite(ckpt: Checkpoint, dataset: str, specs: list[TensorSpec], tensors: dict,

@@ -237,7 +237,8 @@ def _plan_text(args) -> str:
     from .plan import format_plan
     return format_plan(cfg, layout, args.batch or job.data.random_count,
                        args.prompt_length or max(job.data.random_lengths),
-                       job.generate.max_new_tokens, float_dtype(job.model.dtype).itemsize, name)
+                       job.generate.max_new_tokens, float_dtype(job.model.dtype).itemsize, name,
+                       job.generate)
 
 
 def _wrote(out: Path, work):

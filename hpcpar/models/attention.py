@@ -21,6 +21,8 @@ from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
 from .kv_cache import KVCache
 
+QKV = ("q", "k", "v")        # the projections of x that generation merges into one GEMM
+
 
 def kept_queries(xp, q, rows: AttentionRows, keep):
     """(q (B, 1, heads, d), rows) of the queries at indices ``keep`` (B,) into T: one query
@@ -51,7 +53,7 @@ class Attention:
         """From a layer's weights by role (q, k, v, o and their biases)."""
         heads, kv_heads = (w[r].data.shape[0] // head_dim for r in ("q", "k"))
         return cls(ops, heads, kv_heads, head_dim,
-                   column_parallel(ops, w, ("q", "k", "v"), tp, merge),
+                   column_parallel(ops, w, QKV, tp, merge),
                    row_parallel(ops, w, "o", tp, merge), qk_norms, window)
 
     def forward(self, x, cos, sin, rows: AttentionRows, cache: KVCache | None = None,

@@ -35,15 +35,36 @@ from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
 from ..parallel.routing import TopKRouter
 from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
-from .attention import Attention
+from .attention import QKV, Attention
 from .config import ModelConfig
 from .kv_cache import KVCache, kv_cache_bytes
 from .rope import RotaryEmbedding
-from .tensors import StageSpan, TensorSpec
+from .tensors import EXPERT_ROLES, StageSpan, TensorSpec
+
+GATE_UP = ("gate", "up")      # the MLP's projections of x that generation merges
+# the matrices generation multiplies as one GEMM (in this order) and those it multiplies
+# alone: what loading reads straight into their place (``matrix_stacks``)
+MERGED = (QKV, GATE_UP, tuple("shared_" + r for r in GATE_UP), EXPERT_ROLES[:2])
+ALONE = ("o", "down", "router", "shared_down", "shared_expert_gate", EXPERT_ROLES[2], "head")
 
 # Positions per pass of a long prefill: one chunk's activations stay in a CPU's caches (the
 # MLP's of 8192 positions are 150 MB), and GEMMs of 1024 rows still run at the BLAS's peak.
 PREFILL_CHUNK = 1024
+
+
+def matrix_stacks(specs: list[TensorSpec], span: StageSpan) -> list[tuple[str, ...]]:
+    """The frozen matrices of a stage's tensors ``specs``, by name, grouped as generation
+    multiplies them: several merged into one GEMM (q, k and v; gate and up; an expert's
+    gate and up), or one alone (o, down, the router, the head; a tied head on a stage without
+    the embedding). ``load_shard`` reads each group straight into one ``stored_matrix``."""
+    groups: dict = {}
+    for spec in specs:
+        role = "head" if spec.role == "embed" and span.last and not span.first else spec.role
+        roles = next((g for g in MERGED if role in g), (role,) if role in ALONE else None)
+        if roles is not None:
+            groups.setdefault((spec.layer, spec.expert, roles), {})[role] = spec.name
+    return [tuple(names[r] for r in roles if r in names)
+            for (_, _, roles), names in groups.items()]
 
 
 class Norm:
@@ -96,7 +117,7 @@ class Mlp:
     def of(cls, ops: Ops, w: dict, tp: Communicator, merge: bool = False,
            activation: str = "silu") -> "Mlp":
         """From a layer's weights by role (gate, up, down and their biases)."""
-        return cls(ops, column_parallel(ops, w, ("gate", "up"), tp, merge),
+        return cls(ops, column_parallel(ops, w, GATE_UP, tp, merge),
                    row_parallel(ops, w, "down", tp, merge), activation)
 
     def forward(self, x, train: bool = False):
@@ -138,7 +159,7 @@ class MoeMlp:
             experts = Experts.frozen(ops, gates, ups, downs, cfg.activation)
         else:
             experts = Experts(ops, [[g, u] for g, u in zip(gates, ups)], downs, cfg.activation)
-        router = frozen_matrix(xp, [w["router"].data]) if merge else w["router"]
+        router = frozen_matrix(xp, [w["router"]]) if merge else w["router"]
         moe = MoE(ops, TopKRouter(ops, router, cfg.experts_per_token, cfg.norm_topk_prob),
                   experts, dispatch, tp)
         if not cfg.shared_expert_size:
@@ -146,7 +167,7 @@ class MoeMlp:
         roles = {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]}
         gate = w["shared_expert_gate"]
         return cls(ops, moe, Mlp.of(ops, roles, tp, merge, cfg.activation),
-                   frozen_matrix(xp, [gate.data]) if merge else gate)
+                   frozen_matrix(xp, [gate]) if merge else gate)
 
     def forward(self, x, train: bool = False):
         y, ctx = self.moe.forward(x, train)
@@ -176,7 +197,8 @@ class DecoderLayer:
     yet added to the residual stream x (None before the first layer).
 
     ``w`` maps the layer's roles (``tensors.layer_tensors``) to weights: ``Param``s, used as
-    they are, or (``merge``) frozen arrays, whose projections are merged and transposed."""
+    they are, or (``merge``) frozen arrays, whose projections are merged and laid out for
+    the products (``layers.frozen_matrix``)."""
 
     def __init__(self, cfg: ModelConfig, w: dict, tp: Communicator, ops: Ops, merge: bool,
                  layer: int = 0, ep: Communicator | None = None):
@@ -249,8 +271,8 @@ class DecoderStage:
             self.norm = Norm(ops, self.final_norm, cfg.rms_norm_eps, cfg.norm_offset)
             head = top["embed"] if cfg.tie_word_embeddings else top["head"]
             if merge and not (first and cfg.tie_word_embeddings):
-                # stored transposed; a tied head beside its embedding reads that table
-                head = frozen_matrix(xp, [head.data])
+                # in the products' layout; a tied head beside its embedding reads that table
+                head = frozen_matrix(xp, [head])
             self.head = ParallelLMHead(ops, head, cfg.vocab_size, tp)
         self.rope = RotaryEmbedding(cfg, xp, dtype)
         self._embed_scales: dict = {}     # the embedding's scale on the device, by dtype
@@ -262,13 +284,19 @@ class DecoderStage:
     @classmethod
     def from_tensors(cls, cfg: ModelConfig, specs: list[TensorSpec], tensors: dict,
                      span: StageSpan, tp: Communicator, ops: Ops, dtype,
-                     ep: Communicator | None = None) -> "DecoderStage":
+                     ep: Communicator | None = None, placed: dict | None = None
+                     ) -> "DecoderStage":
         """For generation, from this rank's loaded slices (``load_shard``'s tensors by Hugging
-        Face name, taken out of ``tensors``): frozen, in ``dtype``, projections merged."""
+        Face name, taken out of ``tensors``): frozen, in ``dtype``, projections merged.
+        ``placed``: where loading put the matrices of ``matrix_stacks`` (``load_shard``'s
+        ``placed``), which are then taken as they lie, nothing copied."""
+        placed = placed or {}
         by_layer: dict = {}
         for spec in specs:
-            by_layer.setdefault(spec.layer, {})[spec.key] = Frozen(
-                tensors.pop(spec.name).astype(dtype, copy=False))
+            a = tensors.pop(spec.name)
+            at = placed.get(spec.name, (None, 0)) if a.dtype == dtype else (None, 0)
+            by_layer.setdefault(spec.layer, {})[spec.key] = Frozen(a.astype(dtype, copy=False),
+                                                                   *at)
         weight_bytes = sum(w.data.nbytes for group in by_layer.values() for w in group.values())
         expert_bytes = sum(w.data.nbytes for group in by_layer.values()
                            for key, w in group.items() if isinstance(key, tuple))

@@ -51,6 +51,7 @@ class Budget:
 
     def __init__(self):
         self.live = 0                            # device bytes alive (made while counting)
+        self._owners: dict[int, int] = {}        # id of the memory's owner -> its bytes
         self.peak = 0
         self.total = Counts()
         self.runs: dict[str, list[Counts]] = {}
@@ -116,21 +117,29 @@ class Budget:
             self._staging = False
 
     def allocated(self, array) -> None:
-        """A new device array (a NumPy array under the strict backend): counted, and its
-        bytes alive until it is collected."""
+        """A new device array (a NumPy array under the strict backend): counted, and the
+        bytes of the memory it views alive until that memory is collected. The memory's
+        owner is what is watched, not the array handed back: a kernel's output is often a
+        view (a product reshaped), and views taken of it (q, k, v split from the qkv GEMM's
+        output) keep the owner alive, not that view; a device frees the memory only then."""
         if self._fused:
             return
         nbytes = int(array.nbytes)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
         for c in self._open:
             c.allocations += 1
             c.allocated_bytes += nbytes
+        owner = _owner(array)
+        if id(owner) in self._owners:            # memory counted already (several views)
+            return
+        self._owners[id(owner)] = held = int(owner.nbytes)
+        self.live += held
+        self.peak = max(self.peak, self.live)
+        for c in self._open:
             c.peak_bytes = max(c.peak_bytes, self.live)
-        weakref.finalize(array, self._freed, nbytes)
+        weakref.finalize(owner, self._freed, id(owner))
 
-    def _freed(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def _freed(self, key: int) -> None:
+        self.live -= self._owners.pop(key)
 
 
 @contextmanager
@@ -164,6 +173,13 @@ def fused(inputs, arrays_of):
     for array in arrays_of(outputs):
         if not any(array is a or _shares(array, a) for a in held):
             b.allocated(array)
+
+
+def _owner(array):
+    """The array that owns ``array``'s memory (itself, or the base its views lead to)."""
+    while isinstance(getattr(array, "base", None), np.ndarray):
+        array = array.base
+    return array
 
 
 def _shares(a, b) -> bool:

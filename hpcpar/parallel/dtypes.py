@@ -50,20 +50,33 @@ _EXPONENT_MASKS = {"float64": (np.uint64, 0x7FF0000000000000), "float32": (np.ui
                    "float16": (np.uint16, 0x7C00), "bfloat16": (np.uint16, 0x7F80)}
 
 
-CHECK_BLOCK_BYTES = 64 << 20       # ``any_nonfinite``'s temporaries: at most about this much
+# the bytes of a tensor ``any_nonfinite`` tests at a time: its temporaries are a loading's only
+# device bytes beside the weights (10 MB in float32), and 16 GB of weights take 2,000 blocks
+CHECK_BLOCK_BYTES = 8 << 20
 
 
 def any_nonfinite(xp, a):
     """Whether ``a`` holds a NaN or inf anywhere, as a device boolean (no host read): the
     test of ``nonfinite`` a block of at most ``CHECK_BLOCK_BYTES`` at a time, so that checking
-    a large tensor (a vocabulary's embedding) needs no temporary its size."""
+    a large tensor (a vocabulary's embedding) needs no temporary its size
+    (``check_temporary_bytes``)."""
     flat = a.reshape(-1)
-    step = max(1, CHECK_BLOCK_BYTES // max(a.itemsize, 1))
+    step = _check_step(a.itemsize)
     found = None
     for start in range(0, flat.size, step):
         part = nonfinite(xp, flat[start:start + step]).any()
         found = part if found is None else found | part
     return found if found is not None else xp.zeros((), dtype=bool)
+
+
+def _check_step(itemsize: int) -> int:
+    return max(1, CHECK_BLOCK_BYTES // max(itemsize, 1))
+
+
+def check_temporary_bytes(numel: int, itemsize: int) -> int:
+    """The device bytes ``any_nonfinite`` holds at once checking a tensor of ``numel``
+    elements: one block's bits masked (its own width) and their comparison (a bool each)."""
+    return min(numel, _check_step(itemsize)) * (itemsize + 1)
 
 
 def nonfinite(xp, a):

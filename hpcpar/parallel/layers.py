@@ -10,11 +10,13 @@ flattened to N = B*T rows for every product.
 
 Weights are objects with a ``data`` array in [out, in] orientation, read at every call (an
 optimizer may move it): a ``Parameter`` (training), or a ``Frozen`` weight (inference), whose
-matrices are stored transposed, [in, out] and contiguous, so that the product's operand
-``data.T`` is (on the CPU a transposed operand costs ~20% at decode sizes). Inference may
-merge the projections that read the same input (q/k/v, gate/up) into one GEMM, as vLLM's
-QKVParallelLinear does. ``from_full`` builds a layer from the whole weight, each rank keeping
-its slice; the constructors take this rank's shards.
+matrices are laid out as ``stored_matrix`` says: on the host transposed, [in, out] and
+contiguous, so that the product's operand ``data.T`` is (NumPy's BLAS runs a transposed
+operand ~20% slower at decode sizes); on a device [out, in] itself (cuBLAS takes the
+transposed operand at full speed, and loading fills each row block with one upload).
+Inference may merge the projections that read the same input (q/k/v, gate/up) into one GEMM,
+as vLLM's QKVParallelLinear does. ``from_full`` builds a layer from the whole weight, each rank
+keeping its slice; the constructors take this rank's shards.
 
 The products, lookups and the cross-entropy's local pieces are ``hpcpar.parallel.ops`` (a NumPy
 reference, or a device kernel chosen once per backend); ``ops`` defaults to the references.
@@ -36,25 +38,59 @@ from .params import GradSink, Parameter, join
 
 @dataclass(eq=False)
 class Frozen:
-    """A weight without a gradient (generation): ``data`` in Hugging Face's orientation."""
+    """A weight without a gradient (generation): ``data`` in Hugging Face's orientation.
+    Loading may have placed it in ``stack`` (the [rows, in] view of a ``stored_matrix`` it
+    shares with the projections merged with it) at row ``start``: merging it is then free."""
 
     data: object
+    stack: object = None
+    start: int = 0
 
 
-def frozen_matrix(xp, blocks: list) -> Frozen:
-    """[out_k, in] blocks stacked along out, stored transposed ([in, sum out_k], contiguous):
-    ``data`` is its [out, in] view. The blocks are copied once, each straight into its place
-    (no merged copy on the way: loading holds the blocks and the result, nothing more); the
-    caller drops them. One block already stored so (``load_shard``'s ``transposed``) is taken
-    as it is."""
-    if len(blocks) == 1 and blocks[0].T.flags.c_contiguous:
+def stored_matrix(xp, rows: int, cols: int, dtype):
+    """An empty frozen matrix [rows, cols] as the products read it fastest, given as its
+    [rows, cols] view: on the host stored transposed ([cols, rows] contiguous: ``data.T`` is a
+    contiguous operand), on a device as it is (the transposed operand costs cuBLAS nothing,
+    and each row block is contiguous: one upload fills it)."""
+    if xp is np:
+        return np.empty((cols, rows), dtype=dtype).T
+    return xp.empty((rows, cols), dtype=dtype)
+
+
+def _in_layout(xp, a) -> bool:
+    """Whether ``a`` [rows, cols] is laid out as ``stored_matrix`` lays out a matrix."""
+    return bool((a.T if xp is np else a).flags.c_contiguous)
+
+
+def frozen_matrix(xp, weights: list) -> Frozen:
+    """The ``Frozen`` weights' [out_k, in] blocks stacked along out, in ``stored_matrix``'s
+    layout. Blocks that loading placed one after another in one matrix (``Frozen.stack``) are
+    that matrix, and one block already in the layout is itself: nothing is copied, so
+    loading holds each weight once. Others are copied once, each straight into its place
+    (no merged copy on the way); the caller drops them."""
+    stack = _placed(weights)
+    if stack is not None:
+        return Frozen(stack)
+    blocks = [w.data for w in weights]
+    if len(blocks) == 1 and _in_layout(xp, blocks[0]):
         return Frozen(blocks[0])
-    out = xp.empty((blocks[0].shape[1], sum(b.shape[0] for b in blocks)), dtype=blocks[0].dtype)
+    out = stored_matrix(xp, sum(b.shape[0] for b in blocks), blocks[0].shape[1], blocks[0].dtype)
     at = 0
     for block in blocks:
-        out[:, at:at + block.shape[0]] = block.T
+        out[at:at + block.shape[0]] = block
         at += block.shape[0]
-    return Frozen(out.T)
+    return Frozen(out)
+
+
+def _placed(weights: list):
+    """The stack that ``weights`` fill whole, one after another from its first row; else
+    None."""
+    stack, at = weights[0].stack, 0
+    for w in weights:
+        if stack is None or w.stack is not stack or w.start != at:
+            return None
+        at += w.data.shape[0]
+    return stack if at == stack.shape[0] else None
 
 
 def _rows(a):
@@ -149,10 +185,10 @@ class ColumnParallelLinear:
     @classmethod
     def merged(cls, ops: Ops, weights: list, biases: list | None,
                tp: Communicator) -> "ColumnParallelLinear":
-        """One GEMM for ``weights`` (frozen): their arrays are concatenated and dropped."""
+        """One GEMM for ``weights`` (frozen): their arrays stacked (``frozen_matrix``)."""
         xp = ops.xp
         sizes = [w.data.shape[0] for w in weights]
-        weight = frozen_matrix(xp, [w.data for w in weights])
+        weight = frozen_matrix(xp, weights)
         bias = None
         if biases:
             bias = [Frozen(xp.concatenate([
@@ -240,9 +276,9 @@ def column_parallel(ops: Ops, w: dict, roles: tuple, tp: Communicator,
 
 def row_parallel(ops: Ops, w: dict, role: str, tp: Communicator,
                  merge: bool) -> "RowParallelLinear":
-    """The row-parallel projection ``role``, stored transposed when ``merge`` (frozen; then
-    taken out of ``w``, as ``column_parallel`` does)."""
-    weight = frozen_matrix(ops.xp, [w.pop(role).data]) if merge else w[role]
+    """The row-parallel projection ``role``, in ``stored_matrix``'s layout when ``merge``
+    (frozen; then taken out of ``w``, as ``column_parallel`` does)."""
+    weight = frozen_matrix(ops.xp, [w.pop(role)]) if merge else w[role]
     return RowParallelLinear(ops, weight, w.get(role + "_bias"), tp)
 
 

@@ -57,11 +57,12 @@ class Experts:
     @classmethod
     def frozen(cls, ops: Ops, gates: list, ups: list, downs: list,
                activation: str = "silu") -> "Experts":
-        """For generation: each expert's gate and up merged into one stored-transposed
-        matrix, and its down stored transposed (the arrays are copied; drop the originals)."""
+        """For generation: each expert's gate and up merged into one matrix and its down,
+        in ``layers.stored_matrix``'s layout (``frozen_matrix``: copied only where loading
+        did not place them so; drop the originals)."""
         xp = ops.xp
-        return cls(ops, [[frozen_matrix(xp, [g.data, u.data])] for g, u in zip(gates, ups)],
-                   [frozen_matrix(xp, [d.data]) for d in downs], activation)
+        return cls(ops, [[frozen_matrix(xp, [g, u])] for g, u in zip(gates, ups)],
+                   [frozen_matrix(xp, [d]) for d in downs], activation)
 
     def __len__(self) -> int:
         return len(self.down)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...checkpoint import Checkpoint, load_shard
-from ...models.decoder import DecoderStage
+from ...models.decoder import DecoderStage, matrix_stacks
 from ...models.tensors import StageSpan, stage_tensors
 from ...models.tokenizer import StoredTokenizer
 from ...parallel import budget
@@ -92,13 +92,13 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
                           experts_held(cfg, rt.ep))
     with phase("loading the checkpoint"), budget.phase("load"):
         fault_point("load")
-        # the head is kept transposed (one GEMM layout): so read, it is never copied
-        heads = frozenset(s.name for s in specs if s.role == "head")
-        shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,
-                         backend=backend, transposed=heads)
         span = StageSpan(layers, mesh.is_first("pp"), mesh.is_last("pp"))
+        # the matrices read straight into their place in the products' layout: each weight
+        # is on the device once, and merging q/k/v and gate/up copies nothing
+        shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,
+                         backend=backend, stacks=matrix_stacks(specs, span))
         stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, span, tp,
-                                          ops_for(backend, rt.cp), dtype, rt.ep)
+                                          ops_for(backend, rt.cp), dtype, rt.ep, shard.placed)
     backend.release_unused_device_memory()
     return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard,
                          rt.cp, rt)

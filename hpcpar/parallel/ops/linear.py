@@ -10,17 +10,27 @@ there is no device override.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def linear(x, weight_t):
     """x (..., in) @ weight_t (in, out) -> (..., out), as a single 2-D GEMM."""
     lead = x.shape[:-1]
-    return (x.reshape(-1, x.shape[-1]) @ weight_t).reshape(lead + (weight_t.shape[1],))
+    return _gemm(x.reshape(-1, x.shape[-1]), weight_t).reshape(lead + (weight_t.shape[1],))
 
 
 def linear_input_grad(dy, weight_t):
     """dX = dY W for Y = X W^T: dy (..., out) -> (..., in)."""
     lead = dy.shape[:-1]
     return (dy.reshape(-1, dy.shape[-1]) @ weight_t.T).reshape(lead + (weight_t.shape[0],))
+
+
+def _gemm(a, b):
+    """a @ b in the operands' dtype, as cuBLAS gives it: NumPy multiplies bfloat16
+    (ml_dtypes') in float32 and returns that, and the cast the caller then makes would be a
+    second output in the device budget (``layers.product`` casts to the weight's dtype: the
+    same values)."""
+    return (a @ b).astype(np.result_type(a.dtype, b.dtype), copy=False)
 
 
 class Linear:

@@ -1,0 +1,173 @@
+"""Generation's device memory: the plan's prediction (``jobs.generate.memory``, what ``hpcpar
+plan`` prints) against the device budget's measure on the strict backend with the GPU's ops
+(``HPCPAR_OPS=device``), whose whole-run peak (``Budget.peak``, from loading on) is the
+reference; and loading's matrices, read straight into the layout the products take."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcpar.checkpoint import init_checkpoint, load_shard, open_checkpoint, preset_config
+from hpcpar.jobs.generate import Prompts, run_generation
+from hpcpar.jobs.job import load_job
+from hpcpar.jobs.layout import ParallelConfig
+from hpcpar.jobs.plan import format_plan, plan_stages
+from hpcpar.models.config import ModelConfig
+from hpcpar.models.decoder import DecoderStage, matrix_stacks
+from hpcpar.models.tensors import StageSpan, stage_tensors
+from hpcpar.parallel.backend import select_backend
+from hpcpar.parallel.budget import Budget
+from hpcpar.parallel.comm import create_communicator
+from hpcpar.parallel.ops import ops_for
+
+
+def shape(name: str) -> dict:
+    """The Llama-3.2-1B and Llama-3.1-8B shapes cut to 2 layers, their widths / 8 and their
+    vocabulary / 32, so that a CPU runs them in seconds; the terms stay those of the shapes:
+    a tied head (1B) and its own (8B), four query heads a KV head, head_dim 64 and 128."""
+    cfg = preset_config({"1b": "llama3-1b", "8b": "llama3-8b"}[name])
+    return dict(cfg, num_hidden_layers=2, hidden_size=cfg["hidden_size"] // 8,
+                intermediate_size=cfg["intermediate_size"] // 8,
+                num_attention_heads=cfg["num_attention_heads"] // 8,
+                num_key_value_heads=cfg["num_key_value_heads"] // 8,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                vocab_size=cfg["vocab_size"] // 32)
+
+
+def measure_and_plan(comm, folder, cfg: dict, lengths, sets=(), tp: int = 1, pp: int = 1,
+                     itemsize: int = 4):
+    """A generation of prompts of ``lengths`` tokens and 3 new ones on the strict backend
+    with the device ops (``HPCPAR_OPS=device``, set by the caller), its budget and this
+    rank's ``StagePlan``, and the measured peaks of each phase's runs (reference figures)."""
+    if comm.Get_rank() == 0:
+        folder.mkdir(exist_ok=True)
+        init_checkpoint(folder / "model.h5", cfg)
+    comm.Barrier()
+    job = load_job(None, [f"model.checkpoint='{folder / 'model.h5'}'",
+                          "parallel.backend='strict'", "generate.max_new_tokens=3",
+                          "generate.stop_at_eos=false", f"parallel.tp={tp}",
+                          f"parallel.pp={pp}", *sets])
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, min(1000, cfg["vocab_size"]), n) for n in lengths]
+    b = Budget()
+    with b.counting():
+        result = run_generation(comm, job, prompts=Prompts(prompts), progress=False)
+    layout = ParallelConfig(tp=tp, pp=pp, micro_batches=job.parallel.micro_batches or 1)
+    plan = plan_stages(ModelConfig.from_hf(cfg), layout, len(prompts), max(lengths), 3,
+                       itemsize, job.generate)[comm.Get_rank() // tp]
+    if comm.Get_size() == 1:                     # (the report is rank 0's, of every rank)
+        assert round(max(result.report.weight_mb) * 1e6) == plan.weight_bytes
+    peaks = {p: max(c.peak_bytes for c in b.per_run(p)) for p in ("load", "prefill", "decode")}
+    return b, plan, peaks
+
+
+def check_each_term(b: Budget, plan, peaks: dict) -> int:
+    """The measured whole-run peak (the reference) at most 1.05x the plan's and the plan
+    within 5% of it; so each term too (the activations at the prefill's or a decode step's
+    peak, loading's bytes beside the weights), that the weights' share hide no error in
+    them. Returns the measured activations."""
+    assert b.peak <= 1.05 * plan.peak_bytes, (b.peak, plan)
+    assert abs(plan.peak_bytes - b.peak) <= 0.05 * b.peak, (b.peak, plan)
+    activations = max(peaks["prefill"], peaks["decode"]) - plan.weight_bytes - plan.kv_cache_bytes
+    assert abs(plan.activation_bytes - activations) <= 0.05 * activations, (activations, plan)
+    loading = peaks["load"] - plan.weight_bytes
+    assert abs(plan.loading_bytes - loading) <= 0.05 * plan.loading_bytes, (loading, plan)
+    return activations
+
+
+@pytest.mark.parametrize("batching", ["static", "continuous"])
+@pytest.mark.parametrize("name", ["1b", "8b"])
+def test_the_plan_predicts_a_generation_runs_peak_within_5_percent(tmp_path, monkeypatch,
+                                                                   name, batching):
+    """4 prompts of up to 96 tokens and 3 new ones through the 1B and 8B shapes (cut)."""
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    cfg = shape(name)
+    b, plan, peaks = measure_and_plan(MPI.COMM_SELF, tmp_path, cfg, (96, 65, 96, 80),
+                                      [f"generate.batching='{batching}'"])
+    activations = check_each_term(b, plan, peaks)
+    # the activations are a good part of the peak here: the check above is not the weights'
+    assert activations > 0.3 * plan.weight_bytes
+
+
+VARIANTS = {
+    "bfloat16": ({}, ["model.dtype='bfloat16'"], 2),
+    "top-k sampling, penalties": ({}, ["generate.temperature=0.7", "generate.top_k=20",
+                                       "generate.repetition_penalty=1.2"], 4),
+    "rows in flight, micro-batches": ({}, ["generate.batch_size=2", "parallel.micro_batches=2"],
+                                      4),
+    "qwen3 q/k norms": ({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+                         "tie_word_embeddings": False}, [], 4),
+    "gemma geglu": ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"],
+                     "hidden_act": "gelu_pytorch_tanh"}, [], 4),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_plan_follows_dtype_sampling_batching_and_family(tmp_path, monkeypatch, variant):
+    """The terms that differ: logits cast from bfloat16, sampling's temporaries, fewer rows
+    in flight than a micro-batch's, per-head norms before rotary, GeGLU's reference."""
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    changes, sets, itemsize = VARIANTS[variant]
+    cfg = dict(shape("1b"), **changes)
+    check_each_term(*measure_and_plan(MPI.COMM_SELF, tmp_path, cfg, (32, 20, 32, 9, 27),
+                                      sets, itemsize=itemsize))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("split", ["tp", "pp"])
+def test_the_plan_predicts_each_ranks_peak_under_tp_and_pp(comm, mpi_tmp_path, monkeypatch,
+                                                           split):
+    """Every rank's own peak: its tp slices (KV heads split), or its pipeline stage (the
+    embedding's, or the head's)."""
+    if comm.Get_size() != 2:
+        pytest.skip("a layout of 2 ranks")
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    cfg = dict(shape("8b"), num_hidden_layers=4, num_key_value_heads=2)
+    check_each_term(*measure_and_plan(comm, mpi_tmp_path / split, cfg, (32, 20, 32, 27),
+                                      tp=2 if split == "tp" else 1,
+                                      pp=2 if split == "pp" else 1))
+
+
+def test_plan_prints_the_activation_bound_and_the_peak():
+    cfg = ModelConfig.from_hf(preset_config("llama3-1b"))
+    text = format_plan(cfg, ParallelConfig(tp=2), 8, 512, 64, 2, "llama3-1b")
+    (stage,) = plan_stages(cfg, ParallelConfig(tp=2), 8, 512, 64, 2)
+    assert stage.activation_bytes > 0 and stage.peak_bytes == (
+        stage.weight_bytes + stage.kv_cache_bytes + stage.activation_bytes)
+    assert "activations" in text and "extra" not in text
+    assert f"{stage.peak_bytes / 1e9:.2f} GB at its peak" in text
+
+
+@pytest.mark.parametrize("backend", ["numpy", "strict"])
+def test_loaded_matrices_lie_where_the_products_read_them_and_merge_as_they_lie(tmp_path,
+                                                                               backend):
+    """q/k/v and gate/up are read into one matrix each, o and down alone: on the host
+    transposed ([in, out] contiguous, NumPy's fast operand), on a device as they are ([out,
+    in], each part one upload into its rows); the stage's merged projections are those
+    matrices themselves, and its logits those of a stage built from separate tensors."""
+    cfg = dict(preset_config("tiny"), num_hidden_layers=2)
+    init_checkpoint(tmp_path / "model.h5", cfg)
+    ckpt = open_checkpoint(tmp_path / "model.h5")
+    be = select_backend(backend)
+    span = StageSpan(range(2))
+    specs = stage_tensors(ckpt.config, span.layers, True, True)
+    stacks = matrix_stacks(specs, span)
+    assert ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight") in stacks
+    shard = load_shard(ckpt, specs, backend=be, stacks=stacks)
+    qkv, first = shard.placed["model.layers.0.self_attn.k_proj.weight"]
+    assert first == cfg["hidden_size"] and qkv.shape[0] == cfg["hidden_size"] + 2 * 16
+    assert (qkv.T if backend == "numpy" else qkv).flags.c_contiguous
+    tp, ops = create_communicator(MPI.COMM_SELF, "mpi"), ops_for(be)
+    stage = DecoderStage.from_tensors(ckpt.config, specs, shard.tensors, span, tp, ops,
+                                      np.dtype(np.float32), placed=shard.placed)
+    assert stage.decoder[0].attention.qkv.weights[0].data is qkv
+    apart = DecoderStage.from_tensors(ckpt.config, specs, load_shard(ckpt, specs,
+                                                                     backend=be).tensors,
+                                      span, tp, ops, np.dtype(np.float32))
+    ids = be.xp.asarray(np.arange(1, 7)[None])
+    from hpcpar.parallel.ops import AttentionRows
+    rows = AttentionRows.build(be.xp, np.array([6]), np.array([6]), from_start=True)
+    got, want = (be.to_host(s.logits(s.forward(s.embed(ids), rows, None)))
+                 for s in (stage, apart))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
