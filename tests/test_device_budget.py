@@ -255,3 +255,21 @@ def test_gradient_buckets_are_spans_of_the_buffer_the_optimizer_steps():
         assert all(np.shares_memory(reducer.buckets[b], params[i].grad) for i in members)
     params[0].grad[...] = 7.0                   # the last of the second bucket
     np.testing.assert_array_equal(reducer.buckets[1][-12:], 7.0)
+
+
+def test_a_kernels_own_reads_are_not_the_steps(tmp_path, monkeypatch):
+    """With the device's kernels, a prefill and a decode step over more than one tile of
+    keys read the device once each: the attention reference's read of the tiles it may skip
+    is what the device kernel does on the device (it was counted as the step's reads)."""
+    from hpcpar.checkpoint import init_checkpoint, preset_config
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    init_checkpoint(tmp_path / "model.h5", dict(preset_config("tiny"), num_hidden_layers=2,
+                                                max_position_embeddings=512))
+    job = load_job(None, [f"model.checkpoint='{tmp_path / 'model.h5'}'",
+                          "parallel.backend='strict'", "generate.max_new_tokens=4",
+                          "generate.stop_at_eos=false"])
+    b = Budget()
+    with b.counting():
+        run_generation(MPI.COMM_SELF, job, prompts=Prompts([np.arange(1, 300) % 200]),
+                       progress=False)
+    assert [s.reads for s in b.per_run("prefill") + b.per_run("decode")] == [1] * 4

@@ -203,8 +203,11 @@ def test_strict_arrays_refuse_implicit_host_conversion_and_mixing():
     b = np.exp(a) @ a.T                   # NumPy functions on device arrays stay on the device
     assert isinstance(b, xp.ndarray)
     np.testing.assert_allclose(b.get(), np.exp(a.get()) @ a.get().T, rtol=1e-6)
-    a[0] = np.array([7, 8, 9])            # host-to-device copy into a slice: allowed, as CuPy
-    assert a.get()[0].tolist() == [7, 8, 9] and float(a.sum()) == 36.0
+    with pytest.raises(ValueError, match="non-scalar numpy.ndarray cannot be used for fill"):
+        a[0] = np.array([7, 8, 9])        # CuPy 14 fills a view from scalars alone (H100)
+    a[0].set(np.array([7, 8, 9], dtype=np.float32))     # the host-to-device copy it takes
+    a[1] = 2.0                                           # and a scalar fill
+    assert a.get().tolist() == [[7, 8, 9], [2, 2, 2]] and float(a.sum()) == 30.0
 
 
 def test_free_memory_on_a_gpu_is_the_drivers_free_plus_the_pools_free_blocks():

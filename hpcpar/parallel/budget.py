@@ -103,6 +103,8 @@ class Budget:
         self._transfer("uploads")
 
     def _transfer(self, kind: str) -> None:
+        if self._fused:         # a kernel's reference (its tiles to skip): the device's work
+            return
         kind = "staged" if self._staging else kind        # a communicator's, counted apart
         for c in self._open:
             setattr(c, kind, getattr(c, kind) + 1)
