@@ -59,10 +59,7 @@ def test_a_stopped_generation_resumes_to_the_uninterrupted_file(work):
                              "--wave-size", "2"], cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     partial = work / ".stopped.h5.partial"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not partial.exists():
-        time.sleep(0.01)
-    time.sleep(0.05)                     # (a signal before the first wave stops after it)
+    _wait_for_a_saved_wave(partial, time.monotonic() + 60)
     ranks = [p for p in _descendants(proc.pid)
              if b"hpcpar" in open(f"/proc/{p}/cmdline", "rb").read()]
     os.kill(ranks[0], signal.SIGTERM)
@@ -80,6 +77,21 @@ def test_a_stopped_generation_resumes_to_the_uninterrupted_file(work):
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     assert not partial.exists()
+
+
+def _wait_for_a_saved_wave(partial, deadline: float) -> None:
+    """Until the running job's partial file holds a finished wave: a signal within the first
+    wave would leave nothing saved (a fixed sleep after the file appeared was too short on a
+    loaded machine, one run in four). Read without HDF5's lock, retried while it is written."""
+    while time.monotonic() < deadline:
+        try:
+            with h5py.File(partial, "r", locking=False) as f:
+                if int(f["done"][()].sum()) > 0:
+                    return
+        except (OSError, KeyError):            # not there yet, or caught mid-write
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"no wave saved in {partial} within the time allowed")
 
 
 def test_resuming_with_other_settings_is_refused(work):
