@@ -119,6 +119,17 @@ class ArrayBackend:
 NUMPY = ArrayBackend("numpy", np)
 
 
+def array_module(a) -> ModuleType:
+    """The array module of ``a``: NumPy, CuPy, or the strict test backend's."""
+    if hasattr(a, "__cuda_array_interface__"):
+        import cupy
+        return cupy
+    if type(a).__module__ == "hpcpar.parallel.strict":
+        from .strict import xp
+        return xp
+    return np
+
+
 class DeviceClock:
     """Seconds of device work summed over many intervals.
 

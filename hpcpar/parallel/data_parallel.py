@@ -27,6 +27,7 @@ from time import perf_counter
 
 import numpy as np
 
+from .backend import array_module
 from .comm import Communicator, Request
 from .comm.agreement import trusted
 from .errors import HpcparError
@@ -233,8 +234,8 @@ def grad_norm(params: list[Parameter], group: Communicator | None = None) -> flo
     equal after the reduction. A group that includes a parameter's dp replicas, or leaves
     out its other replicas, is an error (each would count a wrong number of copies)."""
     _check_norm_group(params, group)
-    sq = np.array([local_sq_norm(params, group.xp if group is not None else np)
-                   if params else 0.0])
+    xp = group.xp if group is not None else array_module(params[0].grad) if params else np
+    sq = np.array([local_sq_norm(params, xp) if params else 0.0])
     if group is not None and group.size > 1:
         with trusted():
             group.on_host().all_reduce(sq)

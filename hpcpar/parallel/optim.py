@@ -19,6 +19,7 @@ from typing import Mapping
 
 import numpy as np
 
+from .backend import array_module
 from .errors import HpcparError
 from .flat import Flat, spans
 from .optim_layout import Block, Group, plan
@@ -266,18 +267,6 @@ def _check_names(names: list[str]) -> None:
         raise HpcparError("optimizer state by name needs unique, non-empty parameter names: "
                           "build the optimizer from hp.named_parameters(model) (or "
                           "layer.named_parameters())")
-
-
-def array_module(a):
-    """The array module of ``a``: NumPy, CuPy, or the strict test backend's."""
-    if hasattr(a, "__cuda_array_interface__"):
-        import cupy
-        return cupy
-    if type(a).__module__ == "hpcpar.parallel.strict":
-        from .strict import xp
-        return xp
-    import numpy
-    return numpy
 
 
 def AdamW(params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
