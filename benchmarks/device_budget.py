@@ -7,6 +7,7 @@ do not depend on how many there are), per run of a phase and per decoder layer.
 
     python benchmarks/device_budget.py                       # 1B and 8B shapes, 2 layers
     python benchmarks/device_budget.py --shapes 1b --train   # and a training step's
+    python benchmarks/device_budget.py --shapes 1b --train --fused-optimizer
     mpiexec -n 2 python benchmarks/device_budget.py --tp 2   # a layout: its staged copies
 
 Beside each generation table, the plan's prediction of rank 0's peak (``hpcpar plan``'s
@@ -84,7 +85,8 @@ def training_budget(checkpoint: Path, args, out: Path) -> Budget:
     job = load_job(None, [f"model.checkpoint='{checkpoint}'", *layout(args),
                           "data.dataset='synthetic'", "train.steps=3",
                           f"train.global_batch={args.batch}", f"train.seq_len={args.prompt}",
-                          f"output.path='{out}'", "parallel.micro_batches=1"])
+                          f"output.path='{out}'", "parallel.micro_batches=1",
+                          f"train.fused={str(args.fused_optimizer).lower()}"])
     budget = Budget()
     with budget.counting():
         run_training(MPI.COMM_WORLD, job, progress=False)
@@ -150,6 +152,8 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=_positive, default=4)
     ap.add_argument("--vocab", type=int, default=0, help="0: the shape's own")
     ap.add_argument("--train", action="store_true", help="a training step's budget too")
+    ap.add_argument("--fused-optimizer", action="store_true",
+                    help="the training step's optimizer as its one fused kernel")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--native", action="store_true",
@@ -184,7 +188,8 @@ def main(argv=None) -> None:
             if args.train:
                 budget = training_budget(checkpoint, args, Path(tmp) / f"run-{shape}")
                 if rank0:
-                    print(table(f"{title}: a training step, AdamW, {args.batch} x "
+                    adamw = "AdamW, fused" if args.fused_optimizer else "AdamW"
+                    print(table(f"{title}: a training step, {adamw}, {args.batch} x "
                                 f"{args.prompt} tokens", rows(budget, TRAINING_PHASES)) + "\n")
             checkpoint.unlink(missing_ok=True) if rank0 else None
 

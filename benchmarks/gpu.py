@@ -10,7 +10,8 @@ Workloads (random weights of the Llama-3.2-1B / Llama-3.1-8B shapes, bfloat16):
   at its best; the first, compiling call is not timed);
 - decode with ``--cuda-graphs`` (``--cuda-graphs`` here): each decode step a replayed CUDA
   graph, a row of its own beside the eager decode;
-- training (``--train``, 1B only by default): tokens/s of full steps (forward, backward,
+- training (``--train``, 1B only by default; ``--fused-optimizer``: a row with the optimizer
+  step as one kernel too): tokens/s of full steps (forward, backward,
   AdamW over float32 masters, bf16 compute, 8 x 1024 tokens per step in 2 micro-batches) of
   hpcpar against torch as its users run it: LlamaForCausalLM in float32 under bf16 autocast,
   sdpa attention, ``AdamW(fused=True)``; the first steps (compiling, allocating) are not timed;
@@ -102,8 +103,9 @@ def run_hpcpar(checkpoint: Path, prompts: np.ndarray, new_tokens: int,
             "tokens": result.tokens, **figures}
 
 
-def run_hpcpar_train(checkpoint: Path, args, out: Path) -> float:
-    """Tokens/s of the steps after the first two (metrics.jsonl of one run)."""
+def run_hpcpar_train(checkpoint: Path, args, out: Path, fused: bool = False) -> float:
+    """Tokens/s of the steps after the first two (metrics.jsonl of one run); ``fused``:
+    with ``--fused-optimizer``."""
     from mpi4py import MPI
     from hpcpar.jobs.job import load_job
     from hpcpar.jobs.train.engine import run_training
@@ -111,7 +113,7 @@ def run_hpcpar_train(checkpoint: Path, args, out: Path) -> float:
             "model.dtype='bfloat16'", "data.dataset='synthetic'",
             f"train.seq_len={args.train_seq_len}", f"train.global_batch={args.train_batch}",
             f"train.steps={args.train_steps}", "parallel.micro_batches=2", "train.lr=1e-5",
-            f"output.path='{out}'"]
+            f"output.path='{out}'", f"train.fused={str(fused).lower()}"]
     run_training(MPI.COMM_SELF, load_job(None, sets), progress=False)
     timed = [json.loads(line) for line in open(out / "metrics.jsonl")][2:]
     return sum(m["tokens"] for m in timed) / sum(m["seconds"] for m in timed)
@@ -200,6 +202,8 @@ def main(argv=None) -> None:
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="hpcpar's decode also with --cuda-graphs (a row of its own)")
     ap.add_argument("--train", default="1b", help="models to train ('' for none)")
+    ap.add_argument("--fused-optimizer", action="store_true",
+                    help="hpcpar's training also with --fused-optimizer (a row of its own)")
     ap.add_argument("--train-batch", type=int, default=8)
     ap.add_argument("--train-seq-len", type=int, default=1024)
     ap.add_argument("--train-steps", type=int, default=6, help="the first two are not timed")
@@ -242,12 +246,19 @@ def main(argv=None) -> None:
             cp.get_default_memory_pool().free_all_blocks()
             trained = run_hpcpar_train(path, args, work / f"train-{name}")
             cp.get_default_memory_pool().free_all_blocks()
+            fused = (run_hpcpar_train(path, args, work / f"train-{name}-fused", fused=True)
+                     if args.fused_optimizer else None)
+            cp.get_default_memory_pool().free_all_blocks()
             torch_tps = run_torch_train(path, args)
-            print(f"{name}: training hpcpar {trained:,.0f} tok/s, torch {torch_tps:,.0f}",
-                  flush=True)
+            print(f"{name}: training hpcpar {trained:,.0f} tok/s"
+                  + (f" ({fused:,.0f} with --fused-optimizer)" if fused else "")
+                  + f", torch {torch_tps:,.0f}", flush=True)
+            floor = probe["gemm_tflops"] * 1e12 / (6 * n_matrix)
             rows.append({"workload": f"train-{name}-bf16", "phase": "train", "hpcpar": trained,
-                         "torch": torch_tps,
-                         "floor": probe["gemm_tflops"] * 1e12 / (6 * n_matrix)})
+                         "torch": torch_tps, "floor": floor})
+            if fused:
+                rows.append({"workload": f"train-{name}-bf16", "phase": "train-fused",
+                             "hpcpar": fused, "torch": torch_tps, "floor": floor})
         cp.get_default_memory_pool().free_all_blocks()
         model = transformers_model(path)
         eager = run_transformers(model, prompts, args.new_tokens, compiled=False)

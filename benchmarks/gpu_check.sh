@@ -15,7 +15,8 @@
 #   summary.txt             each step's exit status
 # A step that fails is reported and the next runs: the point is to see everything at once.
 # Each step has a time limit, so a lease's few minutes see every step: GPU_CHECK_BENCH sets
-# benchmarks/gpu.py's arguments (default: 1B and 8B, +128, with --cuda-graphs),
+# benchmarks/gpu.py's arguments (default: 1B and 8B, +128, with --cuda-graphs and
+# --fused-optimizer),
 # GPU_CHECK_BUDGET=0 skips the device budget (a CPU count: the same here as there), a step's
 # GPU_CHECK_*_SECONDS its limit (GPU_CHECK_SUITE_SECONDS=0 skips the CuPy suite).
 set -uo pipefail
@@ -84,7 +85,7 @@ step gpu-tests "${GPU_CHECK_TESTS_SECONDS:-180}" python3 -m pytest -q -m gpu -p 
 [[ "${GPU_CHECK_BUDGET:-1}" == 0 ]] || step budget 120 python3 benchmarks/device_budget.py --shapes 1b
 # shellcheck disable=SC2086
 step benchmark "${GPU_CHECK_BENCH_SECONDS:-420}" python3 benchmarks/gpu.py \
-  ${GPU_CHECK_BENCH:---models 1b,8b --new-tokens 128 --cuda-graphs}
+  ${GPU_CHECK_BENCH:---models 1b,8b --new-tokens 128 --cuda-graphs --fused-optimizer}
 [[ "${GPU_CHECK_SUITE_SECONDS:-150}" == 0 ]] || step cupy-suite "${GPU_CHECK_SUITE_SECONDS:-150}" env HPCPAR_BACKEND=cupy python3 -m pytest -q -x -m "not mpi" \
   -p no:cacheprovider tests/test_model.py tests/test_generate_cli.py tests/test_logprobs.py \
   tests/test_samples.py

@@ -226,6 +226,44 @@ def test_an_optimizer_step_makes_the_same_few_operations_for_any_number_of_tenso
     assert steps[2] == steps[4] == [(13 + 2 + 1, 0, 1)] * 3, steps
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_fused_optimizer_is_one_operation_and_the_same_weights(tmp_path, monkeypatch,
+                                                                     optimizer):
+    """``--fused-optimizer`` on the GPU's path (the strict backend, HPCPAR_OPS=device): the
+    whole step, weight decay of the matrices alone and the clipping's scale included, is one
+    kernel per run of the flat buffers (one here) and allocates nothing (the passes' scratch
+    is gone); the trained weights and optimizer state are the passes' to the bit."""
+    import h5py
+    from hpcpar.checkpoint import init_checkpoint
+    from hpcpar.jobs.train.engine import run_training
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    init_checkpoint(tmp_path / "m.h5", "tiny")
+    np.save(tmp_path / "rows.npy", np.random.default_rng(0).integers(1, 200, (4, 12)))
+    counts, saved = {}, {}
+    for fused in (False, True):
+        out = tmp_path / f"o-{fused}"
+        job = load_job(None, [f"model.checkpoint='{tmp_path / 'm.h5'}'",
+                              "parallel.backend='strict'", f"train.optimizer='{optimizer}'",
+                              f"data.dataset='{tmp_path / 'rows.npy'}'", "train.steps=3",
+                              "train.global_batch=2", "train.weight_decay=0.1",
+                              "train.momentum=0.9" if optimizer == "sgd" else "train.eps=1e-6",
+                              "train.clip_grad=1e-3", "train.lr=0.01",
+                              f"train.fused={str(fused).lower()}", f"output.path='{out}'"])
+        b = Budget()
+        with b.counting():
+            run_training(MPI.COMM_SELF, job, progress=False)
+        counts[fused] = [(c.ops, c.allocations) for c in b.per_run("optimizer")]
+        with h5py.File(out / "step-3.h5") as f:
+            saved[fused] = {}
+            f.visititems(lambda name, d: saved[fused].__setitem__(name, d[()])
+                         if isinstance(d, h5py.Dataset) else None)
+    passes = 13 + 2 + 1 if optimizer == "adamw" else 8      # (SGD: 7 at its first step)
+    assert counts[True] == [(1, 0)] * 3 and counts[False][-1] == (passes, 1), counts
+    assert saved[True].keys() == saved[False].keys() and len(saved[True]) > 20
+    for name, value in saved[False].items():
+        np.testing.assert_array_equal(saved[True][name], value, err_msg=name)
+
+
 def test_gradient_buckets_are_spans_of_the_buffer_the_optimizer_steps():
     """A GradientReducer's buckets are views of one flat gradient buffer, its params in
     bucket order: a gradient written is in its bucket (nothing is copied in or out), and an

@@ -272,3 +272,74 @@ def test_graphed_decode_on_the_gpu_gives_the_eager_steps(tmp_path, monkeypatch, 
     assert replays.count(True) >= 5
     assert graphed.tokens.tolist() == eager.tokens.tolist()
     np.testing.assert_allclose(graphed.logprobs.values, eager.logprobs.values, atol=2e-2)
+
+
+@pytest.mark.parametrize("rule", ["adamw", "sgd"])
+@pytest.mark.parametrize("compute", [None, "float16", "bfloat16"])
+def test_the_fused_optimizer_kernel_makes_the_references_roundings(cp, rule, compute):
+    """--fused-optimizer's one kernel against the reference's passes on the host: float32
+    master weights, gradients and states equal to the bit (the kernel is compiled without
+    fused multiply-adds, so it rounds where the passes do), a 16-bit compute copy too; over
+    weight decay on all, some (a mask) and none of the elements, a first step and a later one
+    with a gradient scale (clipping)."""
+    from hpcpar.parallel.ops import OptimizerUpdate, UpdateStep
+    from hpcpar.parallel.ops.cuda.optimizer_update import OptimizerUpdateCuda
+    from hpcpar.parallel.optim_layout import Block
+    from hpcpar.parallel.optim_settings import OptimizerSettings
+    from hpcpar.parallel.dtypes import float_dtype
+    rng = np.random.default_rng(7)
+    n = 100_003
+    s = OptimizerSettings(rule, lr=3e-3, weight_decay=0.1, momentum=0.9, betas=(0.9, 0.95),
+                          eps=1e-8)
+    f32 = np.float32
+    ref = {"master": rng.standard_normal(n).astype(f32),
+           "grad": (rng.standard_normal(n) * 1e-2).astype(f32)}
+    if rule == "adamw":
+        ref["exp_avg"] = (rng.standard_normal(n) * 1e-3).astype(f32)
+        ref["exp_avg_sq"] = (np.abs(rng.standard_normal(n)) * 1e-5).astype(f32)
+    else:
+        ref["momentum_buffer"] = (rng.standard_normal(n) * 1e-2).astype(f32)
+    dev = {k: cp.asarray(v) for k, v in ref.items()}
+    if compute:
+        ref["data"] = ref["master"].astype(float_dtype(compute))
+        dev["data"] = dev["master"].astype(compute)
+    mask = rng.random(n) < 0.4
+    update = getattr(OptimizerUpdate(np), rule)
+    fused = getattr(OptimizerUpdateCuda(cp), rule)
+    for decay in ("all", "some", "none"):
+        for count, scale in ((1, 1.0), (2, 0.37)):
+            step = UpdateStep(s.lr, count, scale)
+            update(ref, s, step, Block(0, n, decay, mask if decay == "some" else None),
+                   np.empty(n, f32))
+            fused(dev, s, step, Block(0, n, decay, cp.asarray(mask) if decay == "some" else None))
+            for k, want in ref.items():
+                np.testing.assert_array_equal(host(cp, dev[k]), want.astype(f32),
+                                              err_msg=f"{k} after {decay}, step {count}")
+
+
+def test_training_with_the_fused_optimizer_gives_the_passes_weights(tmp_path):
+    """A bfloat16 training job on CuPy, AdamW with weight decay and clipping, with and without
+    --fused-optimizer: the same losses and the same saved weights, to the bit."""
+    import h5py
+    from mpi4py import MPI
+    from hpcpar.checkpoint import init_checkpoint
+    from hpcpar.jobs.job import load_job
+    from hpcpar.jobs.train.engine import run_training
+    init_checkpoint(tmp_path / "m.h5", "tiny")
+    np.save(tmp_path / "rows.npy", np.random.default_rng(0).integers(1, 200, (4, 12)))
+    saved = {}
+    for fused in (False, True):
+        out = tmp_path / f"o-{fused}"
+        run_training(MPI.COMM_SELF, load_job(None, [
+            f"model.checkpoint='{tmp_path / 'm.h5'}'", "parallel.backend='cupy'",
+            "model.dtype='bfloat16'", f"data.dataset='{tmp_path / 'rows.npy'}'",
+            "train.steps=3", "train.global_batch=2", "train.weight_decay=0.1",
+            "train.clip_grad=1e-3", "train.lr=0.01", f"train.fused={str(fused).lower()}",
+            f"output.path='{out}'"]), progress=False)
+        with h5py.File(out / "step-3.h5") as f:
+            saved[fused] = {}
+            f.visititems(lambda name, d: saved[fused].__setitem__(name, d[()])
+                         if isinstance(d, h5py.Dataset) else None)
+    assert saved[True].keys() == saved[False].keys()
+    for name, value in saved[False].items():
+        np.testing.assert_array_equal(saved[True][name], value, err_msg=name)

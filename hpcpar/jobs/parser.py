@@ -38,6 +38,7 @@ JOB_FLAGS = {
 TRAIN_FLAGS = {
     "data": ("data", "dataset"), "schedule": ("parallel", "schedule"),
     "virtual_stages": ("parallel", "virtual_stages"),
+    "fused_optimizer": ("train", "fused"),
     **{k: ("train", k) for k in (
         "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
         "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
@@ -189,6 +190,8 @@ def _train_flags(p) -> None:
     p.add_argument("--recompute", choices=["none", "full"])
     p.add_argument("--zero", type=int, choices=[0, 1],
                    help="1: split the optimizer state over the dp replicas (ZeRO-1)")
+    p.add_argument("--fused-optimizer", action="store_const", const=True,
+                   help="on a GPU, the optimizer step as one kernel (not run on a GPU yet)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps (and at the end)")
     p.add_argument("--resume", help="a training checkpoint, or auto (DIR/latest)")
     p.add_argument("--shuffle", action="store_const", const=True,

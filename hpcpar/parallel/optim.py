@@ -8,12 +8,13 @@ applies to matrices (embeddings and linear weights), not to norm weights or bias
 Every update is elementwise, so it runs on each rank's shard as it is, and on many tensors
 at once: a step is a fixed number of passes over flat buffers (master weights, gradients and
 each state one contiguous array per dtype, each parameter's a view; ``optim_layout``), the
-gradient scale (clipping) and the weight decay among them, whatever the number of tensors.
+gradient scale (clipping) and the weight decay among them, whatever the number of tensors;
+with ``fused`` (torch's ``fused=True``) one kernel on a GPU (the update's math, written once:
+``ops.optimizer_update``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -22,7 +23,8 @@ import numpy as np
 from .backend import array_module
 from .errors import HpcparError
 from .flat import Flat, spans
-from .optim_layout import Block, Group, plan
+from .ops import UpdateStep, optimizer_update
+from .optim_layout import Group, plan
 from .optim_settings import OptimizerSettings
 from .params import Parameter
 
@@ -75,8 +77,10 @@ class Optimizer:
         # same passes over whole runs: 0.62-0.71 s; ``benchmarks/optimizer.py``). A device
         # (a GPU, or the strict backend that stands in for one) takes each run whole: one
         # kernel per pass, through a scratch made for the step (the memory pool hands it
-        # to the next forward) rather than one held for good.
+        # to the next forward) rather than one held for good; with ``fused``
+        # (``--fused-optimizer``) one kernel a run and no scratch (``ops.optimizer_update``).
         self.block = BLOCK if xp is np else None
+        self.update = optimizer_update(xp, settings.fused)
         self.groups = plan(xp, params, self.block, settings.weight_decay)
         self._bound = [(p, a, getattr(p, a)) for g in self.groups for p in g.params
                        for a in g.attrs]
@@ -148,23 +152,24 @@ class Optimizer:
         for reducer in _reducers(self.params):
             reducer.use_for_step()
         self.steps += 1
-        update = self._sgd if self.s.optimizer == "sgd" else self._adamw
+        update = getattr(self.update, self.s.optimizer)
+        step = UpdateStep(lr, self.steps, grad_scale)
         for g in self.groups:
             tmp = self._scratch_for(g)
             for run in g.runs:
                 arrays = {**run.arrays, **g.state_spans(run)}
                 for blk in run.blocks:
                     a = {k: v[blk.start:blk.stop] for k, v in arrays.items()}
-                    if grad_scale != 1.0:
-                        a["grad"] *= grad_scale
-                    update(a, tmp[:blk.stop - blk.start], lr, blk)
-                    if "data" in a:      # a 16-bit compute copy follows its master weights
-                        a["data"][...] = a["master"]
+                    update(a, self.s, step, blk,
+                           None if tmp is None else tmp[:blk.stop - blk.start])
 
     def _scratch_for(self, g: Group):
+        """The reference passes' scratch: a block's on the host (kept), a group's largest
+        run on a device for this step (the pool hands it to the next forward); none for the
+        fused kernel (the strict backend's stand-in for it makes its own)."""
         dtype = g.params[0].master.dtype
-        if self.block is None:                   # a device: for this step only
-            return self.xp.empty(g.largest, dtype=dtype)
+        if self.block is None:
+            return None if self.s.fused else self.xp.empty(g.largest, dtype=dtype)
         if dtype not in self._scratch:
             self._scratch[dtype] = self.xp.empty(self.block, dtype=dtype)
         return self._scratch[dtype]
@@ -179,57 +184,6 @@ class Optimizer:
                     f"not the array the optimizer steps: a new array was assigned to it"
                     f"{_MOVED if attr == 'grad' else ''}; write into it in place "
                     f"(p.{attr}[...] = ..., p.{attr} += ...)")
-
-    def _sgd(self, a: dict, tmp, lr: float, blk: Block) -> None:
-        """torch's SGD (momentum without dampening), elementwise over one block."""
-        s, xp = self.s, self.xp
-        w, g = a["master"], a["grad"]
-        if s.weight_decay and blk.decay != "none":       # torch: g = g + wd * w
-            xp.multiply(w, s.weight_decay, out=tmp)
-            if blk.decay == "some":
-                xp.multiply(tmp, blk.mask, out=tmp)   # 0 where it does not decay: g + 0 is g
-            tmp += g
-            g = tmp
-        if s.momentum:
-            buf = a["momentum_buffer"]
-            if self.steps == 1:                       # torch: the buffer starts as the grad
-                buf[...] = g
-            else:
-                buf *= s.momentum
-                buf += g
-            g = buf
-        if g is tmp:                                  # w -= lr * g
-            tmp *= lr
-        else:
-            xp.multiply(g, lr, out=tmp)
-        w -= tmp
-
-    def _adamw(self, a: dict, tmp, lr: float, blk: Block) -> None:
-        """torch's single-tensor AdamW, elementwise over one block."""
-        s, xp = self.s, self.xp
-        w, g, m, v = a["master"], a["grad"], a["exp_avg"], a["exp_avg_sq"]
-        b1, b2 = s.betas
-        decay = 1.0 - lr * s.weight_decay
-        if blk.decay == "all" and decay != 1.0:        # torch: param.mul_(1 - lr * wd)
-            w *= decay
-        elif blk.decay == "some" and decay != 1.0:
-            xp.multiply(w, decay, out=tmp)
-            xp.copyto(w, tmp, where=blk.mask)
-        xp.subtract(g, m, out=tmp)                      # torch: exp_avg.lerp_(grad, 1 - b1)
-        tmp *= 1.0 - b1
-        m += tmp
-        v *= b2                              # exp_avg_sq.mul_(b2).addcmul_(g, g, 1 - b2)
-        xp.multiply(g, g, out=tmp)
-        tmp *= 1.0 - b2
-        v += tmp
-        bc1 = 1.0 - b1 ** self.steps
-        bc2_sqrt = math.sqrt(1.0 - b2 ** self.steps)
-        xp.sqrt(v, out=tmp)                             # denom = sqrt(v) / sqrt(bc2) + eps
-        tmp /= bc2_sqrt
-        tmp += s.eps
-        xp.divide(m, tmp, out=tmp)                      # param.addcdiv_(m, denom, -lr / bc1)
-        tmp *= lr / bc1
-        w -= tmp
 
 
 _WHAT = {"grad": "gradient", "master": "master weights", "data": "compute copy"}
@@ -270,21 +224,23 @@ def _check_names(names: list[str]) -> None:
 
 
 def AdamW(params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-          weight_decay: float = 1e-2, xp=None) -> Optimizer:
+          weight_decay: float = 1e-2, xp=None, fused: bool = False) -> Optimizer:
     """torch.optim.AdamW over ``params`` (a list, or a dict by name), with its defaults;
     the decay applies to the params whose ``decay`` is set (matrices: the layers make
-    biases and norm weights without)."""
+    biases and norm weights without). ``fused``: on a GPU the whole step is one kernel
+    (not run on a GPU yet: off by default)."""
     settings = OptimizerSettings("adamw", lr=lr, betas=tuple(betas), eps=eps,
-                                 weight_decay=weight_decay)
+                                 weight_decay=weight_decay, fused=fused)
     params = params if isinstance(params, Mapping) else list(params)
     return Optimizer(settings, params, xp or _module_of(params))
 
 
 def SGD(params, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
-        xp=None) -> Optimizer:
+        xp=None, fused: bool = False) -> Optimizer:
     """torch.optim.SGD over ``params`` (a list, or a dict by name; momentum without
-    dampening)."""
-    settings = OptimizerSettings("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
+    dampening); ``fused`` as ``AdamW``'s."""
+    settings = OptimizerSettings("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                 fused=fused)
     params = params if isinstance(params, Mapping) else list(params)
     return Optimizer(settings, params, xp or _module_of(params))
 

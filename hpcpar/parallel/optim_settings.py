@@ -31,6 +31,7 @@ class OptimizerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     clip_grad: float = 0.0
+    fused: bool = False          # on a GPU, one kernel a step (``ops.optimizer_update``)
 
     @classmethod
     def of(cls, section) -> "OptimizerSettings":

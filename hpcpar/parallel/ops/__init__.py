@@ -19,6 +19,7 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
     kv_write     a step's keys and values into the KV cache, each row at its own slots
     cross_entropy  the vocab-parallel cross-entropy's local pieces, and its backward
     top_k        the vocab-parallel sampling reductions: local candidates, and their merge
+    optimizer_update  AdamW / SGD over a span of flat buffers (``parallel.optim``)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .embedding import embedding_lookup
 from .geglu import GeGLU
 from .kv_write import KVWrite
 from .linear import Linear, linear, linear_input_grad
+from .optimizer_update import OptimizerUpdate, UpdateStep
 from .rms_norm import RMSNorm
 from .rotary import Rotary
 from .swiglu import SwiGLU
@@ -80,6 +82,25 @@ def check_ops(backend: str) -> None:
                           "strict, or HPCPAR_BACKEND=strict with no --backend) or a GPU")
 
 
+def optimizer_update(xp, fused: bool) -> OptimizerUpdate:
+    """The optimizer's update of a span: the reference's passes; with ``fused``
+    (``--fused-optimizer``) on a GPU one kernel a span (``ops/cuda/optimizer_update``), and on
+    the strict backend under ``HPCPAR_OPS=device`` the reference counted as that kernel (the
+    device budget). On the host the reference runs cache-sized blocks, which read memory
+    about once already: ``fused`` changes nothing there."""
+    from ..environment import environment_value
+    module = getattr(xp, "__name__", "")
+    choice = environment_value("HPCPAR_OPS")
+    if fused and module == "cupy" and choice != "native":
+        from .cuda.optimizer_update import OptimizerUpdateCuda
+        return OptimizerUpdateCuda(xp)
+    if fused and module.startswith("hpcpar.parallel.strict") and choice == "device":
+        from .counted import counted_update
+        return counted_update(xp)
+    return OptimizerUpdate(xp)
+
+
 __all__ = ["Attention", "AttentionRows", "CrossEntropy", "GeGLU", "KVWrite", "Linear", "Ops",
-           "RMSNorm", "Rotary", "SwiGLU", "TopK", "embedding_lookup", "linear", "linear_input_grad", "native_ops",
-           "ops_for", "check_ops"]
+           "OptimizerUpdate", "RMSNorm", "Rotary", "SwiGLU", "TopK", "UpdateStep",
+           "embedding_lookup", "linear", "linear_input_grad", "native_ops", "ops_for",
+           "check_ops", "optimizer_update"]

@@ -19,6 +19,7 @@ from .cross_entropy import CrossEntropy
 from .geglu import GeGLU
 from .kv_write import KVWrite
 from .linear import Linear
+from .optimizer_update import OptimizerUpdate
 from .rms_norm import RMSNorm
 from .rotary import Rotary
 from .swiglu import SwiGLU
@@ -58,3 +59,9 @@ def counted_ops(xp) -> Ops:
     return Ops(xp, made["linear"], made["rms_norm"], made["rotary"], made["swiglu"],
                made["attention"], made["kv_write"], CrossEntropy(xp), TopK(xp), GeGLU(xp),
                device=True)
+
+
+def counted_update(xp) -> OptimizerUpdate:
+    """``--fused-optimizer``'s kernel on the strict backend: the reference's update of a
+    span, one operation (``ops/cuda/optimizer_update``)."""
+    return counted_class(OptimizerUpdate, ("adamw", "sgd"))(xp)
