@@ -207,3 +207,17 @@ def test_batch_results_need_a_json_lines_output(chat_model, tmp_path):
     (tmp_path / "requests.jsonl").write_text(json.dumps(REQUESTS[0]) + "\n")
     proc = _run(tmp_path, checkpoint, "out.h5")
     assert proc.returncode == 2 and "write them to a .jsonl" in proc.stderr, proc.stderr
+
+
+def test_a_batch_file_needs_the_models_tokenizer(tmp_path):
+    """A Batch API answer is text: on a checkpoint without a tokenizer even a token-id
+    prompt is one error before any work (it ran the whole batch, then failed on the text)."""
+    from hpcpar.checkpoint import init_checkpoint
+    init_checkpoint(tmp_path / "m.h5", "tiny")
+    (tmp_path / "requests.jsonl").write_text(json.dumps(
+        _request("a", COMPLETION, prompt=[1, 2, 3], logprobs=1)) + "\n")
+    proc = _run(tmp_path, tmp_path / "m.h5", "out.jsonl")
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    assert "the checkpoint holds no tokenizer" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.h5", "requests.jsonl"]

@@ -214,10 +214,45 @@ def test_the_data_parallel_lifecycle_refuses_what_would_drift(comm):
         opt.step()
     np.testing.assert_array_equal(params[0].data, -n * (n + 1))    # two equal steps
     opt.zero_grad()
+    for micro_batch in range(2):    # accumulation: reported once, after its last micro-batch
+        for p in params:
+            p.grad += (r + 1.0) * 10 ** micro_batch
+        if micro_batch == 1:
+            reducer.grads_done(params)
+    reducer.finish()
+    for p in params:
+        np.testing.assert_array_equal(p.grad, 11 * n * (n + 1) / 2)
+    opt.zero_grad()
+    params[0].grad += 1.0
+    reducer.grads_done(params[:1])   # its bucket's sum may start: a later addition is lost
+    with pytest.raises(hp.HpcparError, match="already reported complete in this step"):
+        reducer.grads_done(params[:1])
+    opt.zero_grad()
     params[0].grad = np.ones(3)                       # replaced: the sum would miss it
     with pytest.raises(hp.HpcparError, match="replaced by a new array"):
         reducer.finish()
     mesh.free()
+
+
+def test_a_partial_gradient_must_be_summed_before_the_norm_and_the_step(comm):
+    """A parameter whose tp replicas each add a part of its gradient (``partial_grad``):
+    a norm or a step before ``sum_partial_grads`` is an error (each replica would step
+    with its own part and the copies drift); after it, every copy takes the same step."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    tp = hp.Mesh(comm, {"tp": n}, timeout=60).group("tp")
+    p = hp.Parameter(np.zeros(4), replicas=tp, partial_grad=True, name="kv")
+    opt = hp.SGD([p], lr=1.0)
+    for _ in range(2):
+        opt.zero_grad()
+        p.grad += r + 1.0
+        with pytest.raises(hp.HpcparError, match="not summed since the last step"):
+            hp.grad_norm([p], tp)
+        with pytest.raises(hp.HpcparError, match="call sum_partial_grads"):
+            opt.step()
+        hp.sum_partial_grads([p])
+        assert hp.grad_norm([p], tp) == pytest.approx(2 * n * (n + 1) / 2)
+        opt.step()
+    np.testing.assert_array_equal(p.data, -n * (n + 1))      # two whole-gradient steps
 
 
 def _raises_everywhere(comm, fn, match):
@@ -339,8 +374,8 @@ def test_prepared_collectives_equal_the_calls_they_stand_for(comm):
 
 
 def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(comm):
-    """Label -1 adds nothing to the loss or the gradient, whatever its weight (torch's
-    ignore_index); labels outside the vocabulary and logits that are not this rank's block
+    """Label -1 adds nothing to the loss or the gradient, whatever its weight, and its
+    token loss and log-probability are 0 (torch's ignore_index); labels outside the vocabulary and logits that are not this rank's block
     are one error, not a number."""
     tp = hp.Mesh(comm, {"tp": comm.Get_size()}, timeout=30).group("tp")
     V, rows = 11, 5
@@ -353,6 +388,12 @@ def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(
     start = tp.rank * width
     block[:, :max(0, min(V - start, width))] = full[:, start:start + width]
     loss, ctx = ce.forward(block.copy(), labels, np.ones(rows))
+    per_token = torch.nn.functional.cross_entropy(torch.tensor(full), torch.tensor(labels),
+                                                  ignore_index=-1, reduction="none")
+    np.testing.assert_allclose(ce.token_losses(block.copy(), labels), per_token.numpy(),
+                               atol=1e-12)
+    logp, _ = ce.label_logprobs(block.copy(), labels)
+    np.testing.assert_allclose(logp, -per_token.numpy(), atol=1e-12)
     logits = torch.tensor(full, requires_grad=True)
     want = torch.nn.functional.cross_entropy(logits, torch.tensor(labels), ignore_index=-1,
                                              reduction="sum")
@@ -363,6 +404,8 @@ def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(
                                logits.grad.numpy()[:, start:start + width], atol=1e-12)
     with pytest.raises(hp.HpcparError, match="below the vocabulary's 11, or -1"):
         ce.forward(block.copy(), np.array([4, 11, 7, 0, 0]), np.ones(rows))
+    with pytest.raises(hp.HpcparError, match="floating-point logits and integer labels"):
+        ce.forward(block.astype(np.int64), labels, np.ones(rows))
     if tp.size > 1:
         with pytest.raises(hp.HpcparError, match=f"this rank's block of the logits, .rows, "
                                                  f"{width}."):

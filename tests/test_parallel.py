@@ -142,6 +142,33 @@ def test_bad_operands_are_one_clear_error():
         hp.DArray.from_full(np.ones((2, 3)), mesh, {"y": hp.Shard(0)})
 
 
+def test_16_bit_operands_take_every_activation_and_the_embedding_takes_integer_ids():
+    """FeedForward on bfloat16 operands computes silu and gelu_tanh in float32 and hands
+    the next product bfloat16 (it refused them, blaming the operands' dtypes); an embedding
+    given float ids refuses them (NumPy raised an IndexError)."""
+    import hpcpar.parallel as hp
+    from mpi4py import MPI
+    mesh = hp.Mesh(MPI.COMM_SELF, {"tp": 1})
+    rng = np.random.default_rng(0)
+    w1, w2, x = (rng.standard_normal(s) for s in [(4, 8), (8, 4), (3, 4)])
+    for activation in ("relu", "silu", "gelu_tanh"):
+        f, _ = hp.ACTIVATIONS[activation]
+        want = f(np, x.astype(bfloat16).astype(np.float64) @ w1.astype(bfloat16)
+                 .astype(np.float64)) @ w2.astype(bfloat16).astype(np.float64)
+        ffn = hp.FeedForward(*(hp.DArray.from_full(w.astype(bfloat16), mesh, {"tp": pl})
+                               for w, pl in ((w1, hp.Shard(1)), (w2, hp.Shard(0)))),
+                             activation=activation)
+        y, ctx = ffn.forward(hp.DArray.from_full(x.astype(bfloat16), mesh, {}))
+        assert y.dtype == bfloat16
+        got = y.full().astype(np.float64)
+        assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want), activation
+        dx, dw1, dw2 = ffn.backward(y.like(np.ones_like(y.local)), ctx)
+        assert dx.dtype == dw1.dtype == dw2.dtype == bfloat16
+    embedding = hp.VocabParallelEmbedding.from_full(mesh.group("tp"), np.ones((10, 4)))
+    with pytest.raises(hp.HpcparError, match="token ids are integers"):
+        embedding.forward(np.array([[1.5, 2.0]]))
+
+
 def test_micro_batches_split_and_join():
     import hpcpar.parallel as hp
     x = np.arange(20).reshape(10, 2)

@@ -166,3 +166,17 @@ def test_set_values_are_read_as_toml():
     assert parse_set("parallel.stage_layers=[2,1]") == ("parallel", "stage_layers", [2, 1])
     assert parse_set("generate.save_logits=true")[2] is True
     assert parse_set("model.checkpoint=dir/m.h5")[2] == "dir/m.h5"
+
+
+def test_prompts_given_to_the_library_are_integer_ids_one_row_each():
+    """A float id would be cut to an integer and a 2-D array read as one row: both are one
+    error when the ``Prompts`` are made; lists of ints are taken as arrays."""
+    from hpcpar.jobs.generate import Prompts
+    from hpcpar.parallel.errors import HpcparError
+    prompts = Prompts([[1, 2, 3], np.array([4], dtype=np.int32)])
+    assert [row.dtype for row in prompts.ids] == [np.int64, np.int64]
+    assert prompts.ids[0].tolist() == [1, 2, 3]
+    with pytest.raises(HpcparError, match="prompt 1 is a 1-D array of float64"):
+        Prompts([np.array([1, 2]), np.array([1.5, 2.0])])
+    with pytest.raises(HpcparError, match="prompt 0 is a 2-D array of int64"):
+        Prompts([np.array([[1, 2], [3, 4]])])

@@ -92,6 +92,7 @@ class GradientReducer:
         self.pending = {b: {id(p) for p in params}
                         for b, params in enumerate(self.bucket_params)}
         self.requests = []
+        self.reported: set[int] = set()     # params grads_done named in this step
         self.open, self.summed = True, False
 
     def step_begins(self) -> None:
@@ -99,11 +100,24 @@ class GradientReducer:
         self.open = self.summed = False
 
     def grads_done(self, params: list[Parameter]) -> None:
-        """These gradients are complete for this step: start any bucket now full."""
+        """These gradients are complete for this step: start any bucket now full. Name each
+        parameter once a step, when its last micro-batch's gradient is in: a bucket's sum
+        may start at once, and what is added after it would stay this replica's alone."""
         if not self.open:
             self._begin("grads_done")
         for p in params:
-            b = self.bucket_of[id(p)]
+            b = self.bucket_of.get(id(p))
+            if b is None:
+                raise HpcparError(f"GradientReducer.grads_done: parameter {_label(p, [])} is "
+                                  f"not one of this reducer's")
+            if id(p) in self.reported:
+                raise HpcparError(
+                    f"GradientReducer.grads_done: parameter {_label(p, self.params)} was "
+                    f"already reported complete in this step, and its bucket's sum over dp "
+                    f"may have started without what came after; with gradient accumulation "
+                    f"call grads_done in the last micro-batch's backward only (or not at "
+                    f"all: finish() sums every bucket)")
+            self.reported.add(id(p))
             waiting = self.pending.get(b)
             if waiting is None:
                 continue
@@ -212,8 +226,25 @@ def sum_partial_grads(params: list[Parameter]) -> None:
     the data-parallel ``finish`` (either order)."""
     with trusted():
         for p in params:
-            if p.partial_grad and p.replicas is not None and p.replicas.size > 1:
+            if owes_partial_sum(p):
                 p.replicas.all_reduce(p.grad)
+                p.partial_summed = True
+
+
+def owes_partial_sum(p: Parameter) -> bool:
+    """``p``'s replicas each add a part of its gradient (``sum_partial_grads`` sums them)."""
+    return p.partial_grad and p.replicas is not None and p.replicas.size > 1
+
+
+def check_partial_sums(params: list[Parameter], among: list[Parameter], what: str) -> None:
+    """Refuse ``what`` (a gradient norm, an optimizer step) on a partial gradient not summed
+    since the last step: each replica would go on with its own part."""
+    for p in params:
+        if owes_partial_sum(p) and not p.partial_summed:
+            raise HpcparError(
+                f"{what} on parameter {_label(p, among)}, whose replicas each hold a part of "
+                f"its gradient (partial_grad) not summed since the last step: call "
+                f"sum_partial_grads(params) after the backward")
 
 
 def local_sq_norm(params: list[Parameter], xp) -> float:
@@ -234,6 +265,7 @@ def grad_norm(params: list[Parameter], group: Communicator | None = None) -> flo
     equal after the reduction. A group that includes a parameter's dp replicas, or leaves
     out its other replicas, is an error (each would count a wrong number of copies)."""
     _check_norm_group(params, group)
+    check_partial_sums(params, params, "grad_norm")
     xp = group.xp if group is not None else array_module(params[0].grad) if params else np
     sq = np.array([local_sq_norm(params, xp) if params else 0.0])
     if group is not None and group.size > 1:

@@ -22,6 +22,7 @@ import math
 
 from .comm.agreement import trusted
 from .darray import DArray
+from .dtypes import at_least_float32
 from .errors import HpcparError
 from .placement import Replicate, Shard
 from .sharded_matmul import matmul_backward, matmul_forward
@@ -122,9 +123,14 @@ class FeedForward:
         # sequence: AllGather the rows here; its backward is the ReduceScatter of dX below
         z, ctx1 = matmul_forward(x.redistribute({self.axis: Replicate()}), self.w1,
                                  out=self.h_pl)
-        h = z.like(self.act(self.xp, z.local))
+        h = z.like(self._activation(self.act, z.local))
         y, ctx2 = matmul_forward(h, self.w2, out=self.y_pl)
         return y, (z, ctx1, ctx2)
+
+    def _activation(self, fn, z):
+        """``fn`` of the pre-activation, in float32 for 16-bit ``z`` (as the models compute
+        their activations), given back in ``z``'s dtype, which the next product takes."""
+        return fn(self.xp, at_least_float32(self.xp, z)).astype(z.dtype, copy=False)
 
     def backward(self, dy: DArray, ctx) -> tuple[DArray, DArray, DArray]:
         """(dX, dW1, dW2), each placed like what it is the gradient of."""
@@ -136,7 +142,7 @@ class FeedForward:
         z, ctx1, ctx2 = ctx
         dh, dw2 = matmul_backward(dy, ctx2)
         dh = dh.redistribute(z.placements)
-        dz = z.like(dh.local * self.act_grad(self.xp, z.local).astype(dh.local.dtype))
+        dz = z.like(dh.local * self._activation(self.act_grad, z.local))
         dx, dw1 = matmul_backward(dz, ctx1, da_placements=self.x_pl)
         return dx, dw1, dw2
 

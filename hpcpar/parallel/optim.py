@@ -21,6 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from .backend import array_module
+from .data_parallel import check_partial_sums, owes_partial_sum
 from .errors import HpcparError
 from .flat import Flat, spans
 from .ops import UpdateStep, optimizer_update
@@ -85,6 +86,7 @@ class Optimizer:
         self._bound = [(p, a, getattr(p, a)) for g in self.groups for p in g.params
                        for a in g.attrs]
         self._scratch = {}
+        self._partial = [p for p in params if owes_partial_sum(p)]
         self._make_state()            # zeros, as torch's first step makes them
 
     def _make_state(self) -> None:
@@ -151,6 +153,9 @@ class Optimizer:
         self._check_bound()
         for reducer in _reducers(self.params):
             reducer.use_for_step()
+        check_partial_sums(self._partial, self.params, "optimizer step")
+        for p in self._partial:
+            p.partial_summed = False
         self.steps += 1
         update = getattr(self.update, self.s.optimizer)
         step = UpdateStep(lr, self.steps, grad_scale)

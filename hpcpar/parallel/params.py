@@ -39,6 +39,8 @@ class Parameter:
     master: object = None        # default: ``data``
     replicas: object = None      # the Communicator of the ranks holding this same parameter
     partial_grad: bool = False   # each replica's backward adds a part of the gradient
+    # ``sum_partial_grads`` made the partial gradient whole since the last optimizer step
+    partial_summed: bool = field(default=False, init=False, repr=False)
     # the GradientReducer that sums this gradient over dp (it sets itself)
     reducer: object = field(default=None, init=False, repr=False)
     # where grad / master / data lie in flat buffers: attr -> (``flat.Flat``, index), set by

@@ -75,6 +75,9 @@ class VocabParallelEmbedding:
     def forward(self, ids):
         """(B, T, hidden) and the ctx ``backward`` needs. Ids outside the vocabulary are
         an error where they are host arrays (a device array's values would cost a sync)."""
+        if ids.dtype.kind not in "iu":
+            raise HpcparError(f"VocabParallelEmbedding: ids of {ids.dtype}; token ids are "
+                              f"integers (ids.astype(np.int64) if they are whole numbers)")
         if isinstance(ids, np.ndarray) and ids.size and (ids.min() < 0
                                                           or ids.max() >= self.vocab_size):
             raise HpcparError(f"VocabParallelEmbedding: ids from {ids.min()} to {ids.max()}; "
@@ -187,6 +190,10 @@ class VocabParallelCrossEntropy:
     def _check(self, logits, labels) -> None:
         """This rank's block of logits, one label per row; labels in the vocabulary (read
         where they are host arrays: a device array's values would cost a sync)."""
+        if logits.dtype.kind != "f" or labels.dtype.kind not in "iu":
+            raise HpcparError(f"VocabParallelCrossEntropy: logits of {logits.dtype} and labels "
+                              f"of {labels.dtype}; it takes floating-point logits and integer "
+                              f"labels")
         if logits.ndim != 2 or logits.shape[-1] != self.width or labels.shape != logits.shape[:1]:
             raise HpcparError(
                 f"VocabParallelCrossEntropy: logits {tuple(logits.shape)} and labels "
@@ -200,19 +207,21 @@ class VocabParallelCrossEntropy:
                               f"{self.vocab_size}, or -1 (ignored)")
 
     def token_losses(self, logits, labels):
-        """-log p(label) of each row (N,) (scoring: log p = minus this); an ignored label's
-        (-1) value is meaningless. ``logits`` is overwritten."""
+        """-log p(label) of each row (N,) (scoring: log p = minus this); 0 where the label
+        is ignored (-1), as torch's ``cross_entropy(..., ignore_index=-1, reduction="none")``.
+        ``logits`` is overwritten."""
         self._check(logits, labels)
         m, sums, _ = self._reduced(logits, labels)
-        return self.ce.row_losses(sums, m)
+        return self.ce.xp.where(labels < 0, 0, self.ce.row_losses(sums, m))
 
     def label_logprobs(self, logits, labels):
-        """(log p(label) (N,), the log of each row's normalizer, logsumexp z (N,)): a row's
-        log-softmax at any logit v is v minus the second. ``logits`` is overwritten."""
+        """(log p(label) (N,), 0 where the label is ignored (-1); the log of each row's
+        normalizer, logsumexp z (N,)): a row's log-softmax at any logit v is v minus the
+        second. ``logits`` is overwritten."""
         self._check(logits, labels)
         m, sums, _ = self._reduced(logits, labels)
         normalizer = self.ce.xp.log(sums[0]) + m
-        return sums[1] - normalizer, normalizer
+        return self.ce.xp.where(labels < 0, 0, sums[1] - normalizer), normalizer
 
     def _reduced(self, logits, labels):
         """The row max and the sums [sum exp(z - m), z_t] over the whole vocabulary."""

@@ -82,12 +82,12 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
     if gen.cuda_graphs:
         check_graphed_layout(layout, cfg)
     tokenizer = load_tokenizer(ckpt)
-    source = job.data.prompts
+    source = job.data.prompts if prompts is None else "the prompts given to run_generation"
     from_file = prompts is None and source != "random"
     if prompts is None:
         prompts = _job_prompts(job, ckpt, tokenizer)
     if prompts.requests is not None:           # a Batch API file: refused requests get errors
-        _check_batch_output(job.output.path, source)
+        _check_batch_output(job.output.path, source, tokenizer)
         prompts = screen(prompts, lambda one, where: _check_each(one, cfg, settings, layout,
                                                                  gen, where))
     _check_each(prompts, cfg, settings, layout, gen, source)
@@ -150,8 +150,14 @@ def _check_each(prompts: Prompts, cfg, settings: GenerationSettings, layout: Par
     _stop_ids(gen.stop_token_ids, prompts, cfg.vocab_size)
 
 
-def _check_batch_output(path: str | None, source: str) -> None:
-    """A Batch API file's results are Batch API output lines: a ``.jsonl`` output."""
+def _check_batch_output(path: str | None, source: str, tokenizer) -> None:
+    """A Batch API file's results are Batch API output lines, whose choices are text: a
+    ``.jsonl`` output, and the model's tokenizer."""
+    if tokenizer is None:
+        raise HpcparError(f"{source} holds OpenAI Batch API requests, whose answers are text, "
+                          f"and the checkpoint holds no tokenizer; convert the model from a "
+                          f"folder with its tokenizer files, or give token-id prompts "
+                          f"({{\"ids\": [...]}} lines)")
     if path and Path(path).suffix.lower() != ".jsonl":
         raise HpcparError(f"{source} holds OpenAI Batch API requests, whose results are Batch "
                           f"API output lines; write them to a .jsonl (not {path})")

@@ -42,6 +42,19 @@ class Prompts:
     samples: list[int | None] | None = None     # its own n, samples drawn (None: the job's)
     requests: object = None     # the OpenAI Batch API requests they serve (``batch_api``)
 
+    def __post_init__(self):
+        """Each prompt a 1-D array of integer ids (a list of ints is taken as one): a float
+        id would be cut to an integer without a word, a 2-D array read as one long row."""
+        ids = []
+        for n, row in enumerate(self.ids):
+            row = np.asarray(row)
+            if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
+                raise PromptError(f"Prompts: prompt {n} is a {row.ndim}-D array of "
+                                  f"{row.dtype}; each prompt is a 1-D array of integer token "
+                                  f"ids (one array per prompt)")
+            ids.append(row.astype(np.int64, copy=False))
+        object.__setattr__(self, "ids", ids)
+
     def __len__(self) -> int:
         return len(self.ids)
 
