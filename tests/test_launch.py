@@ -79,3 +79,30 @@ def test_a_lone_rank_under_a_multi_task_launch_stops(monkeypatch):
         check_launch(_Alone())
     monkeypatch.setenv("SLURM_NTASKS", "1")
     check_launch(_Alone())
+
+
+@pytest.mark.parametrize("command", ["generate", "train"])
+def test_ranks_started_with_different_jobs_are_one_error_not_a_hang(tmp_path, command):
+    """An MPMD launch whose ranks were given different settings: one line naming the
+    first setting that differs, status 2 on every rank, at once (it waited until the
+    timeout, each rank in another step)."""
+    import os
+    import subprocess
+    import sys
+    from helpers import MPIEXEC, REPO
+    common = [sys.executable, "-m", "hpcpar", command, "--checkpoint", "preset:tiny",
+              "--tp", "2", "--timeout", "60", "--out", "out" + (".jsonl" if command ==
+                                                                 "generate" else "")]
+    common += (["--prompts", "random"] if command == "generate" else
+               ["--data", "synthetic", "--seq-len", "8", "--global-batch", "2"])
+    flag = "--max-new-tokens" if command == "generate" else "--steps"
+    env = dict(os.environ, HPCPAR_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([MPIEXEC, "-n", "1", *common, flag, "3", ":", "-n", "1", *common,
+                           flag, "5"], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpcpar:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+    key = "generate.max_new_tokens" if command == "generate" else "train.steps"
+    assert f"rank 1 was started with another job than rank 0's: {key} is 5 there" in errors[0]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.jsonl").exists()

@@ -119,6 +119,40 @@ def test_unreadable_inputs_are_one_line_not_a_traceback(work):
     _assert_one_error(proc, "hidden_size must be a positive integer, got 'sixty-four'")
 
 
+def test_the_second_probes_inputs_are_one_line_each(work):
+    """What a second probe found taken without a word, each now one line, exit 2: a JSON
+    line with a key twice (the last won), a file named .npy that is not one (NumPy's
+    message blamed pickled data) for generation, scoring and training, a tensor the config
+    has no place for (it was left unused: a bias with attention_bias off), a plan for 0
+    ranks and a Slurm time limit sbatch cannot read."""
+    (work / "twice.jsonl").write_text('{"ids": [5, 6], "ids": [7, 8, 9]}\n')
+    _assert_one_error(_generate(work, "--out", "x.jsonl", "--prompts", "twice.jsonl"),
+                      "twice.jsonl:1: the key 'ids' appears twice in one object")
+    (work / "text.npy").write_text("5 6 7\n")
+    _assert_one_error(_generate(work, "--out", "x.jsonl", "--prompts", "text.npy"),
+                      "text.npy: not a .npy file (it does not begin with NumPy's header)")
+    for command, flags in (("score", ["--data", "text.npy", "--out", "s.h5"]),
+                           ("train", ["--data", "text.npy", "--steps", "1", "--global-batch",
+                                      "2", "--out", "run-npy"])):
+        proc = mpirun(1, ["-m", "hpcpar", command, "--checkpoint", "model.h5", *flags],
+                      work)[0]
+        _assert_one_error(proc, "text.npy: not a .npy file")
+    shutil.copy(work / "model.h5", work / "extra.h5")
+    with h5py.File(work / "extra.h5", "r+") as f:
+        width = f["model.layers.0.self_attn.q_proj.weight"].shape[0]
+        f["model.layers.0.self_attn.q_proj.bias"] = np.ones(width, np.float32)
+    proc = mpirun(1, ["-m", "hpcpar", "generate", "--checkpoint", "extra.h5", "--prompts",
+                      "ids.jsonl", "--max-new-tokens", "2", "--out", "x.jsonl"], work)[0]
+    _assert_one_error(proc, "tensor model.layers.0.self_attn.q_proj.bias is not one of the "
+                            "model its config describes")
+    _assert_one_error(mpirun(1, ["-m", "hpcpar", "plan", "--preset", "tiny", "--world", "0"],
+                             work)[0], "--world: must be at least 1, got 0")
+    proc = mpirun(1, ["-m", "hpcpar", "submit", "job.toml", "--time", "abc", "--dry-run"],
+                  work)[0]
+    _assert_one_error(proc, "'abc' is not a Slurm time limit")
+    assert not (work / "x.jsonl").exists() and not (work / "s.h5").exists()
+
+
 def test_a_sharded_index_naming_a_missing_shard_is_one_line(work):
     folder = work / "sharded"
     write_hf_checkpoint(folder, GQA, files=3, extra=realistic_tensors(GQA, 1))

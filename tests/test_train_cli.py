@@ -60,6 +60,10 @@ def test_the_tiny_job_learns_and_its_checkpoint_generates(workdir):
     (None, ["--schedule", "interleaved", "--pp", "2", "--virtual-stages", "3",
             "--micro-batches", "3"], "micro_batches 3 is not a multiple of pp 2"),
     (None, ["--lr", "-1"], "lr must be >= 0"),
+    (None, ["--lr", "0.001", "--min-lr", "0.1", "--lr-schedule", "cosine"],
+     "min_lr 0.1 is above lr 0.001: the cosine schedule decays from lr to min_lr"),
+    (None, ["--optimizer", "adamw", "--momentum", "0.9"],
+     "momentum 0.9 is SGD's setting and AdamW takes none"),
 ])
 def test_bad_training_input_is_one_error_and_no_checkpoint(workdir, rows, flags, words):
     data = ["--data", "data.npy"]

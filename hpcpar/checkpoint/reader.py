@@ -139,6 +139,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, expected one "
                                       f"of {', '.join(FLOAT_DTYPES)}")
             dtypes.add(dtype)
+        # a weight the config has no place for (a bias with attention_bias off) would be
+        # left out of every product without a word
+        extra = sorted(n for n, item in f.items()
+                       if isinstance(item, h5py.Dataset) and n not in specs)
+        if extra:
+            raise CheckpointError(
+                f"{path}: tensor {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1
+                                                else "") + " is not one of the model its "
+                "config describes, which would leave it unused; convert the model again, or "
+                "fix the config")
     if len(dtypes) != 1:
         raise CheckpointError(f"{path}: tensors mix dtypes "
                               f"{sorted(dtype_name(d) for d in dtypes)}")

@@ -59,15 +59,16 @@ def _main(argv) -> int:
                            trace=getattr(args, "trace", None))
         return run_demo(comm, opts)
     if command == "score" or (command == "run" and everyone(comm, _is_scoring, args)):
-        from .job import load_job
+        from .job import check_same_job, load_job
         flags = {JOB_FLAGS[k]: v for k, v in vars(args).items()
                  if k in JOB_FLAGS and k != "prompts"}
         if getattr(args, "data", None) is not None:       # score's, or run's of a [score] job
             flags[("score", "data")] = args.data
         job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags, FLAG_NAMES)
+        everyone(comm, check_same_job, comm, job)
         return _score(comm, job)
     if command in ("run", "generate", "train"):
-        from .job import load_job
+        from .job import check_same_job, load_job
         job_file = getattr(args, "job", None)
         training = command == "train" or (command == "run" and everyone(
             comm, _is_training, job_file, args))
@@ -80,6 +81,7 @@ def _main(argv) -> int:
             flags[("generate", "resume")] = flags.pop(TRAIN_FLAGS["resume"], None) or getattr(
                 args, "resume", None)
         job = everyone(comm, load_job, job_file, args.set, flags, FLAG_NAMES)
+        everyone(comm, check_same_job, comm, job)
         if training:
             return _train(comm, job)
         from .generate import run_generation

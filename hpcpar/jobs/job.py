@@ -312,3 +312,28 @@ def load_job(path: str | Path | None, sets: list[str] = (),
             origins[(section, key)] = (flag_names or {}).get((section, key),
                                                              f"the {section}.{key} flag")
     return build_job(raw, str(path) if path is not None else "job", origins)
+
+
+def check_same_job(comm, job: Job) -> None:
+    """Every rank holds rank 0's job: ranks started with other flags (an MPMD launch) or
+    reading files that differ between nodes would run different work and wait on each
+    other until the timeout. Rank 0's settings go to every rank as bytes; a rank whose
+    own differ raises naming the first that does (collective; ``everyone`` reports it)."""
+    if comm.Get_size() == 1:
+        return
+    import json
+
+    import numpy as np
+    mine = {f"{s.name}.{k.name}": repr(getattr(getattr(job, s.name), k.name))
+            for s in fields(job) for k in fields(getattr(job, s.name))}
+    text = np.frombuffer(json.dumps(mine).encode(), dtype=np.uint8)
+    size = np.array([text.size], dtype=np.int64)
+    comm.Bcast(size, root=0)
+    theirs = text.copy() if comm.Get_rank() == 0 else np.empty(int(size[0]), dtype=np.uint8)
+    comm.Bcast(theirs, root=0)
+    rank0 = json.loads(theirs.tobytes().decode())
+    for key in sorted(set(mine) | set(rank0)):
+        if mine.get(key) != rank0.get(key):
+            raise HpcparError(f"rank {comm.Get_rank()} was started with another job than rank "
+                              f"0's: {key} is {mine.get(key)} there, {rank0.get(key)} on rank "
+                              f"0; start every rank with the same command and files")

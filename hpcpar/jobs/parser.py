@@ -5,6 +5,7 @@ command; the README's command block lists the same flags (``tests/test_env_and_h
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 from .. import __version__
@@ -62,6 +63,29 @@ class _Parser(argparse.ArgumentParser):
     def _print_message(self, message, file=None):
         if world().Get_rank() == 0:
             super()._print_message(message, file)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+# sbatch's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds, or no limit
+_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|UNLIMITED|INFINITE", re.I)
+
+
+def _slurm_time(text: str) -> str:
+    if not _SLURM_TIME.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a Slurm time limit: minutes (90), hours:minutes:seconds "
+            f"(01:30:00) or days-hours:minutes:seconds (2-00:00:00)")
+    return text.strip()
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -293,7 +317,8 @@ def _submit_command(sub) -> None:
     sub_.add_argument("--gpus-per-node", type=int,
                       help="default: one per rank; 0 for CPU nodes")
     sub_.add_argument("--cpus-per-task", type=int, help="cores (BLAS threads) per rank")
-    sub_.add_argument("--time", default="01:00:00", help="time limit (Slurm format)")
+    sub_.add_argument("--time", type=_slurm_time, default="01:00:00",
+                      help="time limit (Slurm format: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)")
     sub_.add_argument("--partition")
     sub_.add_argument("--account")
     sub_.add_argument("--signal-seconds", type=int, default=120,
@@ -311,7 +336,7 @@ def _plan_command(sub) -> None:
     source = plan.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="read the model config from this checkpoint")
     source.add_argument("--preset", choices=sorted(PRESETS), help="plan a preset model")
-    plan.add_argument("--world", type=int, help="number of ranks (default: dp*pp*tp)")
+    plan.add_argument("--world", type=_at_least_one, help="number of ranks (default: dp*pp*tp)")
     _layout_flags(plan)
     plan.add_argument("--batch", type=int, help="prompts in the batch")
     plan.add_argument("--prompt-length", type=int, help="longest prompt, in tokens")

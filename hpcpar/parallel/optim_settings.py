@@ -48,6 +48,12 @@ class OptimizerSettings:
                        f"{', '.join(LR_SCHEDULES)}")
         if len(self.betas) != 2:
             out.append(f"betas must be two numbers, got {list(self.betas)}")
+        if self.lr_schedule != "constant" and self.min_lr > self.lr:
+            out.append(f"min_lr {self.min_lr:g} is above lr {self.lr:g}: the {self.lr_schedule} "
+                       f"schedule decays from lr to min_lr; lower min_lr")
+        if self.optimizer == "adamw" and self.momentum:
+            out.append(f"momentum {self.momentum:g} is SGD's setting and AdamW takes none (its "
+                       f"moments are betas); drop momentum or use optimizer sgd")
         return out + problems("train", {f.name: getattr(self, f.name)
                                         for f in fields(OptimizerSettings)}, OPTIMIZER_RULES)
 

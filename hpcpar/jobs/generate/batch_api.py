@@ -180,7 +180,8 @@ def _served(record: dict, tokenizer, chat, where: str, temperature: float, names
             continue
         if key not in allowed:
             raise PromptError(f"{where}: {key!r} is not supported by hpcpar's "
-                              f"{record['url']}" + (f" (only {json.dumps(NEUTRAL[key])})"
+                              f"{record['url']}" + (f" (only its neutral value, "
+                                                    f"{json.dumps(NEUTRAL[key])}, is taken)"
                                                     if key in NEUTRAL else ""))
     line = {SHARED_FIELDS[k]: v for k, v in body.items() if k in SHARED_FIELDS}
     for cut, off in NO_CUT.items():            # a cut at its neutral value: none

@@ -22,6 +22,8 @@ class GenerationProgress:
         lengths = np.asarray(plan.prompts.lengths, np.int64)
         total = int(lengths[prompts].sum() + self.limits[prompts].sum())
         self.prompts, self.finished = len(prompts), 0
+        # with n samples a prompt is several rows (``plan.samples``): count what finishes
+        self.unit = "prompts" if plan.samples.width == 1 else "sample rows"
         self.earlier = 0                # tokens of the waves already collected
         self.replicas: dict[int, int] = {}     # the current wave: replica -> tokens done
         self.display = Progress("generating", total, **display)
@@ -54,4 +56,4 @@ class GenerationProgress:
         self.display.close(final)
 
     def _show(self, total: int | None = None) -> None:
-        self.display.update(self.done, total, f"{self.finished}/{self.prompts} prompts")
+        self.display.update(self.done, total, f"{self.finished}/{self.prompts} {self.unit}")

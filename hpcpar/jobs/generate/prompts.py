@@ -13,6 +13,7 @@ from ...models.chat import check_messages, one_line, unicode_problem
 from ...models.config import ModelConfig
 from ...models.tokenizer import StoredTokenizer
 from ...parallel.errors import HpcparError
+from ..npy import read_npy
 from ..settings import problem
 from .sampling import INTEGER_KEYS, PromptSampling, SamplingParams
 
@@ -120,10 +121,7 @@ def load_prompts(path: str | Path, tokenizer=None, chat=CHAT_FOR_GENERATION) -> 
 
 
 def _load_npy(path: Path) -> Prompts:
-    try:
-        array = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise PromptError(f"{path}: not a readable .npy array ({e})") from None
+    array = read_npy(path, "the prompts' token ids (int, [prompts, tokens])", PromptError)
     if array.ndim == 1:
         array = array[None, :]
     if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
@@ -146,10 +144,27 @@ def read_records(path: Path) -> list[tuple[int, object]]:
         if not line.strip():
             continue
         try:
-            records.append((n, json.loads(line)))
+            records.append((n, json.loads(line, object_pairs_hook=_unique_keys)))
         except json.JSONDecodeError as e:
             raise PromptError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except _RepeatedKey as e:
+            raise PromptError(f"{path}:{n}: the key {e} appears twice in one object; JSON "
+                              f"readers disagree on which one counts: keep one") from None
     return records
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are each given once (``json`` keeps the last silently)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(repr(key))
+        out[key] = value
+    return out
 
 
 def _load_jsonl(path: Path, tokenizer, chat) -> Prompts:

@@ -13,6 +13,7 @@ import numpy as np
 from ...models.config import ModelConfig
 from ...parallel.errors import HpcparError
 from ..generate.prompts import Prompts, load_prompts
+from ..npy import read_npy
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class ScoreData:
 def load_score_data(path: str | Path, tokenizer=None) -> ScoreData:
     path = Path(path)
     if path.suffix == ".npy" and path.is_file():
-        return _from_padded(path, np.load(path, allow_pickle=False))
+        return _from_padded(path, read_npy(path, "the rows' token ids (int, [rows, tokens])"))
     prompts: Prompts = load_prompts(path, tokenizer)    # the .jsonl reader and its errors
     width = max(len(p) for p in prompts.ids)
     return ScoreData(prompts.ids, np.zeros(len(prompts), dtype=np.int64), width)

@@ -217,7 +217,7 @@ def _result(data: ScoreData, valid_first: np.ndarray, seconds: float,
     for r, (row, offset) in enumerate(zip(data.ids, data.offsets)):
         out[r, offset:offset + len(row)] = valid_first[r, :len(row)]
     scored = np.array([len(row) - 1 for row in data.ids], dtype=np.int64)
-    nll = -np.nansum(out.astype(np.float64), axis=1)
+    nll = -np.nansum(out.astype(np.float64), axis=1) + 0.0     # a row with none: 0, not -0
     total = int(scored.sum())
     perplexity = math.exp(nll.sum() / total) if total else float("nan")
     return ScoreResult(out, nll, scored, perplexity, seconds, load_seconds)

@@ -28,6 +28,7 @@ from ...models.config import ModelConfig
 from ...parallel.context import ContextShard
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
+from ..npy import read_npy
 from .chunk import Batch
 
 
@@ -94,10 +95,7 @@ def load_dataset(path: str | Path, cfg: ModelConfig, seq_len: int | None = None,
         raise DataError(f"{path}: no such data file (.npy rows, .bin tokens or .jsonl)")
     suffix = path.suffix
     if suffix == ".npy":
-        try:
-            rows = np.load(path, allow_pickle=False)
-        except (ValueError, OSError) as e:
-            raise DataError(f"{path}: not a readable .npy array ({e})") from None
+        rows = read_npy(path, "the rows' token ids (int, [rows, L + 1])", DataError)
         if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer):
             raise DataError(f"{path}: expected int token ids of shape [rows, L + 1], got "
                             f"{rows.dtype} {rows.shape}")
