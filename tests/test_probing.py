@@ -153,6 +153,24 @@ def test_the_second_probes_inputs_are_one_line_each(work):
     assert not (work / "x.jsonl").exists() and not (work / "s.h5").exists()
 
 
+def test_init_and_convert_replace_a_model_checkpoint_not_a_training_one(work):
+    """Converting or initialising again replaces an earlier model checkpoint; a training
+    run's checkpoint (its optimizer state too) is kept, with one line."""
+    proc = mpirun(1, ["-m", "hpcpar", "train", "--checkpoint", "model.h5", "--data",
+                      "data.npy", "--steps", "1", "--global-batch", "2", "--out", "trained"],
+                  work)[0]
+    assert proc.returncode == 0, proc.stderr
+    saved = work / "trained" / "step-1.h5"
+    before = _digest(saved)
+    for args in (["init", "--preset", "tiny", str(saved)], ["convert", "hf", str(saved)]):
+        _assert_one_error(mpirun(1, ["-m", "hpcpar", *args], work)[0],
+                          "is an hpcpar training checkpoint file")
+        assert _digest(saved) == before
+    shutil.copy(work / "model.h5", work / "again.h5")
+    proc = mpirun(1, ["-m", "hpcpar", "init", "--preset", "tiny", "again.h5"], work)[0]
+    assert proc.returncode == 0 and "wrote again.h5" in proc.stdout, proc.stderr
+
+
 def test_a_sharded_index_naming_a_missing_shard_is_one_line(work):
     folder = work / "sharded"
     write_hf_checkpoint(folder, GQA, files=3, extra=realistic_tensors(GQA, 1))

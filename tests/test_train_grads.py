@@ -283,6 +283,9 @@ def test_data_files_and_their_order(tmp_path):
     ds = load_dataset(tmp_path / "t.bin", cfg, seq_len=8)
     assert len(ds) == 5 and ds.seq_len == 8
     np.testing.assert_array_equal(ds.samples[1], tokens[8:17])
+    tokens.astype(np.uint32).tofile(tmp_path / "t32.bin")      # read as uint16: 0 between
+    with pytest.raises(DataError, match="every other uint16 token is 0"):
+        load_dataset(tmp_path / "t32.bin", cfg, seq_len=8)
     (tmp_path / "d.jsonl").write_text('{"ids": [5, 6, 7]}\n{"ids": [8, 9]}\n')
     packed = load_dataset(tmp_path / "d.jsonl", cfg, seq_len=3)
     np.testing.assert_array_equal(packed.samples[0], [5, 6, 7, 2])

@@ -245,6 +245,17 @@ def output_kind(path: str | Path) -> str | None:
     return None
 
 
+def _holds_training_state(path: Path) -> bool:
+    """A checkpoint a training run saved: its optimizer state is a run's, not remade by
+    converting or initialising again."""
+    import h5py
+    try:
+        with h5py.File(path, "r") as f:
+            return "optimizer" in f
+    except OSError:
+        return False
+
+
 def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
                  folder: bool = False, kind: str | None = None) -> None:
     """Raise ``HpcparError`` if ``path`` cannot be this job's output (see the module doc).
@@ -274,6 +285,8 @@ def check_output(path: str | Path, inputs: dict[str, str | Path] | None = None,
         raise HpcparError(f"output {path}: this command writes {written}; give a name ending "
                           f"in {', '.join(suffixes)}, such as {path.with_suffix('.h5')}")
     found = output_kind(path) if kind is not None and path.is_file() else kind
+    if found == "checkpoint" and _holds_training_state(path):
+        found = "training checkpoint"           # its optimizer state would be lost
     if found != kind:
         what = f"an hpcpar {found} file" if found else "not an hpcpar output"
         raise HpcparError(f"output {path} exists and is {what}; this command writes a {kind} "

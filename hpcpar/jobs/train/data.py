@@ -126,7 +126,14 @@ def _token_file(path: Path, dtype: np.dtype) -> np.ndarray:
                         f"({dtype.itemsize} bytes each, as this vocabulary needs); the file is "
                         "truncated or was written for another vocabulary" if size else
                         f"{path}: the token file is empty")
-    return np.memmap(path, dtype=dtype, mode="r")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    head = np.asarray(tokens[:1 << 20])
+    if dtype == np.uint16 and head.size >= 64 and head.size % 2 == 0 and \
+            not head[1::2].any() and head[0::2].any():
+        raise DataError(f"{path}: every other uint16 token is 0, as uint32 (or int32) tokens "
+                        f"read as uint16 are; a vocabulary of at most 65,536 takes uint16 "
+                        f"tokens: write them as tokens.astype(np.uint16).tofile(path)")
+    return tokens
 
 
 def check_positions(seq_len: int, cfg: ModelConfig, source: str) -> None:
