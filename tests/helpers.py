@@ -319,3 +319,18 @@ def refused(capfd, run) -> str:
     with pytest.raises((HpcparError, JobFailed)) as failed:
         run()
     return f"{failed.value} {capfd.readouterr().err}"
+
+
+def optimizer_arrays(rng, rule: str, n: int) -> dict:
+    """An optimizer update's float32 arrays of ``n`` elements (``ops.optimizer_update``):
+    master weights, gradients and the states of ``rule`` ("adamw" or "sgd"), at the scales
+    a step meets."""
+    f32 = np.float32
+    out = {"master": rng.standard_normal(n).astype(f32),
+           "grad": (rng.standard_normal(n) * 1e-2).astype(f32)}
+    if rule == "adamw":
+        out["exp_avg"] = (rng.standard_normal(n) * 1e-3).astype(f32)
+        out["exp_avg_sq"] = (np.abs(rng.standard_normal(n)) * 1e-5).astype(f32)
+    else:
+        out["momentum_buffer"] = (rng.standard_normal(n) * 1e-2).astype(f32)
+    return out

@@ -287,18 +287,13 @@ def test_the_fused_optimizer_kernel_makes_the_references_roundings(cp, rule, com
     from hpcpar.parallel.optim_layout import Block
     from hpcpar.parallel.optim_settings import OptimizerSettings
     from hpcpar.parallel.dtypes import float_dtype
+    from helpers import optimizer_arrays
     rng = np.random.default_rng(7)
     n = 100_003
     s = OptimizerSettings(rule, lr=3e-3, weight_decay=0.1, momentum=0.9, betas=(0.9, 0.95),
                           eps=1e-8)
     f32 = np.float32
-    ref = {"master": rng.standard_normal(n).astype(f32),
-           "grad": (rng.standard_normal(n) * 1e-2).astype(f32)}
-    if rule == "adamw":
-        ref["exp_avg"] = (rng.standard_normal(n) * 1e-3).astype(f32)
-        ref["exp_avg_sq"] = (np.abs(rng.standard_normal(n)) * 1e-5).astype(f32)
-    else:
-        ref["momentum_buffer"] = (rng.standard_normal(n) * 1e-2).astype(f32)
+    ref = optimizer_arrays(rng, rule, n)
     dev = {k: cp.asarray(v) for k, v in ref.items()}
     if compute:
         ref["data"] = ref["master"].astype(float_dtype(compute))

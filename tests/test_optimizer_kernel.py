@@ -19,6 +19,8 @@ from hpcpar.parallel.ops.optimizer_update import bias_corrections
 from hpcpar.parallel.optim_layout import Block
 from hpcpar.parallel.optim_settings import OptimizerSettings
 
+from helpers import optimizer_arrays
+
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 
@@ -49,18 +51,6 @@ def kernels(tmp_path_factory):
     return ctypes.CDLL(str(library))
 
 
-def _arrays(rng, rule: str, n: int) -> dict:
-    f32 = np.float32
-    out = {"master": rng.standard_normal(n).astype(f32),
-           "grad": (rng.standard_normal(n) * 1e-2).astype(f32)}
-    if rule == "adamw":
-        out["exp_avg"] = (rng.standard_normal(n) * 1e-3).astype(f32)
-        out["exp_avg_sq"] = (np.abs(rng.standard_normal(n)) * 1e-5).astype(f32)
-    else:
-        out["momentum_buffer"] = (rng.standard_normal(n) * 1e-2).astype(f32)
-    return out
-
-
 def _scalars(rule: str, s: OptimizerSettings, step: UpdateStep) -> list:
     """The kernel's scalar arguments as ``OptimizerUpdateCuda`` passes them."""
     f = ctypes.c_float
@@ -82,7 +72,7 @@ def test_the_kernels_body_makes_the_passes_roundings(kernels, rule, momentum):
     n = 50_001
     s = OptimizerSettings(rule, lr=3e-3, weight_decay=0.1, momentum=momentum,
                           betas=(0.9, 0.95), eps=1e-8)
-    ref = _arrays(rng, rule, n)
+    ref = optimizer_arrays(rng, rule, n)
     got = {k: v.copy() for k, v in ref.items()}
     mask = rng.random(n) < 0.4
     reference = getattr(OptimizerUpdate(np), rule)
