@@ -124,7 +124,8 @@ def test_the_second_probes_inputs_are_one_line_each(work):
     line with a key twice (the last won), a file named .npy that is not one (NumPy's
     message blamed pickled data) for generation, scoring and training, a tensor the config
     has no place for (it was left unused: a bias with attention_bias off), a plan for 0
-    ranks and a Slurm time limit sbatch cannot read."""
+    ranks, a Slurm time limit sbatch cannot read, and a time-limit signal no earlier than the
+    limit itself."""
     (work / "twice.jsonl").write_text('{"ids": [5, 6], "ids": [7, 8, 9]}\n')
     _assert_one_error(_generate(work, "--out", "x.jsonl", "--prompts", "twice.jsonl"),
                       "twice.jsonl:1: the key 'ids' appears twice in one object")
@@ -150,6 +151,11 @@ def test_the_second_probes_inputs_are_one_line_each(work):
     proc = mpirun(1, ["-m", "hpcpar", "submit", "job.toml", "--time", "abc", "--dry-run"],
                   work)[0]
     _assert_one_error(proc, "'abc' is not a Slurm time limit")
+    (work / "job.toml").write_text('[model]\ncheckpoint = "model.h5"\n')
+    proc = mpirun(1, ["-m", "hpcpar", "submit", "job.toml", "--time", "1", "--signal-seconds",
+                      "120", "--dry-run"], work)[0]
+    _assert_one_error(proc, "--signal-seconds 120 is not less than the time limit --time 1 "
+                            "(60 s)")
     assert not (work / "x.jsonl").exists() and not (work / "s.h5").exists()
 
 

@@ -5,7 +5,6 @@ command; the README's command block lists the same flags (``tests/test_env_and_h
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 from .. import __version__
@@ -75,16 +74,14 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-# sbatch's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
-# days-hours:minutes, days-hours:minutes:seconds, or no limit
-_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|UNLIMITED|INFINITE", re.I)
-
-
 def _slurm_time(text: str) -> str:
-    if not _SLURM_TIME.fullmatch(text.strip()):
+    from .slurm import time_limit_seconds
+    try:
+        time_limit_seconds(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a Slurm time limit: minutes (90), hours:minutes:seconds "
-            f"(01:30:00) or days-hours:minutes:seconds (2-00:00:00)")
+            f"(01:30:00) or days-hours:minutes:seconds (2-00:00:00)") from None
     return text.strip()
 
 

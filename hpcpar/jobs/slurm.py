@@ -21,6 +21,29 @@ from pathlib import Path
 from ..parallel.errors import HpcparError
 
 LAUNCHERS = {"pmi2": "srun --mpi=pmi2", "pmix": "srun --mpi=pmix", "mpirun": "mpirun"}
+NO_LIMIT = ("UNLIMITED", "INFINITE")
+
+
+def time_limit_seconds(text: str) -> int | None:
+    """sbatch's ``--time`` in seconds (None: no limit): minutes, minutes:seconds,
+    hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds, 0 or
+    UNLIMITED. Anything else is a ``ValueError``."""
+    text = text.strip()
+    if text.upper() in NO_LIMIT:
+        return None
+    days, dash, rest = text.rpartition("-") if "-" in text else ("0", "", text)
+    parts = rest.split(":")
+    if not (days.isdigit() and all(p.isdigit() for p in parts)) or len(parts) > 3:
+        raise ValueError(text)
+    numbers = [int(p) for p in parts]
+    if dash:                                  # days-hours[:minutes[:seconds]]
+        h, m, sec = (numbers + [0, 0])[:3]
+    elif len(numbers) == 3:
+        h, m, sec = numbers
+    else:                                     # minutes[:seconds]
+        h, (m, sec) = 0, (numbers + [0])[:2]
+    seconds = ((int(days) * 24 + h) * 60 + m) * 60 + sec
+    return seconds or None                    # 0: Slurm's no limit
 
 
 @dataclass(frozen=True)
@@ -55,6 +78,11 @@ class SlurmRequest:
         if self.gpus not in (0, self.ranks_per_node):
             out.append(f"--gpus-per-node {self.gpus}: hpcpar runs one rank per GPU, so give "
                        f"--ranks-per-node {self.gpus}, or 0 GPUs for CPU nodes")
+        limit = time_limit_seconds(self.time)
+        if limit is not None and self.signal_seconds >= limit:
+            out.append(f"--signal-seconds {self.signal_seconds} is not less than the time limit "
+                       f"--time {self.time} ({limit} s): the stop would be asked for as the job "
+                       f"starts; give a longer --time or a shorter --signal-seconds")
         if self.launcher not in LAUNCHERS:
             out.append(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         return out
