@@ -70,7 +70,39 @@ def _gpu_present() -> bool:
         return False
 
 
+def world_sizes(item) -> tuple[int, ...]:
+    """The world sizes an MPI test runs at: its marker's ``ranks``, else its ``min_size``
+    alone (the smallest world that shows its point; tests/run starts 2, 4 and 8 ranks)."""
+    mark = item.get_closest_marker("mpi")
+    return tuple(mark.kwargs.get("ranks", (mark.kwargs.get("min_size", 2),)))
+
+
+def _select_world_size(config, items):
+    """Under mpiexec, keep the MPI tests meant for this world size; deselect the rest (they
+    run in another of tests/run's MPI phases)."""
+    size = _world().Get_size()
+    keep, drop = [], []
+    for item in items:
+        mpi = item.get_closest_marker("mpi")
+        (drop if mpi is not None and size not in world_sizes(item) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under mpiexec, a test module with no MPI test is not imported: every rank would pay for
+    its imports (torch, hypothesis: seconds a rank, on the same two cores)."""
+    if (config.getoption("with_mpi", False) and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_")
+            and "pytest.mark.mpi" not in collection_path.read_text()):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("with_mpi", False):
+        _select_world_size(config, items)
     if any(item.get_closest_marker("gpu") for item in items) and not _gpu_present():
         skip = pytest.mark.skip(reason="needs a CUDA GPU and CuPy")
         for item in items:

@@ -164,6 +164,10 @@ PROMPTS = [np.array(p, dtype=np.int64) for p in
            ([5, 17, 99, 3, 240], [7] * 9, [11, 12, 13], list(range(20, 32)), [200, 1, 8, 9, 150, 6, 77])]
 
 
+# the world sizes of tests/run's MPI phases; an MPI test that needs several of them names
+# them (``@pytest.mark.mpi(ranks=WORLD_SIZES)``) and says why, the others run at one
+WORLD_SIZES = (2, 4, 8)
+
 # mpiexec as tests/run finds it: PATH (a cluster's MPI), else the mpich wheel's beside python
 MPIEXEC = (os.environ.get("MPIEXEC") or shutil.which("mpiexec")
            or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))

@@ -1,4 +1,5 @@
-"""Every collective against NumPy on the ranks pytest-mpi runs with (CI: 2, 4 and 8)."""
+"""Every collective against NumPy, on 2 ranks (a pair) and 8 (blocks of no rows, sizes no
+rank count divides)."""
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def test_split_sizes_put_the_remainder_first():
     assert sum(split_sizes(1000, 7)) == 1000
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_all_reduce_sums_in_place(world, dtype, shape):
@@ -43,7 +44,7 @@ def test_all_reduce_sums_in_place(world, dtype, shape):
     np.testing.assert_array_equal(_as64(x), expected)
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape, axis", [((3,), 0), ((3, 5), 0), ((3, 5), 1), ((2, 3, 5), 1),
                                          ((2, 3, 5), -1)])
@@ -55,7 +56,7 @@ def test_all_gather_concatenates_in_rank_order(world, dtype, shape, axis):
     np.testing.assert_array_equal(_as64(got), _as64(expected))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16, np.int64])
 def test_all_gather_of_uneven_blocks(world, dtype):
     sizes = [r % 3 + 1 for r in range(world.size)]
@@ -65,7 +66,7 @@ def test_all_gather_of_uneven_blocks(world, dtype):
     np.testing.assert_array_equal(_as64(got), _as64(expected))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, axis", [(None, 0), (None, 1), (7, 0), (5, 1), (1, 0)])
 def test_reduce_scatter_keeps_this_ranks_block_of_the_sum(world, dtype, n, axis):
@@ -79,7 +80,7 @@ def test_reduce_scatter_keeps_this_ranks_block_of_the_sum(world, dtype, n, axis)
     np.testing.assert_array_equal(_as64(got), expected)
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_broadcast_from_every_root(world, dtype):
     for root in range(world.size):
@@ -88,7 +89,7 @@ def test_broadcast_from_every_root(world, dtype):
         np.testing.assert_array_equal(_as64(x), _as64(_data(root, (3, 5), dtype)))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("axis", [0, 1])
 def test_gather_and_scatter_into_a_given_buffer(world, axis):
     x = _data(world.rank, (3, 4), np.float32)
@@ -106,7 +107,7 @@ def test_gather_and_scatter_into_a_given_buffer(world, axis):
         world.all_gather(x, axis=axis, out=np.empty((1, 1), np.float32))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_non_contiguous_input_gives_the_same_result(world):
     base = _data(world.rank, (6, 8), np.float32)
     view = base[:, ::2]  # non-contiguous (6, 4)
@@ -118,7 +119,7 @@ def test_non_contiguous_input_gives_the_same_result(world):
     assert gathered.shape == (6, 4 * world.size)
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ring_of_nonblocking_sends(world, dtype):
     nxt, prv = (world.rank + 1) % world.size, (world.rank - 1) % world.size
@@ -133,7 +134,7 @@ def test_ring_of_nonblocking_sends(world, dtype):
     np.testing.assert_array_equal(_as64(back), _as64(_data(nxt, (2,), dtype, 1)))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_messages_of_unknown_length_are_probed_then_received(world):
     """Every other rank sends rank 0 a message whose length only it knows; rank 0 learns
     source and length from ``probe`` (none before anything is sent) and receives them all."""
@@ -156,7 +157,7 @@ def test_messages_of_unknown_length_are_probed_then_received(world):
     world.barrier()
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_blocking_send_recv_between_pairs(world):
     pairs = world.size // 2 * 2
     if world.rank >= pairs:
@@ -174,7 +175,7 @@ def test_blocking_send_recv_between_pairs(world):
     np.testing.assert_array_equal(out, _data(partner, (5,), np.float64))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_every_operation_counts_its_bytes(world):
     world.stats.reset()
     x = np.ones((4, 8), dtype=np.float32)  # 128 bytes
@@ -192,14 +193,14 @@ def test_every_operation_counts_its_bytes(world):
     assert world.stats.total_bytes == sum(s.bytes for s in ops.values())
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_wrong_gather_sizes_are_refused_before_communicating(world):
     from hpcpar.parallel.errors import HpcparError
     with pytest.raises(HpcparError, match="do not match"):
         world.all_gather(np.ones(3), sizes=[1] * world.size)
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("axis", [0, 1])
 def test_gather_to_every_root_with_uneven_and_empty_blocks(world, dtype, axis):
@@ -215,7 +216,7 @@ def test_gather_to_every_root_with_uneven_and_empty_blocks(world, dtype, axis):
             assert got is None
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("axis", [0, 1])
 def test_scatter_gives_each_rank_its_block(world, dtype, axis):
@@ -231,7 +232,7 @@ def test_scatter_gives_each_rank_its_block(world, dtype, axis):
         np.testing.assert_array_equal(_as64(out), _as64(mine))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_a_scatter_that_does_not_fit_is_an_error_on_every_rank(world):
     from hpcpar.parallel.errors import HpcparError
     full = np.zeros((world.size + 1, 2), np.float32) if world.rank == 0 else None
@@ -239,7 +240,7 @@ def test_a_scatter_that_does_not_fit_is_an_error_on_every_rank(world):
         world.scatter(full, np.empty((1, 2), np.float32), root=0)
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reduce_sums_on_the_root_only(world, dtype):
     for root in range(world.size):
@@ -253,7 +254,7 @@ def test_reduce_sums_on_the_root_only(world, dtype):
             np.testing.assert_array_equal(_as64(x), _as64(before))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_max_reductions_and_the_non_blocking_sum(world):
     x = _data(world.rank, (4, 3), np.float32)
     expected_max = np.max([_data(r, (4, 3), np.float32) for r in range(world.size)], axis=0)
@@ -271,7 +272,7 @@ def test_max_reductions_and_the_non_blocking_sum(world):
         world.all_reduce(_data(world.rank, (2,), bfloat16), op="max")
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=(2, 8))
 def test_gather_scatter_and_reduce_count_their_bytes(world):
     world.stats.reset()
     block = np.ones((2, 4), np.float32)                    # 32 bytes

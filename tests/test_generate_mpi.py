@@ -1,13 +1,17 @@
 """Every layout reproduces the single-rank run: prompt logits (<= 1e-4, float32), greedy
-tokens, and seeded samples. Runs under mpiexec -n 2, 4 and 8; each layout of the world's
-size runs on all ranks, and every rank also computes the single-rank reference itself."""
+tokens, and seeded samples. The layouts are keyed by world size, so the layout tests run
+under mpiexec -n 2, 4 and 8 (8 ranks for the three-axis layouts); each layout runs on all
+ranks, and rank 0 computes the single-rank reference (once a family and setting: the other
+ranks would compute the same on the same two cores). What one rank alone shows (a seed
+reproduces its tokens, a row's own seed keys its draws) is checked in the serial phase."""
 
 import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import GEMMA, GQA, MISTRAL, PHI3, PROMPTS, QWEN3, TIED, make_checkpoint
+from helpers import (GEMMA, GQA, MISTRAL, PHI3, PROMPTS, QWEN3, TIED, WORLD_SIZES,
+                     make_checkpoint)
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
 
@@ -47,6 +51,7 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _generate(comm, path, layout=(1, 1, 1, 1), prompts=None, **gen):
+    """A generation of ``prompts`` (default ``PROMPTS``) under ``layout`` on ``comm``."""
     dp, pp, tp, mbs = layout
     sets = [f"model.checkpoint='{path}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
             f"parallel.tp={tp}", f"parallel.micro_batches={mbs}", "generate.max_new_tokens=6",
@@ -56,11 +61,26 @@ def _generate(comm, path, layout=(1, 1, 1, 1), prompts=None, **gen):
                           progress=False)
 
 
-@pytest.mark.mpi(min_size=2)
+_REFERENCES: dict = {}
+
+
+def _single(path, prompts="PROMPTS", **gen):
+    """The single-rank run of the module's prompt set ``prompts`` (a name: "PROMPTS" or
+    "MIXED") with these settings, on rank 0 (None elsewhere), made once a run of the tests:
+    several tests compare with the same one."""
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return None
+    key = (path, prompts, tuple(sorted(gen.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _generate(MPI.COMM_SELF, path, prompts=PROMPT_SETS[prompts], **gen)
+    return _REFERENCES[key]
+
+
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_every_layout_reproduces_the_single_rank_logits_and_greedy_tokens(checkpoint):
     comm = MPI.COMM_WORLD
     cfg, path = checkpoint
-    single = _generate(MPI.COMM_SELF, path)
+    single = _single(path)
     for layout in _layouts(comm, cfg):
         result = _generate(comm, path, layout)
         if comm.Get_rank() == 0:
@@ -74,23 +94,20 @@ def test_every_layout_reproduces_the_single_rank_logits_and_greedy_tokens(checkp
 OWN_SAMPLING = [{}, {"temperature": 0.9, "top_k": 20, "seed": 5},
                 {"temperature": 1.3, "top_p": 0.95, "seed": 2},          # the whole vocabulary
                 {"temperature": 0.7, "top_k": 3, "top_p": 0.8, "seed": 9}]
+# greedy rows, top-k rows, whole-vocabulary top-p rows and another seed in one batch
+OWN = [OWN_SAMPLING[i % len(OWN_SAMPLING)] for i in range(2 * len(PROMPTS))]
+PROMPT_SETS = {"PROMPTS": Prompts(PROMPTS), "MIXED": Prompts(PROMPTS * 2, sampling=OWN)}
 
 
-@pytest.mark.mpi(min_size=2)
-def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint):
-    """Greedy rows, top-k rows, whole-vocabulary top-p rows and another seed in one batch:
-    each greedy row's tokens are those of a greedy job, each row with its own seed's those of
-    the same lines alone (a line's own seed keys its draws wherever it is, as vLLM's
-    per-request seed), on one rank, and every layout (static, or one row in flight) gives
-    the single rank's."""
-    comm = MPI.COMM_WORLD
+def test_each_prompt_samples_with_its_own_settings_on_one_rank(checkpoint):
+    """Each greedy row's tokens are those of a greedy job, each row with its own seed's those
+    of the same lines alone (a line's own seed keys its draws wherever it is, as vLLM's
+    per-request seed)."""
     cfg, path = checkpoint
     prompts = PROMPTS * 2
-    own = [OWN_SAMPLING[i % len(OWN_SAMPLING)] for i in range(len(prompts))]
-    mixed = Prompts(prompts, sampling=own)
-    single = _generate(MPI.COMM_SELF, path, prompts=mixed)
+    single = _single(path, "MIXED")
     for settings in OWN_SAMPLING:
-        rows = [i for i, o in enumerate(own) if o == settings]
+        rows = [i for i, o in enumerate(OWN) if o == settings]
         if "seed" in settings:
             alike = _generate(MPI.COMM_SELF, path, prompts=Prompts(
                 [prompts[i] for i in rows], sampling=[settings] * len(rows)))
@@ -98,22 +115,32 @@ def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint
         else:
             alike = _generate(MPI.COMM_SELF, path, prompts=Prompts(prompts), **settings)
             assert single.tokens[rows].tolist() == alike.tokens[rows].tolist(), settings
+
+
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
+def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint):
+    """Rows that each sample with their own settings (``OWN``): every layout (static, or one
+    row in flight) gives the single rank's tokens."""
+    comm = MPI.COMM_WORLD
+    cfg, path = checkpoint
+    single = _single(path, "MIXED")
     for layout in _layouts(comm, cfg)[:2]:
-        static = _generate(comm, path, layout, prompts=mixed, batching="'static'")
-        refilled = _generate(comm, path, layout, prompts=mixed, batch_size=1)
+        static = _generate(comm, path, layout, prompts=PROMPT_SETS["MIXED"],
+                           batching="'static'")
+        refilled = _generate(comm, path, layout, prompts=PROMPT_SETS["MIXED"], batch_size=1)
         if comm.Get_rank() == 0:
             assert static.tokens.tolist() == single.tokens.tolist(), layout
             assert refilled.tokens.tolist() == single.tokens.tolist(), layout
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(min_size=4)
 def test_an_explicit_uneven_stage_split_gives_the_same_numbers(checkpoint):
     comm = MPI.COMM_WORLD
     cfg, path = checkpoint
     # two stages, the widest tp the model splits over, the rest data-parallel
     tp = max(t for t in (1, 2, 4) if comm.Get_size() % (2 * t) == 0 and _fits(cfg, 2, t))
     dp = comm.Get_size() // (2 * tp)
-    single = _generate(MPI.COMM_SELF, path)
+    single = _single(path)
     split = [cfg["num_hidden_layers"] - 1, 1]
     job = load_job(None, [f"model.checkpoint='{path}'", f"parallel.dp={dp}", "parallel.pp=2",
                           f"parallel.tp={tp}", f"parallel.stage_layers={split}",
@@ -125,31 +152,37 @@ def test_an_explicit_uneven_stage_split_gives_the_same_numbers(checkpoint):
         assert uneven.tokens.tolist() == single.tokens.tolist()
 
 
-@pytest.mark.mpi(min_size=2)
-def test_seeded_sampling_is_reproducible_and_layout_independent(checkpoint):
-    comm = MPI.COMM_WORLD
+SAMPLING = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 5}
+FULL_VOCAB = {"temperature": 1.3, "top_p": 0.95, "seed": 2}      # gathers the vocabulary
+
+
+def test_seeded_sampling_is_reproducible_on_one_rank(checkpoint):
     cfg, path = checkpoint
-    sampling = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 5}
-    single = _generate(MPI.COMM_SELF, path, **sampling)
-    again = _generate(MPI.COMM_SELF, path, **sampling)
-    other = _generate(MPI.COMM_SELF, path, **dict(sampling, seed=6))
+    single = _single(path, **SAMPLING)
+    again = _generate(MPI.COMM_SELF, path, **SAMPLING)
+    other = _generate(MPI.COMM_SELF, path, **dict(SAMPLING, seed=6))
     assert single.tokens.tolist() == again.tokens.tolist()
     assert single.tokens.tolist() != other.tokens.tolist()
-    full_vocab = {"temperature": 1.3, "top_p": 0.95, "seed": 2}   # gathers the vocabulary
-    single_p = _generate(MPI.COMM_SELF, path, **full_vocab)
-    static = _generate(MPI.COMM_SELF, path, **sampling, batching="'static'")
+    static = _generate(MPI.COMM_SELF, path, **SAMPLING, batching="'static'")
     assert static.tokens.tolist() == single.tokens.tolist()    # draws keyed by prompt, token
+
+
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
+def test_seeded_sampling_is_layout_independent(checkpoint):
+    comm = MPI.COMM_WORLD
+    cfg, path = checkpoint
+    single, single_p = _single(path, **SAMPLING), _single(path, **FULL_VOCAB)
     for layout in _layouts(comm, cfg)[:2]:
-        result = _generate(comm, path, layout, **sampling)
-        result_p = _generate(comm, path, layout, **full_vocab)
-        refilled = _generate(comm, path, layout, **sampling, batch_size=1)
+        result = _generate(comm, path, layout, **SAMPLING)
+        result_p = _generate(comm, path, layout, **FULL_VOCAB)
+        refilled = _generate(comm, path, layout, **SAMPLING, batch_size=1)
         if comm.Get_rank() == 0:
             assert result.tokens.tolist() == single.tokens.tolist(), layout
             assert result_p.tokens.tolist() == single_p.tokens.tolist(), layout
             assert refilled.tokens.tolist() == single.tokens.tolist(), layout
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts, and cp over the whole world
 def test_samples_and_their_logprobs_are_the_single_ranks_under_every_layout(checkpoint):
     """n 3 sampled with log-probs: a prompt's prefill shared by its samples (copied KV-cache
     rows on every stage, logits copied on the last) gives the single rank's tokens, and so
@@ -157,7 +190,7 @@ def test_samples_and_their_logprobs_are_the_single_ranks_under_every_layout(chec
     comm = MPI.COMM_WORLD
     cfg, path = checkpoint
     sampling = {"temperature": 0.9, "top_k": 20, "seed": 5, "n": 3, "logprobs": 2}
-    single = _generate(MPI.COMM_SELF, path, **sampling)
+    single = _single(path, **sampling)
     runs = {layout: _generate(comm, path, layout, **sampling)
             for layout in _layouts(comm, cfg)[:2]}
     if cfg is GQA:                               # cp: every rank one part of each prompt
@@ -174,30 +207,37 @@ def test_samples_and_their_logprobs_are_the_single_ranks_under_every_layout(chec
         np.testing.assert_array_equal(result.logprobs.top_ids, single.logprobs.top_ids)
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_two_rows_in_flight_under_every_layout_give_transformers_greedy_tokens(
         tmp_path_factory, monkeypatch):
     """Continuous batching, 2 slots per micro-batch refilled at different steps (per-prompt
     limits), under every layout of the world's size: transformers' tokens, row by row, in
     the result and in the output file, whose rows come to rank 0 at every step."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    from helpers import build_hf_model
     comm = MPI.COMM_WORLD
-    model, folder = None, None
-    if comm.Get_rank() == 0:
-        folder = tmp_path_factory.mktemp("continuous")
-        model, _ = build_hf_model("gqa-llama3", folder)
-    folder = comm.bcast(str(folder) if folder else None, root=0)
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, 250, n) for n in (6, 2, 13, 4, 9, 1, 11, 7, 3)]
     limits = [8, 2, 10, 1, 6, 10, 4, 9, 3]
+    folder, expected = None, None
+    if comm.Get_rank() == 0:
+        import torch
+
+        from helpers import build_hf_model
+        folder = tmp_path_factory.mktemp("continuous")
+        model, _ = build_hf_model("gqa-llama3", folder)
+        with torch.no_grad():
+            expected = [model.generate(torch.tensor(prompt[None]), max_new_tokens=k,
+                                       do_sample=False,
+                                       attention_mask=torch.ones(1, len(prompt),
+                                                                 dtype=torch.long)
+                                       )[0, len(prompt):].tolist()
+                        for prompt, k in zip(prompts, limits)]
+    folder = comm.bcast(str(folder) if folder else None, root=0)
+    monkeypatch.setenv("HPCPAR_SAVE_SECONDS", "0")
     for dp, pp, tp, mbs in _layouts(comm, dict(GQA, num_hidden_layers=3)):
         sets = [f"model.checkpoint='{folder}/model.h5'", f"parallel.dp={dp}",
                 f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.micro_batches={mbs}",
                 "generate.max_new_tokens=10", "generate.stop_at_eos=false",
                 "generate.batch_size=2", f"output.path='{folder}/{dp}-{pp}-{tp}-{mbs}.h5'"]
-        monkeypatch.setenv("HPCPAR_SAVE_SECONDS", "0")
         result = run_generation(comm, load_job(None, sets),
                                 prompts=Prompts(prompts, max_new_tokens=limits), progress=False)
         if comm.Get_rank() != 0:
@@ -205,13 +245,8 @@ def test_two_rows_in_flight_under_every_layout_give_transformers_greedy_tokens(
         with h5py.File(f"{folder}/{dp}-{pp}-{tp}-{mbs}.h5") as f:
             np.testing.assert_array_equal(f["tokens"][()], result.tokens)
             np.testing.assert_array_equal(f["lengths"][()], limits)
-        for b, (prompt, k) in enumerate(zip(prompts, limits)):
-            with torch.no_grad():
-                out = model.generate(torch.tensor(prompt[None]), max_new_tokens=k,
-                                     do_sample=False,
-                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-            assert result.tokens[b, :k].tolist() == out[0, len(prompt):].tolist(), (b, dp, pp,
-                                                                                    tp, mbs)
+        for b, (want, k) in enumerate(zip(expected, limits)):
+            assert result.tokens[b, :k].tolist() == want, (b, dp, pp, tp, mbs)
 
 
 class _FixedPayload:
@@ -255,7 +290,7 @@ CP_CONFIGS = {"gqa": dict(GQA, max_position_embeddings=256),
 LONG = [np.random.default_rng(3).integers(3, 240, n) for n in (150, 7, 1, 60, 131, 2)]
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the cp layouts of each world size
 @pytest.mark.parametrize("family", sorted(CP_CONFIGS))
 def test_generation_under_cp_gives_the_single_ranks_tokens(tmp_path_factory, family):
     """Prefill split over cp (ring attention), decode over the KV cache split over cp (the

@@ -1,4 +1,4 @@
-"""The library as its users combine it, on 2, 4 and 8 ranks, against torch on the dense model:
+"""The library as its users combine it, against torch on the dense model:
 parameters found and named from layers and pipelines, optimizer state that never collides,
 gradient norms and clipping that count every element once (a row-parallel bias and a norm
 weight replicated over tp, a KV head replicated under GQA, dp replicas), the data-parallel
@@ -11,15 +11,16 @@ for two query heads per rank, so tp ranks hold it as replicas), z = q * kv repea
 query heads of each KV head, y = z Wo^T + bo (row-parallel, bias replicated), loss = sum of
 squares of (y - t) over the global batch / its rows. Stage 0 is h..z, stage 1 is y and the
 loss; with pp 1 one rank holds both.
+
+On 2 ranks (tp 2, both stages on one rank) and 8 (dp 2 x pp 2 x tp 2: every axis at once).
 """
 
 import numpy as np
 import pytest
-import torch
 
 import hpcpar.parallel as hp
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi(ranks=(2, 8))
 
 D, HEADS, KV_HEADS, HD, OUT, ROWS, MICRO = 6, 4, 1, 3, 5, 8, 2
 S0, R = hp.Shard(0), hp.Replicate()
@@ -105,6 +106,7 @@ def sse(y, t):
 
 def torch_reference(w, x, t, clip):
     """The dense model's loss, gradients (clipped as clip_grad_norm_ clips) and the norm."""
+    import torch
     p = {k: torch.tensor(v, requires_grad=True) for k, v in w.items()}
     h = torch.tensor(x) * p["g"]
     q = h @ p["wq"].T + p["bq"]
@@ -377,6 +379,7 @@ def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(
     """Label -1 adds nothing to the loss or the gradient, whatever its weight, and its
     token loss and log-probability are 0 (torch's ignore_index); labels outside the vocabulary and logits that are not this rank's block
     are one error, not a number."""
+    import torch
     tp = hp.Mesh(comm, {"tp": comm.Get_size()}, timeout=30).group("tp")
     V, rows = 11, 5
     rng = np.random.default_rng(3)
@@ -412,11 +415,10 @@ def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(
             ce.forward(full.copy(), labels, np.ones(rows))
 
 
+@pytest.mark.mpi(min_size=4)               # a 2 x 2 mesh
 def test_nested_uneven_shards_are_checked_at_every_coordinate(comm):
     """An inner axis's sizes that fit one outer piece and not another are the same error on
     every rank (they were accepted on some and refused on others, who then waited)."""
-    if comm.Get_size() != 4:
-        pytest.skip("a 2 x 2 mesh")
     mesh = hp.Mesh(comm, {"a": 2, "b": 2}, timeout=30)
     with pytest.raises(hp.ShardingError, match=r"sizes \[1, 1\] for a dimension 0 of length 6"):
         hp.DArray.from_full(np.zeros((8, 2)), mesh, {"a": hp.Shard(0, sizes=(2, 6)),

@@ -17,14 +17,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from helpers import PROMPTS, build_hf_model, losses, mpirun  # noqa: E402
-from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
-from hpcpar.jobs.job import load_job  # noqa: E402
-from hpcpar.jobs.score.engine import run_scoring  # noqa: E402
-from hpcpar.jobs.train.engine import run_training  # noqa: E402
+from helpers import PROMPTS, WORLD_SIZES, build_hf_model, losses, mpirun
+from hpcpar.jobs.generate import Prompts, run_generation
+from hpcpar.jobs.job import load_job
+from hpcpar.jobs.score.engine import run_scoring
+from hpcpar.jobs.train.engine import run_training
 
 E, HIDDEN, INTER, TOP_K, TOKENS = 8, 16, 12, 2, 10
 
@@ -39,6 +36,7 @@ def _layer(seed=0):
 def _torch_moe(weights, x, dy, normalize):
     """The layer written densely in torch (every expert on every token, masked by the
     router's choice), and its gradients by autograd: the independent reference."""
+    import torch
     router, gate, up, down = (torch.tensor(w, requires_grad=True) for w in weights)
     xt = torch.tensor(x, requires_grad=True)
     probs = torch.softmax((xt @ router.T).float(), dim=-1)
@@ -128,7 +126,7 @@ def test_arrays_that_are_not_one_moe_layer_are_one_error():
         moe.forward(np.zeros((3, HIDDEN - 1)))
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(min_size=4)               # ep 2 x tp 2
 def test_the_moe_layer_split_over_ep_and_tp_is_the_dense_computation(comm):
     """Each ep rank routes its own tokens (some to experts elsewhere); a rank with no tokens
     at all still serves its experts; each rank's outputs, input gradients and parameter
@@ -172,6 +170,7 @@ def _torch_step_with_aux(hf, rows, coef, lr):
     """One SGD step of transformers' model on ``rows``' inputs (the last token of each row
     is only a label), loss = cross-entropy + coef * load_balancing_loss_func over the real
     tokens. Returns (loss, aux, grad norm)."""
+    import torch
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
     batch = torch.from_numpy(rows)
     mask = (batch >= 0).long()
@@ -283,7 +282,7 @@ def moe_training(tmp_path_factory):
     return _shared(tmp_path_factory, "moe-train", build)[0]
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_training_under_expert_parallelism_reproduces_the_single_rank_steps(moe_training):
     from test_train_mpi import assert_same_checkpoint
     comm = MPI.COMM_WORLD
@@ -306,10 +305,10 @@ def test_training_under_expert_parallelism_reproduces_the_single_rank_steps(moe_
         comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(min_size=4)               # ep 2 -> ep 1 and ep 4
 def test_a_checkpoint_saved_under_one_ep_resumes_under_another(moe_training):
-    """Step 1 under ep 2, step 2 under ep 1 (and, on 4 ranks or more, under ep 4): the
-    straight single-rank run's weights, optimizer state and losses."""
+    """Step 1 under ep 2, step 2 under ep 1 and under ep 4: the straight single-rank run's
+    weights, optimizer state and losses."""
     from test_train_mpi import assert_same_checkpoint
     comm = MPI.COMM_WORLD
     folder, size = moe_training, comm.Get_size()
@@ -337,19 +336,19 @@ SCORE_EP = {2: [(2, 1, 1, 2, 1)], 4: [(4, 1, 1, 4, 2), (2, 2, 1, 2, 2), (2, 1, 2
             8: [(2, 2, 2, 2, 1), (8, 1, 1, 4, 2)]}
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_scoring_under_expert_parallelism_is_transformers(tmp_path_factory, family):
     """Nine rows over the replicas: some replicas hold fewer micro-batches (or none) and
     serve their experts to the others until all are done."""
-    from test_score import _check_against, _padded
+    from test_score import _padded, check_against, transformers_logprobs
     rows = [*PROMPTS, np.arange(3, 9), np.array([5, 6, 7])]
 
     def build(folder):
         np.save(f"{folder}/rows.npy", _padded(rows))
-        return build_hf_model(family, Path(folder))[0]
+        return transformers_logprobs(build_hf_model(family, Path(folder))[0], rows)
 
-    folder, model = _shared(tmp_path_factory, f"score-{family}", build)
+    folder, expected = _shared(tmp_path_factory, f"score-{family}", build)
     comm = MPI.COMM_WORLD
     offsets = [max(len(p) for p in rows) - len(p) for p in rows]
     for dp, pp, tp, ep, m in SCORE_EP[comm.Get_size()]:
@@ -359,28 +358,36 @@ def test_scoring_under_expert_parallelism_is_transformers(tmp_path_factory, fami
             f"output.path='{out}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
             f"parallel.tp={tp}", f"parallel.ep={ep}", f"parallel.micro_batches={m}"]))
         if comm.Get_rank() == 0:
-            _check_against(result, model, rows, offsets)
+            check_against(result, expected, offsets)
 
 
 GENERATE_EP = {2: [(2, 1, 1, 2, 1)], 4: [(4, 1, 1, 2, 2), (2, 2, 1, 2, 2), (2, 1, 2, 2, 1)],
                8: [(2, 2, 2, 2, 2), (8, 1, 1, 4, 1)]}
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_replicas_of_very_unequal_work_generate_transformers_tokens_under_ep(
         tmp_path_factory, batching):
     """The first replica gets the two long prompts (18 and 20 new tokens), the others one
     or two tokens each: they finish long before it, and serve its tokens' experts until it
     is done. No hang, no prompt lost, every token transformers' greedy one."""
-    def build(folder):
-        return build_hf_model("mixtral", Path(folder))[0]
-
-    folder, model = _shared(tmp_path_factory, f"generate-{batching}", build)
-    comm = MPI.COMM_WORLD
     rng = np.random.default_rng(9)
     prompts = [rng.integers(0, 250, n) for n in (6, 2, 13, 4, 9, 1, 11, 7, 3)]
     limits = [20, 1, 2, 1, 18, 1, 1, 2, 1]
+
+    def build(folder):
+        import torch
+        model = build_hf_model("mixtral", Path(folder))[0]
+        with torch.no_grad():
+            return [model.generate(torch.tensor(prompt[None]), max_new_tokens=k,
+                                   do_sample=False,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+                                   )[0, len(prompt):].tolist()
+                    for prompt, k in zip(prompts, limits)]
+
+    folder, expected = _shared(tmp_path_factory, f"generate-{batching}", build)
+    comm = MPI.COMM_WORLD
     for dp, pp, tp, ep, m in GENERATE_EP[comm.Get_size()]:
         batch = ["generate.batch_size=2"] if batching == "continuous" else []
         result = run_generation(comm, load_job(None, [
@@ -392,12 +399,8 @@ def test_replicas_of_very_unequal_work_generate_transformers_tokens_under_ep(
         if comm.Get_rank() != 0:
             continue
         assert result.lengths.tolist() == limits
-        for b, (prompt, k) in enumerate(zip(prompts, limits)):
-            with torch.no_grad():
-                out = model.generate(torch.tensor(prompt[None]), max_new_tokens=k,
-                                     do_sample=False,
-                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-            assert result.tokens[b, :k].tolist() == out[0, len(prompt):].tolist(), (b, dp, ep)
+        for b, (want, k) in enumerate(zip(expected, limits)):
+            assert result.tokens[b, :k].tolist() == want, (b, dp, ep)
 
 
 # ---- bad input -----------------------------------------------------------------------------

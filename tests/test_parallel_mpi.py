@@ -1,7 +1,8 @@
-"""The parallel core on 2, 4 and 8 ranks against dense NumPy references: redistribution
-between placements, every sharded-matmul and feed-forward policy (forward and backward), the
-parallel layers and f/g, the pipeline over user stage functions under every schedule, the
-data-parallel reduction, and bad input as one error on every rank.
+"""The parallel core against dense NumPy references: redistribution between placements, every
+sharded-matmul and feed-forward policy (forward and backward), the parallel layers and f/g,
+the pipeline over user stage functions under every schedule, the data-parallel reduction,
+and bad input as one error on every rank. On 2 ranks and on 8 (a 1-D mesh of each, and
+8's 2-D and 3-D meshes; pipelines of 2 and 8 stages).
 
 Tolerances, relative to the largest element of the reference (computed in float64 from the
 same rounded inputs): float64 1e-12, float32 1e-5, float16 2e-3, bfloat16 1.6e-2 (a 16-bit
@@ -20,7 +21,7 @@ import hpcpar.parallel as hp
 from hpcpar.parallel.backend import select_backend
 from hpcpar.parallel.dtypes import bfloat16
 
-pytestmark = pytest.mark.mpi(min_size=2)
+pytestmark = pytest.mark.mpi(ranks=(2, 8))
 
 S0, S1, R, P = hp.Shard(0), hp.Shard(1), hp.Replicate(), hp.Partial()
 TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5,

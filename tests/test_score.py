@@ -12,13 +12,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from helpers import HF_CONFIGS, PROMPTS, TINY, build_hf_model, make_checkpoint, mpirun  # noqa
-from hpcpar.jobs.job import load_job  # noqa: E402
-from hpcpar.jobs.score import run_scoring  # noqa: E402
-from hpcpar.jobs.score import program as score_program  # noqa: E402
+from helpers import (HF_CONFIGS, PROMPTS, TINY, WORLD_SIZES, build_hf_model, make_checkpoint,
+                     mpirun)
+from hpcpar.jobs.job import load_job
+from hpcpar.jobs.score import run_scoring
+from hpcpar.jobs.score import program as score_program
 
 LAYOUTS = {   # (dp, pp, tp, micro_batches), keyed by world size
     2: [(1, 1, 2, 1), (1, 2, 1, 2), (2, 1, 1, 1)],
@@ -44,21 +42,27 @@ def _score(comm, checkpoint, data, out, layout=(1, 1, 1, 1), cp=1):
     return run_scoring(comm, load_job(None, sets))
 
 
-def _transformers_logprobs(model, prompt) -> np.ndarray:
-    """log p(prompt[t] | prompt[:t]) for t >= 1, from transformers' logits."""
+def transformers_logprobs(model, prompts) -> list[np.ndarray]:
+    """For each prompt, log p(prompt[t] | prompt[:t]) for t >= 1, from transformers' logits."""
+    import torch
+    out = []
     with torch.no_grad():
-        logits = model(torch.tensor(prompt[None])).logits[0].double()
-    logp = torch.log_softmax(logits, dim=-1)[:-1]
-    return logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+        for prompt in prompts:
+            logits = model(torch.tensor(prompt[None])).logits[0].double()
+            logp = torch.log_softmax(logits, dim=-1)[:-1]
+            out.append(logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy())
+    return out
 
 
-def _check_against(result, model, prompts, offsets):
-    for r, p in enumerate(prompts):
+def check_against(result, expected, offsets):
+    """The scoring ``result`` holds the ``expected`` log-probabilities (transformers_logprobs)
+    of rows left-padded by ``offsets``, and NaN elsewhere."""
+    for r, want in enumerate(expected):
         row = result.token_logprobs[r]
         o = offsets[r]
-        np.testing.assert_allclose(row[o + 1:o + len(p)], _transformers_logprobs(model, p),
-                                   atol=1e-4, rtol=0, err_msg=f"row {r}")
-        assert np.isnan(row[:o + 1]).all() and np.isnan(row[o + len(p):]).all()
+        np.testing.assert_allclose(row[o + 1:o + 1 + len(want)], want, atol=1e-4, rtol=0,
+                                   err_msg=f"row {r}")
+        assert np.isnan(row[:o + 1]).all() and np.isnan(row[o + 1 + len(want):]).all()
 
 
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
@@ -73,7 +77,7 @@ def test_left_padded_rows_score_as_transformers_and_the_file_holds_the_sums(hf_m
     np.save(data, padded)
     result = _score(MPI.COMM_SELF, checkpoint, data, tmp_path / "scores.h5")
     offsets = [padded.shape[1] - len(p) for p in PROMPTS]
-    _check_against(result, model, PROMPTS, offsets)
+    check_against(result, transformers_logprobs(model, PROMPTS), offsets)
     with h5py.File(tmp_path / "scores.h5") as f:
         np.testing.assert_array_equal(f["token_logprobs"][:], result.token_logprobs)
         nll, scored = f["nll"][:], f["tokens_scored"][:]
@@ -90,23 +94,24 @@ def test_jsonl_rows_start_at_column_zero_and_blocks_of_positions_change_nothing(
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"ids": p.tolist()}) + "\n" for p in PROMPTS))
     whole = _score(MPI.COMM_SELF, checkpoint, data, tmp_path / "a.h5")
-    _check_against(whole, model, PROMPTS, [0] * len(PROMPTS))
+    check_against(whole, transformers_logprobs(model, PROMPTS), [0] * len(PROMPTS))
     monkeypatch.setattr(score_program, "LOGITS_BLOCK_BYTES", 1)   # one position per block
     blocks = _score(MPI.COMM_SELF, checkpoint, data, tmp_path / "b.h5")
     np.testing.assert_allclose(blocks.token_logprobs, whole.token_logprobs, atol=1e-6, rtol=0)
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 @pytest.mark.parametrize("family", ["gqa-llama3", "qwen2", "qwen3", "gemma", "qwen3_moe"])
 def test_every_layout_scores_as_transformers(tmp_path_factory, family):
     """Every layout against transformers' own class, for Llama, Qwen2 (q/k/v biases split
     with their heads), Qwen3 (q/k norms over split and replicated KV heads), Gemma (one KV
     head) and Qwen3-MoE (experts split over tp like the dense MLP, a dense layer between)."""
     comm = MPI.COMM_WORLD
-    model, folder = None, None
+    expected, folder = None, None
     if comm.Get_rank() == 0:
         folder = tmp_path_factory.mktemp("score")
         model, _ = build_hf_model(family, folder)
+        expected = transformers_logprobs(model, PROMPTS)
         np.save(folder / "rows.npy", _padded(PROMPTS))
     folder = comm.bcast(str(folder) if folder else None, root=0)
     offsets = [max(len(p) for p in PROMPTS) - len(p) for p in PROMPTS]
@@ -115,7 +120,7 @@ def test_every_layout_scores_as_transformers(tmp_path_factory, family):
         result = _score(comm, f"{folder}/model.h5", f"{folder}/rows.npy",
                         f"{folder}/scores-{'-'.join(map(str, layout))}.h5", layout)
         if comm.Get_rank() == 0:
-            _check_against(result, model, PROMPTS, offsets)
+            check_against(result, expected, offsets)
         else:
             assert result is None
 
@@ -131,14 +136,15 @@ CP_LAYOUTS = {
 LONG_PROMPTS = [np.random.default_rng(7).integers(0, 250, n) for n in (150, 131, 3, 2)]
 
 
-@pytest.mark.mpi(min_size=2)
+@pytest.mark.mpi(ranks=WORLD_SIZES)        # the cp layouts of each world size
 @pytest.mark.parametrize("family", ["gqa-llama3", "qwen3"])
 def test_context_parallel_layouts_score_long_rows_as_transformers(tmp_path_factory, family):
     comm = MPI.COMM_WORLD
-    model, folder = None, None
+    expected, folder = None, None
     if comm.Get_rank() == 0:
         folder = tmp_path_factory.mktemp("score-cp")
         model, _ = build_hf_model(family, folder, max_position_embeddings=256)
+        expected = transformers_logprobs(model, LONG_PROMPTS)
         np.save(folder / "rows.npy", _padded(LONG_PROMPTS))
     folder = comm.bcast(str(folder) if folder else None, root=0)
     offsets = [max(len(p) for p in LONG_PROMPTS) - len(p) for p in LONG_PROMPTS]
@@ -146,7 +152,7 @@ def test_context_parallel_layouts_score_long_rows_as_transformers(tmp_path_facto
         result = _score(comm, f"{folder}/model.h5", f"{folder}/rows.npy",
                         f"{folder}/scores-{dp}{pp}{cp}{tp}{mbs}.h5", (dp, pp, tp, mbs), cp=cp)
         if comm.Get_rank() == 0:
-            _check_against(result, model, LONG_PROMPTS, offsets)
+            check_against(result, expected, offsets)
             with h5py.File(f"{folder}/scores-{dp}{pp}{cp}{tp}{mbs}.h5") as f:
                 assert f.attrs["cp"] == cp
 
