@@ -19,6 +19,7 @@ losses and every rank's pieces of the trained weights equal torch's to 1e-10.
 """
 
 import argparse
+import importlib.util
 
 import numpy as np
 from mpi4py import MPI
@@ -254,11 +255,7 @@ def train(args):
 # ---- the same model and training in torch, on one process ----------------------------------
 
 def train_torch():
-    try:
-        import torch
-    except ImportError:
-        raise SystemExit("examples/transformer.py checks itself against torch: "
-                         "pip install torch (the CPU build is enough)") from None
+    import torch
     w = {k: torch.tensor(v, requires_grad=True) for k, v in make_weights().items()}
     decay = [p for p in w.values() if p.ndim > 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -292,6 +289,24 @@ def train_torch():
     return losses, {k: v.detach().numpy() for k, v in w.items()}
 
 
+def torch_reference(comm):
+    """torch's losses and trained weights, computed on rank 0 and broadcast to every rank
+    (buffer broadcasts): one torch import and run for the whole job."""
+    if importlib.util.find_spec("torch") is None:         # on every rank: none waits alone
+        raise SystemExit("examples/transformer.py checks itself against torch: "
+                         "pip install torch (the CPU build is enough)")
+    if comm.rank == 0:
+        losses, weights = train_torch()
+    else:
+        losses, weights = [0.0] * STEPS, {k: np.empty_like(v) for k, v in make_weights().items()}
+    losses = np.array(losses, dtype=np.float64)
+    weights = {k: np.ascontiguousarray(v, dtype=np.float64) for k, v in weights.items()}
+    comm.Bcast(losses, root=0)
+    for name in sorted(weights):
+        comm.Bcast(weights[name], root=0)
+    return losses.tolist(), weights
+
+
 def my_piece(name: str, full: np.ndarray, stage: Stage, tp) -> np.ndarray:
     """This rank's piece of a whole weight, as the layers cut it."""
     if name.endswith(("tok.weight", "lm.weight")):
@@ -315,7 +330,7 @@ def main():
         parser.add_argument(f"--{axis}", type=int, default=default)
     args = parser.parse_args()
     mesh, stage, params, losses = train(args)
-    ref_losses, ref = train_torch()
+    ref_losses, ref = torch_reference(MPI.COMM_WORLD)
     loss_error = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     assert loss_error < 1e-10, (losses, ref_losses)
     weight_error = 0.0

@@ -51,7 +51,21 @@ def pytest_configure(config):
             config.pluginmanager.unregister(reporter)
 
 
+def _own_preset_cache():
+    """Outside mpiexec (a serial run, each pytest-xdist worker): the preset checkpoints jobs
+    make go to a cache of this process, so that two workers never write the same one at once
+    (the second would find it being written) and the tests leave ~/.cache alone."""
+    if _world().Get_size() == 1:
+        import atexit
+        import shutil
+        import tempfile
+        path = tempfile.mkdtemp(prefix="hpcpar-presets-")
+        os.environ["HPCPAR_CACHE"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+
+
 _per_rank_temp_root()
+_own_preset_cache()
 
 
 @pytest.fixture
@@ -70,21 +84,31 @@ def _gpu_present() -> bool:
         return False
 
 
+def pytest_addoption(parser):
+    parser.addoption("--any-world-size", action="store_true",
+                     help="under mpiexec, run every MPI test this world is large enough for "
+                          "(its min_size), not only those meant for this size (ranks=...)")
+
+
 def world_sizes(item) -> tuple[int, ...]:
-    """The world sizes an MPI test runs at: its marker's ``ranks``, else its ``min_size``
-    alone (the smallest world that shows its point; tests/run starts 2, 4 and 8 ranks)."""
+    """The world sizes tests/run runs an MPI test at: its marker's ``ranks``, else its
+    ``min_size`` alone (the smallest world that shows its point)."""
     mark = item.get_closest_marker("mpi")
     return tuple(mark.kwargs.get("ranks", (mark.kwargs.get("min_size", 2),)))
 
 
 def _select_world_size(config, items):
-    """Under mpiexec, keep the MPI tests meant for this world size; deselect the rest (they
-    run in another of tests/run's MPI phases)."""
+    """Under mpiexec, keep the MPI tests meant for this world size and deselect the rest:
+    tests/run starts 2, 4 and 8 ranks, and each test runs where it shows its point. With
+    --any-world-size (the strict backend's 2-rank phase), every test that fits runs."""
     size = _world().Get_size()
+    any_size = config.getoption("any_world_size")
     keep, drop = [], []
     for item in items:
-        mpi = item.get_closest_marker("mpi")
-        (drop if mpi is not None and size not in world_sizes(item) else keep).append(item)
+        mark = item.get_closest_marker("mpi")
+        fits = mark is None or (size >= mark.kwargs.get("min_size", 2) if any_size
+                                else size in world_sizes(item))
+        (keep if fits else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -86,6 +86,7 @@ def _greedy(model, ids, n):
     return out[0, len(ids):].tolist(), torch.log_softmax(logits, -1).numpy()
 
 
+@pytest.mark.device
 def test_a_batch_file_round_trip(chat_model, tmp_path):
     model, theirs, checkpoint = chat_model
     (tmp_path / "requests.jsonl").write_text(

@@ -82,6 +82,7 @@ def test_conversations_render_and_tokenize_as_apply_chat_template(chat_model, tm
     assert prompts.ids[0][0] == theirs.bos_token_id         # the template's own BOS, once
 
 
+@pytest.mark.device
 def test_a_conversation_generates_as_its_rendered_ids(chat_model, tmp_path):
     folder, theirs = chat_model
     lines = tmp_path / "chats.jsonl"

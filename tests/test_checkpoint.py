@@ -224,7 +224,7 @@ def _layouts(world_size, cfg):
     return out
 
 
-@pytest.mark.mpi(min_size=8)               # tp up to 8, pp up to 4, and dp beside them
+@pytest.mark.mpi(ranks=(8,))               # tp up to 8, pp up to 4, and dp beside them
 @pytest.mark.parametrize("hf_cfg", [
     TINY,
     dict(TINY, vocab_size=251, num_key_value_heads=1, tie_word_embeddings=True,

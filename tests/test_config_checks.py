@@ -499,6 +499,7 @@ def test_every_accepted_activation_is_transformers_forward_and_backward(name):
     np.testing.assert_allclose(dup, u.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("family, changes", [
     ("qwen2", {"hidden_act": "gelu_new"}),                           # GeGLU in a Qwen2
     ("gqa-llama3", {"hidden_act": "swish", "rope_scaling": {"rope_type": "linear",

@@ -74,7 +74,8 @@ CASES = {
 }
 
 
-@pytest.mark.mpi(ranks=(2, 8))        # a ring of two, and of eight
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(2, 8))             # a ring of two, and of eight
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=str)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_ring_attention_gives_the_whole_sequences_attention_and_gradients(comm, name, dtype):
@@ -156,7 +157,8 @@ def test_bad_use_of_the_cp_axis_is_one_clear_error(tmp_path, name):
     assert not (tmp_path / "s.h5").exists() and not (tmp_path / "g.h5").exists()
 
 
-@pytest.mark.mpi(ranks=(2, 8))        # a ring of two, and of eight
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(2, 8))             # a ring of two, and of eight
 @pytest.mark.parametrize("dtype", [np.float32, bfloat16], ids=str)
 def test_a_decode_step_over_a_cache_split_over_cp_is_the_whole_caches_attention(comm, dtype):
     """Rows of 37, 20 and 1 prompt tokens, then decode steps: each rank's cache holds its

@@ -37,6 +37,7 @@ def _generate(workdir, n, prompts, out, *extra, timeout=120):
                   timeout=timeout)[0]
 
 
+@pytest.mark.device
 def test_generate_writes_tokens_logits_text_and_the_report(workdir):
     proc = _generate(workdir, 4, "text.jsonl", "text_out.h5", "--pp", "2", "--tp", "2",
                      "--save-logits", "--ignore-eos")
@@ -186,6 +187,7 @@ def _lines(path):
     return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
+@pytest.mark.device
 def test_jsonl_results_hold_what_the_hdf5_output_holds_in_input_order(workdir):
     """--out NAME.jsonl: a line per prompt, in input order, with the text, token ids,
     finish reason and counts the HDF5 output of the same run holds."""
@@ -247,6 +249,7 @@ def test_a_jsonl_output_is_refused_for_prompt_logits_and_over_other_files(workdi
     assert (workdir / "notes.jsonl").read_text() == '{"note": 1}\n'
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("flags", [["--batching", "static"], ["--pp", "2", "--tp", "2"]])
 def test_stop_strings_end_rows_where_their_text_first_holds_one(workdir, flags):
     """A row ends at the token that completes one of its stop strings (the job's, or its

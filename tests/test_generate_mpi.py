@@ -76,6 +76,7 @@ def _single(path, prompts="PROMPTS", **gen):
     return _REFERENCES[key]
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_every_layout_reproduces_the_single_rank_logits_and_greedy_tokens(checkpoint):
     comm = MPI.COMM_WORLD
@@ -99,6 +100,7 @@ OWN = [OWN_SAMPLING[i % len(OWN_SAMPLING)] for i in range(2 * len(PROMPTS))]
 PROMPT_SETS = {"PROMPTS": Prompts(PROMPTS), "MIXED": Prompts(PROMPTS * 2, sampling=OWN)}
 
 
+@pytest.mark.device
 def test_each_prompt_samples_with_its_own_settings_on_one_rank(checkpoint):
     """Each greedy row's tokens are those of a greedy job, each row with its own seed's those
     of the same lines alone (a line's own seed keys its draws wherever it is, as vLLM's
@@ -117,6 +119,7 @@ def test_each_prompt_samples_with_its_own_settings_on_one_rank(checkpoint):
             assert single.tokens[rows].tolist() == alike.tokens[rows].tolist(), settings
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint):
     """Rows that each sample with their own settings (``OWN``): every layout (static, or one
@@ -133,7 +136,8 @@ def test_each_prompt_samples_with_its_own_settings_under_every_layout(checkpoint
             assert refilled.tokens.tolist() == single.tokens.tolist(), layout
 
 
-@pytest.mark.mpi(min_size=4)
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(4,))               # two uneven stages beside tp 2
 def test_an_explicit_uneven_stage_split_gives_the_same_numbers(checkpoint):
     comm = MPI.COMM_WORLD
     cfg, path = checkpoint
@@ -156,6 +160,7 @@ SAMPLING = {"temperature": 0.9, "top_k": 20, "top_p": 0.9, "seed": 5}
 FULL_VOCAB = {"temperature": 1.3, "top_p": 0.95, "seed": 2}      # gathers the vocabulary
 
 
+@pytest.mark.device
 def test_seeded_sampling_is_reproducible_on_one_rank(checkpoint):
     cfg, path = checkpoint
     single = _single(path, **SAMPLING)
@@ -167,6 +172,7 @@ def test_seeded_sampling_is_reproducible_on_one_rank(checkpoint):
     assert static.tokens.tolist() == single.tokens.tolist()    # draws keyed by prompt, token
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_seeded_sampling_is_layout_independent(checkpoint):
     comm = MPI.COMM_WORLD
@@ -182,6 +188,7 @@ def test_seeded_sampling_is_layout_independent(checkpoint):
             assert refilled.tokens.tolist() == single.tokens.tolist(), layout
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts, and cp over the whole world
 def test_samples_and_their_logprobs_are_the_single_ranks_under_every_layout(checkpoint):
     """n 3 sampled with log-probs: a prompt's prefill shared by its samples (copied KV-cache
@@ -207,6 +214,7 @@ def test_samples_and_their_logprobs_are_the_single_ranks_under_every_layout(chec
         np.testing.assert_array_equal(result.logprobs.top_ids, single.logprobs.top_ids)
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_two_rows_in_flight_under_every_layout_give_transformers_greedy_tokens(
         tmp_path_factory, monkeypatch):
@@ -290,6 +298,7 @@ CP_CONFIGS = {"gqa": dict(GQA, max_position_embeddings=256),
 LONG = [np.random.default_rng(3).integers(3, 240, n) for n in (150, 7, 1, 60, 131, 2)]
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the cp layouts of each world size
 @pytest.mark.parametrize("family", sorted(CP_CONFIGS))
 def test_generation_under_cp_gives_the_single_ranks_tokens(tmp_path_factory, family):

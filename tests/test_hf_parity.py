@@ -15,6 +15,9 @@ from helpers import HF_CONFIGS, PROMPTS, build_hf_model  # noqa: E402
 from hpcpar.jobs.generate import Prompts, run_generation  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
 
+pytestmark = pytest.mark.device
+
+
 @pytest.fixture(scope="module", params=sorted(HF_CONFIGS))
 def hf_model(request, tmp_path_factory):
     return build_hf_model(request.param, tmp_path_factory.mktemp(request.param))

@@ -38,6 +38,7 @@ def test_bad_input_is_reported_once_and_every_rank_exits_non_zero(tmp_path, args
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("n, layout", [(1, "dp 1 x pp 1 x tp 1"), (3, "dp 1 x pp 3 x tp 1"),
                                        (8, "dp 2 x pp 2 x tp 2")])
 def test_the_demo_job_generates_and_reports(tmp_path, n, layout):

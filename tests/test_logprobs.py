@@ -49,6 +49,7 @@ def _check_token_logprobs(model, result, k=K):
         assert np.isnan(result.logprobs.values[b, n:]).all()
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_greedy_token_and_prompt_logprobs_are_transformers_log_softmax(llama, batching):
     model, path = llama
@@ -70,6 +71,7 @@ def test_greedy_token_and_prompt_logprobs_are_transformers_log_softmax(llama, ba
     assert plain.logprobs is None and plain.prompt_logprobs is None
 
 
+@pytest.mark.device
 def test_sampled_logprobs_are_the_models_before_temperature_and_penalties(llama):
     """The tokens are drawn at temperature 1.7 under a repetition penalty; their log-probs
     are still the model's own distribution's (vLLM's default)."""
@@ -80,6 +82,7 @@ def test_sampled_logprobs_are_the_models_before_temperature_and_penalties(llama)
     assert (ours.tokens != generate_here(path, 8).tokens).any()       # sampling changed the tokens
 
 
+@pytest.mark.device
 def test_logprobs_zero_gives_the_tokens_own_and_no_alternatives(llama):
     model, path = llama
     ours = generate_here(path, 4, "generate.logprobs=0")
@@ -87,6 +90,7 @@ def test_logprobs_zero_gives_the_tokens_own_and_no_alternatives(llama):
     _check_token_logprobs(model, ours, k=0)
 
 
+@pytest.mark.device
 def test_logprobs_are_the_same_under_tp_and_pp_in_hdf5_and_json_lines(llama, tmp_path):
     """tp 2 x pp 2 (a vocab-parallel head: the normalizer and the top K reduced over tp),
     per line: K 4 on one, the job's 2 on others, none on one; the HDF5 datasets and the JSON
@@ -168,6 +172,7 @@ def test_a_lines_logprobs_must_be_a_count(llama, tmp_path, capfd, value, message
     assert "p.jsonl:1: " in error and message in error
 
 
+@pytest.mark.device
 def test_no_token_copies_the_vocabulary_to_the_host(llama, monkeypatch):
     """Every array a generation with log-probs (K 5, sampled with top-k, penalties) reads
     back to the host holds a few numbers per row, never a row of the vocabulary."""

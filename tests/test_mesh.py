@@ -51,7 +51,7 @@ def test_out_of_range_rank_is_refused():
         coords_of(8, ParallelConfig(dp=2, pp=2, tp=2))
 
 
-@pytest.mark.mpi(min_size=8)               # layouts of every axis, three at once
+@pytest.mark.mpi(ranks=(8,))               # layouts of every axis, three at once
 def test_mesh_communicators_match_the_math(comm):
     from hpcpar.jobs.layout import job_mesh
     size = comm.Get_size()

@@ -26,6 +26,7 @@ def model(request, tmp_path_factory):
     return cfg, path, tensors
 
 
+@pytest.mark.device
 def test_prompt_logits_match_the_reference(model):
     cfg, path, tensors = model
     result = _run(path, PROMPTS, max_new_tokens=1)
@@ -36,6 +37,7 @@ def test_prompt_logits_match_the_reference(model):
         assert np.isnan(result.prompt_logits[b, len(prompt):]).all()
 
 
+@pytest.mark.device
 def test_padded_batch_equals_each_prompt_alone(model):
     _, path, _ = model
     together = _run(path, PROMPTS, max_new_tokens=4, stop_at_eos=False)
@@ -46,6 +48,7 @@ def test_padded_batch_equals_each_prompt_alone(model):
         assert together.tokens[b].tolist() == alone.tokens[0].tolist()
 
 
+@pytest.mark.device
 def test_kv_cache_greedy_decoding_matches_full_recomputation(model):
     cfg, path, tensors = model
     result = _run(path, PROMPTS[:3], max_new_tokens=8, stop_at_eos=False)
@@ -54,6 +57,7 @@ def test_kv_cache_greedy_decoding_matches_full_recomputation(model):
     assert result.lengths.tolist() == [8, 8, 8]
 
 
+@pytest.mark.device
 def test_rows_stop_at_eos_and_are_padded_after_it(model):
     cfg, path, tensors = model
     free = _run(path, PROMPTS[:1], max_new_tokens=6, stop_at_eos=False).tokens[0]
@@ -72,6 +76,7 @@ def test_rows_stop_at_eos_and_are_padded_after_it(model):
     assert result.lengths[0] == first + 1
 
 
+@pytest.mark.device
 def test_continuous_batching_keeps_in_flight_what_fits_the_memory(tmp_path, monkeypatch):
     """Without --batch-size the rows in flight are what half the free memory holds of KV
     cache: with room for about two rows, slots are refilled and the tokens stay those of
@@ -98,6 +103,7 @@ def test_continuous_batching_keeps_in_flight_what_fits_the_memory(tmp_path, monk
     assert fitted.tokens.tolist() == static.tokens.tolist()
 
 
+@pytest.mark.device
 def test_a_refill_prefills_a_bounded_number_of_tokens(tmp_path, monkeypatch):
     """With room for 16 prompt tokens per refill, eight free slots fill over several
     segments (each prefill within the budget, or one prompt alone), and the tokens and prompt
@@ -125,6 +131,7 @@ def test_a_refill_prefills_a_bounded_number_of_tokens(tmp_path, monkeypatch):
     np.testing.assert_allclose(bounded.prompt_logits, static.prompt_logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_the_report_splits_the_run_into_prefill_and_decode(tmp_path, batching):
     """Continuous batching's refills interleave with decoding: its prefill time is that of
@@ -197,6 +204,7 @@ def test_a_prefill_computes_its_last_layer_at_each_rows_last_token_alone(tmp_pat
         np.testing.assert_allclose(logits[b], want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_generation_with_prompts_prefilled_in_chunks_equals_whole_prompts(tmp_path,
                                                                            monkeypatch,

@@ -126,7 +126,7 @@ def test_arrays_that_are_not_one_moe_layer_are_one_error():
         moe.forward(np.zeros((3, HIDDEN - 1)))
 
 
-@pytest.mark.mpi(min_size=4)               # ep 2 x tp 2
+@pytest.mark.mpi(ranks=(4,))               # ep 2 x tp 2
 def test_the_moe_layer_split_over_ep_and_tp_is_the_dense_computation(comm):
     """Each ep rank routes its own tokens (some to experts elsewhere); a rank with no tokens
     at all still serves its experts; each rank's outputs, input gradients and parameter
@@ -196,6 +196,7 @@ def _torch_step_with_aux(hf, rows, coef, lr):
     return float(loss), float(aux), float(norm)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_a_training_step_with_the_load_balancing_loss_is_transformers(tmp_path, family):
     """Loss, aux loss (transformers' load_balancing_loss_func, padding masked), gradient
@@ -282,6 +283,7 @@ def moe_training(tmp_path_factory):
     return _shared(tmp_path_factory, "moe-train", build)[0]
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_training_under_expert_parallelism_reproduces_the_single_rank_steps(moe_training):
     from test_train_mpi import assert_same_checkpoint
@@ -305,7 +307,8 @@ def test_training_under_expert_parallelism_reproduces_the_single_rank_steps(moe_
         comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=4)               # ep 2 -> ep 1 and ep 4
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(4,))               # ep 2 -> ep 1 and ep 4
 def test_a_checkpoint_saved_under_one_ep_resumes_under_another(moe_training):
     """Step 1 under ep 2, step 2 under ep 1 and under ep 4: the straight single-rank run's
     weights, optimizer state and losses."""
@@ -336,6 +339,7 @@ SCORE_EP = {2: [(2, 1, 1, 2, 1)], 4: [(4, 1, 1, 4, 2), (2, 2, 1, 2, 2), (2, 1, 2
             8: [(2, 2, 2, 2, 1), (8, 1, 1, 4, 2)]}
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_scoring_under_expert_parallelism_is_transformers(tmp_path_factory, family):
@@ -365,6 +369,7 @@ GENERATE_EP = {2: [(2, 1, 1, 2, 1)], 4: [(4, 1, 1, 2, 2), (2, 2, 1, 2, 2), (2, 1
                8: [(2, 2, 2, 2, 2), (8, 1, 1, 4, 1)]}
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_replicas_of_very_unequal_work_generate_transformers_tokens_under_ep(

@@ -21,7 +21,7 @@ import hpcpar.parallel as hp
 from hpcpar.parallel.backend import select_backend
 from hpcpar.parallel.dtypes import bfloat16
 
-pytestmark = pytest.mark.mpi(ranks=(2, 8))
+pytestmark = [pytest.mark.mpi(ranks=(2, 8)), pytest.mark.device]
 
 S0, S1, R, P = hp.Shard(0), hp.Shard(1), hp.Replicate(), hp.Partial()
 TOLERANCE = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5,

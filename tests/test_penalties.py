@@ -24,6 +24,7 @@ def llama(tmp_path_factory):
 
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("penalty", [1.3, 0.6])
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_greedy_with_a_repetition_penalty_gives_transformers_generate(llama, penalty, batching):
@@ -43,6 +44,7 @@ def test_greedy_with_a_repetition_penalty_gives_transformers_generate(llama, pen
     assert changed, "the penalty changed no row: the test would pass without it"
 
 
+@pytest.mark.device
 def test_presence_and_frequency_penalties_are_openais(llama):
     """Against a reference written from OpenAI's definition: at each step, transformers'
     logits of the whole sequence, minus presence x [generated before] and frequency x (times
@@ -91,6 +93,7 @@ def test_min_p_keeps_what_transformers_min_p_keeps():
     assert sum(c > 0 for c in cut) >= 3, cut        # min-p cut where the others left more
 
 
+@pytest.mark.device
 def test_penalties_give_the_same_tokens_under_tp_and_pp(llama, tmp_path):
     """Sampled, with all three penalties and min-p: 1 rank, tp 2 and pp 2 agree."""
     _, path = llama
@@ -144,6 +147,7 @@ def test_min_p_with_every_prompt_greedy_is_refused(llama, tmp_path):
     assert proc.returncode == 2 and "min_p" in proc.stderr and "greedy" in proc.stderr
 
 
+@pytest.mark.device
 def test_min_tokens_and_stop_token_ids_are_transformers_min_new_tokens_and_eos(llama):
     """A stop id a row would generate soon, and min_tokens 4: the id is banned for the first
     4 tokens, then ends the row (finish reason "stop"), as transformers' generate with that
@@ -173,6 +177,7 @@ def test_min_tokens_and_stop_token_ids_are_transformers_min_new_tokens_and_eos(l
     assert runs[(4, "continuous")].lengths[0] > 4
 
 
+@pytest.mark.device
 def test_stop_token_ids_of_a_line_replace_the_jobs(llama, tmp_path):
     _, path = llama
     plain = generate_here(path, 8)

@@ -145,6 +145,7 @@ def test_generation_logs_every_replicas_tokens_exactly(work, layout, monkeypatch
     assert [d for d, _, _ in counts] == sorted(d for d, _, _ in counts)
 
 
+@pytest.mark.device
 def test_scoring_and_training_log_their_tokens(work, monkeypatch):
     monkeypatch.setenv("HPCPAR_PROGRESS_SECONDS", "0.2")
     err = _job(work, 4, ["score", "--checkpoint", "model.h5", "--data", "rows.npy",

@@ -35,7 +35,7 @@ def test_owners_and_replica_ranks_cover_the_mesh():
     assert sorted(r for d in range(2) for r in replica_ranks(layout, d)) == list(range(12))
 
 
-@pytest.mark.mpi(min_size=8)               # dp 8, and dp 2 x pp 2 x tp 2 (owners)
+@pytest.mark.mpi(ranks=(8,))               # dp 8, and dp 2 x pp 2 x tp 2 (owners)
 def test_replicas_that_end_apart_wait_on_heartbeats_and_lose_nothing(comm):
     world = MpiCommunicator(comm.Dup(), timeout=TIMEOUT)
     for layout in _layouts(world.size):

@@ -31,6 +31,7 @@ def _run(path, n, *sets):
     return generate_here(path, 8, f"generate.n={n}", *sets)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_greedy_samples_are_each_transformers_greedy_tokens_and_logprobs(llama, batching):
     """Greedy, every sample is the prompt's greedy continuation: its copied KV-cache rows
@@ -52,6 +53,7 @@ def test_greedy_samples_are_each_transformers_greedy_tokens_and_logprobs(llama, 
             np.testing.assert_allclose(ours.logprobs.values[row], chosen, atol=2e-5)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_sample_zero_is_the_one_sample_run_and_the_others_are_their_own(llama, batching):
     _, path = llama
@@ -68,6 +70,7 @@ def test_sample_zero_is_the_one_sample_run_and_the_others_are_their_own(llama, b
     np.testing.assert_array_equal(few.tokens, four.tokens)
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("sets", [["generate.batching='static'"], [],
                                   ["generate.batching='static'", "generate.prompt_logprobs=1"],
                                   ["generate.save_logits=true"]])
@@ -97,6 +100,7 @@ def test_a_prompt_is_prefilled_once_for_all_its_samples(llama, monkeypatch, sets
                                       np.repeat(one.prompt_logprobs.values, n, axis=0))
 
 
+@pytest.mark.device
 def test_a_lines_own_n_in_hdf5_and_json_lines(llama, tmp_path):
     """n 3 for the job, a line's own 1 and 2: HDF5 has [prompts, 3, ...] with ``samples``,
     the rows past a prompt's n empty; JSON lines one per sample, in order."""
@@ -143,6 +147,7 @@ def test_a_bad_n_is_one_error(llama, tmp_path, capfd, line, message):
     assert "generate.n must be in [1, 1024]" in refused(capfd, lambda: _run(path, 0))
 
 
+@pytest.mark.device
 def test_saved_prompt_logits_are_once_per_prompt(llama, tmp_path):
     """--save-logits with n 3: ``prompt_logits`` [prompts, seq, vocab], the one-sample file's."""
     _, path = llama

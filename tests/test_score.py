@@ -70,6 +70,7 @@ def hf_model(request, tmp_path_factory):
     return build_hf_model(request.param, tmp_path_factory.mktemp(request.param))
 
 
+@pytest.mark.device
 def test_left_padded_rows_score_as_transformers_and_the_file_holds_the_sums(hf_model, tmp_path):
     model, checkpoint = hf_model
     data = tmp_path / "rows.npy"
@@ -88,6 +89,7 @@ def test_left_padded_rows_score_as_transformers_and_the_file_holds_the_sums(hf_m
         assert f.attrs["tp"] == 1 and "tokens_per_s" in f.attrs
 
 
+@pytest.mark.device
 def test_jsonl_rows_start_at_column_zero_and_blocks_of_positions_change_nothing(
         hf_model, tmp_path, monkeypatch):
     model, checkpoint = hf_model
@@ -100,6 +102,7 @@ def test_jsonl_rows_start_at_column_zero_and_blocks_of_positions_change_nothing(
     np.testing.assert_allclose(blocks.token_logprobs, whole.token_logprobs, atol=1e-6, rtol=0)
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 @pytest.mark.parametrize("family", ["gqa-llama3", "qwen2", "qwen3", "gemma", "qwen3_moe"])
 def test_every_layout_scores_as_transformers(tmp_path_factory, family):
@@ -136,6 +139,7 @@ CP_LAYOUTS = {
 LONG_PROMPTS = [np.random.default_rng(7).integers(0, 250, n) for n in (150, 131, 3, 2)]
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the cp layouts of each world size
 @pytest.mark.parametrize("family", ["gqa-llama3", "qwen3"])
 def test_context_parallel_layouts_score_long_rows_as_transformers(tmp_path_factory, family):

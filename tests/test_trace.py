@@ -147,6 +147,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(work, monkeypatch, training_
     assert not (work / "none.png").exists()
 
 
+@pytest.mark.device
 def test_a_traced_generation_gives_the_same_tokens_and_a_trace(work):
     args = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "random",
             "--max-new-tokens", "6", "--pp", "2", "--micro-batches", "2"]

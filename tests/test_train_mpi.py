@@ -104,6 +104,7 @@ def assert_matches_single(folder, out, what=""):
                            f"{folder}/model.h5")
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the layouts of each world size
 def test_every_schedule_and_layout_reproduces_the_single_rank_steps(setup):
     comm = MPI.COMM_WORLD
@@ -118,7 +119,8 @@ def test_every_schedule_and_layout_reproduces_the_single_rank_steps(setup):
         comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=4)               # dp 2 x pp 2
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(4,))               # dp 2 x pp 2
 def test_many_buckets_overlap_the_backward_and_full_recompute_under_pp_and_dp(setup):
     """Buckets of 10 kB (several per stage and step, where the tests' models fit DDP's one 25 MB
     bucket) and --recompute full, with dp 2 and pp = the rest: the single-rank steps, and
@@ -138,7 +140,8 @@ def test_many_buckets_overlap_the_backward_and_full_recompute_under_pp_and_dp(se
     comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=8)               # dp 2 x pp 2 x tp 2
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(8,))               # dp 2 x pp 2 x tp 2
 def test_sgd_steps_agree_elementwise_across_layouts(setup):
     comm = MPI.COMM_WORLD
     cfg, folder = setup
@@ -158,7 +161,8 @@ def test_sgd_steps_agree_elementwise_across_layouts(setup):
     comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=4)               # tp 4 (or dp 4) -> pp 2 x tp 2 (or dp 2)
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(4,))               # tp 4 (or dp 4) -> pp 2 x tp 2 (or dp 2)
 def test_a_run_resumed_under_another_layout_ends_with_the_same_weights(setup):
     comm = MPI.COMM_WORLD
     cfg, folder = setup
@@ -225,7 +229,8 @@ def test_tp2_stage_gradients_pass_finite_differences_and_equal_tp1():
     sub.Free()
 
 
-@pytest.mark.mpi(min_size=4)               # ZeRO over dp 4, and dp 2 beside tp or pp
+@pytest.mark.device
+@pytest.mark.mpi(ranks=(4,))               # ZeRO over dp 4, and dp 2 beside tp or pp
 def test_zero1_steps_and_its_checkpoints_equal_the_single_rank_run(setup):
     """ZeRO-1 over every rank as dp, and over dp 2 with the rest as tp / pp; a ZeRO run
     resumed without ZeRO (and the other way round) ends where the straight run ends."""
@@ -285,6 +290,7 @@ def long_setup(request, tmp_path_factory):
     return cfg, folder
 
 
+@pytest.mark.device
 @pytest.mark.mpi(ranks=WORLD_SIZES)        # the cp layouts of each world size
 def test_context_parallel_layouts_reproduce_the_single_rank_steps(long_setup):
     """cp alone and with dp (and ZeRO-1), pp under every kind of schedule, and tp: the
@@ -300,7 +306,7 @@ def test_context_parallel_layouts_reproduce_the_single_rank_steps(long_setup):
         comm.Barrier()
 
 
-@pytest.mark.mpi(min_size=4)               # 140 positions in 8 chunks: uneven
+@pytest.mark.mpi(ranks=(4,))               # 140 positions in 8 chunks: uneven
 def test_plan_predicts_the_activations_each_cp_rank_keeps(long_setup):
     """cp over the whole world: each rank's peak activation bytes, measured by the run, are
     ``plan``'s formula at its own positions per row (the plan prints the largest). NumPy

@@ -36,6 +36,7 @@ def _weights(path):
         return {k: v[()] for k, v in f.items() if isinstance(v, h5py.Dataset)}
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_steps_follow_the_float32_steps(folder, dtype):
     ref = _train(folder, "fp32", "float32")
@@ -50,6 +51,7 @@ def test_low_precision_steps_follow_the_float32_steps(folder, dtype):
         assert np.linalg.norm(w - w32[name]) <= 0.1 * np.linalg.norm(update) + 1e-7, name
 
 
+@pytest.mark.device
 def test_float16_overflow_skips_the_step_halves_the_scale_and_resumes_with_it(folder):
     metrics = _train(folder, "scaled", "float16", "train.loss_scale=16777216.0", "train.steps=3",
                      "train.save_every=1")
@@ -94,6 +96,7 @@ def test_the_loss_scaler_follows_torchs_grad_scaler():
     assert max(got) > 2.0 ** 10 and min(got) < 2.0 ** 10      # it grew and it fell
 
 
+@pytest.mark.device
 def test_float16_scale_grows_after_the_window_of_good_steps(folder):
     """No overflow at a scale of 1: the scale doubles after every second good step, as
     torch's scaler would have it; the steps are not skipped."""
@@ -104,6 +107,7 @@ def test_float16_scale_grows_after_the_window_of_good_steps(folder):
     assert metrics[-1]["loss_scale"] == 4.0
 
 
+@pytest.mark.device
 def test_mfu_is_the_model_flops_counted_by_hand_over_the_peak(folder):
     """MFU = tokens/s x (6 N + 12 L d T) / peak, N the matrices' parameters (the input
     embedding left out unless it is tied to the head), counted here from the config."""

@@ -147,6 +147,7 @@ def _weights(path):
         return {k: v[()] for k, v in f.items() if isinstance(v, h5py.Dataset)}
 
 
+@pytest.mark.device
 def test_one_sgd_step_matches_torch(model):
     folder, rows = model
     opts = dict(lr=0.5, momentum=0.9, weight_decay=0.1, clip=0.0)
@@ -162,6 +163,7 @@ def test_one_sgd_step_matches_torch(model):
         np.testing.assert_allclose(w, state[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.device
 def test_three_adamw_steps_with_clipping_match_torch(model):
     folder, rows = model
     opts = dict(lr=1e-3, momentum=0.0, weight_decay=0.1, clip=0.5)
@@ -177,6 +179,7 @@ def test_three_adamw_steps_with_clipping_match_torch(model):
         assert np.linalg.norm(w - state[name]) <= 1e-3 * update, name
 
 
+@pytest.mark.device
 def test_padded_rows_under_warmup_and_cosine_decay_match_torch_over_five_steps(model):
     """Left-padded rows (padding of every length up to most of a row) and an lr that warms
     up over two steps and decays by cosine to min_lr: five AdamW steps, as torch takes them
@@ -207,6 +210,7 @@ def test_padded_rows_under_warmup_and_cosine_decay_match_torch_over_five_steps(m
         assert np.linalg.norm(w - state[name]) <= 1e-3 * update, name
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_pad_tokens_embedding_row_gets_no_gradient_from_its_lookups(tmp_path, tied):
     """Hugging Face decoders build their embedding as ``nn.Embedding(..., padding_idx=
