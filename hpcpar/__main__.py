@@ -3,21 +3,19 @@
 import os
 import sys
 
+from .cores import cores, ranks_on_node
+
 
 def _share_cores_between_ranks() -> None:
     """Give each rank of a node its share of the cores for BLAS, unless the user chose.
 
     Must run before NumPy loads its BLAS: N ranks on a node each starting a pool of every
     core would oversubscribe the cores N times (and ranks waiting in MPI spin on them)."""
-    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var, "")
-        if value.isdigit() and int(value) > 1:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-                os.cpu_count() or 1)
-            share = str(max(1, cores // int(value)))
-            for threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-                os.environ.setdefault(threads, share)
-            return
+    ranks = ranks_on_node()
+    if ranks is not None and ranks > 1:
+        share = str(max(1, cores() // ranks))
+        for threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(threads, share)
 
 
 _share_cores_between_ranks()

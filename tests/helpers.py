@@ -186,6 +186,26 @@ def mpirun(n: int, args: list[str], cwd: Path, timeout: float = 60):
     return proc, time.monotonic() - start
 
 
+def hpcpar_here(args, cwd: Path) -> subprocess.CompletedProcess:
+    """``python -m hpcpar ARGS`` run in this process, in ``cwd``, on a world of 1 (as a process
+    started alone is): its exit status and what it printed. For the commands and inputs that
+    are refused before any work: a process of their own would add only its start-up, about a
+    second, to each of many cases. (Processes of their own, one rank or several, are checked
+    by the tests of the launch: test_launch, test_env_and_help, test_faults.)"""
+    import contextlib
+    import io
+
+    from hpcpar.jobs.cli import main
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in args])
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def losses(folder: Path) -> list[float]:
     """The per-step losses a training run wrote to ``folder/metrics.jsonl``."""
     return [json.loads(line)["loss"] for line in open(Path(folder) / "metrics.jsonl")]

@@ -12,16 +12,13 @@ and no file left. The supported non-default values run exactly as transformers c
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 
 import h5py
 import numpy as np
 import pytest
 
-from helpers import PROMPTS, REPO, TINY, write_hf_checkpoint
+from helpers import PROMPTS, TINY, hpcpar_here, write_hf_checkpoint
 from hpcpar.checkpoint.reader import CheckpointError, open_checkpoint
 from hpcpar.models.config import ConfigError, ModelConfig
 from hpcpar.parallel.errors import HpcparError
@@ -181,11 +178,11 @@ CASE_IDS = [c[0] for c in CONFIG_CASES]
 
 
 def hpcpar_cli(args, cwd):
-    """``python -m hpcpar ARGS`` alone (rank 0 of a world of 1), with the checkout's hpcpar."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
-        "PYTHONPATH", "")]), OMP_NUM_THREADS="1", HPCPAR_CACHE=str(cwd / "cache"))
-    return subprocess.run([sys.executable, "-m", "hpcpar", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    """``python -m hpcpar ARGS`` alone (rank 0 of a world of 1, as the test process is), run
+    in this process in ``cwd``: its exit status and what it printed. These commands refuse
+    their input before any work, so a process of their own would only add its start-up, a
+    second for each of the cases (test_env_and_help starts the real processes)."""
+    return hpcpar_here(args, cwd)
 
 
 def assert_one_line(proc, *words):

@@ -29,7 +29,7 @@ def work(tmp_path_factory):
     return folder
 
 
-PROMPTS = 400
+PROMPTS = 100                  # 50 waves of 2: the stop comes after the first
 ARGS = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "many.npy",
         "--max-new-tokens", "6", "--save-logits", "--ignore-eos", "--dp", "2"]
 
@@ -119,7 +119,7 @@ def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work
     soon after the start stops the run with some rows finished (the short ones) and others
     not; the resumed run finishes those alone, to the uninterrupted run's tokens."""
     rng = np.random.default_rng(5)
-    count = 400
+    count = 120
     lines = [json.dumps({"ids": rng.integers(3, 250, int(rng.integers(2, 9))).tolist(),
                          "max_new_tokens": int(k)}) for k in rng.integers(1, 81, count)]
     (work / "mixed.jsonl").write_text("\n".join(lines) + "\n")

@@ -172,7 +172,7 @@ def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupt
 
 def test_a_generation_job_survives_the_time_limit_signal_with_the_same_output(slurm, tmp_path):
     common = ["--ranks-per-node", "2", "--gpus-per-node", "0", "--set", "parallel.pp=1",
-              "--set", "parallel.tp=2", "--set", "data.random_count=400",
+              "--set", "parallel.tp=2", "--set", "data.random_count=200",
               "--set", "generate.wave_size=4", "--set", "generate.save_logits=true"]
     straight = _job_id(_submit(str(REPO / "jobs" / "demo.toml"), *common,
                                "--set", "output.path='straight.h5'", cwd=tmp_path, env=slurm))
