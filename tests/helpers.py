@@ -186,6 +186,43 @@ def mpirun(n: int, args: list[str], cwd: Path, timeout: float = 60):
     return proc, time.monotonic() - start
 
 
+_PROCESS_CACHE: list[str] = []
+
+
+def made_once(key: str, build) -> Path:
+    """The folder that ``build(folder)`` fills, made once for ``key`` (what made it: the test
+    module, fixture and parameter) in a run of the suite, and read by every test, phase and
+    world size after. The cache is PYTEST_HPCPAR_CACHE (tests/run makes one for all its phases),
+    else a folder of this process. A folder is built aside and renamed into place, so no
+    reader sees half of one. Its files are inputs: read them, never change them."""
+    import hashlib
+    import tempfile
+    root = os.environ.get("PYTEST_HPCPAR_CACHE")
+    if not root:
+        if not _PROCESS_CACHE:
+            import atexit
+            _PROCESS_CACHE.append(tempfile.mkdtemp(prefix="hpcpar-tests-"))
+            atexit.register(shutil.rmtree, _PROCESS_CACHE[0], ignore_errors=True)
+        root = _PROCESS_CACHE[0]
+    # the backend computes the references too: the strict phases make their own
+    key = f"{key} on {os.environ.get('HPCPAR_BACKEND', 'numpy')}"
+    folder = Path(root) / hashlib.sha256(key.encode()).hexdigest()[:24]
+    if not folder.is_dir():
+        building = Path(tempfile.mkdtemp(dir=root, prefix=".building-"))
+        build(building)
+        try:
+            building.rename(folder)
+        except OSError:                           # another process made it meanwhile
+            shutil.rmtree(building, ignore_errors=True)
+    return folder
+
+
+def link_into(folder: Path, made: Path) -> None:
+    """Every file and folder of ``made`` (a made_once folder) as a link in ``folder``."""
+    for entry in made.iterdir():
+        (Path(folder) / entry.name).symlink_to(entry)
+
+
 def hpcpar_here(args, cwd: Path) -> subprocess.CompletedProcess:
     """``python -m hpcpar ARGS`` run in this process, in ``cwd``, on a world of 1 (as a process
     started alone is): its exit status and what it printed. For the commands and inputs that

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import PROMPTS, WORLD_SIZES, build_hf_model, losses, mpirun
+from helpers import (PROMPTS, WORLD_SIZES, build_hf_model, link_into, losses, made_once,
+                     mpirun)
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
 from hpcpar.jobs.score.engine import run_scoring
@@ -280,7 +281,13 @@ def moe_training(tmp_path_factory):
         for out in ("single-aux", "single-plain"):
             run_training(MPI.COMM_SELF, _train_job(
                 folder, out, (1, 1, 1, 1, SINGLE_MICRO_BATCHES, "1f1b", 0)), progress=False)
-    return _shared(tmp_path_factory, "moe-train", build)[0]
+    comm = MPI.COMM_WORLD
+    folder = str(tmp_path_factory.mktemp("moe-train")) if comm.Get_rank() == 0 else None
+    folder = comm.bcast(folder, root=0)
+    if comm.Get_rank() == 0:                 # the references: once for every world size
+        link_into(Path(folder), made_once("test_moe moe_training", build))
+    comm.Barrier()
+    return folder
 
 
 @pytest.mark.device

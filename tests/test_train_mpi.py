@@ -1,17 +1,19 @@
 """Training under every schedule and layout reproduces the single-rank run: the loss of every
 step, and the weights and optimizer state of the checkpoint written at the end. The layouts
 are keyed by world size (mpiexec -n 2, 4 and 8); the other tests run at the one world size
-that shows their point. Also: a run resumed under another layout ends where the straight run ends, and the
-tp 2 stage passes a finite-difference check of its own."""
+that shows their point. Also: a run resumed under another layout ends where the straight run
+ends, and the tp 2 stage passes a finite-difference check of its own."""
 
+
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import (GEMMA, GQA, MISTRAL, PHI3, QWEN3, TIED, WORLD_SIZES, losses,
-                     make_checkpoint, realistic_tensors)
+from helpers import (GEMMA, GQA, MISTRAL, PHI3, QWEN3, TIED, WORLD_SIZES, link_into, losses,
+                     made_once, make_checkpoint, realistic_tensors)
 from hpcpar.jobs.job import load_job
 from hpcpar.jobs.train.engine import run_training
 
@@ -42,15 +44,24 @@ def _shared_dir(tmp_path_factory, name):
     return comm.bcast(folder, root=0)
 
 
+def _made_once(tmp_path_factory, key, build):
+    """A folder of this module's tests on every rank, holding links to what ``build`` made
+    once for ``key`` in this run of the suite (on rank 0: the single-rank reference runs)."""
+    comm = MPI.COMM_WORLD
+    folder = _shared_dir(tmp_path_factory, key.replace(" ", "-"))
+    if comm.Get_rank() == 0:
+        link_into(Path(folder), made_once(f"test_train_mpi {key}", build))
+    comm.Barrier()
+    return folder
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def setup(request, tmp_path_factory):
-    """A checkpoint, a dataset with left-padded rows, and the single-rank run (rank 0)."""
-    comm = MPI.COMM_WORLD
+    """A checkpoint, a dataset with left-padded rows, and the single-rank run."""
     cfg = CONFIGS[request.param]
-    folder = _shared_dir(tmp_path_factory, request.param)
-    if comm.Get_rank() == 0:
-        from pathlib import Path
-        make_checkpoint(Path(folder), cfg)
+
+    def build(folder):
+        make_checkpoint(folder, cfg)
         rng = np.random.default_rng(1)
         rows = rng.integers(0, cfg["vocab_size"], (24, 9))
         rows[3, :4] = -1                                  # left padding
@@ -58,8 +69,8 @@ def setup(request, tmp_path_factory):
         np.save(f"{folder}/data.npy", rows)
         run_training(MPI.COMM_SELF, _job(folder, "single", (1, 1, 1, 1, "1f1b", 1)),
                      progress=False)
-    comm.Barrier()
-    return cfg, folder
+
+    return cfg, _made_once(tmp_path_factory, f"setup {request.param}", build)
 
 
 def _job(folder, out, layout, *extra, optimizer="adamw"):
@@ -273,12 +284,10 @@ def long_setup(request, tmp_path_factory):
     """Rows of 141 tokens (140 positions: longer than one 128-position tile, not divisible
     by 3 or 8, nor into 2 cp chunks per rank evenly at cp 8), two of them left-padded, and
     the single-rank run."""
-    comm = MPI.COMM_WORLD
     cfg = CP_CONFIGS[request.param]
-    folder = _shared_dir(tmp_path_factory, "long-" + request.param)
-    if comm.Get_rank() == 0:
-        from pathlib import Path
-        make_checkpoint(Path(folder), cfg)
+
+    def build(folder):
+        make_checkpoint(folder, cfg)
         rng = np.random.default_rng(2)
         rows = rng.integers(0, cfg["vocab_size"], (8, 141))
         rows[3, :50] = -1
@@ -286,8 +295,8 @@ def long_setup(request, tmp_path_factory):
         np.save(f"{folder}/data.npy", rows)
         run_training(MPI.COMM_SELF, _job(folder, "single", (1, 1, 1, 1, "1f1b", 1)),
                      progress=False)
-    comm.Barrier()
-    return cfg, folder
+
+    return cfg, _made_once(tmp_path_factory, f"long_setup {request.param}", build)
 
 
 @pytest.mark.device
