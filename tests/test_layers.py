@@ -9,8 +9,10 @@ from pathlib import Path
 import hpcpar
 
 PACKAGE = Path(hpcpar.__file__).parent
-# lowest first; the root package (its version) and __main__ sit on top of everything
-LAYERS = ("hpcpar.parallel", "hpcpar.models", "hpcpar.checkpoint", "hpcpar.jobs")
+# lowest first (hpcpar.cores, the node's ranks and cores, is standard library only: __main__
+# reads it before NumPy loads); the root package (its version) and __main__ sit on top
+LAYERS = ("hpcpar.cores", "hpcpar.parallel", "hpcpar.models", "hpcpar.checkpoint",
+          "hpcpar.jobs")
 
 
 def _module_name(path: Path) -> str:

@@ -109,6 +109,17 @@ def _wait(env, job, timeout=240):
     raise AssertionError(f"job {job} did not end in {timeout} s")
 
 
+def _why(env, job) -> str:
+    """What Slurm says of ``job`` and the ends of its daemons' logs: the message of a job
+    that did not end as the test expected."""
+    state = Path(env["SLURM_CONF"]).parent
+    logs = [f"{name}:\n" + "\n".join(path.read_text(errors="replace").splitlines()[-25:])
+            for name in ("slurmctld.log", "slurmd.log") if (path := state / name).exists()]
+    show = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
+                          text=True).stdout
+    return "\n".join([show, *logs])
+
+
 def _job_id(proc):
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.split()[-1]
@@ -141,7 +152,7 @@ def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupt
               "--set", "train.lr=0.01"]
     straight = _job_id(_submit(str(REPO / "jobs" / "train_tiny.toml"), *common,
                                "--set", "output.path='straight'", cwd=tmp_path, env=slurm))
-    assert _wait(slurm, straight) == "COMPLETED"
+    assert _wait(slurm, straight) == "COMPLETED", _why(slurm, straight)
     job = _job_id(_submit(str(REPO / "jobs" / "train_tiny.toml"), *common,
                           "--set", "output.path='stopped'", cwd=tmp_path, env=slurm))
     wait_for_steps(tmp_path / "stopped", 3)
@@ -155,7 +166,7 @@ def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupt
         time.sleep(0.2)
     # Slurm holds a requeued job back two minutes; let it start now
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
-    assert _wait(slurm, job) == "COMPLETED"
+    assert _wait(slurm, job) == "COMPLETED", _why(slurm, job)
     log = (tmp_path / f"train_tiny-{job}.out").read_text()
     assert "requeueing job" in log and "restart 1" in log, log
     stopped_at = int(log.split("stopped at step ")[1].split()[0])
@@ -176,7 +187,7 @@ def test_a_generation_job_survives_the_time_limit_signal_with_the_same_output(sl
               "--set", "generate.wave_size=4", "--set", "generate.save_logits=true"]
     straight = _job_id(_submit(str(REPO / "jobs" / "demo.toml"), *common,
                                "--set", "output.path='straight.h5'", cwd=tmp_path, env=slurm))
-    assert _wait(slurm, straight) == "COMPLETED"
+    assert _wait(slurm, straight) == "COMPLETED", _why(slurm, straight)
     job = _job_id(_submit(str(REPO / "jobs" / "demo.toml"), *common,
                           "--set", "output.path='stopped.h5'", cwd=tmp_path, env=slurm))
     partial = tmp_path / ".stopped.h5.partial"
@@ -188,7 +199,7 @@ def test_a_generation_job_survives_the_time_limit_signal_with_the_same_output(sl
     while time.monotonic() < deadline and _scontrol(slurm, job).get("Restarts") != "1":
         time.sleep(0.2)
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
-    assert _wait(slurm, job) == "COMPLETED"
+    assert _wait(slurm, job) == "COMPLETED", _why(slurm, job)
     log = (tmp_path / f"demo-{job}.out").read_text()
     assert "stopped on request" in log and "requeueing job" in log and "restart 1" in log, log
     with h5py.File(tmp_path / "stopped.h5") as a, h5py.File(tmp_path / "straight.h5") as b:
