@@ -15,6 +15,9 @@ transformers = pytest.importorskip("transformers")
 from helpers import build_hf_model, mpirun, save_word_tokenizer  # noqa: E402
 from hpcpar.checkpoint import convert  # noqa: E402
 
+# processes of their own: the whole suite's tier, not tests/run --quick
+pytestmark = pytest.mark.slow
+
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n"
             "{{ m['content'] | trim }}<|end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")

@@ -140,6 +140,7 @@ BAD_CP = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BAD_CP))
 def test_bad_use_of_the_cp_axis_is_one_clear_error(tmp_path, name):
     from helpers import TINY, make_checkpoint, mpirun

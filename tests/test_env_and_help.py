@@ -186,6 +186,7 @@ GENERATE = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts",
             "--max-new-tokens", "3", "--ignore-eos"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, words", [
     ({"HPCPAR_CUDA_AWARE": "maybe"}, "HPCPAR_CUDA_AWARE='maybe': must be one of auto, 1, 0"),
     ({"HPCPAR_SUPERVISE": "2"}, "HPCPAR_SUPERVISE='2': must be one of 1, 0"),
@@ -208,6 +209,7 @@ def test_a_bad_variable_ends_every_rank_with_one_line_before_any_work(work, env,
     assert not list(work.glob("*env.h5*"))
 
 
+@pytest.mark.slow
 def test_the_variables_hpcpar_sets_for_its_ranks_keep_working(work):
     """Under mpiexec every rank runs inside its keeper, which sets HPCPAR_SUPERVISED_FD."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("HPCPAR_")}
@@ -286,6 +288,7 @@ def test_each_commands_help_and_the_readme_block_have_the_same_flags(command):
         assert sorted(values) == sorted(flags[flag]), (flag, values, flags[flag])
 
 
+@pytest.mark.slow
 def test_the_help_texts_say_what_the_readme_says():
     parsers = _subparsers()
 
@@ -304,6 +307,7 @@ def test_the_help_texts_say_what_the_readme_says():
     assert "llama3-1b" in text and "llama3-1b" in _readme_commands()["init"]
 
 
+@pytest.mark.slow
 def test_run_of_a_scoring_job_takes_data_as_score_does(work):
     """``run`` takes every flag of score: its --data replaces the job file's [score] data."""
     np.save(work / "two.npy", np.array([[5, 17, 3], [4, 5, 6]]))
@@ -327,6 +331,7 @@ def test_converts_message_says_how_to_install_from_a_clone(monkeypatch):
     assert 'pip install -e ".[hf]"' in README.split("## Commands", 1)[1].split("## Training")[0]
 
 
+@pytest.mark.slow
 def test_train_tiny_says_how_to_train_further_and_it_does(tmp_path):
     job = REPO / "jobs" / "train_tiny.toml"
     comment = " ".join(line.lstrip("# ") for line in job.read_text().splitlines()
@@ -346,6 +351,7 @@ def test_train_tiny_says_how_to_train_further_and_it_does(tmp_path):
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-2.h5"
 
 
+@pytest.mark.slow
 def test_a_training_runs_folder_or_latest_file_names_the_checkpoint_to_pass(work, tmp_path):
     from hpcpar.checkpoint import open_checkpoint
     run = tmp_path / "run"
@@ -367,6 +373,7 @@ def test_a_training_runs_folder_or_latest_file_names_the_checkpoint_to_pass(work
     assert open_checkpoint(run / "step-4.h5").config.num_hidden_layers == 9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["plan", "--preset", "tiny", "--tp", "2"],
                                   ["plan", "--preset", "100m", "--train", "--pp", "2"]])
 def test_output_to_a_closed_pipe_ends_quietly(tmp_path, args):
@@ -381,6 +388,7 @@ def test_output_to_a_closed_pipe_ends_quietly(tmp_path, args):
     assert proc.stderr == ""
 
 
+@pytest.mark.slow
 def test_the_readme_says_what_scoring_does_with_rows_shorter_than_cp(work):
     assert "a sequence shorter than cp (training, scoring)" not in README
     assert "a shorter row among longer ones is padded and scored exactly" in README
@@ -399,6 +407,7 @@ def test_the_readme_says_what_scoring_does_with_rows_shorter_than_cp(work):
 
 # ---- item 6: the Slurm tests skip, with the reason, where no local Slurm can run -----------
 
+@pytest.mark.slow
 def test_local_cluster_says_why_this_machine_cannot_have_one(tmp_path):
     script = REPO / "slurm" / "local-cluster.sh"
     if os.geteuid() != 0:
@@ -423,6 +432,7 @@ def _user_exists(name: str) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_the_slurm_tests_skip_with_the_scripts_reason(tmp_path):
     fake = tmp_path / "no-slurm.sh"
     fake.write_text("#!/bin/bash\necho 'local-cluster: needs root (...), and runs as "

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+# processes of their own: the whole suite's tier, not tests/run --quick
+pytestmark = pytest.mark.slow
+
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
 
 

@@ -37,6 +37,7 @@ def _logits(model, ids=PROMPT) -> np.ndarray:
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
 def test_convert_then_export_gives_back_the_source_and_transformers_loads_it(tmp_path, name):
     source, checkpoint = build_hf_model(name, tmp_path)
@@ -86,6 +87,7 @@ def test_the_tokenizer_and_chat_template_come_back_as_transformers_reads_them(tm
             == source.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
+@pytest.mark.slow
 def test_bad_export_input_is_one_error_and_nothing_written(tmp_path):
     _, checkpoint = build_hf_model("qwen3", tmp_path)
     (tmp_path / "taken").mkdir()
@@ -107,6 +109,7 @@ def test_bad_export_input_is_one_error_and_nothing_written(tmp_path):
     assert not list(tmp_path.glob(".new.tmp-*"))
 
 
+@pytest.mark.slow
 def test_a_model_trained_under_pp_and_tp_exports_to_the_logprobs_hpcpar_scores(tmp_path):
     """One step under dp 1 x pp 2 x tp 2, exported; transformers' log-probabilities of the
     exported model equal those hpcpar's scoring computes from the training checkpoint."""

@@ -97,6 +97,7 @@ def test_a_bad_set_key_is_blamed_on_the_set_not_the_job_file(tmp_path):
     assert str(e.value).startswith("--set generate.max_new_tokns=8: unknown key")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (TRAIN + ["--out", "nan-run", "--lr", "nan"], "--lr: train.lr must be >= 0, got nan"),
     (GENERATE + ["--out", "w.h5", "--wave-size", "-1"], "generate.wave_size must be >= 0"),
@@ -119,6 +120,7 @@ def test_settings_and_data_that_used_to_slip_through_are_one_error(work, args, w
     assert not (work / "nan-run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_an_environment_variable_is_checked_on_every_rank_before_any_work(work):
     os.environ["HPCPAR_SAVE_SECONDS"] = "abc"
     try:
@@ -129,6 +131,7 @@ def test_an_environment_variable_is_checked_on_every_rank_before_any_work(work):
     assert not list(work.glob("*env.h5*"))
 
 
+@pytest.mark.slow
 def test_a_file_that_is_not_an_hpcpar_output_of_the_kind_is_never_replaced(work):
     (work / "notes.h5").write_text("my notes\n")
     proc, _ = mpirun(2, GENERATE + ["--out", "notes.h5"], work, timeout=120)
@@ -184,6 +187,7 @@ def _damage_run(f):
     f.attrs["run"] = "{not json"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, words", [
     (_damage_done, "the done dataset is missing"),
     (_damage_width, "tokens is int64 [24, 4] where this run needs integers [24, 6]"),
@@ -208,6 +212,7 @@ def test_a_damaged_partial_file_is_refused_before_any_work_and_left_untouched(
     partial.unlink()
 
 
+@pytest.mark.slow
 def test_a_refused_resume_names_the_settings_that_differ(work, stopped):
     partial = work / ".differ.h5.partial"
     shutil.copy(stopped, partial)
@@ -235,6 +240,7 @@ def _leftovers(work, name):
     return sorted(p.name for p in work.iterdir() if name in p.name and "partial" not in p.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, cause", [("enospc", "No space left on device"),
                                          ("eio", "Input/output error"),
                                          ("erofs", "Read-only file system")])
@@ -257,6 +263,7 @@ def test_a_failed_write_of_a_generation_keeps_a_resumable_partial_file(work, kin
         np.testing.assert_array_equal(resumed["tokens"][()], whole["tokens"][()])
 
 
+@pytest.mark.slow
 def test_a_generation_whose_first_write_fails_leaves_no_file(work):
     """The partial file's creation fails: nothing had finished, nothing is kept."""
     proc = _with_fault("rank=0,phase=write,step=1,kind=enospc", 2,
@@ -266,6 +273,7 @@ def test_a_generation_whose_first_write_fails_leaves_no_file(work):
     assert not [p for p in work.iterdir() if "first.h5" in p.name]
 
 
+@pytest.mark.slow
 def test_a_failed_write_of_scores_leaves_nothing(work):
     args = ["-m", "hpcpar", "score", "--checkpoint", "model.h5", "--data", "prompts.npy",
             "--out", "scores.h5"]
@@ -274,6 +282,7 @@ def test_a_failed_write_of_scores_leaves_nothing(work):
     assert not _leftovers(work, "scores.h5")
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(work):
     """Rank 1's write of its slices of step 2 fails (its first write point is step 1's):
     ``latest`` still names step 1, no temporary is left, and the run resumes from it."""
@@ -288,6 +297,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(work):
     assert (out / "latest").read_text().strip() == "step-3.h5"
 
 
+@pytest.mark.slow
 def test_a_failed_metrics_write_ends_every_rank_with_one_line(work):
     """Rank 0's first write is step 1's line of metrics."""
     args = TRAIN + ["--out", "metrics-full", "--dp", "2"]
@@ -295,6 +305,7 @@ def test_a_failed_metrics_write_ends_every_rank_with_one_line(work):
     _assert_one_error(proc, "metrics.jsonl: No space left on device")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["init", "convert"])
 def test_a_failed_checkpoint_conversion_leaves_no_file(work, command):
     args = (["-m", "hpcpar", "init", "--preset", "tiny", "made.h5"] if command == "init" else

@@ -54,6 +54,7 @@ def _survivors(marker: str, grace: float = 10.0) -> list[int]:
     return _running(marker)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["raise", "exit", "kill", "hang"])
 @pytest.mark.parametrize("phase, rank, step, command", POINTS,
                          ids=[p[0] for p in POINTS])
@@ -99,6 +100,7 @@ def test_a_malformed_fault_setting_is_refused():
         "rank": 2, "phase": "decode", "step": 5, "kind": "exit"}
 
 
+@pytest.mark.slow
 def test_ctrl_c_to_the_launcher_stops_the_job_as_a_stop_request(work):
     """Ctrl-C is SIGTERM's stop request: the finished rows are saved, status 3, one
     "interrupted" line, and the partial file resumes."""
@@ -141,6 +143,7 @@ def test_a_second_ctrl_c_ends_at_once_and_copies_of_one_count_once():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_steps_is_one_line_from_rank_0(work):
     """During start-up there is nothing to save: the job ends at once, status 130."""
     import signal
@@ -167,6 +170,7 @@ def test_ctrl_c_before_the_steps_is_one_line_from_rank_0(work):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_a_hang_on_several_nodes_is_reported_by_every_node(work):
     """Two (fake) nodes: each prints where its own ranks are, so the report covers the whole
     pipeline and tp group although no rank can read another node's memory."""
@@ -205,6 +209,7 @@ def _tokens(path):
         return f["tokens"][...], f["lengths"][...]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_a_replica_that_finishes_long_after_the_other_is_no_hang(uneven, batching):
     """Replica 1 (its first stage, world rank 2) is a straggler: 0.1 s more per decode step,
@@ -227,6 +232,7 @@ def test_a_replica_that_finishes_long_after_the_other_is_no_hang(uneven, batchin
     np.testing.assert_array_equal(got[1], expected[1])
 
 
+@pytest.mark.slow
 def test_a_replica_that_stops_while_the_other_waits_is_reported(uneven):
     """The heartbeats do not hide a real hang: replica 0 has finished and waits when replica
     1's first stage stops; the job ends with status 4, names the stopped rank and shows
@@ -247,6 +253,7 @@ def test_a_replica_that_stops_while_the_other_waits_is_reported(uneven):
     assert not _survivors("stops.h5") and not (uneven / "stops.h5").exists()
 
 
+@pytest.mark.slow
 def test_a_scoring_replica_that_finishes_long_after_the_other_is_no_hang(work):
     """Scoring runs one pass, so a straggler's whole lag lands at its end: replica 1's first
     stage (world rank 2) takes 0.1 s more per micro-batch, 4 s over 40, twice the timeout."""

@@ -8,7 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import GQA, REPO, mpirun, realistic_tensors, write_hf_checkpoint
+from helpers import GQA, REPO, hpcpar_here, mpirun, realistic_tensors, write_hf_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,7 @@ def _generate(workdir, n, prompts, out, *extra, timeout=120):
                   timeout=timeout)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_generate_writes_tokens_logits_text_and_the_report(workdir):
     proc = _generate(workdir, 4, "text.jsonl", "text_out.h5", "--pp", "2", "--tp", "2",
@@ -60,6 +61,7 @@ def test_generate_writes_tokens_logits_text_and_the_report(workdir):
     assert all(texts)
 
 
+@pytest.mark.slow
 def test_npy_and_jsonl_ids_agree_across_rank_counts(workdir):
     proc = _generate(workdir, 1, "ids.npy", "one.h5")
     assert proc.returncode == 0, proc.stderr
@@ -70,6 +72,7 @@ def test_npy_and_jsonl_ids_agree_across_rank_counts(workdir):
         assert a["tokens"][()].tolist() == b["tokens"][()].tolist()
 
 
+@pytest.mark.slow
 def test_each_prompt_stops_at_its_own_max_new_tokens(workdir):
     """Per-prompt limits cut each row's greedy tokens where the row asks, on one rank and
     under pp x tp: the same tokens as the job's limit, then the pad id."""
@@ -113,11 +116,23 @@ def test_each_prompt_stops_at_its_own_max_new_tokens(workdir):
 ])
 def test_bad_prompts_are_one_error_and_no_output(workdir, prompts, words):
     (workdir / "bad.jsonl").write_text(prompts)
-    proc = _generate(workdir, 4, "bad.jsonl", "bad_out.h5", "--tp", "2")
+    proc = hpcpar_here(["generate", "--checkpoint", "model.h5", "--prompts", "bad.jsonl",
+                        "--max-new-tokens", "5", "--out", "bad_out.h5"], workdir)
     _assert_one_error(proc, words)
     assert not (workdir / "bad_out.h5").exists()
 
 
+@pytest.mark.slow
+def test_a_bad_prompt_is_one_error_from_one_of_four_ranks(workdir):
+    """The prompts are checked on every rank, and the ranks agree: one line for the job
+    (the cases above run on one rank, in this process)."""
+    (workdir / "bad4.jsonl").write_text('{"ids": [5]}\n{"ids": [5, 6], "temperature": -1}')
+    proc = _generate(workdir, 4, "bad4.jsonl", "bad4_out.h5", "--tp", "2")
+    _assert_one_error(proc, "bad4.jsonl:2: temperature must be >= 0 (0 is greedy), got -1")
+    assert not (workdir / "bad4_out.h5").exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, words", [
     (["--dp", "3", "--tp", "2"], "dp(3) * pp(1) * tp(2) = 6 != world size 4"),
     (["--tp", "3"], "num_attention_heads 8 is not divisible by tp 3"),
@@ -132,6 +147,7 @@ def test_bad_layouts_and_settings_are_one_error_and_no_output(workdir, flags, wo
     assert not (workdir / "bad_out.h5").exists()
 
 
+@pytest.mark.slow
 def test_a_missing_output_folder_is_reported_before_any_work(workdir):
     proc = _generate(workdir, 2, "ids.jsonl", "no/such/dir/out.h5")
     _assert_one_error(proc, "output folder no/such/dir does not exist")
@@ -145,6 +161,7 @@ def _assert_one_error(proc, words):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_shipped_job_files_run(workdir):
     proc, _ = mpirun(4, ["-m", "hpcpar", "run", str(REPO / "jobs" / "demo.toml")], workdir,
                      timeout=120)
@@ -167,6 +184,7 @@ def test_the_shipped_job_files_run(workdir):
         assert f["tokens"].shape == (8, 4)
 
 
+@pytest.mark.slow
 def test_plan_prints_memory_communication_bubble_and_schedule(workdir):
     proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", "model.h5", "--pp", "2",
                          "--tp", "2", "--micro-batches", "3", "--batch", "4",
@@ -187,6 +205,7 @@ def _lines(path):
     return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_jsonl_results_hold_what_the_hdf5_output_holds_in_input_order(workdir):
     """--out NAME.jsonl: a line per prompt, in input order, with the text, token ids,
@@ -215,6 +234,7 @@ def test_jsonl_results_hold_what_the_hdf5_output_holds_in_input_order(workdir):
     assert not [p for p in workdir.iterdir() if p.name.startswith(".many.jsonl")]
 
 
+@pytest.mark.slow
 def test_jsonl_results_resume_as_the_hdf5_output_does(workdir):
     """A run that fails mid-way leaves the finished prompts' lines and its partial record;
     --resume auto ends with the lines of an uninterrupted run."""
@@ -240,6 +260,7 @@ def test_jsonl_results_resume_as_the_hdf5_output_does(workdir):
     assert not [p for p in workdir.iterdir() if p.name.startswith(".cut.jsonl")]
 
 
+@pytest.mark.slow
 def test_a_jsonl_output_is_refused_for_prompt_logits_and_over_other_files(workdir):
     proc = _generate(workdir, 2, "ids.jsonl", "logits.jsonl", "--save-logits")
     _assert_one_error(proc, "--save-logits stores the prompt logits in HDF5")
@@ -249,6 +270,7 @@ def test_a_jsonl_output_is_refused_for_prompt_logits_and_over_other_files(workdi
     assert (workdir / "notes.jsonl").read_text() == '{"note": 1}\n'
 
 
+@pytest.mark.slow
 @pytest.mark.device
 @pytest.mark.parametrize("flags", [["--batching", "static"], ["--pp", "2", "--tp", "2"]])
 def test_stop_strings_end_rows_where_their_text_first_holds_one(workdir, flags):
@@ -294,6 +316,7 @@ def test_stop_strings_end_rows_where_their_text_first_holds_one(workdir, flags):
     assert got[5]["finish_reason"] == "length"
 
 
+@pytest.mark.slow
 def test_bad_stop_strings_are_one_error(workdir):
     (workdir / "badstop.jsonl").write_text(json.dumps({"ids": [5, 6], "stop": [""]}) + "\n")
     _assert_one_error(_generate(workdir, 2, "badstop.jsonl", "badstop.h5"),
@@ -305,6 +328,7 @@ def test_bad_stop_strings_are_one_error(workdir):
                       "generate.batch_size 2 applies to continuous batching")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--batching", "static", "--pp", "2"]])
 def test_min_tokens_ignores_a_stop_string_its_first_tokens_complete(workdir, flags):
     """vLLM's min_tokens: a stop string completed within a row's first min_tokens - 1 tokens
@@ -341,6 +365,7 @@ def test_min_tokens_ignores_a_stop_string_its_first_tokens_complete(workdir, fla
     assert decode(first["token_ids"]).startswith(first["text"])
 
 
+@pytest.mark.slow
 def test_a_text_holding_nul_is_stored_in_hdf5_and_kept_in_json_lines(tmp_path):
     """HDF5's strings end at a NUL, which a byte-level tokenizer decodes from byte 0: the
     HDF5 text holds U+FFFD there (counted in an attribute), JSON lines the NUL itself, and

@@ -39,6 +39,7 @@ def _read(path):
         return {k: f[k][()] for k in ("tokens", "lengths", "prompt_logits")}
 
 
+@pytest.mark.slow
 def test_waves_give_the_tokens_of_one_wave_and_leave_no_partial_file(work):
     one = mpirun(2, [*ARGS, "--out", "one.h5"], work)[0]
     waves = mpirun(2, [*ARGS, "--out", "waves.h5", "--wave-size", "10"], work)[0]
@@ -49,6 +50,7 @@ def test_waves_give_the_tokens_of_one_wave_and_leave_no_partial_file(work):
     assert not (work / ".waves.h5.partial").exists()
 
 
+@pytest.mark.slow
 def test_a_stopped_generation_resumes_to_the_uninterrupted_file(work):
     straight = mpirun(2, [*ARGS, "--out", "straight.h5", "--wave-size", "2"], work,
                       timeout=300)[0]
@@ -94,6 +96,7 @@ def _wait_for_a_saved_wave(partial, deadline: float) -> None:
     raise AssertionError(f"no wave saved in {partial} within the time allowed")
 
 
+@pytest.mark.slow
 def test_resuming_with_other_settings_is_refused(work):
     partial = work / ".other.h5.partial"
     with h5py.File(partial, "w") as f:
@@ -114,6 +117,7 @@ def _signal_all_ranks(proc, sig) -> None:
             pass
 
 
+@pytest.mark.slow
 def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work):
     """One wave, a pipeline of 2 stages, rows with limits from 1 to 80 new tokens: SIGUSR1
     soon after the start stops the run with some rows finished (the short ones) and others
@@ -158,6 +162,7 @@ def test_a_signal_mid_run_stops_within_steps_and_resumes_to_the_same_tokens(work
     assert not partial.exists()
 
 
+@pytest.mark.slow
 def test_rows_reach_the_partial_file_as_they_finish_and_survive_a_killed_job(work):
     """Two replicas; replica 1's rows and half of replica 0's want a few tokens, the rest 60.
     Rank 0 is killed outright (SIGKILL: no stop path runs) at decode step 30: the partial
@@ -195,6 +200,7 @@ def test_rows_reach_the_partial_file_as_they_finish_and_survive_a_killed_job(wor
     assert not partial.exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_partial_file_is_one_clear_error(work):
     partial = work / ".damaged.h5.partial"
     partial.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
@@ -227,6 +233,7 @@ def test_a_finished_rows_message_unpacks_to_what_was_packed(logprobs):
     assert len(got_prompts) == len(got) == 0 and got.tokens.shape == (0, 5)
 
 
+@pytest.mark.slow
 def test_a_signal_to_a_rank_of_another_node_stops_the_generation_within_steps(work):
     """Two (fake) nodes, one rank each, a pipeline of 2 stages: SIGTERM to the last stage
     alone reaches the first stage, on the other node, as a message (it used to learn only

@@ -7,6 +7,7 @@ from hpcpar.parallel.errors import HpcparError
 from hpcpar.jobs.launch import check_launch
 from helpers import mpirun as _mpirun
 
+@pytest.mark.slow
 def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path):
     job = ("from hpcpar.jobs.launch import run_guarded, world, phase\n"
            "def main():\n"
@@ -22,6 +23,7 @@ def test_an_exception_on_one_rank_ends_the_whole_job(tmp_path):
     assert seconds < 30, f"took {seconds:.1f} s"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (["demo", "--tp", "3"], "dp(1) * pp(1) * tp(3) = 3 != world size 4"),
     (["demo", "--checkpoint", "missing.h5"], "missing.h5: no such file"),
@@ -38,6 +40,7 @@ def test_bad_input_is_reported_once_and_every_rank_exits_non_zero(tmp_path, args
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.device
 @pytest.mark.parametrize("n, layout", [(1, "dp 1 x pp 1 x tp 1"), (3, "dp 1 x pp 3 x tp 1"),
                                        (8, "dp 2 x pp 2 x tp 2")])
@@ -52,6 +55,7 @@ def test_the_demo_job_generates_and_reports(tmp_path, n, layout):
     assert "16 prompts" in proc.stdout and "256 new tokens" in proc.stdout
 
 
+@pytest.mark.slow
 def test_convert_and_init_commands(tmp_path):
     from helpers import TINY, write_hf_checkpoint
     write_hf_checkpoint(tmp_path / "hf", TINY)
@@ -82,6 +86,7 @@ def test_a_lone_rank_under_a_multi_task_launch_stops(monkeypatch):
     check_launch(_Alone())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["generate", "train"])
 def test_ranks_started_with_different_jobs_are_one_error_not_a_hang(tmp_path, command):
     """An MPMD launch whose ranks were given different settings: one line naming the

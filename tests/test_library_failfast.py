@@ -11,6 +11,9 @@ import textwrap
 
 import pytest
 
+# processes of their own: the whole suite's tier, not tests/run --quick
+pytestmark = pytest.mark.slow
+
 PROGRAM = textwrap.dedent("""
     import sys
     import numpy as np

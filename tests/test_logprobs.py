@@ -90,6 +90,7 @@ def test_logprobs_zero_gives_the_tokens_own_and_no_alternatives(llama):
     _check_token_logprobs(model, ours, k=0)
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_logprobs_are_the_same_under_tp_and_pp_in_hdf5_and_json_lines(llama, tmp_path):
     """tp 2 x pp 2 (a vocab-parallel head: the normalizer and the top K reduced over tp),
@@ -149,6 +150,7 @@ def test_logprobs_that_cannot_be_given_are_refused(llama, capfd, sets, message):
     assert message in refused(capfd, lambda: generate_here(path, 4, *sets))
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_under_cp_are_one_line_before_any_work(llama, tmp_path):
     _, path = llama
     proc = mpirun(2, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",

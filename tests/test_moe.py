@@ -423,6 +423,7 @@ def _one_error(proc, words):
     assert len(lines) == 1 and words in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks, family, args, words", [
     (2, "mixtral", ["train", "--dp", "2", "--ep", "2"], "ep 2 does not divide the 3 experts"),
     (2, "qwen2_moe", ["score", "--dp", "1", "--tp", "2", "--ep", "2"],
@@ -448,6 +449,7 @@ def test_a_layout_or_setting_moe_cannot_run_is_one_error_before_any_work(
     assert not (tmp_path / out).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, words", [
     ("missing", "tensor(s) the config needs are missing, first "
                 "model.layers.1.mlp.experts.2.down_proj.weight"),

@@ -204,6 +204,7 @@ def test_the_core_on_cupy_arrays():
     assert type(z).__module__.startswith("cupy")
 
 
+@pytest.mark.slow
 def test_every_public_name_resolves_and_the_pure_modules_stay_free_of_mpi():
     """``hpcpar.parallel`` loads its names on first use: each exported name is the object
     documented (not a submodule of the same name), and importing the split rules, as the

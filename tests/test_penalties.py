@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS, build_hf_model, generate_here, mpirun  # noqa: E402
+from helpers import PROMPTS, build_hf_model, generate_here, hpcpar_here, mpirun  # noqa: E402
 from hpcpar.jobs.generate.sampling import (PromptSampling, SamplingParams,  # noqa: E402
                                            candidate_probabilities)
 
@@ -93,6 +93,7 @@ def test_min_p_keeps_what_transformers_min_p_keeps():
     assert sum(c > 0 for c in cut) >= 3, cut        # min-p cut where the others left more
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_penalties_give_the_same_tokens_under_tp_and_pp(llama, tmp_path):
     """Sampled, with all three penalties and min-p: 1 rank, tp 2 and pp 2 agree."""
@@ -127,13 +128,14 @@ def test_penalties_give_the_same_tokens_under_tp_and_pp(llama, tmp_path):
 def test_a_bad_penalty_on_a_line_is_one_error(llama, tmp_path, line, words):
     _, path = llama
     (tmp_path / "bad.jsonl").write_text(json.dumps(line) + "\n")
-    proc, _ = mpirun(2, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",
-                         "bad.jsonl", "--max-new-tokens", "4", "--out", "o.jsonl"], tmp_path)
+    proc = hpcpar_here(["generate", "--checkpoint", path, "--prompts", "bad.jsonl",
+                        "--max-new-tokens", "4", "--out", "o.jsonl"], tmp_path)
     assert proc.returncode == 2
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "bad.jsonl" in lines[0] and words in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_min_p_with_every_prompt_greedy_is_refused(llama, tmp_path):
     _, path = llama
     proc, _ = mpirun(1, ["-m", "hpcpar", "generate", "--checkpoint", str(path), "--prompts",
@@ -177,6 +179,7 @@ def test_min_tokens_and_stop_token_ids_are_transformers_min_new_tokens_and_eos(l
     assert runs[(4, "continuous")].lengths[0] > 4
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_stop_token_ids_of_a_line_replace_the_jobs(llama, tmp_path):
     _, path = llama

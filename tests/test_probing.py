@@ -34,6 +34,7 @@ def _digest(path):
     return path.stat().st_mtime_ns, path.read_bytes()[:4096]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out, what", [("model.h5", "the checkpoint"),
                                        ("ids.jsonl", "the prompts")])
 def test_an_output_that_is_an_input_is_refused_and_the_input_kept(work, out, what):
@@ -44,6 +45,7 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(work, out, wha
     assert _digest(work / out) == before
 
 
+@pytest.mark.slow
 def test_convert_onto_its_own_source_weights_is_refused(work):
     before = _digest(work / "hf" / "model.safetensors")
     proc = mpirun(1, ["-m", "hpcpar", "convert", "hf", "hf/model.safetensors"], work)[0]
@@ -51,6 +53,7 @@ def test_convert_onto_its_own_source_weights_is_refused(work):
     assert _digest(work / "hf" / "model.safetensors") == before
 
 
+@pytest.mark.slow
 def test_training_into_the_folder_of_its_checkpoint_is_refused(work):
     (work / "run").mkdir(exist_ok=True)
     shutil.copy(work / "model.h5", work / "run" / "start.h5")
@@ -60,6 +63,7 @@ def test_training_into_the_folder_of_its_checkpoint_is_refused(work):
     _assert_one_error(proc, "lies inside the output run")
 
 
+@pytest.mark.slow
 def test_nan_weights_are_refused_at_load_naming_the_tensor(work):
     shutil.copy(work / "model.h5", work / "nan.h5")
     with h5py.File(work / "nan.h5", "r+") as f:
@@ -71,6 +75,7 @@ def test_nan_weights_are_refused_at_load_naming_the_tensor(work):
     assert not (work / "x.h5").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, words", [
     (["--temperature", "nan"], "--temperature: generate.temperature must be >= 0 (0 is greedy), got nan"),
     (["--temperature", "1", "--top-p", "inf"], "generate.top_p must be in (0, 1], got inf"),
@@ -80,11 +85,13 @@ def test_non_finite_or_out_of_range_sampling_settings_are_refused(work, flags, w
     _assert_one_error(_generate(work, "--out", "x.h5", *flags), words)
 
 
+@pytest.mark.slow
 def test_an_unwritable_output_folder_is_found_before_any_work(work):
     proc = _generate(work, "--out", "/proc/hpcpar-out.h5")
     _assert_one_error(proc, "cannot write into /proc")
 
 
+@pytest.mark.slow
 def test_a_busy_output_is_refused_and_a_dead_writers_leftovers_are_cleaned(work):
     host = socket.gethostname()
     lock = work / ".busy.h5.lock"
@@ -99,6 +106,7 @@ def test_a_busy_output_is_refused_and_a_dead_writers_leftovers_are_cleaned(work)
     assert not stale.exists() and not lock.exists()
 
 
+@pytest.mark.slow
 def test_unreadable_inputs_are_one_line_not_a_traceback(work):
     (work / "latin1.jsonl").write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
     _assert_one_error(_generate(work, "--out", "x.h5", "--prompts", "latin1.jsonl"),
@@ -119,6 +127,7 @@ def test_unreadable_inputs_are_one_line_not_a_traceback(work):
     _assert_one_error(proc, "hidden_size must be a positive integer, got 'sixty-four'")
 
 
+@pytest.mark.slow
 def test_the_second_probes_inputs_are_one_line_each(work):
     """What a second probe found taken without a word, each now one line, exit 2: a JSON
     line with a key twice (the last won), a file named .npy that is not one (NumPy's
@@ -159,6 +168,7 @@ def test_the_second_probes_inputs_are_one_line_each(work):
     assert not (work / "x.jsonl").exists() and not (work / "s.h5").exists()
 
 
+@pytest.mark.slow
 def test_init_and_convert_replace_a_model_checkpoint_not_a_training_one(work):
     """Converting or initialising again replaces an earlier model checkpoint; a training
     run's checkpoint (its optimizer state too) is kept, with one line."""
@@ -177,6 +187,7 @@ def test_init_and_convert_replace_a_model_checkpoint_not_a_training_one(work):
     assert proc.returncode == 0 and "wrote again.h5" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_sharded_index_naming_a_missing_shard_is_one_line(work):
     folder = work / "sharded"
     write_hf_checkpoint(folder, GQA, files=3, extra=realistic_tensors(GQA, 1))

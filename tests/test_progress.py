@@ -128,6 +128,7 @@ def _job(work, n, args):
     return proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--dp", "2", "--pp", "2", "--micro-batches", "2"],
                                     ["--dp", "2", "--batching", "static", "--wave-size", "5"]],
                          ids=["dp2xpp2-continuous", "dp2-static-waves"])
@@ -145,6 +146,7 @@ def test_generation_logs_every_replicas_tokens_exactly(work, layout, monkeypatch
     assert [d for d, _, _ in counts] == sorted(d for d, _, _ in counts)
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_scoring_and_training_log_their_tokens(work, monkeypatch):
     monkeypatch.setenv("HPCPAR_PROGRESS_SECONDS", "0.2")
@@ -164,6 +166,7 @@ def test_scoring_and_training_log_their_tokens(work, monkeypatch):
     assert [d for d, _, _ in counts] == sorted(d for d, _, _ in counts)
 
 
+@pytest.mark.slow
 def test_progress_seconds_zero_logs_no_progress(work, monkeypatch):
     monkeypatch.setenv("HPCPAR_PROGRESS_SECONDS", "0")
     err = _job(work, 1, ["score", "--checkpoint", "model.h5", "--data", "rows.npy",

@@ -30,6 +30,7 @@ def test_the_readme_has_python_blocks():
     assert len(BLOCKS) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_every_python_block_runs_under_its_launch_line(block, tmp_path):
     program = tmp_path / "this.py"

@@ -161,6 +161,7 @@ def test_context_parallel_layouts_score_long_rows_as_transformers(tmp_path_facto
                 assert f.attrs["cp"] == cp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows,message", [
     ([[5, 6, -1]], "pad on the left only"),
     ([[-1, -1, -1], [4, 5, 6]], "row 0 is all padding"),
@@ -178,6 +179,7 @@ def test_bad_rows_are_one_error_from_one_rank_and_no_output(tmp_path, rows, mess
     assert not list(tmp_path.glob(".scores.h5*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, which, nodes", [(15, 1, 1), (2, 0, 1), (15, 1, 2)])
 def test_a_stop_signal_to_one_rank_ends_the_scoring_with_one_line_and_no_lock(tmp_path, signum,
                                                                               which, nodes):

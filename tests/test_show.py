@@ -11,6 +11,9 @@ import numpy as np
 import pytest
 from helpers import TINY, make_checkpoint, mpirun
 
+# processes of their own: the whole suite's tier, not tests/run --quick
+pytestmark = pytest.mark.slow
+
 
 def _show(*args, cwd):
     return subprocess.run([sys.executable, "-m", "hpcpar", "show", *map(str, args)],

@@ -26,6 +26,9 @@ from helpers import REPO, losses, wait_for_steps
 from hpcpar.jobs.slurm import SlurmRequest, render, static_scripts
 from test_generate_cli import _assert_one_error
 
+# processes of their own: the whole suite's tier, not tests/run --quick
+pytestmark = pytest.mark.slow
+
 CLUSTER = REPO / "slurm" / "local-cluster.sh"
 SKIPPED = 77                # local-cluster.sh: this machine cannot have a local Slurm
 

@@ -24,6 +24,7 @@ def _keeper(child_code: str, **kw) -> subprocess.Popen:
                             **kw)
 
 
+@pytest.mark.slow
 def test_a_child_killed_by_a_signal_is_named_and_its_status_kept():
     proc = _keeper("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     _, err = proc.communicate(timeout=30)
@@ -31,6 +32,7 @@ def test_a_child_killed_by_a_signal_is_named_and_its_status_kept():
     assert err.count("\n") == 1 and "rank 3 of 4 (pid " in err and "SIGKILL" in err, err
 
 
+@pytest.mark.slow
 def test_an_unexplained_exit_is_named_and_an_explained_one_is_not():
     proc = _keeper("import os; os._exit(7)")
     _, err = proc.communicate(timeout=30)
@@ -41,6 +43,7 @@ def test_an_unexplained_exit_is_named_and_an_explained_one_is_not():
     assert proc.returncode == 2 and err == "", err
 
 
+@pytest.mark.slow
 def test_signals_reach_the_child():
     code = ("import signal, sys, time; signal.signal(signal.SIGUSR1, lambda *a: sys.exit(3)); "
             "print('ready', flush=True); time.sleep(30)")
@@ -51,6 +54,7 @@ def test_signals_reach_the_child():
     assert proc.returncode == 3, err
 
 
+@pytest.mark.slow
 def test_killing_the_keeper_leaves_no_orphan():
     proc = _keeper("import os, time; print(os.getpid(), flush=True); time.sleep(60)")
     child = int(proc.stdout.readline())
@@ -62,6 +66,7 @@ def test_killing_the_keeper_leaves_no_orphan():
     assert not _alive(child)
 
 
+@pytest.mark.slow
 def test_a_killed_keeper_is_named_by_its_rank():
     code = ("import os, time; from hpcpar.jobs.supervisor import watch_keeper; watch_keeper(); "
             "print(os.getpid(), flush=True); time.sleep(60)")

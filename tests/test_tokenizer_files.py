@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import GQA, REPO, mpirun, realistic_tensors, write_hf_checkpoint
+from helpers import GQA, REPO, hpcpar_here, mpirun, realistic_tensors, write_hf_checkpoint
 from hpcpar.jobs import settings
 from hpcpar.checkpoint import convert, open_checkpoint
 from hpcpar.parallel.errors import HpcparError
@@ -113,6 +113,7 @@ def _generate(work, n, checkpoint, prompts, out, *extra, env=None):
 
 # ---- damaged stored files: only the jobs that need them fail --------------------------------
 
+@pytest.mark.slow
 def test_ids_only_jobs_run_on_a_checkpoint_whose_tokenizer_files_are_damaged(work):
     """Generation from .npy ids and {"ids"} lines, scoring and training on ids need neither
     the tokenizer nor the template: they run on a checkpoint whose stored tokenizer.json,
@@ -146,6 +147,7 @@ def test_ids_only_jobs_run_on_a_checkpoint_whose_tokenizer_files_are_damaged(wor
         assert (work / out / "step-2.h5").is_file()
 
 
+@pytest.mark.slow
 def test_text_runs_on_a_checkpoint_whose_template_is_damaged(work):
     proc = _generate(work, 1, "template-not-utf8.h5", "text.jsonl", "text.h5")
     assert proc.returncode == 0, proc.stderr
@@ -194,8 +196,8 @@ def test_a_job_that_needs_a_damaged_file_is_one_error_naming_it(work, checkpoint
     out = "needs_run" if command == "train" else "needs.h5"
     if command == "generate":
         rest += ["--max-new-tokens", "4"]
-    proc, _ = _hpcpar(work, 2, command, "--checkpoint", f"{checkpoint}.h5", *rest,
-                      "--out", out)
+    proc = hpcpar_here([command, "--checkpoint", f"{checkpoint}.h5", *rest, "--out", out],
+                       work)
     _assert_one_error(proc, words)
     if "tokenizer.json" in words:
         assert ("; convert the model again from a folder whose tokenizer.json loads, or give "
@@ -231,11 +233,27 @@ def test_invalid_unicode_in_a_line_is_one_error_naming_the_line(work, command, r
               "train": ["--data", "unicode.jsonl", "--seq-len", "2", "--steps", "1",
                         "--global-batch", "2"]}[command]
     out = "unicode_run" if command == "train" else "unicode.h5"
-    proc, _ = _hpcpar(work, 2, command, "--checkpoint", "model.h5", *option, "--out", out)
+    proc = hpcpar_here([command, "--checkpoint", "model.h5", *option, "--out", out], work)
     _assert_one_error(proc, f"unicode.jsonl:2: {words}")
     assert not (work / out).exists()
 
 
+@pytest.mark.slow
+def test_a_damaged_file_or_a_bad_line_is_one_error_from_one_of_two_ranks(work):
+    """The cases above run on one rank, in this process; under mpiexec every rank finds the
+    same and the ranks agree: one line for the job."""
+    proc, _ = _hpcpar(work, 2, "generate", "--checkpoint", "truncated.h5", "--prompts",
+                      "text.jsonl", "--max-new-tokens", "4", "--out", "needs2.h5")
+    _assert_one_error(proc, "text.jsonl:1: text needs the tokenizer, and truncated.h5's "
+                            "stored tokenizer.json")
+    (work / "unicode2.jsonl").write_text(_lines({"ids": [5, 6, 7]}, {"text": f"w5 {SURROGATE}"}))
+    proc, _ = _hpcpar(work, 2, "generate", "--checkpoint", "model.h5", "--prompts",
+                      "unicode2.jsonl", "--max-new-tokens", "4", "--out", "unicode2.h5")
+    _assert_one_error(proc, 'unicode2.jsonl:2: "text" holds invalid Unicode')
+    assert not (work / "needs2.h5").exists() and not (work / "unicode2.h5").exists()
+
+
+@pytest.mark.slow
 def test_a_stop_string_flag_that_is_not_unicode_is_one_error(work):
     """A byte that is not UTF-8 in an argument (``--stop $'\\xff'``) arrives as a lone
     surrogate."""
@@ -407,6 +425,7 @@ def test_the_limits_are_settable_and_0_turns_them_off(work, monkeypatch):
             _render(work, long)
 
 
+@pytest.mark.slow
 def test_a_template_that_never_ends_stops_at_start_up_with_one_line(work):
     """Under mpiexec: the stored template's nested loops stop at the time limit, on every
     rank, with one line and status 2; a rendering past the size limit too."""
@@ -463,6 +482,7 @@ def test_convert_refuses_a_damaged_tokenizer_file_naming_it(work, tmp_path, name
     convert(hf, tmp_path / "out.h5")
 
 
+@pytest.mark.slow
 def test_convert_of_a_damaged_tokenizer_is_one_line_and_status_2(work, tmp_path):
     hf = tmp_path / "hf"
     shutil.copytree(work / "hf", hf)

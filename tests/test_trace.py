@@ -63,6 +63,7 @@ def training_trace(work):
     return _tracks(work / "train.json")
 
 
+@pytest.mark.slow
 def test_one_track_per_rank_named_by_its_place_in_the_mesh(training_trace):
     data, names, spans = training_trace
     assert names == {0: "rank 0 (dp 0, pp 0, tp 0)", 1: "rank 1 (dp 0, pp 0, tp 1)",
@@ -105,6 +106,7 @@ def test_the_spans_follow_the_schedule_that_ran(training_trace):
     assert any(e["name"] == "wait pp.recv" for e in spans[2])
 
 
+@pytest.mark.slow
 def test_show_summarises_a_trace_and_draws_its_timeline(work, training_trace):
     proc = _hpcpar("show", "train.json", "--json", cwd=work)
     assert proc.returncode == 0, proc.stderr
@@ -123,6 +125,7 @@ def test_show_summarises_a_trace_and_draws_its_timeline(work, training_trace):
     assert (work / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_show_plots_a_training_runs_curves(work, training_trace):
     proc = _hpcpar("show", "run", "--plot", "curves.svg", cwd=work)
     assert proc.returncode == 0, proc.stderr
@@ -147,6 +150,7 @@ def test_plot_without_matplotlib_says_how_to_get_it(work, monkeypatch, training_
     assert not (work / "none.png").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.device
 def test_a_traced_generation_gives_the_same_tokens_and_a_trace(work):
     args = ["-m", "hpcpar", "generate", "--checkpoint", "model.h5", "--prompts", "random",
@@ -168,6 +172,7 @@ def test_a_traced_generation_gives_the_same_tokens_and_a_trace(work):
     assert not (work / "gen2.png").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job, path, message", [
     ("score", "trace.txt", "name it trace.json"),
     ("score", ".json", "name it trace.json"),
@@ -195,6 +200,7 @@ def test_a_trace_that_cannot_be_written_is_refused_before_the_work(work, job, pa
         assert not (work / path).is_file()
 
 
+@pytest.mark.slow
 def test_a_trace_replaces_an_earlier_trace(work, training_trace):
     args = ["-m", "hpcpar", "score", "--checkpoint", "model.h5", "--data", "rows.npy"]
     for out in ("a.h5", "b.h5"):

@@ -14,6 +14,9 @@ import pytest
 from helpers import GQA, MPIEXEC, REPO, losses, make_checkpoint, mpirun, wait_for_steps
 from test_generate_cli import _assert_one_error
 
+# processes of their own: the whole suite's tier, not tests/run --quick
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
