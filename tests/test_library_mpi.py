@@ -104,6 +104,18 @@ def sse(y, t):
     return float((d * d).sum() / ROWS), 2 * d / ROWS
 
 
+def on_rank_0(comm, compute) -> dict[str, np.ndarray]:
+    """``compute()``, a dict of float64 arrays, run on rank 0 and sent to every rank by
+    buffer broadcasts: one rank imports torch and computes the reference, not all of them."""
+    out = compute() if comm.Get_rank() == 0 else None
+    shapes = comm.bcast(None if out is None else {k: v.shape for k, v in out.items()}, root=0)
+    out = ({k: np.array(v, dtype=np.float64, order="C") for k, v in out.items()}
+           if out is not None else {k: np.empty(shape) for k, shape in shapes.items()})
+    for name in sorted(out):
+        comm.Bcast(out[name], root=0)
+    return out
+
+
 def torch_reference(w, x, t, clip):
     """The dense model's loss, gradients (clipped as clip_grad_norm_ clips) and the norm."""
     import torch
@@ -116,7 +128,8 @@ def torch_reference(w, x, t, clip):
     loss = ((y - torch.tensor(t)) ** 2).sum() / ROWS
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(list(p.values()), clip)
-    return float(loss.detach()), {k: v.grad.numpy() for k, v in p.items()}, float(norm)
+    return {"loss": np.array(float(loss.detach())), "norm": np.array(float(norm)),
+            **{f"grad.{k}": v.grad.numpy() for k, v in p.items()}}
 
 
 def build(comm, w):
@@ -175,7 +188,9 @@ def test_training_step_equals_torch_with_the_norm_counted_once(comm, clip):
     for p in params:
         p.grad *= coef
 
-    loss, grads, torch_norm = torch_reference(w, x, t, clip)
+    ref = on_rank_0(comm, lambda: torch_reference(w, x, t, clip))
+    loss, torch_norm = float(ref["loss"]), float(ref["norm"])
+    grads = {k.split(".", 1)[1]: v for k, v in ref.items() if k.startswith("grad.")}
     assert abs(norm - torch_norm) <= 1e-12 * torch_norm
     if pipe.is_last:
         total = mesh.group("dp").on_host().all_reduce(np.array([sum(losses)]))[0]
@@ -379,7 +394,6 @@ def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(
     """Label -1 adds nothing to the loss or the gradient, whatever its weight, and its
     token loss and log-probability are 0 (torch's ignore_index); labels outside the vocabulary and logits that are not this rank's block
     are one error, not a number."""
-    import torch
     tp = hp.Mesh(comm, {"tp": comm.Get_size()}, timeout=30).group("tp")
     V, rows = 11, 5
     rng = np.random.default_rng(3)
@@ -391,20 +405,27 @@ def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(
     start = tp.rank * width
     block[:, :max(0, min(V - start, width))] = full[:, start:start + width]
     loss, ctx = ce.forward(block.copy(), labels, np.ones(rows))
-    per_token = torch.nn.functional.cross_entropy(torch.tensor(full), torch.tensor(labels),
-                                                  ignore_index=-1, reduction="none")
-    np.testing.assert_allclose(ce.token_losses(block.copy(), labels), per_token.numpy(),
+
+    def torch_cross_entropy():
+        import torch
+        per_token = torch.nn.functional.cross_entropy(torch.tensor(full), torch.tensor(labels),
+                                                      ignore_index=-1, reduction="none")
+        logits = torch.tensor(full, requires_grad=True)
+        total = torch.nn.functional.cross_entropy(logits, torch.tensor(labels),
+                                                  ignore_index=-1, reduction="sum")
+        total.backward()
+        return {"per_token": per_token.numpy(), "sum": np.array(float(total)),
+                "grad": logits.grad.numpy()}
+
+    want = on_rank_0(comm, torch_cross_entropy)
+    np.testing.assert_allclose(ce.token_losses(block.copy(), labels), want["per_token"],
                                atol=1e-12)
     logp, _ = ce.label_logprobs(block.copy(), labels)
-    np.testing.assert_allclose(logp, -per_token.numpy(), atol=1e-12)
-    logits = torch.tensor(full, requires_grad=True)
-    want = torch.nn.functional.cross_entropy(logits, torch.tensor(labels), ignore_index=-1,
-                                             reduction="sum")
-    want.backward()
-    assert abs(float(loss) - float(want)) < 1e-12
+    np.testing.assert_allclose(logp, -want["per_token"], atol=1e-12)
+    assert abs(float(loss) - float(want["sum"])) < 1e-12
     grad = ce.backward(ctx)
     np.testing.assert_allclose(grad[:, :max(0, min(V - start, width))],
-                               logits.grad.numpy()[:, start:start + width], atol=1e-12)
+                               want["grad"][:, start:start + width], atol=1e-12)
     with pytest.raises(hp.HpcparError, match="below the vocabulary's 11, or -1"):
         ce.forward(block.copy(), np.array([4, 11, 7, 0, 0]), np.ones(rows))
     with pytest.raises(hp.HpcparError, match="floating-point logits and integer labels"):

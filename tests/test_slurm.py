@@ -101,11 +101,14 @@ def _scontrol(env, job):
     return dict(f.split("=", 1) for f in out.split() if "=" in f)
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
 def _wait(env, job, timeout=240):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = _scontrol(env, job).get("JobState")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        if state in ENDED:
             return state
         time.sleep(0.5)
     subprocess.run(["scancel", job], env=env)
@@ -121,6 +124,24 @@ def _why(env, job) -> str:
     show = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
                           text=True).stdout
     return "\n".join([show, *logs])
+
+
+def _start_the_requeued_job_now(env, job, timeout=120):
+    """Slurm holds a requeued job back two minutes (its begin time): once it is pending
+    again, let it start now. An update sent while the job is still being requeued is lost
+    (the job then waited the two minutes), so it is sent again until the job runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        info = _scontrol(env, job)
+        state = info.get("JobState")
+        if info.get("Restarts") == "1" and state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env,
+                           capture_output=True)
+        elif info.get("Restarts") == "1" and state in ("RUNNING", *ENDED):
+            return                                   # running again (or ended: _wait says)
+        time.sleep(0.2)
+    raise AssertionError(f"job {job} was not requeued and started again in {timeout} s\n"
+                         + _why(env, job))
 
 
 def _job_id(proc):
@@ -160,15 +181,7 @@ def test_the_time_limit_signal_saves_requeues_resumes_and_ends_as_an_uninterrupt
                           "--set", "output.path='stopped'", cwd=tmp_path, env=slurm))
     wait_for_steps(tmp_path / "stopped", 3)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:               # requeued: pending again, restarted
-        info = _scontrol(slurm, job)
-        if info.get("Restarts") == "1" and info.get("JobState") in ("PENDING", "RUNNING",
-                                                                    "COMPLETED"):
-            break
-        time.sleep(0.2)
-    # Slurm holds a requeued job back two minutes; let it start now
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
+    _start_the_requeued_job_now(slurm, job)
     assert _wait(slurm, job) == "COMPLETED", _why(slurm, job)
     log = (tmp_path / f"train_tiny-{job}.out").read_text()
     assert "requeueing job" in log and "restart 1" in log, log
@@ -198,10 +211,7 @@ def test_a_generation_job_survives_the_time_limit_signal_with_the_same_output(sl
     while time.monotonic() < deadline and not partial.exists():
         time.sleep(0.02)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and _scontrol(slurm, job).get("Restarts") != "1":
-        time.sleep(0.2)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm)
+    _start_the_requeued_job_now(slurm, job)
     assert _wait(slurm, job) == "COMPLETED", _why(slurm, job)
     log = (tmp_path / f"demo-{job}.out").read_text()
     assert "stopped on request" in log and "requeueing job" in log and "restart 1" in log, log
