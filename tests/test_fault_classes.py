@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from helpers import GQA, make_checkpoint, mpirun
+from helpers import GQA, hpcpar_here, make_checkpoint, mpirun
 from hpcpar.jobs import settings
 from hpcpar.parallel.errors import HpcparError
 from hpcpar.jobs.job import JobError, load_job
@@ -97,7 +97,6 @@ def test_a_bad_set_key_is_blamed_on_the_set_not_the_job_file(tmp_path):
     assert str(e.value).startswith("--set generate.max_new_tokns=8: unknown key")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("args, words", [
     (TRAIN + ["--out", "nan-run", "--lr", "nan"], "--lr: train.lr must be >= 0, got nan"),
     (GENERATE + ["--out", "w.h5", "--wave-size", "-1"], "generate.wave_size must be >= 0"),
@@ -114,7 +113,7 @@ def test_settings_and_data_that_used_to_slip_through_are_one_error(work, args, w
     (work / "odd.bin").write_bytes(b"\x01\x02\x03")
     np.save(work / "one.npy", np.array([[5], [7]]))
     before = _snapshot(work)
-    proc, _ = mpirun(2, args, work, timeout=120)
+    proc = hpcpar_here(args[2:], work)                 # ("-m", "hpcpar", ...) in this process
     _assert_one_error(proc, words)
     assert _snapshot(work) == before                   # nothing written, no input touched
     assert not (work / "nan-run" / "metrics.jsonl").exists()
@@ -203,8 +202,7 @@ def test_a_damaged_partial_file_is_refused_before_any_work_and_left_untouched(
         damage(f)
     os.utime(partial, ns=(10 ** 18, 10 ** 18))
     before = partial.read_bytes()
-    proc, _ = mpirun(2, GENERATE + ["--out", "damaged.h5", "--resume", "auto"], work,
-                     timeout=120)
+    proc = hpcpar_here(GENERATE[2:] + ["--out", "damaged.h5", "--resume", "auto"], work)
     _assert_one_error(proc, words)
     assert "remove it to start over" in proc.stderr
     assert partial.read_bytes() == before and partial.stat().st_mtime_ns == 10 ** 18

@@ -10,7 +10,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from helpers import TINY, make_checkpoint, mpirun
+from helpers import TINY, hpcpar_here, make_checkpoint, mpirun
 
 from hpcpar.parallel import trace
 
@@ -172,7 +172,6 @@ def test_a_traced_generation_gives_the_same_tokens_and_a_trace(work):
     assert not (work / "gen2.png").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("job, path, message", [
     ("score", "trace.txt", "name it trace.json"),
     ("score", ".json", "name it trace.json"),
@@ -184,13 +183,13 @@ def test_a_traced_generation_gives_the_same_tokens_and_a_trace(work):
     ("train", "out.json", "also the job's output"),
     ("train", "out/report.json", "also the job's output"),
 ])
-def test_a_trace_that_cannot_be_written_is_refused_before_the_work(work, job, path, message,
-                                                                   training_trace):
+def test_a_trace_that_cannot_be_written_is_refused_before_the_work(work, job, path, message):
     (work / "notes.json").write_text('{"mine": 1}')
+    (work / "run").mkdir(exist_ok=True)
     out = "out.h5" if job == "score" else ("out" if "/" in path else "out.json")
     data = "rows.npy" if job == "score" else "synthetic"
-    proc, _ = mpirun(2, ["-m", "hpcpar", job, "--checkpoint", "model.h5", "--data", data,
-                         "--out", out, "--trace", path], work, timeout=120)
+    proc = hpcpar_here([job, "--checkpoint", "model.h5", "--data", data, "--out", out,
+                        "--trace", path], work)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -198,6 +197,17 @@ def test_a_trace_that_cannot_be_written_is_refused_before_the_work(work, job, pa
     assert (work / "notes.json").read_text() == '{"mine": 1}'
     if path not in ("", "notes.json"):
         assert not (work / path).is_file()
+
+
+@pytest.mark.slow
+def test_a_trace_that_cannot_be_written_is_one_error_from_one_of_two_ranks(work):
+    """The cases above run on one rank, in this process; under mpiexec the ranks agree."""
+    proc, _ = mpirun(2, ["-m", "hpcpar", "score", "--checkpoint", "model.h5", "--data",
+                         "rows.npy", "--out", "out2.h5", "--trace", "trace.txt"], work)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "name it trace.json" in lines[0], proc.stderr
+    assert not (work / "out2.h5").exists() and not (work / "trace.txt").exists()
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from ..parallel import trace, waits
+from ..parallel.comm.failfast import FORWARD_SECONDS
 from ..parallel.errors import CommTimeout, HangElsewhere, HpcparError
 from .supervisor import launcher_size, mark_known_exit
 
@@ -244,9 +245,7 @@ def _abort(message: str, code: int, with_traceback: bool, linger: float = 0.0) -
     mark_known_exit()                 # said why: the rank's keeper need not
     comm = world()
     if comm.Get_size() > 1:
-        # MPI_Abort tears the job down at once; give the launcher a moment to forward the
-        # lines just written, or the message naming the rank can be lost
-        time.sleep(0.2 + linger)
+        time.sleep(FORWARD_SECONDS + linger)     # the launcher forwards the lines above
         comm.Abort(code)
     raise SystemExit(code)
 

@@ -17,18 +17,27 @@ hooks no sight of it): call ``abort(status)`` there instead.
 from __future__ import annotations
 
 import sys
+import time
 
 _installed = {"hook": None}
 
+# MPI_Abort tears the job down at once: the launcher gets this long to forward what the rank
+# just wrote (a traceback, an error line), or it can be lost (seen under mpiexec on a loaded
+# machine: no line at all)
+FORWARD_SECONDS = 0.2
+
 
 def abort(status: int = 1) -> None:
-    """End every rank of the job now with ``status`` (MPI_Abort on the world)."""
+    """End every rank of the job now with ``status`` (MPI_Abort on the world), once the
+    launcher has had a moment to forward what this rank wrote."""
     from mpi4py import MPI
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):           # a closed pipe must not stop the abort
             pass
+    if MPI.COMM_WORLD.Get_size() > 1:
+        time.sleep(FORWARD_SECONDS)
     MPI.COMM_WORLD.Abort(status)
 
 
