@@ -168,9 +168,18 @@ PROMPTS = [np.array(p, dtype=np.int64) for p in
 # them (``@pytest.mark.mpi(ranks=WORLD_SIZES)``) and says why, the others run at one
 WORLD_SIZES = (2, 4, 8)
 
-# mpiexec as tests/run finds it: PATH (a cluster's MPI), else the mpich wheel's beside python
-MPIEXEC = (os.environ.get("MPIEXEC") or shutil.which("mpiexec")
-           or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))
+
+def _mpiexec() -> str:
+    """mpiexec as tests/run finds it: PATH (a cluster's MPI), else the mpich wheel's beside
+    python; a pyenv shim resolved to the program it runs (0.3 s a launch)."""
+    found = shutil.which("mpiexec")
+    if found and "/shims/" in found:
+        found = subprocess.run(["pyenv", "which", "mpiexec"], capture_output=True,
+                               text=True).stdout.strip() or found
+    return found or os.path.join(sysconfig.get_path("scripts"), "mpiexec")
+
+
+MPIEXEC = os.environ.get("MPIEXEC") or _mpiexec()
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import MPIEXEC
+
 # processes of their own: the whole suite's tier, not tests/run --quick
 pytestmark = pytest.mark.slow
 
@@ -31,10 +33,9 @@ LAUNCHES = [(path, n, args) for path in EXAMPLES for n, args in _launch_lines(pa
 @pytest.mark.parametrize("path, n, args", LAUNCHES,
                          ids=[f"{p.stem}-{n}{''.join(a)}" for p, n, a in LAUNCHES])
 def test_example_runs_with_its_launch_lines(path, n, args):
-    mpiexec = os.environ.get("MPIEXEC", "mpiexec")
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     env.pop("HPCPAR_BACKEND", None)
-    done = subprocess.run([mpiexec, "-n", str(n), sys.executable, str(path), *args], env=env,
+    done = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(path), *args], env=env,
                           cwd=path.parents[1], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "OK" in done.stdout, done.stdout

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from helpers import MPIEXEC
+
 # processes of their own: the whole suite's tier, not tests/run --quick
 pytestmark = pytest.mark.slow
 
@@ -35,7 +37,7 @@ def _run(tmp_path, mode: str) -> subprocess.CompletedProcess:
     program.write_text(PROGRAM)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("HPCPAR_BACKEND", None)
-    return subprocess.run([os.environ.get("MPIEXEC", "mpiexec"), "-n", "2", sys.executable,
+    return subprocess.run([MPIEXEC, "-n", "2", sys.executable,
                            str(program), mode], env=env, capture_output=True, text=True,
                           timeout=120)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import hpcpar.parallel as hp
+from helpers import MPIEXEC
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
@@ -22,8 +23,7 @@ def _launch(block: str) -> list[str]:
     first = block.splitlines()[0]
     found = re.fullmatch(r"# (?:mpiexec -n (\d+) )?python this\.py", first.strip())
     assert found, f"a README Python block must start with its launch line, not {first!r}"
-    mpiexec = os.environ.get("MPIEXEC", "mpiexec")
-    return [mpiexec, "-n", found.group(1)] if found.group(1) else []
+    return [MPIEXEC, "-n", found.group(1)] if found.group(1) else []
 
 
 def test_the_readme_has_python_blocks():
