@@ -124,16 +124,7 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-def _slow_files_first(items):
-    """The files that start processes of their own first, each file's tests in their order:
-    pytest-xdist hands out whole files (--dist loadfile) in this order, and a long file
-    handed out last would run alone at the end while the other core idles."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
-
-
 def pytest_collection_modifyitems(config, items):
-    _slow_files_first(items)
     if config.getoption("with_mpi", False):
         _select_world_size(config, items)
     if any(item.get_closest_marker("gpu") for item in items) and not _gpu_present():

@@ -74,6 +74,7 @@ def test_one_track_per_rank_named_by_its_place_in_the_mesh(training_trace):
         assert _nested(mine), f"rank {pid}: spans overlap without nesting"
 
 
+@pytest.mark.slow
 def test_the_spans_follow_the_schedule_that_ran(training_trace):
     _, _, spans = training_trace
     steps, micro = 2, 3

@@ -38,7 +38,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from ..parallel import trace, waits
-from ..parallel.comm.failfast import FORWARD_SECONDS
+from ..parallel.comm.failfast import abort
 from ..parallel.errors import CommTimeout, HangElsewhere, HpcparError
 from .supervisor import launcher_size, mark_known_exit
 
@@ -241,12 +241,11 @@ def _abort(message: str, code: int, with_traceback: bool, linger: float = 0.0) -
     if with_traceback:
         traceback.print_exc(file=sys.stderr)
     print(f"hpcpar: error: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
     mark_known_exit()                 # said why: the rank's keeper need not
-    comm = world()
-    if comm.Get_size() > 1:
-        time.sleep(FORWARD_SECONDS + linger)     # the launcher forwards the lines above
-        comm.Abort(code)
+    if world().Get_size() > 1:
+        time.sleep(linger)
+        abort(code)                   # flushes, lets the launcher forward the lines, MPI_Abort
+    sys.stdout.flush()
     raise SystemExit(code)
 
 
