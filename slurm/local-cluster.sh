@@ -56,7 +56,8 @@ SlurmctldHost=$host
 SlurmUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/munge.socket.2
+# cred_expire: how long a requeued job waits before it starts again (default 120 s)
+AuthInfo=socket=$dir/munge/munge.socket.2,cred_expire=10
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
