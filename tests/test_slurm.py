@@ -128,15 +128,23 @@ def _why(env, job) -> str:
 
 def _wait_for_the_restart(env, job, timeout=120):
     """A requeued job waits out its old credential's lifetime before it starts again
-    (slurm/local-cluster.sh sets it to 10 s): wait until it runs a second time. Forcing the
-    start sooner (StartTime=now) can land within the second its old credential was revoked,
-    and slurmd then refuses the new one ("Job credential revoked")."""
+    (slurm/local-cluster.sh: 10 s), then for a pass of the scheduler (30 s apart). Once the
+    job has been pending 2 s, start it now: a start within the second its old credential was
+    revoked is refused ("Job credential revoked"), so never sooner. An update sent while the
+    job is still being requeued is lost, so it is sent again until the job runs."""
     deadline = time.monotonic() + timeout
+    pending_since = None
     while time.monotonic() < deadline:
         info = _scontrol(env, job)
-        if info.get("Restarts") == "1" and info.get("JobState") in ("RUNNING", *ENDED):
+        state = info.get("JobState")
+        if info.get("Restarts") == "1" and state in ("RUNNING", *ENDED):
             return                                   # running again (or ended: _wait says)
-        time.sleep(0.2)
+        if info.get("Restarts") == "1" and state == "PENDING":
+            pending_since = pending_since or time.monotonic()
+            if time.monotonic() - pending_since >= 2:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"],
+                               env=env, capture_output=True)
+        time.sleep(0.5)
     raise AssertionError(f"job {job} was not requeued and started again in {timeout} s\n"
                          + _why(env, job))
 
