@@ -1,17 +1,25 @@
 """``hpcpar export``: an HDF5 checkpoint back to a Hugging Face folder. Converting and exporting
 gives back the source's tensors exactly, transformers loads the folder as it is and computes
 the source model's logits, and a model trained under pp x tp and exported gives the
-log-probabilities hpcpar's own scoring gives."""
+log-probabilities hpcpar's own scoring gives. An export checks its target and holds its lock
+as every command that writes does, refuses NaN weights as jobs do, and stops on request."""
 
 import json
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import HF_CONFIGS, build_hf_model, mpirun
+from helpers import HF_CONFIGS, build_hf_model, hpcpar_here, made_once, mpirun
 from safetensors.numpy import load_file
 
 from hpcpar.checkpoint.export import export
@@ -22,6 +30,14 @@ PROMPT = np.array([[3, 17, 99, 5, 42, 7, 128, 64, 1, 200]])
 def _python(*args, cwd):
     return subprocess.run([sys.executable, "-m", "hpcpar", *args], capture_output=True,
                           text=True, cwd=cwd, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def small() -> Path:
+    """The smallest model these tests export (qwen3's), converted once for all of them: an
+    input, never changed."""
+    return made_once("test_export small", lambda folder: build_hf_model("qwen3", folder)) / \
+        "model.h5"
 
 
 def _exported(folder) -> dict[str, np.ndarray]:
@@ -87,26 +103,112 @@ def test_the_tokenizer_and_chat_template_come_back_as_transformers_reads_them(tm
             == source.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
 
 
-@pytest.mark.slow
-def test_bad_export_input_is_one_error_and_nothing_written(tmp_path):
-    _, checkpoint = build_hf_model("qwen3", tmp_path)
+def test_bad_export_input_is_one_error_and_nothing_written(tmp_path, small):
+    """A link, the folder it runs in ('.') and a folder it cannot write were a traceback
+    (status 1) after the checks passed."""
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
     (tmp_path / "a-file.txt").write_text("mine too")
-    for args, words in [
-        (["taken"], "taken exists and is not an empty folder"),
-        (["new", "--shard-size", "lots"], "--shard-size 'lots' is not a size"),
-        (["new", "--shard-size", "inf"], "--shard-size 'inf' is not a size"),
-        (["a-file.txt"], "a-file.txt is a file; export writes a new folder"),
-        (["missing/new"], "output folder missing does not exist"),
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to("empty")
+    for where, args, words in [
+        ("", ["taken"], "taken exists and is not an empty folder"),
+        ("", ["new", "--shard-size", "lots"], "--shard-size 'lots' is not a size"),
+        ("", ["new", "--shard-size", "inf"], "--shard-size 'inf' is not a size"),
+        ("", ["a-file.txt"], "a-file.txt is a file; export writes a new folder"),
+        ("", ["missing/new"], "output folder missing does not exist"),
+        ("", ["link"], "link is a symbolic link (to empty)"),
+        ("empty", ["."], ". is the folder export runs in"),
+        ("", ["/proc/new"], "cannot write into /proc"),
     ]:
-        proc = _python("export", str(checkpoint), *args, cwd=tmp_path)
+        proc = hpcpar_here(["export", small, *args], tmp_path / where)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
     assert (tmp_path / "a-file.txt").read_text() == "mine too"
-    assert not (tmp_path / "new").exists()
-    assert not list(tmp_path.glob(".new.tmp-*"))
+    assert not any((tmp_path / "empty").iterdir())
+    # no folder, temporary folder or lock beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file.txt", "empty", "link", "taken"]
+
+
+@pytest.mark.parametrize("dtype, value, words", [
+    (None, np.nan, "the file is damaged or came from a diverged training;"),
+    ("float16", 1e6, "or its values overflow float16"),
+])
+def test_nan_or_inf_weights_are_refused_naming_the_tensor(tmp_path, small, dtype, value, words):
+    """As generate, score and train refuse them at load (the same check); export wrote them
+    (status 0) and transformers loaded the NaN."""
+    bad = tmp_path / "bad.h5"
+    shutil.copy(small, bad)
+    with h5py.File(bad, "a") as f:
+        f["model.layers.1.mlp.up_proj.weight"][2, 5] = value
+    proc = hpcpar_here(["export", bad, "out", *(["--dtype", dtype] if dtype else [])], tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert ("bad.h5: model.layers.1.mlp.up_proj.weight holds NaN or inf values (first at "
+            "local index (2, 5))") in proc.stderr and words in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.h5"]
+
+
+def test_a_live_exports_lock_refuses_a_second_and_a_dead_ones_leftovers_are_removed(tmp_path,
+                                                                                     small):
+    """Another export of the same target holds its lock: this one stops before any work and
+    leaves that one's temporary folder alone (the second export used to write it all, then
+    fail with a traceback). Once that export is dead (a kill -9), the next one takes over
+    its lock and removes its temporary folder (no export ever removed it)."""
+    writer = subprocess.Popen(["sleep", "60"])          # alive, as the other export
+    owner = f"{socket.gethostname()}:{writer.pid}"
+    (tmp_path / ".out.lock").write_text(owner + "\n")
+    leftover = tmp_path / f".out.tmp-{socket.gethostname()}-{writer.pid}"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    try:
+        proc = hpcpar_here(["export", small, "out"], tmp_path)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"another job ({owner}) is writing" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert (leftover / "model.safetensors").read_bytes() == b"half"
+    assert not (tmp_path / "out").exists()
+    proc = hpcpar_here(["export", small, "out"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_ends_the_export_with_one_line_and_leaves_nothing(tmp_path, small):
+    """SIGTERM mid-export: one line, status 3 (a stop on request, as scoring's), and no
+    folder, temporary folder or lock left (it was status 143, silent, and the temporary
+    folder stayed). The export stops itself at its first write (SIGSTOP, HPCPAR_FAULT's
+    hang), inside its temporary folder, so the signal lands mid-export every time."""
+    env = dict(os.environ, HPCPAR_FAULT="rank=0,phase=write,kind=hang")
+    proc = subprocess.Popen([sys.executable, "-m", "hpcpar", "export", str(small), "out"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_until_stopped(proc, time.monotonic() + 60)
+    assert list(tmp_path.glob(".out.tmp-*"))
+    proc.send_signal(signal.SIGTERM)            # pending until it runs again
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, out + err
+    assert err.splitlines() == ["hpcpar: stopped on request (SIGTERM to rank 0) while "
+                                "exporting: nothing was written; run it again to export"], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _wait_until_stopped(proc: subprocess.Popen, deadline: float) -> None:
+    """Until ``proc`` is stopped (state T: it sent itself SIGSTOP)."""
+    while _state(proc.pid) != "T":
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the export never stopped itself: {proc.communicate()}")
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.mark.slow

@@ -13,6 +13,12 @@ tensor of a file at once, so the files are written here, one tensor at a time (a
 header length, the JSON header, then the raw bytes in its order), and the library reads them
 back in the tests. The folder is written beside its target and renamed into place at the
 end, after the free space was checked.
+
+As every command that writes (``files``): the target is checked before any work (a new or
+empty folder, its parent writable), one export at a time holds its lock, which sits beside
+it, and holding it makes every other temporary folder of the target a dead writer's, removed.
+Each tensor is read as jobs load it (``load_shard``), so NaN or inf weights are refused as
+they refuse them, naming the tensor; a failure or a stop leaves no temporary folder.
 """
 
 from __future__ import annotations
@@ -24,15 +30,15 @@ import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from ..models.tensors import stored_tensors
-from ..parallel.dtypes import FLOAT_DTYPES, bfloat16, float_dtype
+from ..models.tensors import TensorSpec, stored_tensors
+from ..parallel.dtypes import FLOAT_DTYPES, float_dtype
 from ..parallel.errors import HpcparError
-from .files import check_space, write_point, writing
-from .format import logical_dtype
-from .reader import Checkpoint, open_checkpoint
+from .files import OutputLock, check_space, check_writable, write_point, writing
+from .reader import Checkpoint, load_shard, open_checkpoint
 
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 DEFAULT_SHARD_SIZE = 5 * 10 ** 9          # transformers' save_pretrained default: "5GB"
@@ -56,43 +62,75 @@ def parse_size(text: str) -> int:
 
 @dataclass(frozen=True)
 class _Entry:
-    name: str
-    shape: tuple[int, ...]
-    nbytes: int
+    spec: TensorSpec
+    nbytes: int                     # in the exported dtype
 
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
-           shard_size: int = DEFAULT_SHARD_SIZE) -> list[Path]:
+           shard_size: int = DEFAULT_SHARD_SIZE,
+           check_stop: Callable[[], None] = lambda: None) -> list[Path]:
     """Write ``checkpoint``'s weights as a Hugging Face folder ``out_dir`` (in ``dtype``,
-    default the stored one); returns the files written."""
+    default the stored one); returns the files written. ``check_stop`` is called before
+    each tensor and raises to end the export (the command's, on a stop request)."""
     if dtype is not None and dtype not in SAFETENSORS_DTYPES:
         raise HpcparError(f"--dtype {dtype!r} is not one of {', '.join(SAFETENSORS_DTYPES)}")
     ckpt = open_checkpoint(checkpoint)
-    out_dir = Path(out_dir)
     target = float_dtype(dtype) if dtype else np.dtype(ckpt.dtype)
-    _check_target(out_dir)
-    entries = [_Entry(s.name, tuple(s.shape), int(np.prod(s.shape)) * target.itemsize)
+    _check_target(Path(out_dir))
+    out_dir = Path(out_dir).resolve()    # 'a/..' has no name for the temporary and the lock
+    entries = [_Entry(s, int(np.prod(s.shape)) * target.itemsize)
                for s in stored_tensors(ckpt.config)]
     shards = _shards(entries, shard_size)
     extra = ckpt.tokenizer_files()
-    check_space(out_dir, sum(e.nbytes for e in entries) + sum(map(len, extra.values())))
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        with writing(out_dir):
-            written = _write_folder(ckpt, tmp, shards, target, extra)
-        if out_dir.exists():                      # an empty folder the user made for it
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with OutputLock(out_dir, beside=True):
+        _check_target(out_dir)            # again: another export may have finished meanwhile
+        _remove_dead_temporaries(out_dir)
+        check_space(out_dir, sum(e.nbytes for e in entries) + sum(map(len, extra.values())))
+        written = _write_in_place(out_dir, lambda tmp: _write_folder(
+            ckpt, tmp, shards, target, extra, check_stop))
     return [out_dir / p.name for p in written]
 
 
+def _write_in_place(out_dir: Path, write: Callable[[Path], list[Path]]) -> list[Path]:
+    """``write`` fills a temporary folder beside ``out_dir``, renamed to it once full;
+    anything that ends it early (a failure, a stop, a second Ctrl-C) removes the temporary
+    folder."""
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    try:
+        with writing(out_dir):
+            tmp.mkdir()
+            written = write(tmp)
+            if out_dir.exists():                  # an empty folder the user made for it
+                out_dir.rmdir()
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return written
+
+
+def _remove_dead_temporaries(out_dir: Path) -> None:
+    """The temporary folders exports killed midway (SIGKILL, a lost node) left beside
+    ``out_dir``: a writer holds the target's lock while its temporary folder exists, so
+    once this export holds it every other one is a dead writer's."""
+    prefix = f".{out_dir.name}.tmp-"
+    for tmp in out_dir.parent.iterdir():
+        if tmp.name.startswith(prefix) and tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _check_target(out_dir: Path) -> None:
-    """A new folder, or an empty one (so it cannot hold the checkpoint either)."""
+    """A new folder, or an empty one (so it cannot hold the checkpoint either), in a folder
+    this user can write. Not a link: the folder renamed into place would replace the link,
+    not fill the folder it names. Not the folder the command runs in: renamed over, the
+    shell would be left in a deleted folder."""
+    if out_dir.is_symlink():
+        raise HpcparError(f"{out_dir} is a symbolic link (to {os.readlink(out_dir)}); export "
+                          "writes a new folder in its place: give the folder it names, or "
+                          "another name")
+    if out_dir.resolve() == Path.cwd():
+        raise HpcparError(f"{out_dir} is the folder export runs in; export writes a new "
+                          f"folder: give a new name, such as {out_dir / 'hf'}")
     if out_dir.exists() and not out_dir.is_dir():
         raise HpcparError(f"{out_dir} is a file; export writes a new folder: choose another "
                           "name")
@@ -101,6 +139,7 @@ def _check_target(out_dir: Path) -> None:
                           "folder: remove it or choose another name")
     if not out_dir.parent.is_dir():
         raise HpcparError(f"output folder {out_dir.parent} does not exist; create it first")
+    check_writable(out_dir.parent)
 
 
 def _shards(entries: list[_Entry], shard_size: int) -> list[list[_Entry]]:
@@ -118,16 +157,15 @@ def _shards(entries: list[_Entry], shard_size: int) -> list[list[_Entry]]:
 
 
 def _write_folder(ckpt: Checkpoint, folder: Path, shards: list[list[_Entry]],
-                  dtype: np.dtype, extra: dict[str, bytes]) -> list[Path]:
+                  dtype: np.dtype, extra: dict[str, bytes],
+                  check_stop: Callable[[], None]) -> list[Path]:
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    written = []
-    with ckpt.open() as f:
-        for name, shard in zip(names, shards):
-            written.append(_write_safetensors(folder / name, f, shard, dtype))
+    written = [_write_safetensors(folder / name, ckpt, shard, dtype, check_stop)
+               for name, shard in zip(names, shards)]
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for s in shards for e in s)},
-                 "weight_map": {e.name: n for n, s in zip(names, shards) for e in s}}
+                 "weight_map": {e.spec.name: n for n, s in zip(names, shards) for e in s}}
         written.append(_write_json(folder / "model.safetensors.index.json", index))
     config = {k: v for k, v in ckpt.hf_config.items() if k != "torch_dtype"}
     config["dtype"] = _dtype_name(dtype)          # transformers 5's name for torch_dtype
@@ -138,13 +176,17 @@ def _write_folder(ckpt: Checkpoint, folder: Path, shards: list[list[_Entry]],
     return written
 
 
-def _write_safetensors(path: Path, f, entries: list[_Entry], dtype: np.dtype) -> Path:
+def _write_safetensors(path: Path, ckpt: Checkpoint, entries: list[_Entry], dtype: np.dtype,
+                       check_stop: Callable[[], None]) -> Path:
     """One safetensors file, tensor by tensor (the format: little-endian u64 header length,
-    a JSON header of dtype, shape and [begin, end) offsets, padded to 8 bytes, the data)."""
+    a JSON header of dtype, shape and [begin, end) offsets, padded to 8 bytes, the data).
+    Each tensor is read as a job loads it, NaN or inf (stored, or from the cast to
+    ``dtype``) refused by the same check (``load_shard``)."""
     header, offset = {}, 0
     for e in entries:
-        header[e.name] = {"dtype": SAFETENSORS_DTYPES[_dtype_name(dtype)],
-                          "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.spec.name] = {"dtype": SAFETENSORS_DTYPES[_dtype_name(dtype)],
+                               "shape": list(e.spec.shape),
+                               "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -153,11 +195,9 @@ def _write_safetensors(path: Path, f, entries: list[_Entry], dtype: np.dtype) ->
         out.write(len(text).to_bytes(8, "little"))
         out.write(text)
         for e in entries:
-            dset = f[e.name]
-            values = np.asarray(dset[()])
-            if logical_dtype(dset) == bfloat16:
-                values = values.view(bfloat16)
-            out.write(np.ascontiguousarray(values.astype(dtype, copy=False)).tobytes())
+            check_stop()
+            values = load_shard(ckpt, [e.spec], dtype=dtype).tensors[e.spec.name]
+            out.write(values.tobytes())
     return path
 
 

@@ -323,11 +323,13 @@ def _owner_alive(text: str) -> bool:
 
 
 class OutputLock:
-    """``with OutputLock(path):`` the only writer of ``path`` (a file or a folder)."""
+    """``with OutputLock(path):`` the only writer of ``path`` (a file or a folder). The lock
+    of a folder is inside it, unless ``beside``: a folder written elsewhere and renamed into
+    place at the end (``export``) must be empty then."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, beside: bool = False):
         self.path = Path(path)
-        self.lock = (self.path / ".lock" if self.path.is_dir()
+        self.lock = (self.path / ".lock" if self.path.is_dir() and not beside
                      else self.path.with_name(f".{self.path.name}.lock"))
         self.mine = f"{socket.gethostname()}:{os.getpid()}"
         self.held = False

@@ -27,15 +27,16 @@ show) run on rank 0.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ..parallel import waits
-from ..parallel.errors import HpcparError
-from .launch import (EXIT_REQUESTS_FAILED, check_launch, everyone, phase, run_guarded,
-                     world)
+from ..parallel.errors import HpcparError, Stopped
+from .launch import (EXIT_PREEMPTED, EXIT_REQUESTS_FAILED, JobFailed, StopRequest,
+                     check_launch, everyone, phase, run_guarded, world)
 from .parser import FLAG_NAMES, JOB_FLAGS, TRAIN_FLAGS, build_parser
 
 
@@ -120,9 +121,22 @@ def _main(argv) -> int:
 
 
 def _export(args) -> None:
+    """A stop request (SIGTERM, SIGUSR1, Ctrl-C) ends the export before its next tensor, as
+    it ends a scoring: one line, no folder, status 3."""
     from ..checkpoint.export import export, parse_size
     start = time.perf_counter()
-    files = export(args.checkpoint, args.out, args.dtype, parse_size(args.shard_size))
+    with StopRequest() as stop:
+        def check_stop():
+            if stop.requested:
+                raise Stopped(stop.signal_name, 0)
+
+        try:
+            files = export(args.checkpoint, args.out, args.dtype, parse_size(args.shard_size),
+                           check_stop)
+        except Stopped as e:
+            print(f"hpcpar: stopped on request ({e}) while exporting: nothing was written; "
+                  "run it again to export", file=sys.stderr, flush=True)
+            raise JobFailed(EXIT_PREEMPTED) from None
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {args.out} ({len(files)} files, {size / 1e6:.1f} MB) in "
           f"{time.perf_counter() - start:.1f} s")
