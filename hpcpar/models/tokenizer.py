@@ -9,7 +9,10 @@ the line that asked for it.
 
 from __future__ import annotations
 
+import json
+import re
 import sys
+from functools import cached_property
 from pathlib import Path
 
 from ..parallel.errors import HpcparError
@@ -31,6 +34,7 @@ class StoredTokenizer:
         self._tokenizer = None
         self._problem: str | None = None
         self._noted = False
+        self._bytes: dict[int, bytes] = {}         # token id -> its bytes, once looked up
 
     def problem(self) -> str | None:
         """Why the tokenizer cannot be used, or None (parsing it, the first time)."""
@@ -75,4 +79,60 @@ class StoredTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.require().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token ``token_id`` stands for (OpenAI's log-probs' ``bytes``): a
+        byte-level BPE token's own bytes, a byte-fallback token's byte (``<0xE2>``), a
+        SentencePiece piece with its ``▁`` a space, else (special tokens, word-level
+        vocabularies) its text's UTF-8. A character split over tokens is their bytes joined,
+        where each piece's text alone is U+FFFD."""
+        if token_id not in self._bytes:
+            self._bytes[token_id] = self._find_bytes(token_id)
+        return self._bytes[token_id]
+
+    def _find_bytes(self, token_id: int) -> bytes:
+        tokenizer = self.require()
+        piece = tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self._added_ids:
+            return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        decoders = self._decoders
+        if "ByteLevel" in decoders and all(c in BYTE_LEVEL for c in piece):
+            return bytes(BYTE_LEVEL[c] for c in piece)
+        if "ByteFallback" in decoders and (byte := BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(byte[1], 16)])
+        if "Metaspace" in decoders or "Replace ▁" in decoders:
+            return piece.replace("▁", " ").encode()
+        return tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    @cached_property
+    def _decoders(self) -> set[str]:
+        """The kinds of the tokenizer's decoder and of those it chains ("Replace ▁" for a
+        Replace of SentencePiece's word mark)."""
+        found, todo = set(), [json.loads(self.require().to_str()).get("decoder")]
+        while todo:
+            step = todo.pop()
+            if isinstance(step, dict):
+                kind = step.get("type")
+                if kind == "Replace" and step.get("pattern", {}).get("String") == "▁":
+                    kind = "Replace ▁"
+                found.add(kind)
+                todo.extend(step.get("decoders") or [])
+        return found
+
+    @cached_property
+    def _added_ids(self) -> set[int]:
+        return set(self.require().get_added_tokens_decoder())
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, each byte's printable stand-in -> the byte: printable
+    Latin-1 bytes stand for themselves, the others for 256 + their rank among them."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")       # a byte-fallback token
 

@@ -34,6 +34,7 @@ from ...parallel.errors import HpcparError
 from .lines import JsonLines
 from .prompts import PromptError, Prompts, prompt_line, read_records
 from .results import RowResults
+from .stopping import decode_text
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 # body fields -> the prompt line's key (a null value is as if absent, as OpenAI takes it)
@@ -89,14 +90,19 @@ class Requests:
     def failed(self) -> list[Request]:
         return [r for r in self.items if r.error is not None]
 
-    def refuse(self, prompt: int, message: str) -> None:
-        """The request of served prompt ``prompt`` is not served after all: it gets
-        ``message`` as its error, and the later prompts' indices move down one."""
+    def refuse(self, refused: dict[int, str]) -> None:
+        """The requests of served prompts ``refused`` (prompt -> message) are not served
+        after all: each gets its message as its error, and the later prompts' indices close
+        up (one pass, however many are refused)."""
+        gone = 0
         for r in self.items:
-            if r.prompt == prompt:
-                r.prompt, r.error = None, r.in_its_words(message)
-            elif r.prompt is not None and r.prompt > prompt:
-                r.prompt -= 1
+            if r.prompt is None:
+                continue
+            if r.prompt in refused:
+                r.prompt, r.error = None, r.in_its_words(refused[r.prompt])
+                gone += 1
+            else:
+                r.prompt -= gone
 
     def summary(self) -> str:
         failed = self.failed
@@ -194,7 +200,6 @@ def _served(record: dict, tokenizer, chat, where: str, temperature: float, names
         if name in body:
             line["max_new_tokens"], names["max_new_tokens"] = body[name], name
             break
-    names["logprobs"] = "top_logprobs" if kind == "chat" else "logprobs"
     line["logprobs"] = None                     # none unless the request asks
     asked = False
     if kind == "chat":
@@ -219,6 +224,9 @@ def _served(record: dict, tokenizer, chat, where: str, temperature: float, names
                               "(one prompt per request)")
         if "logprobs" in body:
             line["logprobs"], asked = body["logprobs"], True
+    # the line's log-probs are the body's top_logprobs in a chat (named so from here on:
+    # the checks above name the body's own fields)
+    names["logprobs"] = "top_logprobs" if kind == "chat" else "logprobs"
     model = body.get("model")
     return (prompt_line(line, tokenizer, chat, where), kind,
             model if isinstance(model, str) else None, asked)
@@ -228,14 +236,15 @@ def screen(prompts: Prompts, check) -> Prompts:
     """``prompts`` less those whose request ``check(one_prompt)`` refuses (a
     ``PromptError``): those requests get its message as their error."""
     requests: Requests = prompts.requests
-    kept = []
+    kept, refused = [], {}
     for i in range(len(prompts)):
         try:
             check(prompts.take([i]), "the request")
             kept.append(i)
         except HpcparError as e:
-            requests.refuse(len(kept), str(e).removeprefix("the request: ").replace(
-                "prompt 0 ", "the prompt ", 1))
+            refused[i] = str(e).removeprefix("the request: ").replace("prompt 0 ",
+                                                                        "the prompt ", 1)
+    requests.refuse(refused)
     if not kept:
         raise PromptError(f"{requests.source}: no request can be served: "
                           f"{requests.summary()}")
@@ -246,14 +255,15 @@ class BatchLines(JsonLines):
     """The Batch API output lines, one per request in input order: a served request's
     once all its samples are finished, a refused one's error as its turn comes."""
 
-    def __init__(self, path: Path, requests: Requests, samples, describe, entries, decode,
+    def __init__(self, path: Path, requests: Requests, samples, describe, entries, tokenizer,
                  checkpoint: str):
         """``describe(row, tokens_row, length)``: text and finish reason;
         ``entries(row, results)``: the row's token log-prob entries (``plan.logprob_fields``);
-        ``decode(ids)``: the text of token ids; ``samples``: the rows of each prompt."""
+        ``tokenizer``: the checkpoint's (a ``StoredTokenizer``: texts and tokens' bytes);
+        ``samples``: the rows of each prompt."""
         super().__init__(path, describe)
         self.requests, self.samples, self.entries = requests, samples, entries
-        self.decode = decode
+        self.tokenizer = tokenizer
         self.model, self.created = checkpoint, int(time.time())
         self.next = 0                                   # the next request to write
 
@@ -304,8 +314,8 @@ class BatchLines(JsonLines):
                 choice["text"] = text
             entries = self.entries(row, results).get("logprobs") if request.logprobs else None
             choice["logprobs"] = (None if entries is None else
-                                  _chat_logprobs(entries) if chat
-                                  else _completion_logprobs(entries, self.decode))
+                                  _chat_logprobs(entries, self.tokenizer) if chat
+                                  else _completion_logprobs(entries, self.tokenizer))
             choice["finish_reason"] = "length" if reason == "length" else "stop"
             choices.append(choice)
         completion = int(results.lengths[rows].sum())
@@ -325,20 +335,21 @@ def _token(entry: dict) -> str:
     return entry.get("token", f"token_id:{entry['token_id']}")
 
 
-def _chat_logprobs(entries: list[dict]) -> dict:
-    """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def _chat_logprobs(entries: list[dict], tokenizer) -> dict:
+    """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}]}, each
+    token's ``bytes`` its own (a character split over tokens is their bytes joined)."""
     def one(e):
         return {"token": _token(e), "logprob": e["logprob"],
-                "bytes": list(_token(e).encode("utf-8"))}
+                "bytes": list(tokenizer.token_bytes(e["token_id"]))}
     return {"content": [one(e) | {"top_logprobs": [one(a) for a in e["top_logprobs"]]}
                         for e in entries]}
 
 
-def _completion_logprobs(entries: list[dict], decode) -> dict:
+def _completion_logprobs(entries: list[dict], tokenizer) -> dict:
     """OpenAI's legacy completion ``logprobs``: parallel lists, and each token's offset in
     the completion's text (the length of the text of the tokens before it)."""
     ids = [e["token_id"] for e in entries]
-    offsets = [len(decode(ids[:t])) for t in range(len(ids))]
+    offsets = [len(decode_text(tokenizer, ids[:t])) for t in range(len(ids))]
     return {"tokens": [_token(e) for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [{_token(a): a["logprob"] for a in e["top_logprobs"]}

@@ -39,7 +39,7 @@ from .report import RankFigures, RunReport
 from .results import Logprobs, RowResults, Samples
 from .schedule import generation
 from .setup import open_stage
-from .stopping import decode_rows, decode_text, finish_reasons
+from .stopping import decode_rows, finish_reasons
 from .stream import FinishedRows, save_interval
 
 TAG_LOGITS = 13
@@ -77,6 +77,7 @@ class GenerationRun(JobRun):
         self.prompts, self.progress = prompts, progress
         self.out = None                 # the output file, on rank 0 (None: no --out)
         self.totals, self.micro = None, 0
+        self.waves = 0                  # waves started (HPCPAR_FAULT's prefill step)
 
     def validate(self) -> GenerationPlan:
         return validate(self.job, self.ckpt, self.size, self.prompts)
@@ -127,7 +128,7 @@ class GenerationRun(JobRun):
         if plan.prompts.requests is not None:                  # OpenAI Batch API output
             lines = BatchLines(path, plan.prompts.requests, plan.samples,
                                partial(describe_row, plan), partial(logprob_fields, plan),
-                               partial(decode_text, plan.tokenizer), Path(self.ckpt.path).stem)
+                               plan.tokenizer, Path(self.ckpt.path).stem)
         elif path.suffix.lower() == ".jsonl":
             lines = JsonLines(path, partial(describe_row, plan), partial(logprob_fields, plan),
                               plan.samples)
@@ -192,7 +193,8 @@ class GenerationRun(JobRun):
         world.barrier()
         ranks.stats.reset()
         start = perf_counter()
-        fault_point("prefill")
+        self.waves += 1
+        fault_point("prefill", self.waves)
         with phase("generating"):
             executor.run(actions)
             if isinstance(program, ContinuousProgram):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, fields
+from functools import cache, lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -261,11 +262,15 @@ def _entry(token_id: int, found: Logprobs, row: int, column: int, token) -> dict
             "logprob": float(found.values[row, column]), "top_logprobs": top}
 
 
+@lru_cache(maxsize=4)           # one per tokenizer, its texts kept over the rows
 def _token_text(tokenizer):
     """id -> {"token": its text}, or {} without a usable tokenizer."""
     if tokenizer is None or (isinstance(tokenizer, StoredTokenizer) and not tokenizer.usable()):
         return lambda i: {}
-    return lambda i: {"token": tokenizer.decode([i], skip_special_tokens=False)}
+    @cache
+    def text(i: int) -> dict:
+        return {"token": tokenizer.decode([i], skip_special_tokens=False)}
+    return text
 
 
 def describe_row(plan: GenerationPlan, prompt: int, row: np.ndarray, length: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -99,8 +100,9 @@ class Prompts:
         """Each prompt's sampling settings: its own, else the job's."""
         return PromptSampling.build(job, self.sampling or [{}] * len(self))
 
-    @property
+    @cached_property
     def lengths(self) -> list[int]:
+        """Each prompt's length (computed once: callers index it prompt by prompt)."""
         return [len(p) for p in self.ids]
 
 
