@@ -93,11 +93,32 @@ def test_a_failing_rank_ends_the_whole_job_promptly_and_cleanly(work, kind, phas
 
 def test_a_malformed_fault_setting_is_refused():
     for text in ("rank=1", "rank=x,phase=load", "rank=1,phase=lunch",
-                 "rank=1,phase=load,kind=melt", "rank=1,phase=load,when=now"):
+                 "rank=1,phase=load,kind=melt", "rank=1,phase=load,when=now",
+                 "rank=1,phase=load,step=1"):         # load comes once: a step never fires
         with pytest.raises(HpcparError, match="HPCPAR_FAULT"):
             parse(text)
     assert parse("rank=2,phase=decode,step=5,kind=exit") == {
         "rank": 2, "phase": "decode", "step": 5, "kind": "exit"}
+
+
+@pytest.mark.parametrize("step, fires", [(None, "prefill step 1"), (1, "prefill step 1"),
+                                         (3, "prefill step 3"), (4, None)])
+def test_a_prefill_fault_fires_at_the_wave_its_step_names(work, monkeypatch, step, fires):
+    """prefill's step is the wave (1-based): 5 prompts in waves of 2 have waves 1 to 3."""
+    from helpers import generate_here
+    from hpcpar.jobs import faults
+    monkeypatch.setenv("HPCPAR_FAULT", "rank=0,phase=prefill"
+                       + (f",step={step}" if step else ""))
+    faults.check_environment()
+    try:
+        if fires is None:
+            generate_here(work / "model.h5", 2, "generate.wave_size=2")
+        else:
+            with pytest.raises(faults.InjectedFault, match=f"injected fault at {fires}$"):
+                generate_here(work / "model.h5", 2, "generate.wave_size=2")
+    finally:
+        monkeypatch.delenv("HPCPAR_FAULT")
+        faults.check_environment()
 
 
 @pytest.mark.slow

@@ -7,8 +7,9 @@ world rank 2 fail at decode step 5.
             prefill, before each decode step, before each training step, before each scoring
             micro-batch, and inside every write of an output, partial, checkpoint or metrics
             file (``checkpoint.files.write_point``)
-    step    decode step (1-based), training step, scoring micro-batch, or the rank's n-th
-            write (1-based); absent: the first time the phase comes
+    step    decode step (1-based), wave (prefill, 1-based), training step, scoring
+            micro-batch, or the rank's n-th write (1-based); absent: the first time the
+            phase comes. load comes once and takes none
     kind    raise (an exception: the normal error path), exit (the process ends with status
             1 without a word, as a crash would), kill (SIGKILL to itself; for both, the
             rank's keeper, ``supervisor``, names it), hang (SIGSTOP to itself: the other
@@ -73,6 +74,8 @@ def parse_fields(text: str, world_size: int | None = None) -> dict:
         raise ValueError(f"rank {spec['rank']} is no rank of the job ({job})")
     if spec["step"] is not None and spec["step"] < 1:
         raise ValueError(f"step {spec['step']}: steps and writes count from 1")
+    if spec["step"] is not None and spec["phase"] == "load":
+        raise ValueError("phase load comes once, without steps; drop step")
     return spec
 
 
