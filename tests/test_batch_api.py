@@ -61,11 +61,13 @@ REQUESTS = [
     # two requests alike with their own seed: the same draws, wherever they are
     _request("seeded-a", COMPLETION, prompt="w30 w31", temperature=1.0, seed=11),
     _request("seeded-b", COMPLETION, prompt="w30 w31", temperature=1.0, seed=11),
+    _request("top-alone", CHAT, messages=[{"role": "user", "content": "w4"}], top_logprobs=2),
 ]
 FAILED = {"bad-url": "url '/v1/embeddings' is not served",
           "tools": "'tools' is not supported by hpcpar's /v1/chat/completions",
           "too-many": "max_tokens 500, more than the job's 6",
-          "top-25": "top_logprobs must be in [0, 20]"}
+          "top-25": "top_logprobs must be in [0, 20]",
+          "top-alone": "\"top_logprobs\" needs \"logprobs\": true"}
 
 
 def _run(folder, checkpoint, out, *extra, env=None):
@@ -96,7 +98,7 @@ def test_a_batch_file_round_trip(chat_model, tmp_path):
         "".join(json.dumps(r) + "\n" for r in REQUESTS))
     proc = _run(tmp_path, checkpoint, "out.jsonl")
     assert proc.returncode == 5, proc.stderr             # done, with failed requests
-    assert "batch: 11 requests, 7 served, 4 failed" in proc.stdout, proc.stdout
+    assert "batch: 12 requests, 7 served, 5 failed" in proc.stdout, proc.stdout
     lines = [json.loads(line) for line in open(tmp_path / "out.jsonl")]
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in REQUESTS]
     by_id = {line["custom_id"]: line for line in lines}
@@ -159,7 +161,7 @@ def test_a_batch_file_round_trip(chat_model, tmp_path):
     assert again.returncode == 5, again.stderr
     shown = mpirun(1, ["-m", "hpcpar", "show", "out.jsonl"], tmp_path)[0]
     assert shown.returncode == 0, shown.stderr
-    assert "11 Batch API requests (4 failed)" in shown.stdout, shown.stdout
+    assert "12 Batch API requests (5 failed)" in shown.stdout, shown.stdout
     assert "sampled.2" in shown.stdout and "bad-url error" in shown.stdout
 
 
