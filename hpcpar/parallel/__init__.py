@@ -34,7 +34,7 @@ from importlib import import_module
 _HOME = {
     ".comm": ("Communicator", "Request", "create_communicator"),
     ".comm.agreement": ("Disagreement",),
-    ".comm.failfast": ("abort",),
+    ".comm.failfast": ("abort", "fails_together", "tell_peers"),
     ".errors": ("CommError", "CommTimeout", "HpcparError", "PeerFailed"),
     ".ops.attention": ("AttentionRows",),
     ".ops.tiled_attention": ("TiledAttention",),

@@ -29,7 +29,7 @@ from mpi4py import MPI
 from .backend import NUMPY, ArrayBackend
 from .comm import CommStats, Communicator, create_communicator
 from .comm.agreement import ERROR, Check, active, agree_mpi
-from .comm.failfast import abort_on_uncaught_exceptions
+from .comm.failfast import ErrorBoard, abort_on_uncaught_exceptions
 from .errors import HpcparError
 from .waits import wait_bounded
 
@@ -152,6 +152,8 @@ class Mesh:
         for axis in range(len(self.sizes)):
             self._group((axis,))
         self._everyone = self._group(tuple(range(len(self.sizes))))
+        # an error leaving one rank's entry point reaches every other (comm.failfast)
+        self.errors = ErrorBoard(comm) if comm.Get_size() > 1 else None
         self.fingerprint = f"mesh {self.id} {_product_text(self.shape)}"   # alike on all ranks
         self.plans: dict = {}         # work this rank did once for this mesh (``remember``)
 
@@ -276,6 +278,9 @@ class Mesh:
         return f"Mesh({self.shape})"
 
     def free(self) -> None:
+        if self.errors is not None:
+            self.errors.close()
+            self.errors = None
         for group in self._groups.values():
             group.mpi_comm.Free()
         self._groups.clear()

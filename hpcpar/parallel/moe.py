@@ -36,6 +36,7 @@ import numpy as np
 
 from .backend import host_array
 from .comm import Communicator
+from .comm.failfast import fails_together
 from .errors import HpcparError
 from .layers import frozen_matrix, keep_slice, product, weight_grads
 from .mappings import CopyToGroup, ReduceFromGroup
@@ -173,6 +174,25 @@ class ExpertDispatch:
         return self.back(dx_local, route).sum(axis=1)
 
 
+def _agree_on_layer(router, gate, up, down, top_k, normalize, activation, groups) -> None:
+    """``_check_layer``, its error raised on every rank of ``groups``, and the ranks agreed
+    on the layer's settings and shapes (a rank routing with another top_k, or experts of
+    another width, would route its tokens its own way without a word)."""
+    try:
+        _check_layer(router, gate, up, down, top_k)
+        error = None
+    except HpcparError as e:
+        error = e
+    fields = [("top_k", top_k), ("normalize", normalize), ("activation", activation),
+              *((name, tuple(a.shape)) for name, a in
+                (("router", router), ("gate", gate), ("up", up), ("down", down)))]
+    for group in groups:
+        if group is not None:
+            group.agree("MoE.from_full", fields, error)
+    if error is not None:
+        raise error
+
+
 def _check_layer(router, gate, up, down, top_k) -> None:
     """``MoE.from_full``'s arrays fit one layer of E experts and top_k is one of 1..E."""
     shapes = {name: tuple(a.shape) for name, a in
@@ -222,6 +242,7 @@ class MoE:
         self.routing: Routing | None = None       # the last forward's
 
     @classmethod
+    @fails_together
     def from_full(cls, router, gate, up, down, top_k: int, normalize: bool = True, *,
                   ep: Communicator | None = None, tp: Communicator | None = None,
                   activation: str = "silu", ops: Ops | None = None,
@@ -234,7 +255,7 @@ class MoE:
             raise HpcparError("MoE.from_full: give the ep group, the tp group, or both "
                               "(a mesh's groups: mesh.group('ep'))")
         ops = ops or native_ops(group.xp)
-        _check_layer(router, gate, up, down, top_k)
+        _agree_on_layer(router, gate, up, down, top_k, normalize, activation, (ep, tp))
         E, inter = gate.shape[0], gate.shape[1]
         dispatch = ExpertDispatch(E, ep, ops.xp)
         t, p = (tp.rank, tp.size) if tp is not None else (0, 1)
@@ -284,6 +305,7 @@ class MoE:
         self.forward(x, serving=True)
         return self.all_serving
 
+    @fails_together
     def forward(self, x, train: bool = False, serving: bool = False):
         """(y, ctx) for x (..., hidden); ctx is what ``backward`` needs when ``train``.
         ``routing`` keeps the last forward's ``Routing`` (for an auxiliary loss)."""
@@ -307,6 +329,7 @@ class MoE:
 
     __call__ = forward
 
+    @fails_together
     def backward(self, dy, ctx, sink=None, dprobs=None):
         """d x from d y; weight gradients to ``sink`` (default: added at once). ``dprobs``
         (N, E): an auxiliary loss's gradient of the router's probabilities."""

@@ -16,6 +16,7 @@ from ..cores import oversubscribed
 from .errors import CommTimeout, HangElsewhere
 
 _state: dict = {"limit": 600.0, "alarm": None}     # the CLI's default --timeout
+_alarms: list[Callable[[], Exception | None]] = []  # the meshes' error boards
 
 # Ranks that share cores (more on the node than it has) sleep between polls once a wait has
 # lasted SPIN_SECONDS: a yield leaves a spinning rank runnable, and the scheduler shares the
@@ -43,6 +44,17 @@ def listen_for_alarm(alarm: Callable[[], int | Exception | None] | None) -> None
 
 def current_alarm() -> Callable[[], int | Exception | None] | None:
     return _state["alarm"]
+
+
+def add_alarm(alarm: Callable[[], Exception | None]) -> None:
+    """Make every bounded wait also raise what ``alarm()`` returns, when not None (a
+    mesh's ``failfast.ErrorBoard``: another rank failed), besides the watchdog's alarm."""
+    _alarms.append(alarm)
+
+
+def remove_alarm(alarm: Callable[[], Exception | None]) -> None:
+    if alarm in _alarms:
+        _alarms.remove(alarm)
 
 
 def wait_bounded(req, timeout: float, what: str) -> None:
@@ -78,6 +90,9 @@ def poll_until(done: Callable[[], bool], timeout: float, what: str) -> None:
                 if isinstance(rank, Exception):       # a peer's own report of its failure
                     raise rank
                 raise HangElsewhere(rank)
+            for board in tuple(_alarms):
+                if (failure := board()) is not None:
+                    raise failure
 
 
 def wait_event(event, what: str) -> None:

@@ -108,10 +108,21 @@ def agree_mpi(mpi_comm, what: str, fields: Fields, timeout: float = 0.0,
         if error is not None:
             raise error
         return
-    Check(mpi_comm, what, list(fields) + [(ERROR, "" if error is None else str(error))],
-          timeout)()
+    try:
+        Check(mpi_comm, what, list(fields) + [(ERROR, "" if error is None else str(error))],
+              timeout)()
+    except Disagreement as e:
+        raise agreed(e, mpi_comm) from None
     if error is not None:
-        raise error
+        raise agreed(error, mpi_comm)
+
+
+def agreed(error: Exception, mpi_comm) -> Exception:
+    """``error``, marked as raised on every rank of ``mpi_comm`` at once (``agreed_by``: how
+    many): a mesh whose every rank raises it has no rank left waiting to be told
+    (``failfast.ErrorBoard``)."""
+    error.agreed_by = mpi_comm.Get_size()
+    return error
 
 
 class Check:

@@ -24,6 +24,7 @@ from ..backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError
 from ..splits import even_sizes as split_sizes
 from .agreement import active, agree, dtype_name
+from .failfast import fails_together
 from .stats import CommStats
 
 REDUCE_OPS = ("sum", "max")
@@ -119,6 +120,7 @@ class Communicator(ABC):
 
     # ---- public API -----------------------------------------------------------------------
 
+    @fails_together
     def all_reduce(self, x, op: str = "sum"):
         """x <- sum (or max, with ``op="max"``) of x over the group, in place; returns x."""
         if op not in REDUCE_OPS:
@@ -128,6 +130,7 @@ class Communicator(ABC):
         self._agree("all_reduce", lambda: (("op", op), *_array_fields(x)))
         return self._in_place("all_reduce", x, self._all_reduce, op)
 
+    @fails_together
     def iall_reduce(self, x) -> Request:
         """Start summing ``x`` (contiguous) over the group in place; the sum is in ``x`` once
         the returned request's ``wait()`` returns. Do not touch ``x`` before that."""
@@ -137,6 +140,7 @@ class Communicator(ABC):
         self._agree("iall_reduce", lambda: _array_fields(x))
         return self._run("all_reduce", x.nbytes, self._iall_reduce, x)
 
+    @fails_together
     def all_gather(self, x, axis: int = 0, sizes: Sequence[int] | None = None, out=None):
         """Concatenate every rank's ``x`` along ``axis`` in rank order.
 
@@ -147,6 +151,7 @@ class Communicator(ABC):
         self._agree("all_gather", lambda: _block_fields(x, axis, sizes), error)
         return gather(x, out)
 
+    @fails_together
     def reduce_scatter(self, x, axis: int = 0, out=None, sizes: Sequence[int] | None = None):
         """Sum ``x`` over the group and keep this rank's block along ``axis``: blocks of
         ``sizes`` (every rank's length), by default split like ``numpy.array_split``;
@@ -157,6 +162,7 @@ class Communicator(ABC):
                     error)
         return scatter(x, out)
 
+    @fails_together
     def all_to_all(self, x, split_axis: int, concat_axis: int,
                    split_sizes: Sequence[int] | None = None,
                    concat_sizes: Sequence[int] | None = None):
@@ -173,6 +179,7 @@ class Communicator(ABC):
             *_block_fields(x, concat_axis, concat_sizes, "concat_sizes")), error)
         return exchange(x)
 
+    @fails_together
     def all_to_all_rows(self, x, send_rows: Sequence[int],
                         recv_rows: Sequence[int] | None = None):
         """Rows of ``x`` sent in blocks, ``send_rows[j]`` of them (in order) to rank j, as a
@@ -187,11 +194,18 @@ class Communicator(ABC):
                                 f"each of the {self.size} ranks a count >= 0 summing to the "
                                 f"{x.shape[0]} rows of x")
         self._agree("all_to_all_rows", lambda: _array_fields(x, 0), error)
-        if recv_rows is None:
+        checking = active(self)
+        if recv_rows is None or checking:
             recv = self.on_host().all_to_all(np.asarray(send, dtype=np.int64).reshape(-1, 1),
                                              0, 1).reshape(-1).tolist()
-        else:
-            recv = [int(n) for n in recv_rows]
+        if recv_rows is not None:
+            given = [int(n) for n in recv_rows]
+            if checking:         # MPI would cut a longer block, or leave rows unwritten
+                mismatch = None if given == recv else HpcparError(
+                    f"all_to_all_rows on {self.name}: recv_rows {given}, but the ranks send "
+                    f"this one {recv}")
+                self._agree("all_to_all_rows' recv_rows", lambda: [], mismatch)
+            recv = given
         row = math.prod(x.shape[1:])
         out = self.xp.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype)
         if self.size == 1:
@@ -389,6 +403,7 @@ class Communicator(ABC):
             out[...] = _from_front(front, axis)
         return out
 
+    @fails_together
     def gather(self, x, root: int = 0, axis: int = 0, sizes: Sequence[int] | None = None):
         """Every rank's ``x`` concatenated along ``axis`` in rank order, on ``root`` only
         (other ranks get None). Blocks may differ in length along ``axis``: pass every rank's
@@ -411,6 +426,7 @@ class Communicator(ABC):
             self._run("gather", nbytes, self._gather, front, gathered, lengths, root)
         return None if gathered is None else self._place(gathered, axis, None)
 
+    @fails_together
     def scatter(self, x, out, root: int = 0, axis: int = 0):
         """``root``'s ``x`` cut along ``axis`` into consecutive blocks, block i to rank i, into
         every rank's ``out`` (whose length along ``axis`` says how much that rank takes; the
@@ -441,6 +457,7 @@ class Communicator(ABC):
             out[...] = _from_front(block, axis)
         return out
 
+    @fails_together
     def reduce(self, x, root: int = 0, op: str = "sum"):
         """x <- sum (or max) of x over the group on ``root``, in place; other ranks' x is
         left as it was. Returns x."""
@@ -475,6 +492,7 @@ class Communicator(ABC):
         mine = np.asarray([row], dtype=np.int64)
         return mine if self.size == 1 else self.on_host().all_gather(mine)
 
+    @fails_together
     def broadcast(self, x, root: int = 0):
         """x <- root's x, in place; returns x."""
         if self.size == 1:
@@ -482,23 +500,28 @@ class Communicator(ABC):
         self._agree("broadcast", lambda: (("root", root), *_array_fields(x)))
         return self._in_place("broadcast", x, self._broadcast, root)
 
+    @fails_together
     def isend(self, x, dest: int, tag: int = 0) -> Request:
         """Start sending ``x`` to group rank ``dest``; do not modify ``x`` before ``wait()``."""
         buf = self.xp.ascontiguousarray(x)
         return self._run("send", buf.nbytes, self._isend, buf, dest, tag)
 
+    @fails_together
     def irecv(self, out, source: int, tag: int = 0) -> Request:
         """Start receiving into ``out`` (contiguous, preallocated) from group rank ``source``."""
         _require_contiguous(out, "irecv")
         return self._run("recv", out.nbytes, self._irecv, out, source, tag)
 
+    @fails_together
     def send(self, x, dest: int, tag: int = 0) -> None:
         self.isend(x, dest, tag).wait()
 
+    @fails_together
     def recv(self, out, source: int, tag: int = 0):
         self.irecv(out, source, tag).wait()
         return out
 
+    @fails_together
     def sendrecv(self, x, dest: int, out, source: int, tag: int = 0):
         """Send ``x`` to ``dest`` while receiving ``out`` from ``source``; returns ``out``."""
         _require_contiguous(out, "sendrecv")
@@ -506,6 +529,7 @@ class Communicator(ABC):
         self._run("sendrecv", buf.nbytes + out.nbytes, self._sendrecv, buf, dest, out, source, tag)
         return out
 
+    @fails_together
     def barrier(self) -> None:
         self._run("barrier", 0, self._barrier)
 
@@ -521,6 +545,7 @@ class Communicator(ABC):
         elif error is not None:
             raise error
 
+    @fails_together
     def agree(self, what: str, fields, error: Exception | None = None) -> None:
         """Raise ``Disagreement`` on every rank unless all pass equal ``fields`` (labelled
         values); one small all-reduce when this group checks, nothing otherwise. ``error``:

@@ -12,12 +12,27 @@ The hook is installed once per process and chains to the hook it replaces. Excep
 program catches are its own business; only those that would end the interpreter abort.
 A rank that leaves with ``sys.exit(status)`` raises no uncaught exception (Python gives its
 hooks no sight of it): call ``abort(status)`` there instead.
+
+An error a program catches does not end the job, but it still leaves the other ranks
+waiting for this one: every ``Mesh`` has an ``ErrorBoard``, on which the library's entry
+points (``fails_together``: the collectives, the MoE layer, the pipeline) tell every other
+rank of the mesh about an error leaving them, whichever group it was in. Each of those
+ranks' current or next wait raises ``PeerFailed`` naming the rank and its message, once,
+within a poll. An error raised on every rank of the mesh together (a ``Disagreement``, a
+check agreed over the whole mesh) leaves nobody waiting, and nobody is told.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import sys
 import time
+
+import numpy as np
+
+from .. import waits
+from ..errors import HangElsewhere, PeerFailed
 
 _installed = {"hook": None}
 
@@ -56,3 +71,111 @@ def abort_on_uncaught_exceptions() -> None:
 
     _installed["hook"] = hook
     sys.excepthook = hook
+
+
+class ErrorBoard:
+    """A side channel over a mesh's ranks (its own duplicate of the communicator): a rank
+    that fails tells every other why (``announce``), and their bounded waits raise it
+    (``alarm``, polled by ``waits``). A rank hears of one failure, or tells of its own,
+    once: the board then stops listening, so that a failure is never raised twice, or
+    after the program has handled it."""
+
+    TAG = 31_338
+    SIZE = 512                       # bytes of a message: its text, then the world rank
+
+    def __init__(self, comm):
+        """Collective over ``comm`` (an mpi4py intracommunicator)."""
+        from mpi4py import MPI
+        self.comm = comm.Dup()
+        self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
+        self.world_rank = MPI.COMM_WORLD.Get_rank()
+        self.buf = np.zeros(self.SIZE, dtype=np.uint8)
+        self.request = self.comm.Irecv(self.buf, source=MPI.ANY_SOURCE, tag=self.TAG)
+        self.done = False             # a failure heard of, or told of
+        self._sent: list = []
+        _boards.append(self)
+        waits.add_alarm(self.alarm)
+
+    def alarm(self) -> PeerFailed | None:
+        """Another rank's failure, the first time this rank asks after it arrived."""
+        if self.done or not self.request.Test():
+            return None
+        self.retire()
+        rank = int(self.buf[-4:].view(np.int32)[0])
+        return PeerFailed(rank, self.buf[:-4].tobytes().rstrip(b"\0").decode(
+            errors="replace"))
+
+    def announce(self, error: BaseException) -> None:
+        """Tell every other rank that this one failed with ``error`` (not when it has
+        already heard of another's failure, or when every rank raised ``error`` too)."""
+        if self.done or getattr(error, "agreed_by", 0) >= self.size or self.alarm():
+            return
+        msg = np.zeros(self.SIZE, dtype=np.uint8)
+        raw = describe(error).encode()[:self.SIZE - 4]
+        msg[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        msg[-4:] = np.array([self.world_rank], dtype=np.int32).view(np.uint8)
+        # kept alive until delivered (a message this small leaves at once: MPI's eager sends)
+        self._sent = [msg] + [self.comm.Isend(msg, dest=r, tag=self.TAG)
+                              for r in range(self.size) if r != self.rank]
+        self.retire()
+
+    def retire(self) -> None:
+        """Stop listening: this rank knows of a failure already."""
+        self.done = True
+        waits.remove_alarm(self.alarm)
+
+    def close(self) -> None:
+        """Stop listening and free the channel (each rank of the mesh frees its own)."""
+        self.retire()
+        if self in _boards:
+            _boards.remove(self)
+        if not self.request.Test():
+            self.request.Cancel()
+            self.request.Wait()
+        for send in self._sent[1:]:
+            send.Test()
+        self.comm.Free()
+
+
+_boards: list[ErrorBoard] = []
+
+
+def describe(error: BaseException) -> str:
+    from ..errors import HpcparError
+    return str(error) if isinstance(error, HpcparError) else f"{type(error).__name__}: {error}"
+
+
+def tell_peers(error: BaseException) -> None:
+    """Tell the other ranks of this process's meshes that this one failed with ``error``."""
+    for board in list(_boards):
+        board.announce(error)
+
+
+def fails_together(method):
+    """A library entry point whose errors reach every rank of the meshes (``tell_peers``),
+    not only the rank that raised them: the others would wait for it in their next
+    collective until the timeout."""
+    @functools.wraps(method)
+    def entry_point(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except (PeerFailed, HangElsewhere):
+            # heard of another rank's failure (the pipeline's own channel, the watchdog):
+            # the boards' word of it, arriving later, must not be raised again
+            for board in _boards:
+                board.retire()
+            raise
+        except Exception as e:
+            if _boards:
+                tell_peers(e)
+            raise
+    return entry_point
+
+
+@atexit.register             # before mpi4py's own (registered earlier): MPI is still up
+def _close_boards() -> None:
+    for board in list(_boards):
+        try:
+            board.close()
+        except Exception:      # noqa: BLE001 (an MPI already finalized: nothing to free)
+            pass

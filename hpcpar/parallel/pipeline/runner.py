@@ -30,6 +30,7 @@ import numpy as np
 
 from .. import splits, waits
 from ..comm import Communicator
+from ..comm.failfast import fails_together
 from ..errors import HpcparError, PeerFailed
 from ..params import join, named_parameters
 from .executor import PipelineExecutor
@@ -100,6 +101,7 @@ class Pipeline:
 
     # ---- steps ----------------------------------------------------------------------------
 
+    @fails_together
     def train_step(self, inputs: Sequence, targets: Sequence) -> list[float]:
         """Forward and backward of every micro-batch under the schedule. ``inputs`` (read on
         the first stage) and ``targets`` (read on the last) are lists of one entry per
@@ -120,6 +122,7 @@ class Pipeline:
         self._run(program, actions, ("train", m))
         return [program.losses[i] for i in range(m)] if self.is_last else []
 
+    @fails_together
     def forward(self, inputs: Sequence) -> list:
         """The last stage's outputs of every micro-batch (GPipe forward; [] on other ranks)."""
         m = len(inputs)
