@@ -1,15 +1,21 @@
 """``hpcpar show``: a generation output (HDF5 and JSONL), a scoring output, a training run
 and a checkpoint, as text and as JSON, each checked against the file read directly; pages;
-and what it cannot read, one line, status 2."""
+a damaged or hand-edited output read as far as it can be, with a note on what was not; and
+what it cannot read at all (a named pipe or a device before it is opened), one line, status 2."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 
 import h5py
 import numpy as np
 import pytest
-from helpers import TINY, make_checkpoint, mpirun
+from helpers import (TINY, hpcpar_here, make_checkpoint, mpirun, realistic_tensors,
+                     write_hf_checkpoint)
 
 # processes of their own: the whole suite's tier, not tests/run --quick
 pytestmark = pytest.mark.slow
@@ -98,5 +104,237 @@ def test_scores_a_training_run_and_a_checkpoint_show_what_their_files_hold(outpu
 ])
 def test_what_show_cannot_read_is_one_line(outputs, args, words):
     proc = _show(*args, cwd=outputs)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def batch(outputs):
+    """A Batch API output of three requests: one answered, one with two choices, one refused
+    (its url); made in this process, on a copy of the tiny model with a word tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from hpcpar.checkpoint import convert
+    folder = outputs / "batch"
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(TINY["vocab_size"] - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    write_hf_checkpoint(folder / "hf", TINY, extra=realistic_tensors(TINY, 0))
+    tok.save(str(folder / "hf" / "tokenizer.json"))
+    convert(folder / "hf", folder / "words.h5")
+    url = "/v1/completions"
+    requests = [{"custom_id": "one", "url": url, "body": {"prompt": "w5 w6 w7"}},
+                {"custom_id": "two", "url": url, "body": {"prompt": "w8", "n": 2,
+                                                          "temperature": 1.0, "seed": 1}},
+                {"custom_id": "refused", "url": "/v1/embeddings", "body": {"input": "w8"}}]
+    (folder / "requests.jsonl").write_text("".join(
+        json.dumps(dict(r, method="POST")) + "\n" for r in requests))
+    proc = hpcpar_here(["generate", "--checkpoint", "words.h5", "--prompts", "requests.jsonl",
+                        "--max-new-tokens", "3", "--out", "b.jsonl"], folder)
+    assert proc.returncode == 5, proc.stderr                  # one request refused
+    shutil.copy(folder / "b.jsonl", outputs / "b.jsonl")
+    return outputs / "b.jsonl"
+
+
+def _delete(*names):
+    """Damage: an HDF5 output without these datasets or attributes."""
+    def damage(path):
+        with h5py.File(path, "r+") as f:
+            for name in names:
+                del (f if name in f else f.attrs)[name]
+    return damage
+
+
+def _replace(name, values):
+    """Damage: an HDF5 output's dataset ``name`` holding ``values`` instead."""
+    def damage(path):
+        with h5py.File(path, "r+") as f:
+            del f[name]
+            f[name] = values
+    return damage
+
+
+def _line(n, change):
+    """Damage: line ``n`` (from 1) of a JSON-lines file changed: ``change(record)`` edits the
+    record in place, or a string replaces the line's text."""
+    def damage(path):
+        lines = path.read_text().splitlines()
+        if isinstance(change, str):
+            lines[n - 1] = change
+        else:
+            record = json.loads(lines[n - 1])
+            change(record)
+            lines[n - 1] = json.dumps(record)
+        path.write_text("".join(line + "\n" for line in lines))
+    return damage
+
+
+def _set(**fields):
+    return lambda record: record.update(fields)
+
+
+def _in_run(name, damage):
+    """Damage: the file ``name`` of a training run's folder damaged by ``damage``."""
+    return lambda folder: damage(folder / name)
+
+
+def _write(data: bytes):
+    return lambda path: path.write_bytes(data)
+
+
+def _folder(path):
+    path.unlink()
+    path.mkdir()
+
+
+def _fifo(path):
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+
+
+def _device(target):
+    """Damage: a link to a device instead of the file (/dev/zero: read forever)."""
+    def damage(path):
+        path.unlink(missing_ok=True)
+        path.symlink_to(target)
+    return damage
+
+
+def _no_body(record):
+    del record["response"]["body"]
+
+
+def _no_usage(record):
+    del record["response"]["body"]["usage"]
+
+
+@contextmanager
+def _answered(folder):
+    """While the block runs, any named pipe under ``folder`` that something opens to read gets
+    a line that is no output, so that code which opens one fails the test instead of blocking
+    it forever."""
+    fifos = [p for p in folder.rglob("*") if p.is_fifo()]
+    done = threading.Event()
+
+    def answer():
+        while not done.wait(0.01):
+            for fifo in fifos:
+                try:
+                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:                       # no reader waits on it
+                    continue
+                os.write(fd, b"not an output\n")
+                os.close(fd)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _damaged(source, damage, folder):
+    """A copy of the real output ``source`` in ``folder``, damaged by ``damage(copy)``."""
+    copy = folder / source.name
+    (shutil.copytree if source.is_dir() else shutil.copy)(source, copy)
+    damage(copy)
+    return copy
+
+
+# (output, damage, what its note says (None: nothing lost), rows or steps still shown)
+DAMAGED = {
+    "h5 without lengths": ("g.h5", _delete("lengths"), "lengths (missing)", 8),
+    "h5 without finish_reason": ("g.h5", _delete("finish_reason"),
+                                 "finish_reason (missing)", 8),
+    "h5 without tokens": ("g.h5", _delete("tokens"), "tokens (missing)", 8),
+    "h5 lengths as text": ("g.h5", _replace("lengths", np.array([b"5"] * 8)),
+                           "lengths (strings, not integers)", 8),
+    "scores without perplexity": ("s.h5", _delete("perplexity"),
+                                  "perplexity (missing): computed from the rows", 24),
+    "scores without nll": ("s.h5", _delete("nll"), "nll (missing)", 24),
+    "jsonl null index": ("g.jsonl", _line(2, _set(index=None)), "a null or mistyped index",
+                         7),
+    "jsonl null finish_reason": ("g.jsonl", _line(3, _set(finish_reason=None)),
+                                 "a null or mistyped finish_reason", 7),
+    "jsonl count as text": ("g.jsonl", _line(2, _set(completion_tokens="5")),
+                            "a null or mistyped completion_tokens", 7),
+    "jsonl text a number": ("g.jsonl", _line(2, _set(text=5)), "a null or mistyped text", 7),
+    "jsonl null token_ids": ("g.jsonl", _line(8, _set(token_ids=None)),
+                             "a null or mistyped token_ids", 7),
+    "jsonl torn line": ("g.jsonl", _line(4, '{"index": 3, "te'), "not JSON", 7),
+    "batch without body": ("b.jsonl", _line(1, _no_body), "a response without a body", 3),
+    "batch without usage": ("b.jsonl", _line(2, _no_usage), "a body without its usage", 2),
+    "batch null custom_id": ("b.jsonl", _line(1, _set(custom_id=None)),
+                             "a custom_id that is not a string", 3),
+    "batch error as text": ("b.jsonl", _line(3, _set(error="refused")), None, 4),
+    "run report not JSON": ("run", _in_run("report.json", _write(b'{"steps": ')),
+                            "report.json: not JSON", 3),
+    "run report a pipe": ("run", _in_run("report.json", _fifo),
+                          "report.json: a named pipe (FIFO), not a regular file", 3),
+    "run latest not text": ("run", _in_run("latest", _write(b"\xff\xfe")),
+                            "latest: not a checkpoint's file name", 3),
+    "run latest a folder": ("run", _in_run("latest", _folder),
+                            "latest: a folder, not a regular file", 3),
+    "run latest a device": ("run", _in_run("latest", _device("/dev/null")),
+                            "latest: a link to /dev/null, a character device", 3),
+    "run metrics a list": ("run", _in_run("metrics.jsonl", _line(2, "[1, 2]")),
+                           "1 of 3 lines not read (line 2): not a step's metrics", 2),
+    "run metrics loss as text": ("run", _in_run("metrics.jsonl", _line(3, _set(loss="x"))),
+                                 "a null or mistyped loss", 2),
+    "run metrics a pipe": ("run", _in_run("metrics.jsonl", _fifo),
+                           "metrics.jsonl: a named pipe (FIFO), not a regular file", 0),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED)
+def test_a_damaged_output_shows_what_it_can_with_a_note_on_what_it_cannot(
+        outputs, batch, tmp_path, case):
+    name, damage, note, shown = DAMAGED[case]
+    path = _damaged(outputs / name, damage, tmp_path)
+    pages = [] if path.is_dir() else ["--per-page", "100"]
+    with _answered(tmp_path):
+        proc = hpcpar_here(["show", path, "--json", *pages], tmp_path)
+        text = hpcpar_here(["show", path], tmp_path)
+    assert proc.returncode == 0 and text.returncode == 0, proc.stderr + text.stderr
+    s = json.loads(proc.stdout)
+    assert len(s["rows"] if "rows" in s else s["last_steps"]) == shown
+    if note is None:
+        assert s["notes"] == []
+        return
+    assert len(s["notes"]) == 1 and note in s["notes"][0], s["notes"]
+    assert f"note: {s['notes'][0]}" in text.stdout.splitlines(), text.stdout
+
+
+# (output, damage, the one line's words): nothing left to show, or a file show must not open
+UNREADABLE = {
+    "a named pipe": ("g.jsonl", _fifo, "g.jsonl: a named pipe (FIFO), not a regular file or "
+                                       "folder; show reads"),
+    "a link to /dev/zero": ("g.h5", _device("/dev/zero"), "g.h5: a link to /dev/zero, a character "
+                                               "device, not a regular file or folder"),
+    "h5 without any row": ("g.h5", _delete("lengths", "finish_reason", "tokens"),
+                           "g.h5: a generation output without its lengths, finish_reason, "
+                           "tokens or text; nothing to show"),
+    "jsonl of torn lines": ("g.jsonl", _write(b'{"index": 0, "te\n{"ind\n'),
+                            "g.jsonl: not an hpcpar output"),
+    "jsonl without a line read": ("g.jsonl", _write(b'{"index": null, "text": null, "token_ids"'
+                                                    b': [], "finish_reason": "length", '
+                                                    b'"prompt_tokens": 1, "completion_tokens"'
+                                                    b': 0}\n'),
+                                  "g.jsonl: none of its 1 lines could be read (a null or "
+                                  "mistyped index)"),
+    "scores without rows": ("s.h5", _delete("nll", "tokens_scored", "perplexity"),
+                            "s.h5: a scoring output without its nll, tokens_scored or "
+                            "perplexity; nothing to show"),
+}
+
+
+@pytest.mark.parametrize("case", UNREADABLE)
+def test_what_show_cannot_read_at_all_is_one_line(outputs, tmp_path, case):
+    name, damage, words = UNREADABLE[case]
+    path = _damaged(outputs / name, damage, tmp_path)
+    with _answered(tmp_path):
+        proc = hpcpar_here(["show", path.name], tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -141,6 +141,57 @@ def test_show_plots_a_training_runs_curves(work, training_trace):
         assert len(refused.stderr.strip().splitlines()) == 1
 
 
+def _synthetic_trace(path, ranks: int, units: int) -> None:
+    """A trace as hpcpar writes it (``trace.Tracer``, ``trace.chrome_trace``): on each of
+    ``ranks`` ranks, ``units`` times 60 us of a wait (10), a forward pass (40) with a
+    collective inside it, and a collective after it (10): 4 spans a unit."""
+    parts = []
+    for rank in range(ranks):
+        tracer = trace.Tracer(origin=0.0)
+        for i in range(units):
+            at = i * 60e-6
+            tracer.add("wait pp.recv", "wait", at, at + 10e-6)
+            tracer.add("tp.all_reduce", "comm", at + 20e-6, at + 30e-6, {"bytes": 64})
+            tracer.add(f"forward {i % 4}", "compute", at + 10e-6, at + 50e-6,
+                       {"micro-batch": i % 4})
+            tracer.add("dp.all_reduce", "comm", at + 50e-6, at + 60e-6, {"bytes": 64})
+        parts.append(tracer.encoded(rank, f"rank {rank}"))
+    path.write_bytes(trace.chrome_trace(parts, {"job": "train", "dropped_spans": 0}))
+
+
+def test_show_summarises_a_trace_of_many_spans_a_rank(tmp_path):
+    """40k spans a rank (a rank keeps up to 250k): each rank's sums are a sort and a pass
+    (finding a collective inside a pass once went over every pass: minutes at this size)."""
+    units = 10_000
+    _synthetic_trace(tmp_path / "big.json", 2, units)
+    proc = hpcpar_here(["show", "big.json", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)
+    assert [r["spans"] for r in s["ranks"]] == [4 * units] * 2 and s["notes"] == []
+    for r in s["ranks"]:
+        # the window: the first pass's start to the last's end; the first wait lies before
+        # it, the last collective after it, the collectives inside the passes are theirs
+        assert r["window_s"] == pytest.approx(((units - 1) * 60 + 40) * 1e-6)
+        assert r["compute_s"] == pytest.approx(units * 40e-6)
+        assert r["wait_s"] == pytest.approx((units - 1) * 10e-6)
+        assert r["comm_s"] == pytest.approx((units - 1) * 10e-6)
+
+
+@pytest.mark.parametrize("damage", [{"ts": None}, {"dur": "40"}, {"pid": 9}, {"args": 5}])
+def test_show_leaves_out_a_span_it_cannot_read_with_a_note(tmp_path, damage):
+    _synthetic_trace(tmp_path / "t.json", 2, 2)
+    data = json.loads((tmp_path / "t.json").read_text())
+    next(e for e in data["traceEvents"] if e["ph"] == "X").update(damage)    # rank 0's
+    (tmp_path / "t.json").write_text(json.dumps(data))
+    proc = hpcpar_here(["show", "t.json", "--json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads(proc.stdout)
+    assert [r["spans"] for r in s["ranks"]] == [7, 8]
+    assert len(s["notes"]) == 1 and s["notes"][0].startswith("1 of 16 spans not read: ")
+    text = hpcpar_here(["show", "t.json"], tmp_path).stdout.splitlines()
+    assert text[-1] == f"note: {s['notes'][0]}"
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(work, monkeypatch, training_trace):
     from hpcpar.jobs.plots import plot
     from hpcpar.jobs.show import summary
