@@ -5,7 +5,6 @@ byte alphabet as transformers writes it, and end to end in a Batch API output.""
 
 import json
 
-import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
