@@ -119,3 +119,27 @@ def test_every_eos_id_of_generation_config_ends_a_row_as_transformers_does(hf_mo
     import h5py
     with h5py.File(tmp_path / "out.h5") as f:
         assert [r.decode() for r in f["finish_reason"][()]] == reasons
+
+
+def test_a_qwen2_moe_without_a_shared_expert_converts_computes_and_exports_exactly(tmp_path):
+    """shared_expert_intermediate_size 0 (a valid config): transformers still builds the
+    empty shared expert and its gate, which add zero. convert takes them, the logits are
+    transformers', and export gives every tensor back, so transformers loads it whole."""
+    from safetensors.numpy import load_file
+    from hpcpar.checkpoint.export import export
+    model, path = build_hf_model("qwen2_moe", tmp_path, shared_expert_intermediate_size=0)
+    ours = _hpcpar(path, PROMPTS, 1)
+    for b, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            theirs = model(torch.tensor(prompt[None])).logits[0].numpy()
+        np.testing.assert_allclose(ours.prompt_logits[b, :len(prompt)], theirs, atol=1e-4,
+                                   rtol=0)
+    export(path, tmp_path / "out")
+    mine = load_file(str(tmp_path / "out" / "model.safetensors"))
+    source = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(mine) == sorted(source)
+    for name, value in source.items():
+        np.testing.assert_array_equal(mine[name], value, err_msg=name)
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                                output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info

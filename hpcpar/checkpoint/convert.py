@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from ..models.config import ModelConfig
-from ..models.tensors import stored_tensors
+from ..models.tensors import inert_tensors, stored_tensors
 from ..parallel.dtypes import FLOAT_DTYPES, float_dtype
 from ..parallel.errors import HpcparError
 from .files import OutputLock, check_output
@@ -180,30 +180,32 @@ def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> Mo
     if missing:
         raise HpcparError(f"{hf_dir}: {len(missing)} tensor(s) the config needs are missing, "
                           f"first {missing[0]}")
-    unexpected = [n for n in files if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
+    inert = {n: shape for n, shape in inert_tensors(cfg).items() if n in files}
+    unexpected = [n for n in files if n not in expected and n not in inert
+                  and not n.endswith(_IGNORED_SUFFIXES)
                   and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if unexpected:
         raise HpcparError(f"{hf_dir}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) "
                           f"is not part of a {cfg.model_type} model; does config.json's "
                           "model_type match these weights?")
 
-    shards = sorted(set(files[n] for n in expected))
+    shards = sorted(set(files[n] for n in [*expected, *inert]))
     absent = [p for p in shards if not p.is_file()]
     if absent:
         raise HpcparError(f"{hf_dir}: the index names {absent[0].name}, which is not in the "
                           "folder; download every shard the index lists")
-    held = _shard_tensors({n: files[n] for n in expected},
+    held = _shard_tensors({n: files[n] for n in [*expected, *inert]},
                           hf_dir / "model.safetensors.index.json")
-    for spec in specs:
-        code, shape = held[spec.name]
+    for name, want in [*((s.name, s.shape) for s in specs), *inert.items()]:
+        code, shape = held[name]
         if code not in _FLOAT_CODES:
-            raise HpcparError(f"{files[spec.name]}: tensor {spec.name} is {code}, not a "
+            raise HpcparError(f"{files[name]}: tensor {name} is {code}, not a "
                               f"floating-point type ({', '.join(FLOAT_DTYPES)}); quantized "
                               "weights are not converted (casting would lose their scales): "
                               "convert the unquantized model")
-        if shape != spec.shape:
-            raise HpcparError(f"{files[spec.name]}: {spec.name}: shape {shape} does not match "
-                              f"the config, which implies {spec.shape}")
+        if shape != want:
+            raise HpcparError(f"{files[name]}: {name}: shape {shape} does not match "
+                              f"the config, which implies {want}")
     check_generation_config(hf_dir)
     check_tokenizer_files(hf_dir)
     sources = [config_path, *shards, *(hf_dir / n for n in TOKENIZER_FILES)]
@@ -217,6 +219,8 @@ def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> Mo
         with CheckpointWriter(out, hf_config, target, source=str(hf_dir)) as w:
             for spec in specs:
                 w.write(spec, _read(handles[files[spec.name]], files[spec.name], spec.name))
+            for name in inert:
+                w.keep_inert(name, _read(handles[files[name]], files[name], name))
             for name in TOKENIZER_FILES:
                 if (hf_dir / name).exists():
                     w.add_file(name, (hf_dir / name).read_bytes())

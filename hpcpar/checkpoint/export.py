@@ -64,6 +64,7 @@ def parse_size(text: str) -> int:
 class _Entry:
     spec: TensorSpec
     nbytes: int                     # in the exported dtype
+    values: np.ndarray | None = None    # an inert tensor's, kept aside (else: load it)
 
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
@@ -80,6 +81,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None
     out_dir = Path(out_dir).resolve()    # 'a/..' has no name for the temporary and the lock
     entries = [_Entry(s, int(np.prod(s.shape)) * target.itemsize)
                for s in stored_tensors(ckpt.config)]
+    entries += [_Entry(TensorSpec(name, a.shape, "inert", None), a.size * target.itemsize, a)
+                for name, a in ckpt.inert_tensors().items()]
     shards = _shards(entries, shard_size)
     extra = ckpt.tokenizer_files()
     with OutputLock(out_dir, beside=True):
@@ -196,7 +199,8 @@ def _write_safetensors(path: Path, ckpt: Checkpoint, entries: list[_Entry], dtyp
         out.write(text)
         for e in entries:
             check_stop()
-            values = load_shard(ckpt, [e.spec], dtype=dtype).tensors[e.spec.name]
+            values = (e.values.astype(dtype) if e.values is not None
+                      else load_shard(ckpt, [e.spec], dtype=dtype).tensors[e.spec.name])
             out.write(values.tobytes())
     return path
 

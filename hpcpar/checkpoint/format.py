@@ -30,6 +30,8 @@ ATTR_VERSION = "hpcpar_format_version"
 ATTR_CONFIG = "hf_config"
 ATTR_DTYPE = "dtype"
 TOKENIZER_GROUP = "tokenizer"
+# the source's tensors that compute nothing (``models.tensors.inert_tensors``), kept for export
+INERT_GROUP = "inert"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
 

@@ -25,8 +25,8 @@ from ..parallel.backend import NUMPY, ArrayBackend
 from ..parallel.dtypes import FLOAT_DTYPES, any_nonfinite, dtype_name, nonfinite
 from ..parallel.errors import HpcparError
 from ..parallel.layers import stored_matrix
-from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP, logical_dtype,
-                     storage_dtype)
+from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, INERT_GROUP, TOKENIZER_GROUP,
+                     logical_dtype, storage_dtype)
 
 
 class CheckpointError(HpcparError):
@@ -47,6 +47,12 @@ class Checkpoint:
     def open(self) -> h5py.File:
         # No HDF5 file locking: many ranks read at once, often from NFS or Lustre.
         return h5py.File(self.path, "r", locking=False)
+
+    def inert_tensors(self) -> dict[str, np.ndarray]:
+        """The source's tensors that compute nothing, kept for export (``INERT_GROUP``)."""
+        with self.open() as f:
+            group = f.get(INERT_GROUP)
+            return {} if group is None else {k: np.asarray(group[k][()]) for k in group}
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The files kept at conversion beside the weights (tokenizer.json, the chat template,

@@ -19,8 +19,8 @@ from ..parallel.dtypes import dtype_name
 from ..parallel.errors import HpcparError
 from .files import (AtomicPath, WriteError, check_space, is_write_failure, quiet_deallocation,
                     write_failure, write_point, writing)
-from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, TOKENIZER_GROUP,
-                     chunk_shape, storage_dtype, to_storage)
+from .format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION, INERT_GROUP,
+                     TOKENIZER_GROUP, chunk_shape, storage_dtype, to_storage)
 
 
 class CheckpointWriter:
@@ -81,6 +81,15 @@ class CheckpointWriter:
         with writing(self._out.path):
             group = self._file.require_group(TOKENIZER_GROUP)
             group.create_dataset(name, data=np.frombuffer(data, dtype=np.uint8))
+
+    def keep_inert(self, name: str, array: np.ndarray) -> None:
+        """Keep a tensor that computes nothing (``models.tensors.inert_tensors``) for export,
+        as its values are (bfloat16 as float32, which holds it exactly)."""
+        data = np.asarray(array)
+        if data.dtype not in (np.float16, np.float32, np.float64):
+            data = data.astype(np.float32)
+        with writing(self._out.path):
+            self._file.require_group(INERT_GROUP).create_dataset(name, data=data)
 
     def _close_and_discard(self) -> None:
         if self._file is not None:

@@ -85,6 +85,10 @@ class Family:
     defaults: dict[str, Any] = field(default_factory=dict)
     # the rope types transformers' class accepts (None: every type transformers has)
     rope_types: tuple[str, ...] | None = None
+    # tensors of each routed layer that transformers' model has and that compute nothing for
+    # a config (Qwen2-MoE's shared expert of width 0), role -> shape: a converted checkpoint
+    # keeps them aside, so that export gives them back
+    inert: Callable[[Any], dict[str, tuple[int, ...]]] = lambda cfg: {}
 
     def layer_name(self, role: str, layer: int, expert: int | None = None) -> str:
         """A layer's tensor of ``role`` (an expert's: of expert ``expert``)."""

@@ -19,10 +19,21 @@ def _features(hf) -> dict:
                            flag(hf, "norm_topk_prob"))}
 
 
+def _inert(cfg) -> dict[str, tuple[int, ...]]:
+    """A shared expert of width 0: transformers still builds it and its gate, and it adds
+    sigmoid(gate . x) times an empty sum, zero, to every token."""
+    if cfg.shared_expert_size:
+        return {}
+    h = cfg.hidden_size
+    return {"shared_gate": (0, h), "shared_up": (0, h), "shared_down": (h, 0),
+            "shared_expert_gate": (1, h)}
+
+
 FAMILY = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2's attention; routed experts (top-k "
                 "weights as they are unless norm_topk_prob) and a shared expert through a "
                 "sigmoid gate", features=_features, names=QWEN_MOE_NAMES,
                 defaults=dict(QWEN_DEFAULTS, num_key_value_heads=16, decoder_sparse_step=1,
                               moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
                               num_experts_per_tok=4, norm_topk_prob=False,
-                              qkv_bias=True))
+                              qkv_bias=True),
+                inert=_inert)

@@ -112,6 +112,15 @@ def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]
     return out
 
 
+def inert_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of transformers' model of ``cfg`` that compute nothing
+    (``Family.inert``), name -> shape."""
+    from . import family_of
+    family = family_of(cfg.model_type)
+    return {family.layer_name(role, i): shape for i in cfg.moe_layers
+            for role, shape in family.inert(cfg).items()}
+
+
 def layer_tensors(cfg: ModelConfig, i: int, experts: range | None = None) -> list[TensorSpec]:
     """The tensors of decoder layer ``i``, named as the model's family names them; the parts
     of a fused tensor are named ``FUSED[role]``. A MoE layer's experts: ``experts`` only
