@@ -122,3 +122,30 @@ def test_a_programs_own_error_is_told_with_tell_peers(comm):
                 mesh.group("x").all_reduce(np.ones(2))
     finally:
         mesh.free()
+
+
+def test_a_stop_request_leaves_a_collective_as_itself_and_is_told_to_nobody(comm):
+    """A stop request (SIGTERM: every rank hears it through the jobs' watchdog) raised in a
+    wait is ``Stopped`` as it is, not a failed collective, and not a failure of the rank."""
+    import time
+    from hpcpar.parallel import waits
+    from hpcpar.parallel.errors import Stopped
+    mesh = hp.Mesh(comm, {"x": -1}, timeout=TIMEOUT, check=False)
+    group, n = mesh.group("x"), comm.Get_size()
+    x = np.ones((n, 2))
+    try:
+        if mesh.rank == 1:
+            waits.listen_for_alarm(lambda: Stopped("SIGTERM", 1))
+            try:
+                with pytest.raises(Stopped, match="SIGTERM to rank 1"):
+                    group.all_to_all_rows(x, [1] * n, recv_rows=[1] * n)
+            finally:
+                waits.listen_for_alarm(None)
+            comm.Barrier()
+        else:
+            comm.Barrier()                     # rank 1 has left the all-to-all: join it now
+            time.sleep(0.1)
+            out, _ = group.all_to_all_rows(x, [1] * n, recv_rows=[1] * n)
+            assert out.shape == (n, 2)
+    finally:
+        mesh.free()

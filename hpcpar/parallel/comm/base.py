@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import trace
 from ..backend import NUMPY, ArrayBackend
-from ..errors import CommError, HpcparError
+from ..errors import CommError, HpcparError, Stopped
 from ..splits import even_sizes as split_sizes
 from .agreement import active, agree, dtype_name
 from .failfast import fails_together
@@ -559,7 +559,7 @@ class Communicator(ABC):
         start = begin if clock is None else clock.now()
         try:
             result = primitive(*args)
-        except HpcparError:
+        except (HpcparError, Stopped):      # a peer's failure, a stop request: as they are
             raise
         except Exception as e:
             raise CommError(f"{op} on the {self.name} group ({self.size} ranks, this is group "

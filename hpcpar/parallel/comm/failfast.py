@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from .. import waits
-from ..errors import HangElsewhere, PeerFailed
+from ..errors import HangElsewhere, PeerFailed, Stopped
 
 _installed = {"hook": None}
 
@@ -159,6 +159,8 @@ def fails_together(method):
     def entry_point(*args, **kwargs):
         try:
             return method(*args, **kwargs)
+        except Stopped:
+            raise                    # a stop request: every rank hears it for itself
         except (PeerFailed, HangElsewhere):
             # heard of another rank's failure (the pipeline's own channel, the watchdog):
             # the boards' word of it, arriving later, must not be raised again
