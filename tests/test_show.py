@@ -338,3 +338,34 @@ def test_what_show_cannot_read_at_all_is_one_line(outputs, tmp_path, case):
         proc = hpcpar_here(["show", path.name], tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def _batch_line(custom_id: str, choices: list[dict], completion_tokens: int) -> str:
+    body = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m",
+            "choices": choices, "usage": {"prompt_tokens": 3, "completion_tokens":
+                                          completion_tokens,
+                                          "total_tokens": 3 + completion_tokens}}
+    return json.dumps({"id": f"batch_req_{custom_id}", "custom_id": custom_id,
+                       "response": {"status_code": 200, "request_id": "r", "body": body},
+                       "error": None}) + "\n"
+
+
+def test_a_batch_requests_samples_show_their_own_counts_and_no_control_characters(tmp_path):
+    """usage counts a request's n choices together: each choice shows its own count where
+    its log-probs list its tokens (else none), the total is usage's; a model's ESC reaches
+    the terminal as an escape, not as a cursor move."""
+    from hpcpar.jobs.show import format_summary, summary
+    choice = {"index": 0, "text": "a\x1b[2Jb", "finish_reason": "length", "logprobs": None}
+    listed = [dict(choice, index=i, logprobs={"tokens": ["x"] * k, "token_logprobs": [0.0] * k,
+                                              "top_logprobs": [{}] * k, "text_offset": [0] * k})
+              for i, k in enumerate((3, 4))]
+    (tmp_path / "out.jsonl").write_text(
+        _batch_line("listed", listed, 7) + _batch_line("bare", [choice, dict(choice, index=1)], 8)
+        + _batch_line("one", [choice], 5))
+    s = summary(tmp_path / "out.jsonl")
+    assert [(r["index"], r.get("sample"), r["completion_tokens"]) for r in s["rows"]] == [
+        ("listed", 0, 3), ("listed", 1, 4), ("bare", 0, None), ("bare", 1, None),
+        ("one", None, 5)]
+    assert s["completion_tokens"] == 20
+    shown = format_summary(s)
+    assert "\x1b" not in shown and "a\\x1b[2Jb" in shown

@@ -190,7 +190,9 @@ def _batch_rows(line: dict) -> list[dict]:
         raise Unreadable("a body without its choices")
     rows = [_choice_row(custom_id, c, len(choices) > 1, usage["prompt_tokens"])
             for c in choices]
-    rows[-1]["completion_tokens"] = usage["completion_tokens"]    # usage counts the request
+    if len(rows) == 1:                      # usage counts the request: its one choice's
+        rows[0]["completion_tokens"] = usage["completion_tokens"]
+    rows[0]["usage"] = {"completion_tokens": usage["completion_tokens"]}   # the request's
     return rows
 
 
@@ -203,7 +205,17 @@ def _choice_row(custom_id: str, choice: dict, sampled: bool, prompt_tokens: int)
         raise Unreadable("a choice without its text, finish_reason or index")
     return {"index": custom_id, **({"sample": index} if sampled else {}),
             "finish_reason": reason, "prompt_tokens": prompt_tokens,
-            "completion_tokens": None, "text": said, "token_ids": []}
+            "completion_tokens": _choice_tokens(choice), "text": said, "token_ids": []}
+
+
+def _choice_tokens(choice: dict) -> int | None:
+    """A choice's own new tokens, where its log-probs list them (usage counts the request's
+    choices together); None otherwise."""
+    logprobs = choice.get("logprobs")
+    if not isinstance(logprobs, dict):
+        return None
+    listed = logprobs.get("content", logprobs.get("tokens"))
+    return len(listed) if isinstance(listed, list) else None
 
 
 def _message(error) -> str:
@@ -220,5 +232,6 @@ def _batch_output(path: Path, requests: list[list[dict]], page: int, per_page: i
     return {"kind": "generation", "path": str(path), "prompts": len(requests),
             "requests": {"served": len(requests) - failed, "failed": failed},
             "finish_reasons": counts([r["finish_reason"] for r in rows]),
-            "completion_tokens": sum(r["completion_tokens"] or 0 for r in rows),
+            "completion_tokens": sum(request[0].get("usage", {}).get("completion_tokens", 0)
+                                     for request in requests),
             "report": {}, **page_of(rows, page, per_page)}

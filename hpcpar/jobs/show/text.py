@@ -39,8 +39,14 @@ def _trace(s: dict) -> str:
 
 
 def _one_line(text: str) -> str:
-    flat = " ".join(text.split())
+    """``text`` on one line, cut to the width; control characters (a model can write ESC,
+    which moves a terminal's cursor) written as escapes."""
+    flat = " ".join(text.split()).translate(_ESCAPES)
     return flat if len(flat) <= TEXT_WIDTH else flat[:TEXT_WIDTH - 3] + "..."
+
+
+# C0, DEL and C1 control characters (whitespace is flattened before) -> \xNN
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}
 
 
 def _generation(s: dict) -> str:
