@@ -196,6 +196,7 @@ def test_a_killed_batch_resumes_to_the_same_lines(chat_model, tmp_path):
     ([_request("a", CHAT, messages=[]), {"ids": [1, 2]}], "holds requests only"),
     ([_request("a", CHAT, messages=[]), _request("a", CHAT, messages=[])], "already used"),
     ([_request("a", "/v1/embeddings")], "no request can be served"),
+    ([{"custom_id": "a", "method": "POST", "url": CHAT}], "request needs its \"body\""),
     ([{"url": CHAT, "body": {"messages": []}}], "\"custom_id\" must be a non-empty string"),
 ])
 def test_a_batch_file_that_cannot_run_is_one_error(chat_model, tmp_path, lines, words):

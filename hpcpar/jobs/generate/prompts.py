@@ -193,6 +193,10 @@ class PromptLine:
 def prompt_line(record, tokenizer, chat, where: str) -> PromptLine:
     """A ``.jsonl`` prompt line's prompt and settings; any problem is one ``PromptError``
     naming ``where``."""
+    if isinstance(record, dict) and "body" not in record and ("custom_id" in record
+                                                               or "url" in record):
+        raise PromptError(f"{where}: a Batch API request needs its \"body\" (the "
+                          "request's fields: \"messages\" or \"prompt\", max_tokens, ...)")
     if not isinstance(record, dict) or sum(k in record for k in SOURCE_KEYS) != 1:
         raise PromptError(f"{where}: each line needs exactly one of \"ids\", \"text\" "
                           "or \"messages\"")
