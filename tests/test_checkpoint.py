@@ -188,17 +188,17 @@ def test_nonfinite_reads_the_exponent_bits_as_isfinite_does(name):
 
 
 @pytest.mark.parametrize("loaded, words", [
-    (None, "damaged or came from a diverged training;"),
-    (np.float16, "or its values overflow float16 (load it in float32)"),
+    (None, "model.layers.1.mlp.up_proj.weight holds NaN or inf values (first at local index "
+           "(2, 5)); the file is damaged or came from a diverged training;"),
+    (np.float16, "model.layers.1.mlp.up_proj.weight has values too large for float16 (the "
+                 "first at local index (2, 5)); use --dtype float32, the checkpoint's own"),
 ])
 def test_nan_or_overflowing_weights_are_refused_at_load(good, tmp_path, loaded, words):
+    """NaN in the file, or a finite value its cast overflows: each named as what it is."""
     bad = _copy(good, tmp_path)
     with h5py.File(bad, "a") as f:
         f["model.layers.1.mlp.up_proj.weight"][2, 5] = np.nan if loaded is None else 1e6
     ckpt = open_checkpoint(bad)
-    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.up_proj.weight holds NaN or "
-                                              r"inf values \(first at local index \(2, 5\)\)"):
-        load_shard(ckpt, list(ckpt.tensors.values()), dtype=loaded)
     with pytest.raises(CheckpointError, match=re.escape(words)):
         load_shard(ckpt, list(ckpt.tensors.values()), dtype=loaded)
 

@@ -260,13 +260,23 @@ def _check_finite(ckpt: Checkpoint, dataset: str, specs: list[TensorSpec], tenso
         if bool(backend.to_host(flag)):
             values = backend.to_host(tensors[spec.name])
             where = tuple(int(i) for i in np.argwhere(nonfinite(np, values))[0])
-            loaded = dtype_name(values.dtype)
-            overflow = (f", or its values overflow {loaded} (load it in {dtype_name(ckpt.dtype)})"
-                        if values.dtype != ckpt.dtype else "")
+            name = dataset.format(spec.name)
+            if values.dtype != ckpt.dtype and _stored_finite(ckpt, name, spec):
+                raise CheckpointError(
+                    f"{ckpt.path}: {name} has values too large for {dtype_name(values.dtype)} "
+                    f"(the first at local index {where}); use --dtype "
+                    f"{dtype_name(ckpt.dtype)}, the checkpoint's own")
             raise CheckpointError(
-                f"{ckpt.path}: {dataset.format(spec.name)} holds NaN or inf values (first at "
+                f"{ckpt.path}: {name} holds NaN or inf values (first at "
                 f"local index {where}); the file is damaged or came from a diverged "
-                f"training{overflow}; convert it again or use an earlier checkpoint")
+                f"training; convert it again or use an earlier checkpoint")
+
+
+def _stored_finite(ckpt: Checkpoint, name: str, spec: TensorSpec) -> bool:
+    """Whether the tensor as stored is finite (its cast overflowed), read whole: only once
+    its cast was found not to be."""
+    stored = spec.file_name if name == spec.name else name
+    return bool(np.isfinite(read_tensor(ckpt, stored).astype(np.float64)).all())
 
 
 def read_tensor(ckpt: Checkpoint, name: str) -> np.ndarray:
