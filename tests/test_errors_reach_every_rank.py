@@ -60,12 +60,12 @@ def test_a_stage_that_raises_frees_its_tp_partners_waiting_in_another_group(comm
     failing = mesh.rank_of(pp=0, tp=0)
     xp = mesh.backend.xp
     try:
+        pipe = hp.Pipeline(mesh.group("pp"), Stage(mesh.rank == failing, xp),   # collective
+                           loss=lambda y, t: (float((y * y).sum()), 2 * y))
         with pytest.raises(Exception) as raised:
             if mesh.coord("pp") == 0 and mesh.rank != failing:
                 mesh.group("tp").all_reduce(np.ones(4))
             else:
-                pipe = hp.Pipeline(mesh.group("pp"), Stage(mesh.rank == failing, xp),
-                                   loss=lambda y, t: (float((y * y).sum()), 2 * y))
                 pipe.train_step([xp.ones((2, 3))] * 2, [None] * 2)
         if mesh.rank == failing:
             assert isinstance(raised.value, ValueError)
@@ -102,7 +102,7 @@ def test_all_to_all_rows_refuses_recv_rows_that_the_senders_do_not_send(comm):
         out, recv = group.all_to_all_rows(x, [2] * n, recv_rows=[2] * n)
         assert recv == [2] * n and out.shape == (2 * n, 1)
         wrong = [2] * n if mesh.rank else [3] + [2] * (n - 1)
-        with pytest.raises(hp.HpcparError, match=r"recv_rows \[3, 2.*the ranks send this one "
+        with pytest.raises(hp.HpcparError, match=r"recv_rows \[3, 2.*, where the ranks send "
                                                  r"\[2, 2"):
             group.all_to_all_rows(x, [2] * n, recv_rows=wrong)
     finally:
@@ -147,5 +147,32 @@ def test_a_stop_request_leaves_a_collective_as_itself_and_is_told_to_nobody(comm
             time.sleep(0.1)
             out, _ = group.all_to_all_rows(x, [1] * n, recv_rows=[1] * n)
             assert out.shape == (n, 2)
+    finally:
+        mesh.free()
+
+
+def test_a_failed_mesh_runs_no_more_collectives_on_any_rank(comm):
+    """After a failure the ranks are no longer in step: a collective matched with another
+    step's would move wrong numbers. Every later call on the mesh's groups raises the
+    failure, on the failed rank too."""
+    mesh = hp.Mesh(comm, {"x": -1}, timeout=TIMEOUT, abort_on_error=False)
+    group, outcomes = mesh.group("x"), []
+    try:
+        for step in range(3):
+            try:
+                if mesh.rank == 1 and step == 0:
+                    try:
+                        raise ValueError("a bad batch")
+                    except ValueError as e:
+                        hp.tell_peers(e)
+                        raise
+                x = np.full(2, 10.0 ** step)
+                group.all_reduce(x)
+                outcomes.append(x.tolist())
+            except (ValueError, hp.PeerFailed) as e:
+                outcomes.append(str(e))
+        told = "rank 1 failed: ValueError: a bad batch"
+        first = "a bad batch" if mesh.rank == 1 else told
+        assert outcomes == [first, told, told], outcomes
     finally:
         mesh.free()

@@ -224,7 +224,9 @@ def job_mesh(world: "MPI.Intracomm", layout: ParallelConfig) -> Mesh:
     it does not abort the world on one."""
     if layout.world_size != world.Get_size():
         layout.check(world_size=world.Get_size())
-    return Mesh(world, dict(zip(AXES, _sizes(layout))), abort_on_error=False)
+    # the jobs end on any rank's error themselves (launch), and the watchdog reports a hang
+    return Mesh(world, dict(zip(AXES, _sizes(layout))), abort_on_error=False,
+                share_errors=False)
 
 
 def grad_axes(layout: ParallelConfig) -> tuple[str, ...]:

@@ -118,7 +118,9 @@ class Mesh:
     is checked to be built alike on every rank. ``abort_on_error`` (default on): an
     uncaught exception on any rank prints its traceback and ends the whole job at once
     (``comm.failfast``), instead of leaving the other ranks waiting for it until the
-    timeout.
+    timeout. ``share_errors`` (default on): an error leaving a collective, the MoE layer or
+    a pipeline step on one rank, caught by the program or not, is told to every other rank,
+    whose waits raise ``PeerFailed`` (``comm.failfast.ErrorBoard``).
     """
 
     _next_id = 0       # this process's meshes, numbered alike on every rank (``_agree_id``)
@@ -126,7 +128,7 @@ class Mesh:
     def __init__(self, comm, shape: Mapping[str, int], *, backend: ArrayBackend = NUMPY,
                  comm_kind: str = "mpi", timeout: float = 600.0,
                  stats: CommStats | None = None, check: bool = True,
-                 abort_on_error: bool = True):
+                 abort_on_error: bool = True, share_errors: bool = True):
         self.world = comm
         self.check = check
         if abort_on_error:
@@ -134,7 +136,8 @@ class Mesh:
         asked = [(str(k), v if isinstance(v, int) else repr(v)) for k, v in shape.items()] \
             if isinstance(shape, Mapping) else repr(shape)
         agree_mpi(comm, "Mesh", [("axes", asked), ("backend", backend.name),
-                                 ("comm_kind", comm_kind), ("check", check)], timeout)
+                                 ("comm_kind", comm_kind), ("check", check),
+                                 ("share_errors", share_errors)], timeout)
         self.id = self._agree_id(comm, timeout)
         self.shape = resolve_shape(shape, comm.Get_size())
         self.axis_names = tuple(self.shape)
@@ -149,11 +152,11 @@ class Mesh:
                                      reorder=False)
         self._groups: dict[tuple[int, ...], Communicator] = {}
         self._named: dict[str, Communicator] = {}
+        # an error leaving one rank's entry point reaches every other (comm.failfast)
+        self.errors = ErrorBoard(comm) if share_errors and comm.Get_size() > 1 else None
         for axis in range(len(self.sizes)):
             self._group((axis,))
         self._everyone = self._group(tuple(range(len(self.sizes))))
-        # an error leaving one rank's entry point reaches every other (comm.failfast)
-        self.errors = ErrorBoard(comm) if comm.Get_size() > 1 else None
         self.fingerprint = f"mesh {self.id} {_product_text(self.shape)}"   # alike on all ranks
         self.plans: dict = {}         # work this rank did once for this mesh (``remember``)
 
@@ -267,6 +270,7 @@ class Mesh:
             name = "+".join(self.axis_names[i] for i in indices)
             group = create_communicator(self.cart.Sub(remain), self.comm_kind, self.backend,
                                         self.stats, name, self.timeout, self.check)
+            group.error_board = self.errors
             self._groups[indices] = group
         return group
 

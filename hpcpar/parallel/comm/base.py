@@ -95,6 +95,7 @@ class Communicator(ABC):
         self.stats = stats if stats is not None else CommStats()
         self.name = name
         self.timeout = timeout        # seconds any wait may take (0: forever)
+        self.error_board = None       # its mesh's (``failfast.ErrorBoard``), where it has one
         # check that the ranks pass agreeing shapes, dtypes and sizes to every collective
         # (``agreement``): a library user's groups do, the jobs' hot paths do not
         self.check = False
@@ -108,6 +109,7 @@ class Communicator(ABC):
             return self
         if self._host_twin is None:
             self._host_twin = self._over_mpi(self.mpi_comm, NUMPY, self.name)
+            self._host_twin.error_board = self.error_board
         return self._host_twin
 
     def split(self, color: int, name: str) -> "Communicator":
@@ -115,7 +117,7 @@ class Communicator(ABC):
         MPI, in this group's order (collective)."""
         group = self._over_mpi(self.mpi_comm.Split(color, self.rank), self.backend,
                                f"{self.name}.{name}")
-        group.check = self.check
+        group.check, group.error_board = self.check, self.error_board
         return group
 
     # ---- public API -----------------------------------------------------------------------
@@ -202,9 +204,8 @@ class Communicator(ABC):
             given = [int(n) for n in recv_rows]
             if checking:         # MPI would cut a longer block, or leave rows unwritten
                 mismatch = None if given == recv else HpcparError(
-                    f"all_to_all_rows on {self.name}: recv_rows {given}, but the ranks send "
-                    f"this one {recv}")
-                self._agree("all_to_all_rows' recv_rows", lambda: [], mismatch)
+                    f"recv_rows {given}, where the ranks send {recv} rows")
+                self._agree("all_to_all_rows", lambda: [], mismatch)
             recv = given
         row = math.prod(x.shape[1:])
         out = self.xp.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype)

@@ -92,6 +92,7 @@ class ErrorBoard:
         self.buf = np.zeros(self.SIZE, dtype=np.uint8)
         self.request = self.comm.Irecv(self.buf, source=MPI.ANY_SOURCE, tag=self.TAG)
         self.done = False             # a failure heard of, or told of
+        self.failure: PeerFailed | None = None      # which: the mesh runs nothing after it
         self._sent: list = []
         _boards.append(self)
         waits.add_alarm(self.alarm)
@@ -102,8 +103,9 @@ class ErrorBoard:
             return None
         self.retire()
         rank = int(self.buf[-4:].view(np.int32)[0])
-        return PeerFailed(rank, self.buf[:-4].tobytes().rstrip(b"\0").decode(
+        self.failure = PeerFailed(rank, self.buf[:-4].tobytes().rstrip(b"\0").decode(
             errors="replace"))
+        return self.failure
 
     def announce(self, error: BaseException) -> None:
         """Tell every other rank that this one failed with ``error`` (not when it has
@@ -117,6 +119,7 @@ class ErrorBoard:
         # kept alive until delivered (a message this small leaves at once: MPI's eager sends)
         self._sent = [msg] + [self.comm.Isend(msg, dest=r, tag=self.TAG)
                               for r in range(self.size) if r != self.rank]
+        self.failure = PeerFailed(self.world_rank, describe(error))
         self.retire()
 
     def retire(self) -> None:
@@ -154,9 +157,14 @@ def tell_peers(error: BaseException) -> None:
 def fails_together(method):
     """A library entry point whose errors reach every rank of the meshes (``tell_peers``),
     not only the rank that raised them: the others would wait for it in their next
-    collective until the timeout."""
+    collective until the timeout. A method of a group of a failed mesh (its
+    ``error_board`` holds a failure) raises that failure at once: the other ranks have left,
+    and a collective matched with another step's would move wrong numbers."""
     @functools.wraps(method)
     def entry_point(*args, **kwargs):
+        board = getattr(args[0], "error_board", None) if args else None
+        if board is not None and board.failure is not None:
+            raise board.failure      # a failed mesh runs nothing more: its ranks are gone
         try:
             return method(*args, **kwargs)
         except Stopped:
