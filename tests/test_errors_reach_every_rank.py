@@ -176,3 +176,24 @@ def test_a_failed_mesh_runs_no_more_collectives_on_any_rank(comm):
         assert outcomes == [first, told, told], outcomes
     finally:
         mesh.free()
+
+
+def test_a_programs_own_function_tells_with_fails_together(comm):
+    mesh = hp.Mesh(comm, {"x": -1}, timeout=TIMEOUT)
+
+    @hp.fails_together
+    def load_batch(step: int):
+        if mesh.rank == 0:
+            raise FileNotFoundError(f"batch {step} is missing")
+        return np.ones(2)
+
+    try:
+        with pytest.raises(Exception) as raised:
+            mesh.group("x").all_reduce(load_batch(3))
+        if mesh.rank == 0:
+            assert isinstance(raised.value, FileNotFoundError)
+        else:
+            assert isinstance(raised.value, hp.PeerFailed)
+            assert "rank 0 failed: FileNotFoundError: batch 3 is missing" in str(raised.value)
+    finally:
+        mesh.free()

@@ -282,12 +282,17 @@ class Mesh:
         return f"Mesh({self.shape})"
 
     def free(self) -> None:
+        """Free the mesh's communicators (collective). A failed mesh's are kept: operations
+        its ranks abandoned at the failure may still be posted on them, and a communicator
+        made later could reuse a freed one's context and have its messages taken."""
+        failed = self.errors is not None and self.errors.alarm() is not None
         if self.errors is not None:
             self.errors.close()
             self.errors = None
-        for group in self._groups.values():
-            group.mpi_comm.Free()
+        if not failed:
+            for group in self._groups.values():
+                group.mpi_comm.Free()
+            self.cart.Free()
         self._groups.clear()
         self._named.clear()
         self.plans.clear()
-        self.cart.Free()

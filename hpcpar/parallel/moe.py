@@ -237,6 +237,8 @@ class MoE:
                               f"{dispatch.num_experts} over ep is {dispatch.local}")
         self.ops, self.router, self.experts, self.dispatch = ops, router, experts, dispatch
         self.tp = tp if tp is not None and tp.size > 1 else None
+        group = tp if tp is not None else dispatch.ep
+        self.error_board = group.error_board if group is not None else None   # its mesh's
         self.reset_load()
         self.all_serving = True
         self.routing: Routing | None = None       # the last forward's

@@ -16,7 +16,7 @@ from ..cores import oversubscribed
 from .errors import CommTimeout, HangElsewhere
 
 _state: dict = {"limit": 600.0, "alarm": None}     # the CLI's default --timeout
-_alarms: list[Callable[[], Exception | None]] = []  # the meshes' error boards
+_alarms: list[Callable[[], Exception | None]] = []  # error boards of the meshes now called
 
 # Ranks that share cores (more on the node than it has) sleep between polls once a wait has
 # lasted SPIN_SECONDS: a yield leaves a spinning rank runnable, and the scheduler shares the
@@ -47,8 +47,9 @@ def current_alarm() -> Callable[[], int | Exception | None] | None:
 
 
 def add_alarm(alarm: Callable[[], Exception | None]) -> None:
-    """Make every bounded wait also raise what ``alarm()`` returns, when not None (a
-    mesh's ``failfast.ErrorBoard``: another rank failed), besides the watchdog's alarm."""
+    """Make every bounded wait also raise what ``alarm()`` returns, when not None (the
+    ``failfast.ErrorBoard`` of a mesh whose entry point runs: another rank failed), besides
+    the watchdog's alarm, until ``remove_alarm``."""
     _alarms.append(alarm)
 
 

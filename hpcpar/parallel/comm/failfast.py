@@ -17,9 +17,10 @@ An error a program catches does not end the job, but it still leaves the other r
 waiting for this one: every ``Mesh`` has an ``ErrorBoard``, on which the library's entry
 points (``fails_together``: the collectives, the MoE layer, the pipeline) tell every other
 rank of the mesh about an error leaving them, whichever group it was in. Each of those
-ranks' current or next wait raises ``PeerFailed`` naming the rank and its message, once,
-within a poll. An error raised on every rank of the mesh together (a ``Disagreement``, a
-check agreed over the whole mesh) leaves nobody waiting, and nobody is told.
+ranks' waits on the mesh raise ``PeerFailed`` naming the rank and its message, within a
+poll, and so does every later call on the mesh. An error raised on every rank of the mesh
+together (a ``Disagreement``, a check agreed over the whole mesh) leaves nobody waiting,
+and nobody is told. A failure on one mesh is no failure of another.
 """
 
 from __future__ import annotations
@@ -75,10 +76,9 @@ def abort_on_uncaught_exceptions() -> None:
 
 class ErrorBoard:
     """A side channel over a mesh's ranks (its own duplicate of the communicator): a rank
-    that fails tells every other why (``announce``), and their bounded waits raise it
-    (``alarm``, polled by ``waits``). A rank hears of one failure, or tells of its own,
-    once: the board then stops listening, so that a failure is never raised twice, or
-    after the program has handled it."""
+    that fails tells every other why (``announce``), and their waits inside the mesh's
+    entry points raise it (``alarm``, polled by ``waits`` while such a call runs). A
+    failure, once known, stays: the mesh's ranks are no longer in step."""
 
     TAG = 31_338
     SIZE = 512                       # bytes of a message: its text, then the world rank
@@ -91,50 +91,42 @@ class ErrorBoard:
         self.world_rank = MPI.COMM_WORLD.Get_rank()
         self.buf = np.zeros(self.SIZE, dtype=np.uint8)
         self.request = self.comm.Irecv(self.buf, source=MPI.ANY_SOURCE, tag=self.TAG)
-        self.done = False             # a failure heard of, or told of
-        self.failure: PeerFailed | None = None      # which: the mesh runs nothing after it
+        self.failure: PeerFailed | None = None       # the mesh runs nothing after it
         self._sent: list = []
         _boards.append(self)
-        waits.add_alarm(self.alarm)
 
     def alarm(self) -> PeerFailed | None:
-        """Another rank's failure, the first time this rank asks after it arrived."""
-        if self.done or not self.request.Test():
-            return None
-        self.retire()
-        rank = int(self.buf[-4:].view(np.int32)[0])
-        self.failure = PeerFailed(rank, self.buf[:-4].tobytes().rstrip(b"\0").decode(
-            errors="replace"))
+        """The mesh's failure: another rank's, once its word has arrived, or this one's."""
+        if self.failure is None and self.request is not None and self.request.Test():
+            self.request = None
+            rank = int(self.buf[-4:].view(np.int32)[0])
+            self.failure = PeerFailed(rank, self.buf[:-4].tobytes().rstrip(b"\0").decode(
+                errors="replace"))
         return self.failure
 
     def announce(self, error: BaseException) -> None:
-        """Tell every other rank that this one failed with ``error`` (not when it has
-        already heard of another's failure, or when every rank raised ``error`` too)."""
-        if self.done or getattr(error, "agreed_by", 0) >= self.size or self.alarm():
+        """Tell every other rank that this one failed with ``error`` (not when the mesh has
+        failed already, or when every rank raised ``error`` too)."""
+        if self.alarm() is not None or getattr(error, "agreed_by", 0) >= self.size:
             return
+        text = describe(error)
         msg = np.zeros(self.SIZE, dtype=np.uint8)
-        raw = describe(error).encode()[:self.SIZE - 4]
+        raw = text.encode()[:self.SIZE - 4]
         msg[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         msg[-4:] = np.array([self.world_rank], dtype=np.int32).view(np.uint8)
         # kept alive until delivered (a message this small leaves at once: MPI's eager sends)
         self._sent = [msg] + [self.comm.Isend(msg, dest=r, tag=self.TAG)
                               for r in range(self.size) if r != self.rank]
-        self.failure = PeerFailed(self.world_rank, describe(error))
-        self.retire()
-
-    def retire(self) -> None:
-        """Stop listening: this rank knows of a failure already."""
-        self.done = True
-        waits.remove_alarm(self.alarm)
+        self.failure = PeerFailed(self.world_rank, text)
 
     def close(self) -> None:
         """Stop listening and free the channel (each rank of the mesh frees its own)."""
-        self.retire()
         if self in _boards:
             _boards.remove(self)
-        if not self.request.Test():
+        if self.request is not None and not self.request.Test():
             self.request.Cancel()
             self.request.Wait()
+        self.request = None
         for send in self._sent[1:]:
             send.Test()
         self.comm.Free()
@@ -149,36 +141,44 @@ def describe(error: BaseException) -> str:
 
 
 def tell_peers(error: BaseException) -> None:
-    """Tell the other ranks of this process's meshes that this one failed with ``error``."""
+    """Tell the other ranks of this process's meshes that this one failed with ``error``
+    (a program's own error, caught: their next call on the mesh raises it)."""
     for board in list(_boards):
         board.announce(error)
 
 
 def fails_together(method):
-    """A library entry point whose errors reach every rank of the meshes (``tell_peers``),
-    not only the rank that raised them: the others would wait for it in their next
-    collective until the timeout. A method of a group of a failed mesh (its
-    ``error_board`` holds a failure) raises that failure at once: the other ranks have left,
-    and a collective matched with another step's would move wrong numbers."""
+    """An entry point whose errors reach the other ranks. A method of an object on a mesh
+    (a group, a layer, a pipeline: its ``error_board``, None off a mesh) tells that mesh,
+    and while it runs its waits raise a failure another rank of the mesh tells; a call on
+    a failed mesh raises the failure at once (the other ranks have left, and a collective
+    matched with another step's would move wrong numbers). Any other function (a
+    program's own) tells every mesh of the process (``tell_peers``)."""
     @functools.wraps(method)
     def entry_point(*args, **kwargs):
-        board = getattr(args[0], "error_board", None) if args else None
-        if board is not None and board.failure is not None:
-            raise board.failure      # a failed mesh runs nothing more: its ranks are gone
+        if not (args and hasattr(args[0], "error_board")):
+            try:
+                return method(*args, **kwargs)
+            except (Stopped, PeerFailed, HangElsewhere):
+                raise
+            except Exception as e:
+                tell_peers(e)
+                raise
+        board = args[0].error_board
+        if board is None:
+            return method(*args, **kwargs)
+        if (failure := board.alarm()) is not None:
+            raise failure
+        waits.add_alarm(board.alarm)
         try:
             return method(*args, **kwargs)
-        except Stopped:
-            raise                    # a stop request: every rank hears it for itself
-        except (PeerFailed, HangElsewhere):
-            # heard of another rank's failure (the pipeline's own channel, the watchdog):
-            # the boards' word of it, arriving later, must not be raised again
-            for board in _boards:
-                board.retire()
-            raise
+        except (Stopped, PeerFailed, HangElsewhere):
+            raise                    # a stop request, another rank's failure: not this one's
         except Exception as e:
-            if _boards:
-                tell_peers(e)
+            board.announce(e)
             raise
+        finally:
+            waits.remove_alarm(board.alarm)
     return entry_point
 
 

@@ -72,6 +72,7 @@ class Pipeline:
     def __init__(self, group: Communicator, stages, loss: Callable | None = None,
                  schedule: str = "1f1b", recompute: bool = False):
         self.group = group
+        self.error_board = group.error_board     # its mesh's (comm.failfast.fails_together)
         self.chunks = list(stages) if isinstance(stages, (list, tuple)) else [stages]
         self.p, self.rank, self.V = group.size, group.rank, len(self.chunks)
         self.loss, self.schedule, self.recompute = loss, schedule, recompute
