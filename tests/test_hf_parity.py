@@ -36,14 +36,17 @@ def _transformers_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def test_prompt_logits_match_transformers(hf_model):
-    model, path = hf_model
+def _assert_prompt_logits_are_transformers(model, path):
     ours = _hpcpar(path, PROMPTS, 1)
     for b, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             theirs = model(torch.tensor(prompt[None])).logits[0].numpy()
         np.testing.assert_allclose(ours.prompt_logits[b, :len(prompt)], theirs, atol=1e-4,
                                    rtol=0)
+
+
+def test_prompt_logits_match_transformers(hf_model):
+    _assert_prompt_logits_are_transformers(*hf_model)
 
 
 def test_greedy_tokens_match_transformers_generate(hf_model):
@@ -128,12 +131,7 @@ def test_a_qwen2_moe_without_a_shared_expert_converts_computes_and_exports_exact
     from safetensors.numpy import load_file
     from hpcpar.checkpoint.export import export
     model, path = build_hf_model("qwen2_moe", tmp_path, shared_expert_intermediate_size=0)
-    ours = _hpcpar(path, PROMPTS, 1)
-    for b, prompt in enumerate(PROMPTS):
-        with torch.no_grad():
-            theirs = model(torch.tensor(prompt[None])).logits[0].numpy()
-        np.testing.assert_allclose(ours.prompt_logits[b, :len(prompt)], theirs, atol=1e-4,
-                                   rtol=0)
+    _assert_prompt_logits_are_transformers(model, path)
     export(path, tmp_path / "out")
     mine = load_file(str(tmp_path / "out" / "model.safetensors"))
     source = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from .. import waits
-from ..errors import HangElsewhere, PeerFailed, Stopped
+from ..errors import HangElsewhere, HpcparError, PeerFailed, Stopped
 
 _installed = {"hook": None}
 
@@ -74,6 +74,24 @@ def abort_on_uncaught_exceptions() -> None:
     sys.excepthook = hook
 
 
+MESSAGE_BYTES = 512          # a failure's word: its text, then the failed rank (world)
+
+
+def failure_message(error: BaseException, world_rank: int) -> np.ndarray:
+    """``error``'s word to the other ranks, ``MESSAGE_BYTES`` long (the text cut to fit)."""
+    msg = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
+    raw = describe(error).encode()[:MESSAGE_BYTES - 4]
+    msg[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    msg[-4:] = np.array([world_rank], dtype=np.int32).view(np.uint8)
+    return msg
+
+
+def failure_of(msg: np.ndarray) -> PeerFailed:
+    """The ``PeerFailed`` a received ``failure_message`` stands for."""
+    rank = int(msg[-4:].view(np.int32)[0])
+    return PeerFailed(rank, msg[:-4].tobytes().rstrip(b"\0").decode(errors="replace"))
+
+
 class ErrorBoard:
     """A side channel over a mesh's ranks (its own duplicate of the communicator): a rank
     that fails tells every other why (``announce``), and their waits inside the mesh's
@@ -81,7 +99,6 @@ class ErrorBoard:
     failure, once known, stays: the mesh's ranks are no longer in step."""
 
     TAG = 31_338
-    SIZE = 512                       # bytes of a message: its text, then the world rank
 
     def __init__(self, comm):
         """Collective over ``comm`` (an mpi4py intracommunicator)."""
@@ -89,7 +106,7 @@ class ErrorBoard:
         self.comm = comm.Dup()
         self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.world_rank = MPI.COMM_WORLD.Get_rank()
-        self.buf = np.zeros(self.SIZE, dtype=np.uint8)
+        self.buf = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
         self.request = self.comm.Irecv(self.buf, source=MPI.ANY_SOURCE, tag=self.TAG)
         self.failure: PeerFailed | None = None       # the mesh runs nothing after it
         self._sent: list = []
@@ -99,9 +116,7 @@ class ErrorBoard:
         """The mesh's failure: another rank's, once its word has arrived, or this one's."""
         if self.failure is None and self.request is not None and self.request.Test():
             self.request = None
-            rank = int(self.buf[-4:].view(np.int32)[0])
-            self.failure = PeerFailed(rank, self.buf[:-4].tobytes().rstrip(b"\0").decode(
-                errors="replace"))
+            self.failure = failure_of(self.buf)
         return self.failure
 
     def announce(self, error: BaseException) -> None:
@@ -109,15 +124,11 @@ class ErrorBoard:
         failed already, or when every rank raised ``error`` too)."""
         if self.alarm() is not None or getattr(error, "agreed_by", 0) >= self.size:
             return
-        text = describe(error)
-        msg = np.zeros(self.SIZE, dtype=np.uint8)
-        raw = text.encode()[:self.SIZE - 4]
-        msg[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        msg[-4:] = np.array([self.world_rank], dtype=np.int32).view(np.uint8)
+        msg = failure_message(error, self.world_rank)
         # kept alive until delivered (a message this small leaves at once: MPI's eager sends)
         self._sent = [msg] + [self.comm.Isend(msg, dest=r, tag=self.TAG)
                               for r in range(self.size) if r != self.rank]
-        self.failure = PeerFailed(self.world_rank, text)
+        self.failure = failure_of(msg)
 
     def close(self) -> None:
         """Stop listening and free the channel (each rank of the mesh frees its own)."""
@@ -136,7 +147,7 @@ _boards: list[ErrorBoard] = []
 
 
 def describe(error: BaseException) -> str:
-    from ..errors import HpcparError
+    """An error as the other ranks are told it: hpcpar's by its text, others by kind too."""
     return str(error) if isinstance(error, HpcparError) else f"{type(error).__name__}: {error}"
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import splits, waits
 from ..comm import Communicator
-from ..comm.failfast import fails_together
+from ..comm.failfast import MESSAGE_BYTES, failure_message, failure_of, fails_together
 from ..errors import HpcparError, PeerFailed
 from ..params import join, named_parameters
 from .executor import PipelineExecutor
@@ -296,14 +296,13 @@ class _ErrorChannel:
     for the length of a step only, so nothing is left pending at exit."""
 
     TAG = 31_337
-    SIZE = 512
 
     def __init__(self, group: Communicator):
         from mpi4py import MPI
         self.comm = group.mpi_comm.Dup()            # collective: every rank of the group
         self.size = group.size
         self.world_rank = MPI.COMM_WORLD.Get_rank()
-        self.buf = np.zeros(self.SIZE, dtype=np.uint8)
+        self.buf = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
         self.request = None
 
     def listen(self) -> None:
@@ -320,19 +319,12 @@ class _ErrorChannel:
     def alarm(self):
         if self.request is None or not self.request.Test():
             return None
-        rank = int(self.buf[-4:].view(np.int32)[0])
-        text = self.buf[:-4].tobytes().rstrip(b"\0").decode(errors="replace")
         self.request = None
-        return PeerFailed(rank, text)
+        return failure_of(self.buf)
 
     def announce(self, error: Exception) -> None:
         """Tell every other rank of the group that this one failed, and why."""
-        text = str(error) if isinstance(error, HpcparError) \
-            else f"{type(error).__name__}: {error}"
-        msg = np.zeros(self.SIZE, dtype=np.uint8)
-        raw = text.encode()[:self.SIZE - 4]
-        msg[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        msg[-4:] = np.array([self.world_rank], dtype=np.int32).view(np.uint8)
+        msg = failure_message(error, self.world_rank)
         # the message and its requests are kept alive until delivered
         self._msg = msg
         self._sends = [self.comm.Isend(msg, dest=r, tag=self.TAG)
