@@ -21,10 +21,13 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..parallel.errors import HpcparError
-from .chat_sandbox import LimitedSandbox, RenderLimit
 from .render_limits import template_limits
+
+if TYPE_CHECKING:
+    from .chat_sandbox import LimitedSandbox
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                   "cls_token", "mask_token")
@@ -130,6 +133,8 @@ class ChatTemplate:
 
     def _compiled(self, where: str):
         if self._template is None and self.problem is None:
+            # jinja2 loads here, with the first template compiled: not in every rank's start
+            from .chat_sandbox import LimitedSandbox
             self._env = env = LimitedSandbox()
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -149,6 +154,8 @@ class ChatTemplate:
         the template raises, and a rendering past the time or size limit, is one error naming
         ``where``."""
         import jinja2
+
+        from .chat_sandbox import RenderLimit
         template = self._compiled(where)
         env = self._env
         env.limit(*template_limits())
