@@ -1,4 +1,4 @@
-"""A model's config is checked as transformers checks it, or run exactly (issue 33, item 1).
+"""A model's config is checked as transformers checks it, or run exactly.
 
 Every field that changes the computation is implemented as the family's transformers class
 computes it or refused in one line naming the field and its value: the activation, the rope

@@ -1,7 +1,6 @@
-"""The defect classes found by probing hpcpar as a new user would, each refused with one line
-and exit 2 before any work: outputs that are inputs, damaged weights, non-finite sampling
-settings, unwritable or busy outputs, unreadable input files; and temporaries a crashed
-writer left behind are cleaned up."""
+"""Inputs a job cannot use, each refused with one line and exit 2 before any work: outputs
+that are inputs, damaged weights, non-finite sampling settings, unwritable or busy outputs,
+unreadable input files; and temporaries a crashed writer left behind are cleaned up."""
 
 import json
 import os
@@ -18,7 +17,7 @@ from test_generate_cli import _assert_one_error
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("probing")
+    folder = tmp_path_factory.mktemp("refused")
     make_checkpoint(folder, GQA)
     (folder / "ids.jsonl").write_text('{"ids": [5, 6, 7]}\n{"ids": [9, 10]}\n')
     np.save(folder / "data.npy", np.random.default_rng(0).integers(0, 250, (16, 9)))
@@ -128,11 +127,11 @@ def test_unreadable_inputs_are_one_line_not_a_traceback(work):
 
 
 @pytest.mark.slow
-def test_the_second_probes_inputs_are_one_line_each(work):
-    """What a second probe found taken without a word, each now one line, exit 2: a JSON
-    line with a key twice (the last won), a file named .npy that is not one (NumPy's
-    message blamed pickled data) for generation, scoring and training, a tensor the config
-    has no place for (it was left unused: a bias with attention_bias off), a plan for 0
+def test_ambiguous_or_misnamed_inputs_are_one_line_each(work):
+    """Inputs that could be taken without a word are each one line, exit 2: a JSON
+    line with a key twice (the last would win), a file named .npy that is not one (NumPy's
+    message would blame pickled data) for generation, scoring and training, a tensor the config
+    has no place for (it would be left unused: a bias with attention_bias off), a plan for 0
     ranks, a Slurm time limit sbatch cannot read, and a time-limit signal no earlier than the
     limit itself."""
     (work / "twice.jsonl").write_text('{"ids": [5, 6], "ids": [7, 8, 9]}\n')
