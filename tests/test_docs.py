@@ -1,0 +1,42 @@
+"""The documentation site: ``mkdocs build --strict`` builds docs/ with no broken link or
+anchor, and every page under docs/ is in mkdocs.yml's nav."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml                     # PyYAML: mkdocs's own dependency, in the test extra
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _nav_pages(nav) -> list[str]:
+    """Every page path of a mkdocs nav: a list of strings and one-key dicts, nested."""
+    pages = []
+    for entry in nav:
+        if isinstance(entry, str):
+            pages.append(entry)
+        elif isinstance(entry, dict):
+            for value in entry.values():
+                pages.extend(_nav_pages(value) if isinstance(value, list) else [value])
+    return pages
+
+
+def test_every_docs_page_is_in_the_nav():
+    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    assert config["docs_dir"] == "docs" and config["strict"] is True
+    listed = _nav_pages(config["nav"])
+    pages = sorted(p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs").rglob("*.md"))
+    assert sorted(set(listed)) == sorted(listed), f"a page is listed twice: {listed}"
+    assert set(pages) == set(listed), (f"not in the nav: {sorted(set(pages) - set(listed))}; "
+                                       f"in the nav, no such page: {sorted(set(listed) - set(pages))}")
+
+
+@pytest.mark.slow
+def test_the_site_builds_strictly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir",
+                           str(tmp_path / "site")], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert (tmp_path / "site" / "index.html").is_file()
