@@ -77,7 +77,7 @@ def test_cuda_aware_mpi_is_decided_by_the_library_the_setting_and_mpi4py(setting
 
 def test_the_mpich_wheel_says_it_is_not_cuda_aware():
     """Only where the MPI loaded is the pip mpich wheel's (a site MPI may well be
-    CUDA-aware, as the README recommends)."""
+    CUDA-aware, as docs/guides/mpi.md recommends)."""
     import importlib.metadata
     import re
     from mpi4py import MPI  # noqa: F401  (loads the library)

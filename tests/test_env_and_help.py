@@ -4,7 +4,7 @@ Every ``HPCPAR_*`` variable is read through one table (``settings.ENVIRONMENT``)
 or a name hpcpar does not read, is one line naming the variable, the value and what it
 accepts, status 2 on every rank, before any work; the variables hpcpar sets for its own
 processes keep working. Then the newcomer's list: each command's ``--help`` equals the
-README's command block, the messages and job-file comments a first run meets say what is
+command block of docs/reference/cli.md, the messages and job-file comments a first run meets say what is
 true, output to a closed pipe ends quietly, and the Slurm tests skip, with the reason, where
 no local Slurm can run.
 """
@@ -27,6 +27,11 @@ from hpcpar.parallel.errors import HpcparError
 from test_generate_cli import _assert_one_error
 
 README = (REPO / "README.md").read_text()
+# what a user reads: the README and every page of the documentation, as one text
+DOCS = "\n".join([README] + [p.read_text() for p in sorted((REPO / "docs").rglob("*.md"))])
+CLI_REFERENCE = (REPO / "docs" / "reference" / "cli.md").read_text()
+GENERATION_GUIDE = (REPO / "docs" / "guides" / "generation.md").read_text()
+SLURM_GUIDE = (REPO / "docs" / "guides" / "slurm.md").read_text()
 TOOL_ENV = {k: v for k, v in os.environ.items() if not k.startswith("HPCPAR_")}
 
 
@@ -64,10 +69,10 @@ def _names_in(text: str) -> set[str]:
 def test_every_variable_read_or_documented_is_in_the_table_and_documented():
     sources = [p for p in (REPO / "hpcpar").rglob("*.py")] + list((REPO / "slurm").iterdir())
     used = set().union(*(_names_in(p.read_text()) for p in sources if p.is_file()))
-    used |= _names_in(README)
+    used |= _names_in(DOCS)
     assert used <= set(settings.ENVIRONMENT), used - set(settings.ENVIRONMENT)
     for name in settings.ENVIRONMENT:
-        assert f"`{name}" in README, f"{name} is not documented in the README"
+        assert f"`{name}" in CLI_REFERENCE, f"{name} is not documented in docs/reference/cli.md"
     # nothing reads one past the table: no os.environ / getenv of an HPCPAR_ name elsewhere
     for path in (REPO / "hpcpar").rglob("*.py"):
         if path.name == "settings.py":
@@ -225,12 +230,12 @@ def test_the_variables_hpcpar_sets_for_its_ranks_keep_working(work):
         assert f["tokens"].shape == (4, 3)
 
 
-# ---- item 6: --help and the README's command block -------------------------------------------
+# ---- item 6: --help and the command block of docs/reference/cli.md ---------------------------
 
-def _readme_commands() -> dict[str, str]:
-    """The README's command block under "## Commands": command -> its text (continuation
-    lines included)."""
-    section = README.split("\n## Commands\n", 1)[1]
+def _cli_reference_commands() -> dict[str, str]:
+    """The command block under "## Commands" in docs/reference/cli.md: command -> its text
+    (continuation lines included)."""
+    section = CLI_REFERENCE.split("\n## Commands\n", 1)[1]
     block = section.split("```\n", 2)[1]
     commands, current = {}, None
     for line in block.splitlines():
@@ -261,15 +266,15 @@ def _flags(parser) -> dict[str, list | None]:
     return out
 
 
-def test_every_command_is_in_the_readme_block():
-    assert set(_readme_commands()) == set(_subparsers()) | {"(none)"}
+def test_every_command_is_in_the_cli_reference_block():
+    assert set(_cli_reference_commands()) == set(_subparsers()) | {"(none)"}
 
 
 @pytest.mark.parametrize("command", sorted(["demo", "generate", "score", "train", "plan",
                                             "convert", "export", "init", "submit", "run"]))
-def test_each_commands_help_and_the_readme_block_have_the_same_flags(command):
+def test_each_commands_help_and_the_cli_reference_block_have_the_same_flags(command):
     parsers = _subparsers()
-    text = _readme_commands()[command]
+    text = _cli_reference_commands()[command]
     listed = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
     flags = _flags(parsers[command])
     if command == "run":        # "[any flag of generate, score, train]": exactly their union
@@ -278,18 +283,18 @@ def test_each_commands_help_and_the_readme_block_have_the_same_flags(command):
         assert set(flags) == union, set(flags) ^ union
         flags = {f: c for f, c in flags.items() if f in listed}
     assert set(flags) == listed, (f"in --help only: {sorted(set(flags) - listed)}; "
-                                  f"in the README only: {sorted(listed - set(flags))}")
-    # a value list the README writes (--batching continuous|static) is the flag's choices
+                                  f"in docs/reference/cli.md only: {sorted(listed - set(flags))}")
+    # a value list the command block writes (--batching continuous|static) is the flag's choices
     for flag, values in re.findall(r"(--[a-z][a-z0-9-]*)[ =]([\w.-]+(?:\|[\w.-]+)+)", text):
         values = values.split("|")
         if any(v != v.lower() for v in values):      # OUT.h5|OUT.jsonl, auto|PATH: no choices
             continue
-        assert flags[flag] is not None, (flag, "takes any value, the README lists", values)
+        assert flags[flag] is not None, (flag, "takes any value, the docs list", values)
         assert sorted(values) == sorted(flags[flag]), (flag, values, flags[flag])
 
 
 @pytest.mark.slow
-def test_the_help_texts_say_what_the_readme_says():
+def test_the_help_texts_say_what_the_docs_say():
     parsers = _subparsers()
 
     def help_of(command, flag):
@@ -299,12 +304,12 @@ def test_the_help_texts_say_what_the_readme_says():
         assert ".jsonl" in help_of(command, "--out")
         prompts = help_of(command, "--prompts")
         assert all(w in prompts for w in ("{messages}", "{text}", "{ids}", "random")), prompts
-    assert "`random`" in README.split("- **Prompts**", 1)[1].split("\n- ", 1)[0]
-    assert "--signal-seconds" in README.split("## Running on Slurm", 1)[1]
+    assert "`random`" in GENERATION_GUIDE.split("- **Prompts**", 1)[1].split("\n- ", 1)[0]
+    assert "--signal-seconds" in SLURM_GUIDE
     text = subprocess.run([sys.executable, "-m", "hpcpar", "init", "--help"], cwd=REPO,
                           capture_output=True, text=True, env=dict(TOOL_ENV,
                                                                    PYTHONPATH=str(REPO))).stdout
-    assert "llama3-1b" in text and "llama3-1b" in _readme_commands()["init"]
+    assert "llama3-1b" in text and "llama3-1b" in _cli_reference_commands()["init"]
 
 
 @pytest.mark.slow
@@ -327,8 +332,8 @@ def test_converts_message_says_how_to_install_from_a_clone(monkeypatch):
     with pytest.raises(HpcparError) as e:
         _safetensors()
     assert 'pip install -e ".[hf]"' in str(e.value) and "hpcpar[hf]" not in str(e.value)
-    assert "hpcpar[hf]" not in README
-    assert 'pip install -e ".[hf]"' in README.split("## Commands", 1)[1].split("## Training")[0]
+    assert "hpcpar[hf]" not in DOCS
+    assert 'pip install -e ".[hf]"' in CLI_REFERENCE.split("## convert and export", 1)[1].split("\n## ")[0]
 
 
 @pytest.mark.slow
@@ -389,9 +394,9 @@ def test_output_to_a_closed_pipe_ends_quietly(tmp_path, args):
 
 
 @pytest.mark.slow
-def test_the_readme_says_what_scoring_does_with_rows_shorter_than_cp(work):
-    assert "a sequence shorter than cp (training, scoring)" not in README
-    assert "a shorter row among longer ones is padded and scored exactly" in README
+def test_the_docs_say_what_scoring_does_with_rows_shorter_than_cp(work):
+    assert "a sequence shorter than cp (training, scoring)" not in DOCS
+    assert "a shorter row among longer ones is padded and scored exactly" in DOCS
     np.save(work / "short.npy", np.array([[-1, -1, 5, 17], [3, 4, 5, 6], [-1, -1, -1, 9]]))
     runs = {}
     for n, cp in ((1, 1), (3, 3)):

@@ -1,5 +1,6 @@
-"""The README as a user reads it: every Python block runs as written under the ``mpiexec``
-line it starts with, and the library reference names every public name of
+"""The README and the documentation as a user reads them: every Python block of README.md and
+of every docs/**/*.md page runs as written under the ``mpiexec`` line it starts with, and the
+library reference (docs/reference/library.md) names every public name of
 ``hpcpar.parallel``."""
 
 import os
@@ -13,8 +14,24 @@ import pytest
 import hpcpar.parallel as hp
 from helpers import MPIEXEC
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md"] + sorted((REPO / "docs").rglob("*.md"))
+LIBRARY_REFERENCE = REPO / "docs" / "reference" / "library.md"
+
+
+def _blocks() -> dict[str, str]:
+    """Every Python block of the pages, by page and number; a block shown on several pages
+    (the README repeats one of the library guide's) runs once."""
+    found: dict[str, str] = {}
+    for page in PAGES:
+        text = page.read_text()
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", text, flags=re.S)):
+            if block not in found.values():
+                found[f"{page.relative_to(REPO).as_posix()}:{i}"] = block
+    return found
+
+
+BLOCKS = _blocks()
 
 
 def _launch(block: str) -> list[str]:
@@ -22,16 +39,23 @@ def _launch(block: str) -> list[str]:
     ``# python this.py``."""
     first = block.splitlines()[0]
     found = re.fullmatch(r"# (?:mpiexec -n (\d+) )?python this\.py", first.strip())
-    assert found, f"a README Python block must start with its launch line, not {first!r}"
+    assert found, f"a documented Python block must start with its launch line, not {first!r}"
     return [MPIEXEC, "-n", found.group(1)] if found.group(1) else []
 
 
-def test_the_readme_has_python_blocks():
-    assert len(BLOCKS) >= 3
+def test_the_readme_and_the_docs_have_python_blocks():
+    readme = (REPO / "README.md").read_text()
+    assert re.search(r"```python\n", readme)
+    assert len(BLOCKS) >= 4
+
+
+def test_every_python_block_has_its_launch_line():
+    for name, block in BLOCKS.items():
+        assert _launch(block) is not None, name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+@pytest.mark.parametrize("block", list(BLOCKS.values()), ids=list(BLOCKS))
 def test_every_python_block_runs_under_its_launch_line(block, tmp_path):
     program = tmp_path / "this.py"
     program.write_text(block)
@@ -43,7 +67,6 @@ def test_every_python_block_runs_under_its_launch_line(block, tmp_path):
 
 
 def test_the_reference_names_every_public_name():
-    reference = README[README.index("## Library reference"):]
-    reference = reference[:reference.index("\n## ", 1)]
+    reference = LIBRARY_REFERENCE.read_text()
     missing = [name for name in hp.__all__ if not re.search(rf"`{name}\b", reference)]
-    assert not missing, f"the README's library reference does not name {missing}"
+    assert not missing, f"docs/reference/library.md does not name {missing}"

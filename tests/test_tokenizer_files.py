@@ -445,8 +445,8 @@ def test_a_template_that_never_ends_stops_at_start_up_with_one_line(work):
                                                        "env.h5"))
 
 
-def test_the_readme_gives_the_limits_and_their_defaults():
-    readme = (REPO / "README.md").read_text()
+def test_the_generation_guide_gives_the_limits_and_their_defaults():
+    readme = (REPO / "docs" / "guides" / "generation.md").read_text()
     seconds = settings.ENVIRONMENT["HPCPAR_TEMPLATE_SECONDS"][1]
     mb = settings.ENVIRONMENT["HPCPAR_TEMPLATE_MB"][1]
     assert f"`HPCPAR_TEMPLATE_SECONDS` (default {seconds:g} s)" in readme

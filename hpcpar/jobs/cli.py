@@ -16,8 +16,8 @@
     python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
     python -m hpcpar submit JOB.toml [--nodes N --ranks-per-node R ...]
 
-Every command's flags: ``python -m hpcpar COMMAND --help``, and the README's "Commands" block
-(``tests/test_env_and_help.py`` keeps the two equal).
+Every command's flags: ``python -m hpcpar COMMAND --help``, and the command block of
+docs/reference/cli.md (``tests/test_env_and_help.py`` keeps the two equal).
 
 Every rank parses the same arguments and validates the same inputs; problems are agreed on
 and printed once (see ``hpcpar.jobs.launch``). Serial commands (convert, export, init, plan,

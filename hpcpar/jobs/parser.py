@@ -1,6 +1,7 @@
 """The command line's grammar: every command's flags (``build_parser``), and which job setting
 each flag sets (``JOB_FLAGS``, ``TRAIN_FLAGS``). ``cli`` parses with it and runs the
-command; the README's command block lists the same flags (``tests/test_env_and_help.py``)."""
+command; the command block of docs/reference/cli.md lists the same flags
+(``tests/test_env_and_help.py``)."""
 
 from __future__ import annotations
 

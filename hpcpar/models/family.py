@@ -69,7 +69,8 @@ LLAMA_NAMES = {
 @dataclass(frozen=True)
 class Family:
     """One model family. ``features(hf)`` reads the fields where it differs from Llama into
-    ``ModelConfig`` keyword arguments; ``differs`` says so in words (the README's table)."""
+    ``ModelConfig`` keyword arguments; ``differs`` says so in words (the table of
+    README.md and docs/models.md)."""
 
     model_type: str
     architecture: str                              # the transformers class it matches

@@ -1,5 +1,5 @@
 """hpcpar's parallel core, for any NumPy/CuPy model under mpiexec (SPMD: every rank runs the
-same program). See the README's "Use it as a library" and its reference section.
+same program). See docs/guides/library.md and docs/reference/library.md.
 
     from mpi4py import MPI
     import hpcpar.parallel as hp
