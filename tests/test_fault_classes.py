@@ -1,5 +1,5 @@
 """Every class of fault a user meets ends as one line from one rank, a documented status on
-every rank, nothing half-written and no input touched (DESIGN.md §7): numeric settings out of
+every rank, nothing half-written and no input touched (docs/design.md §7): numeric settings out of
 range from any source, data and outputs of the wrong kind, damaged partial files, failed
 writes (a full disk, a failing or read-only file system) and Ctrl-C."""
 

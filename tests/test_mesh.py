@@ -13,7 +13,7 @@ def test_coords_and_rank_are_inverse(dp, pp, tp, data):
     rank = data.draw(st.integers(0, layout.world_size - 1))
     c = coords_of(rank, layout)
     assert rank_of(c, layout) == rank
-    # the formula of DESIGN.md §1, tp fastest
+    # the formula of docs/design.md §1, tp fastest
     assert rank == (c.dp_rank * pp + c.pp_rank) * tp + c.tp_rank
 
 

@@ -91,7 +91,7 @@ def _job(folder, out, layout, *extra, optimizer="adamw"):
 
 def assert_same_checkpoint(path, ref_path, before_path):
     """Weights and optimizer state: AdamW results compared by the update, normwise per tensor
-    (DESIGN §5), and the moments normwise too (float32 sums in another order)."""
+    (docs/design.md §5), and the moments normwise too (float32 sums in another order)."""
     with h5py.File(path) as f, h5py.File(ref_path) as ref, h5py.File(before_path) as b:
         for name, dset in ref.items():
             if not isinstance(dset, h5py.Dataset):

@@ -23,7 +23,7 @@ from helpers import HF_CONFIGS, build_hf_model  # noqa: E402
 B, L = 4, 10
 # AdamW's eps: an element whose float32 gradient is summation noise (~1e-9) moves by g / eps;
 # at 1e-8 one such element of a 16 x 64 tensor is 3% of its 3-step update (qwen2's last
-# v_proj, measured), at 1e-6 the comparison is about the arithmetic again (DESIGN.md §5)
+# v_proj, measured), at 1e-6 the comparison is about the arithmetic again (docs/design.md §5)
 EPS = 1e-6
 
 
@@ -123,7 +123,7 @@ def _hpcpar_run(folder, out, steps, optimizer, data="data.npy", extra=(), **opts
 
 
 def assert_adamw_steps(got: list[float], want: list[float]) -> None:
-    """Per-step figures of AdamW runs (DESIGN.md §5): the first step's exactly (1e-5
+    """Per-step figures of AdamW runs (docs/design.md §5): the first step's exactly (1e-5
     relative), each later one within 1e-3 of how far the figure has moved since, as the
     weights behind it are compared by the update."""
     assert got[0] == pytest.approx(want[0], rel=1e-5)

@@ -1,4 +1,4 @@
-"""The HDF5 checkpoint format (DESIGN.md §4), version 1.
+"""The HDF5 checkpoint format (docs/design.md §4), version 1.
 
     /                                   attrs: hpcpar_format_version = 1
                                                hf_config = the model's config.json (JSON text)

@@ -1,4 +1,4 @@
-"""Training checkpoints (DESIGN §4): a weights checkpoint plus the optimizer state and the
+"""Training checkpoints (docs/design.md §4): a weights checkpoint plus the optimizer state and the
 training state, written by every rank's own slices and read back under any layout.
 
     DIR/step-S.h5       the model tensors (float32 master weights, Hugging Face names),

@@ -1,4 +1,4 @@
-"""Training data: token sequences and the order the steps read them in (DESIGN §3).
+"""Training data: token sequences and the order the steps read them in (docs/design.md §3).
 
 A dataset is a list of samples of L + 1 tokens each (inputs ``row[:-1]``, labels ``row[1:]``):
 
