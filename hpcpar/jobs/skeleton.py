@@ -30,7 +30,7 @@ from ..parallel.errors import CommTimeout, Stopped
 from ..parallel.ops import check_ops
 from .job import Job
 from .launch import EXIT_PREEMPTED, JobFailed, StopRequest, everyone, phase, set_timeout
-from .outputs import claimed
+from .output_lock import claimed
 from .tracing import JobTrace, check_trace_path
 from .runtime import resolve_checkpoint
 

@@ -30,7 +30,7 @@ from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
 from .lines import JsonLines
-from .output import PartialOutput, RunShape, unpad_into
+from .output_file import PartialOutput, RunShape, unpad_into
 from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
 from .program import GenerationProgram, RowRules, any_rank
 from .progress import GenerationProgress
