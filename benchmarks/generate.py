@@ -110,7 +110,7 @@ def main():
                              run_hpcpar(mpiexec, n, pp, tp, args.micro_batches, work)))
         base = rows[0][2]
         from hpcpar.jobs.runtime import cache_dir
-        from hpcpar.jobs.generate.prompts import random_prompts
+        from hpcpar.jobs.inputs.prompts import random_prompts
         from hpcpar.checkpoint import open_checkpoint
         ckpt_path = cache_dir() / f"{args.preset}-seed0.h5"
         cfg = open_checkpoint(ckpt_path).config

@@ -19,8 +19,8 @@ from hpcpar.checkpoint import convert  # noqa: E402
 from hpcpar.parallel.errors import HpcparError  # noqa: E402
 from hpcpar.jobs.generate import run_generation  # noqa: E402
 from hpcpar.models.chat import ChatTemplate  # noqa: E402
-from hpcpar.jobs.generate.prompts import load_prompts  # noqa: E402
-from hpcpar.jobs.generate.setup import load_tokenizer  # noqa: E402
+from hpcpar.jobs.inputs.prompts import load_prompts  # noqa: E402
+from hpcpar.jobs.inputs.stage import load_tokenizer  # noqa: E402
 from hpcpar.checkpoint import open_checkpoint  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
 

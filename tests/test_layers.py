@@ -1,7 +1,8 @@
 """The package's three layers, read from its imports: each layer imports only the ones below
 it (the parallel core nothing above it; the models not the checkpoint or the jobs; the
-checkpoint not the jobs), and no module imports itself around a circle. Every import counts,
-including those inside functions (a lazy import is still a dependency)."""
+checkpoint not the jobs), the jobs generate, score and train never import each other (what
+they share is hpcpar.jobs.inputs), and no module imports itself around a circle. Every import
+counts, including those inside functions (a lazy import is still a dependency)."""
 
 import ast
 from pathlib import Path
@@ -13,6 +14,9 @@ PACKAGE = Path(hpcpar.__file__).parent
 # reads it before NumPy loads); the root package (its version) and __main__ sit on top
 LAYERS = ("hpcpar.cores", "hpcpar.parallel", "hpcpar.models", "hpcpar.checkpoint",
           "hpcpar.jobs")
+# side by side in the jobs layer: each imports neither of the others (hpcpar.jobs.inputs holds
+# what they all read)
+JOBS = ("hpcpar.jobs.generate", "hpcpar.jobs.score", "hpcpar.jobs.train")
 
 
 def _module_name(path: Path) -> str:
@@ -63,6 +67,16 @@ def test_each_layer_imports_only_the_layers_below_it():
     upward = sorted(f"{m} imports {t}" for m, targets in _imports().items() for t in targets
                     if t != "hpcpar" and _layer(t) > _layer(m))
     assert upward == [], "\n".join(upward)
+
+
+def _job(module: str) -> str | None:
+    return next((job for job in JOBS if module == job or module.startswith(job + ".")), None)
+
+
+def test_generate_score_and_train_never_import_each_other():
+    across = sorted(f"{m} imports {t}" for m, targets in _imports().items() for t in targets
+                    if _job(m) and _job(t) and _job(t) != _job(m))
+    assert across == [], "\n".join(across)
 
 
 def test_no_module_imports_itself_around_a_circle():

@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import PROMPTS, build_hf_model, generate_here, hpcpar_here, mpirun  # noqa: E402
-from hpcpar.jobs.generate.sampling import (PromptSampling, SamplingParams,  # noqa: E402
-                                           candidate_probabilities)
+from hpcpar.jobs.generate.sampling import candidate_probabilities  # noqa: E402
+from hpcpar.jobs.inputs.sampling_settings import PromptSampling, SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module")

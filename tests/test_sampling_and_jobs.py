@@ -5,7 +5,8 @@ import pytest
 from mpi4py import MPI
 
 from hpcpar.parallel.comm import create_communicator
-from hpcpar.jobs.generate.sampling import SamplingParams, sample_from_candidates
+from hpcpar.jobs.generate.sampling import sample_from_candidates
+from hpcpar.jobs.inputs.sampling_settings import SamplingParams
 from hpcpar.jobs.job import JobError, load_job, parse_set
 from hpcpar.parallel.layers import Frozen
 from hpcpar.parallel.vocab import ParallelLMHead
@@ -62,7 +63,7 @@ def test_each_row_draws_with_its_own_prompts_settings():
     that prompt's settings for every row. A prompt with a seed of its own draws as vLLM's
     per-request seed does: the same wherever the prompt is (its index is not in the key),
     and not as the job's seed would."""
-    from hpcpar.jobs.generate.sampling import PromptSampling
+    from hpcpar.jobs.inputs.sampling_settings import PromptSampling
     logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]] * 4))
     vals, ids = _sorted(logits)
     own = [{"top_k": 1}, {"top_k": 2, "seed": 7}, {"top_p": 0.7}, {"temperature": 3.0}]
@@ -110,7 +111,8 @@ def test_lm_head_argmax_and_top_k_on_one_rank_match_numpy():
 def test_a_step_of_greedy_and_top_k_rows_reads_the_device_once():
     """The greedy rows take their best candidate from the drawn rows' top-k exchange (ties to
     the lower id, as the argmax), so a mixed step reads its candidates once, in one array."""
-    from hpcpar.jobs.generate.sampling import PromptSampling, next_tokens
+    from hpcpar.jobs.generate.sampling import next_tokens
+    from hpcpar.jobs.inputs.sampling_settings import PromptSampling
     from hpcpar.parallel.backend import ArrayBackend
     from hpcpar.parallel.budget import Budget
     from hpcpar.parallel.strict import xp

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcpar.parallel.pipeline.partition import stage_layer_counts
-from hpcpar.jobs.generate.schedule import generation
+from hpcpar.jobs.inputs.schedule import generation
 from hpcpar.parallel.pipeline.schedule import (Action, Op, bubble_fraction, decode, draw, encode,
                                       gpipe_forward, schedule_problems, simulate)
 

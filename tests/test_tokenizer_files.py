@@ -20,8 +20,8 @@ from hpcpar.jobs import settings
 from hpcpar.checkpoint import convert, open_checkpoint
 from hpcpar.parallel.errors import HpcparError
 from hpcpar.models.chat import ChatTemplate
-from hpcpar.jobs.generate.prompts import load_prompts
-from hpcpar.jobs.generate.setup import load_tokenizer
+from hpcpar.jobs.inputs.prompts import load_prompts
+from hpcpar.jobs.inputs.stage import load_tokenizer
 from test_generate_cli import _assert_one_error
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n"

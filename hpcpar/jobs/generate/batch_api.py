@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ...parallel.errors import HpcparError
+from ..inputs.prompts import PromptError, Prompts, prompt_line, read_records
 from .lines import JsonLines
-from .prompts import PromptError, Prompts, prompt_line, read_records
 from .results import RowResults
 from .stopping import decode_text
 

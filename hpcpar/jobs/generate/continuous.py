@@ -36,11 +36,11 @@ from ...parallel.context import SplitKV, split_batch
 from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
-from .batching import MicroBatch
+from ..inputs.batching import MicroBatch
+from ..inputs.schedule import generation
 from .decode import decode_steps
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
 from .sampling import next_tokens
-from .schedule import generation
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default

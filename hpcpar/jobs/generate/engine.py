@@ -20,12 +20,15 @@ import numpy as np
 
 from ...parallel.pipeline.executor import PipelineExecutor
 from ..faults import fault_point
+from ..inputs.batching import micro_batches, replica_rows
+from ..inputs.prompts import Prompts
+from ..inputs.schedule import generation
+from ..inputs.stage import open_stage
 from ..job import Job
 from ..launch import EXIT_INVALID, JobFailed, everyone, phase, print_error
 from ..layout import ParallelConfig
 from ..replicas import owners
 from ..skeleton import JobRun
-from .batching import micro_batches, replica_rows
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
@@ -34,11 +37,8 @@ from .output_file import PartialOutput, RunShape, unpad_into
 from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
 from .program import GenerationProgram, RowRules, any_rank
 from .progress import GenerationProgress
-from .prompts import Prompts
 from .report import RankFigures, RunReport
 from .results import Logprobs, RowResults, Samples
-from .schedule import generation
-from .setup import open_stage
 from .stopping import decode_rows, finish_reasons
 from .stream import FinishedRows, save_interval
 

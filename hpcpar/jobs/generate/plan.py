@@ -18,15 +18,15 @@ from ...models.chat import ChatTemplate
 from ...models.tokenizer import StoredTokenizer
 from ...parallel.dtypes import dtype_name, float_dtype
 from ...parallel.errors import HpcparError
+from ..inputs.prompts import Prompts, check_prompts, load_prompts, random_prompts
+from ..inputs.sampling_settings import PromptSampling, SamplingParams
+from ..inputs.stage import eos_ids, load_tokenizer
 from ..job import Job
 from ..layout import ParallelConfig
 from .decode import check_graphed_layout
 from .program import GenerationSettings
-from .prompts import Prompts, check_prompts, load_prompts, random_prompts
 from .batch_api import is_batch_file, load_requests, screen
 from .results import Logprobs, ResultShape, RowResults, Samples
-from .sampling import PromptSampling, SamplingParams
-from .setup import eos_ids, load_tokenizer
 from .stopping import StopStrings, decode_rows, finish_reasons
 
 

@@ -25,11 +25,12 @@ from ...parallel.context import ContextShard, SplitKV, last_states, split_batch
 from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
-from .batching import MicroBatch, replica_order
+from ..inputs.batching import MicroBatch, replica_order
+from ..inputs.sampling_settings import PromptSampling, SamplingParams
 from .decode import decode_steps
 from .logprobs import LogprobReader
 from .results import ResultShape, RowResults
-from .sampling import History, PromptSampling, SamplingParams, needs_history, next_tokens, of_rows
+from .sampling import History, needs_history, next_tokens, of_rows
 from .stopping import StopStrings
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...models.config import ModelConfig
 from ...parallel.errors import HpcparError
-from ..generate.prompts import Prompts, load_prompts
+from ..inputs.prompts import Prompts, load_prompts
 from ..npy import read_npy
 
 

@@ -26,9 +26,9 @@ from ...parallel.dtypes import float_dtype
 from ...parallel.errors import HpcparError, Stopped
 from ...parallel.mesh import Mesh
 from ...parallel.pipeline.executor import PipelineExecutor
-from ..generate.batching import micro_batches, replica_rows
-from ..generate.schedule import generation
-from ..generate.setup import load_tokenizer, open_stage
+from ..inputs.batching import micro_batches, replica_rows
+from ..inputs.schedule import generation
+from ..inputs.stage import load_tokenizer, open_stage
 from ..job import Job
 from ..launch import everyone, phase
 from ..layout import ParallelConfig

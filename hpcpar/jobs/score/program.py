@@ -22,7 +22,7 @@ from ...parallel.context import ContextShard, split_batch
 from ...parallel.pipeline.schedule import Action
 from ...parallel.vocab import LOGITS_BLOCK_BYTES, VocabParallelCrossEntropy
 from ..faults import fault_point
-from ..generate.batching import MicroBatch
+from ..inputs.batching import MicroBatch
 
 
 def scored_tokens(lengths) -> int:

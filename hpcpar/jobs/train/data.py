@@ -146,7 +146,7 @@ def check_positions(seq_len: int, cfg: ModelConfig, source: str) -> None:
 
 def _jsonl_tokens(path: Path, cfg: ModelConfig, tokenizer) -> np.ndarray:
     """Every line's ids (or its text through the tokenizer) joined, EOS after each."""
-    from ..generate.prompts import load_prompts  # the same {"ids"} / {"text"} lines
+    from ..inputs.prompts import load_prompts  # the same {"ids"} / {"text"} lines
     eos = np.asarray(cfg.eos_token_id[:1], dtype=np.int64)
     docs = load_prompts(str(path), tokenizer).ids
     return np.concatenate([part for doc in docs for part in (doc, eos)])

@@ -23,7 +23,7 @@ from ...parallel.optim_settings import OptimizerSettings
 from ...parallel.pipeline.partition import stage_layers
 from ...parallel.pipeline.training_schedules import micro_batch_problems
 from ..faults import fault_point
-from ..generate.setup import load_tokenizer
+from ..inputs.stage import load_tokenizer
 from ..job import Job
 from ..launch import everyone
 from ..layout import ParallelConfig

@@ -1,4 +1,5 @@
-"""Generation's schedule: the token loop over the pipeline (pure, no MPI).
+"""Generation's schedule, which scoring runs too (one step): the token loop over the pipeline
+(pure, no MPI).
 
 Built from the core's actions: each (micro-batch, step) is a forward pass through every stage,
 and the last stage sends the sampled tokens back to the first over the pipeline's loop

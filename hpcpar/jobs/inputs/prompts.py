@@ -16,7 +16,7 @@ from ...models.tokenizer import StoredTokenizer
 from ...parallel.errors import HpcparError
 from ..npy import read_npy
 from ..settings import problem
-from .sampling import INTEGER_KEYS, PromptSampling, SamplingParams
+from .sampling_settings import INTEGER_KEYS, PromptSampling, SamplingParams
 
 
 class PromptError(HpcparError):
