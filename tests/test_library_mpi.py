@@ -414,7 +414,7 @@ def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(
         total = torch.nn.functional.cross_entropy(logits, torch.tensor(labels),
                                                   ignore_index=-1, reduction="sum")
         total.backward()
-        return {"per_token": per_token.numpy(), "sum": np.array(float(total)),
+        return {"per_token": per_token.numpy(), "sum": np.array(total.item()),
                 "grad": logits.grad.numpy()}
 
     want = on_rank_0(comm, torch_cross_entropy)

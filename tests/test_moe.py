@@ -194,7 +194,7 @@ def _torch_step_with_aux(hf, rows, coef, lr):
         for p in hf.parameters():
             if p.grad is not None:
                 p -= lr * p.grad
-    return float(loss), float(aux), float(norm)
+    return loss.item(), aux.item(), norm.item()
 
 
 @pytest.mark.device
