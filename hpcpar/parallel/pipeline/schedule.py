@@ -14,7 +14,7 @@ GPipe forward over S = 3 stages, M = 2 micro-batches (R recv, F forward, S send)
     stage 2:  R0 F0  R1 F1
 
 A loop channel goes back from the last stage to the first, for programs whose micro-batches
-circulate (generation, ``hpcpar.jobs.generate.schedule``: the sampled tokens return to stage 0,
+circulate (generation, ``hpcpar.jobs.inputs.schedule``: the sampled tokens return to stage 0,
 and every stage stays busy when M >= S).
 Training schedules (``training_schedules``) add backward passes and the gradient channel
 back through the stages to the same lists; an action's ``chunk`` names which of a stage's
