@@ -1,5 +1,6 @@
 """The documentation site: ``mkdocs build --strict`` builds docs/ with no broken link or
-anchor, and every page under docs/ is in mkdocs.yml's nav."""
+anchor, every page under docs/ is in mkdocs.yml's nav, and the flags page is the parser's own
+``--help`` of every command."""
 
 import subprocess
 import sys
@@ -40,3 +41,16 @@ def test_the_site_builds_strictly(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert (tmp_path / "site" / "index.html").is_file()
+    # the flags page, written by docs/hooks/cli_help.py: every command's every flag, as the
+    # parser has it
+    import html
+    import re
+
+    from hpcpar.jobs.parser import build_parser
+    page = html.unescape((tmp_path / "site" / "reference" / "flags" / "index.html").read_text())
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name, sub in commands.items():
+        section = page.split(f'id="{name}"', 1)[1].split("<h2", 1)[0]
+        flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+        missing = [f for f in flags if not re.search(rf"{re.escape(f)}\b", section)]
+        assert flags and not missing, f"{name}: {missing} not on the flags page"
