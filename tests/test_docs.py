@@ -1,6 +1,6 @@
 """The documentation site: ``mkdocs build --strict`` builds docs/ with no broken link or
-anchor, every page under docs/ is in mkdocs.yml's nav, and the flags page is the parser's own
-``--help`` of every command."""
+anchor, every page under docs/ is in mkdocs.yml's nav, the flags page is the parser's own
+``--help`` of every command, and the benchmarks page lists every recorded run."""
 
 import subprocess
 import sys
@@ -54,3 +54,7 @@ def test_the_site_builds_strictly(tmp_path):
         flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
         missing = [f for f in flags if not re.search(rf"{re.escape(f)}\b", section)]
         assert flags and not missing, f"{name}: {missing} not on the flags page"
+    # the benchmarks page lists every recorded run (docs/hooks/results_index.py)
+    benchmarks = (tmp_path / "site" / "benchmarks" / "index.html").read_text()
+    for run in (REPO / "benchmarks" / "results").glob("*.json"):
+        assert run.name in benchmarks, f"{run.name} is not listed on the benchmarks page"
