@@ -1,6 +1,7 @@
 """The documentation site: ``mkdocs build --strict`` builds docs/ with no broken link or
 anchor, every page under docs/ is in mkdocs.yml's nav, the flags page is the parser's own
-``--help`` of every command, and the benchmarks page lists every recorded run."""
+``--help`` of every command, the benchmarks page lists every recorded run, and the API page
+holds the docstrings it names."""
 
 import subprocess
 import sys
@@ -58,3 +59,9 @@ def test_the_site_builds_strictly(tmp_path):
     benchmarks = (tmp_path / "site" / "benchmarks" / "index.html").read_text()
     for run in (REPO / "benchmarks" / "results").glob("*.json"):
         assert run.name in benchmarks, f"{run.name} is not listed on the benchmarks page"
+    # the API page: each object it names is rendered from its docstring (mkdocstrings)
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    for name in re.findall(r"^::: (\S+)", (REPO / "docs" / "reference" / "api.md").read_text(),
+                           flags=re.M):
+        section = api.split(f'id="{name}"', 1)
+        assert len(section) == 2 and "doc-contents" in section[1][:4000], f"{name}: no docstring"
