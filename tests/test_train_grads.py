@@ -18,7 +18,7 @@ from hpcpar.models.rope import RotaryEmbedding
 from hpcpar.parallel.ops import AttentionRows, ops_for
 from hpcpar.models.sharding import split
 from hpcpar.models.tensors import StageSpan, TensorSpec, stage_tensors
-from hpcpar.jobs.train.chunk import Batch, ModelChunk
+from hpcpar.jobs.train.model_chunk import Batch, ModelChunk
 from hpcpar.jobs.train.data import label_count, make_batches
 from hpcpar.models.attention import Attention
 from hpcpar.models.decoder import Mlp, norm_backward
@@ -261,7 +261,7 @@ def test_left_padding_changes_nothing_but_the_ignored_labels():
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("recompute", [False, True])
 def test_plan_activation_memory_is_what_a_forward_keeps(name, recompute):
-    from hpcpar.jobs.train.chunk import held_bytes
+    from hpcpar.jobs.train.model_chunk import held_bytes
     from hpcpar.jobs.train.memory import activation_bytes
     cfg = CONFIGS[name]
     chunk, _ = build_chunk(cfg, realistic_tensors(cfg, 0), _tp1(), recompute=recompute)

@@ -18,7 +18,7 @@ weight.
 Generation builds a stage from loaded tensors (``DecoderStage.from_tensors``: frozen weights,
 projections merged) and runs ``forward`` over a KV cache. Training builds it from its
 ``Param``s (``DecoderStage.from_params``) and runs the same layers with ``train=True``, each
-keeping what its ``backward`` needs (``train.chunk`` drives them and adds the loss).
+keeping what its ``backward`` needs (``train.model_chunk`` drives them and adds the loss).
 """
 
 from __future__ import annotations

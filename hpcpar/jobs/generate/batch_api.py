@@ -32,7 +32,7 @@ import numpy as np
 
 from ...parallel.errors import HpcparError
 from ..inputs.prompts import PromptError, Prompts, prompt_line, read_records
-from .lines import JsonLines
+from .jsonl_output import JsonLines
 from .results import RowResults
 from .stopping import decode_text
 

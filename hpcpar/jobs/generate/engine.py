@@ -32,7 +32,7 @@ from ..skeleton import JobRun
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
 from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
-from .lines import JsonLines
+from .jsonl_output import JsonLines
 from .output_file import PartialOutput, RunShape, unpad_into
 from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
 from .program import GenerationProgram, RowRules, any_rank

@@ -212,7 +212,7 @@ class PartialOutput:
     stopped early leaves it for ``resume="auto"``, which keeps the prompts it finished. The
     output path itself only ever holds a complete file.
 
-    With ``lines`` (a ``.jsonl`` output, ``generate.lines``) the results go out as they
+    With ``lines`` (a ``.jsonl`` output, ``generate.jsonl_output``) the results go out as they
     finish, and the partial file is removed once they are complete.
 
     A write that fails (a full disk, a quota, a failing file system) is kept in ``failed``

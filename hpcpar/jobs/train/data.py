@@ -29,7 +29,7 @@ from ...parallel.context import ContextShard
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
 from ..npy import read_npy
-from .chunk import Batch
+from .model_chunk import Batch
 
 
 class DataError(HpcparError):

@@ -31,10 +31,10 @@ from ..runtime import open_runtime
 from ..progress import Progress
 from ..skeleton import JobRun
 from . import checkpoint as tc
-from .chunk import Batch
+from .model_chunk import Batch
 from .data import context_shard, replica_batches
 from .grads import sum_replicated
-from .holders import holders
+from .weight_holders import holders
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
 from .setup import TrainPlan, kv_group, load_chunks, validate

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from ...parallel.pipeline.schedule import Action, Op
-from .chunk import Batch, ModelChunk, held_bytes
+from .model_chunk import Batch, ModelChunk, held_bytes
 from .params import GradSink, Param
 
 

@@ -29,7 +29,7 @@ from ..launch import everyone
 from ..layout import ParallelConfig
 from ..runtime import experts_held
 from . import checkpoint as tc
-from .chunk import AuxLoss, ModelChunk
+from .model_chunk import AuxLoss, ModelChunk
 from .data import Dataset, load_dataset
 from .params import kv_replicas, make_params
 

@@ -1,7 +1,7 @@
 """A generation's results as JSON lines (``--out NAME.jsonl``), written as the finished
-prompts form a longer prefix; the partial HDF5 file (``generate.output_file``) stays the resumable
-record, from which a resumed run writes them again. ``batch_api.BatchLines`` writes a Batch
-API file's output lines the same way."""
+prompts form a longer prefix; the partial HDF5 file (``generate.output_file``) stays the
+resumable record, from which a resumed run writes them again. ``batch_api.BatchLines`` writes
+a Batch API file's output lines the same way."""
 
 from __future__ import annotations
 
