@@ -42,7 +42,7 @@ def test_the_site_builds_strictly(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert (tmp_path / "site" / "index.html").is_file()
-    # the flags page, written by docs/hooks/cli_help.py: every command's every flag, as the
+    # the flags page, written by docs/hooks/generated.py: every command's every flag, as the
     # parser has it
     import html
     import re
@@ -55,7 +55,7 @@ def test_the_site_builds_strictly(tmp_path):
         flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
         missing = [f for f in flags if not re.search(rf"{re.escape(f)}\b", section)]
         assert flags and not missing, f"{name}: {missing} not on the flags page"
-    # the benchmarks page lists every recorded run (docs/hooks/results_index.py)
+    # the benchmarks page lists every recorded run (docs/hooks/generated.py)
     benchmarks = (tmp_path / "site" / "benchmarks" / "index.html").read_text()
     for run in (REPO / "benchmarks" / "results").glob("*.json"):
         assert run.name in benchmarks, f"{run.name} is not listed on the benchmarks page"
