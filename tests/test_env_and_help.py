@@ -250,10 +250,8 @@ def _cli_reference_commands() -> dict[str, str]:
 
 
 def _subparsers():
-    from hpcpar.jobs.parser import build_parser
-    parser = build_parser()
-    action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    return action.choices
+    from hpcpar.jobs.parser import build_parser, command_parsers
+    return command_parsers(build_parser())
 
 
 def _flags(parser) -> dict[str, list | None]:

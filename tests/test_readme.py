@@ -50,8 +50,8 @@ def test_the_readme_and_the_docs_have_python_blocks():
 
 
 def test_every_python_block_has_its_launch_line():
-    for name, block in BLOCKS.items():
-        assert _launch(block) is not None, name
+    for block in BLOCKS.values():
+        _launch(block)          # asserts its first line: "# [mpiexec -n N ]python this.py"
 
 
 @pytest.mark.slow

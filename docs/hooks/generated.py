@@ -15,14 +15,20 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def every_help() -> str:
     """Each command's ``--help``, in the order of ``python -m hpcpar --help``, at 100 columns."""
-    os.environ["COLUMNS"] = "100"                  # argparse wraps to the terminal's width
-    from hpcpar.jobs.parser import build_parser
+    from hpcpar.jobs.parser import build_parser, command_parsers
 
-    parser = build_parser()
-    commands = next(a for a in parser._actions if a.dest == "command").choices
-    parts = [f"## hpcpar\n\n```\n{parser.format_help()}```\n"]
-    for name, sub in commands.items():
-        parts.append(f"## {name}\n\n```\n{sub.format_help()}```\n")
+    width = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"                  # argparse wraps to the terminal's width
+    try:
+        parser = build_parser()
+        parts = [f"## hpcpar\n\n```\n{parser.format_help()}```\n"]
+        for name, sub in command_parsers(parser).items():
+            parts.append(f"## {name}\n\n```\n{sub.format_help()}```\n")
+    finally:
+        if width is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = width
     return "\n".join(parts)
 
 

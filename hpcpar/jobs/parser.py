@@ -239,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each command's own parser, by name, in ``--help``'s order (for the flags reference and
+    the tests that hold the docs to the flags)."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def _demo_command(sub) -> None:
     from ..parallel.backend import BACKENDS
     from ..parallel.comm import COMM_KINDS
