@@ -17,7 +17,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from hpcpar.parallel.backend import select_backend
+from hpcpar.parallel.device.backend import select_backend
 from hpcpar.parallel.comm import create_communicator
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "sendrecv")

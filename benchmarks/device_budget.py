@@ -1,9 +1,9 @@
 """What a GPU would be asked to do per step, counted on the CPU.
 
-``parallel.budget`` on the strict device backend counts each phase's array operations (a kernel launch each on a GPU),
-device-to-host reads (each a sync), uploads, allocations and the peak of live device bytes,
-for the Llama-3.2-1B and Llama-3.1-8B shapes with their layers cut down (a layer's counts
-do not depend on how many there are), per run of a phase and per decoder layer.
+``parallel.device.budget`` on the strict device backend counts each phase's array operations (a
+kernel launch each on a GPU), device-to-host reads (each a sync), uploads, allocations and the peak
+of live device bytes, for the Llama-3.2-1B and Llama-3.1-8B shapes with their layers cut down (a
+layer's counts do not depend on how many there are), per run of a phase and per decoder layer.
 
     python benchmarks/device_budget.py                       # 1B and 8B shapes, 2 layers
     python benchmarks/device_budget.py --shapes 1b --train   # and a training step's
@@ -38,7 +38,7 @@ from hpcpar.jobs.generate import Prompts, random_prompts, run_generation
 from hpcpar.jobs.job import load_job
 from hpcpar.jobs.layout import ParallelConfig
 from hpcpar.jobs.plan import plan_stages
-from hpcpar.parallel.budget import Budget, Counts
+from hpcpar.parallel.device.budget import Budget, Counts
 
 SHAPES = {"1b": "llama3-1b", "8b": "llama3-8b"}
 def typical(runs: list[Counts], skip_first: bool = False) -> Counts | None:

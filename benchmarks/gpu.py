@@ -42,7 +42,7 @@ PRESETS = {"1b": "llama3-1b", "8b": "llama3-8b"}
 
 def probes(cp) -> dict:
     """bf16 GEMM TFLOP/s (8192^3) and device copy bandwidth (2 GiB, read + write)."""
-    from hpcpar.parallel.dtypes import float_dtype
+    from hpcpar.parallel.device.dtypes import float_dtype
     n = 8192
     a = cp.ones((n, n), dtype=float_dtype("bfloat16"))
     for _ in range(2):
@@ -211,7 +211,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import cupy as cp
     from hpcpar.checkpoint import init_checkpoint, open_checkpoint
-    from hpcpar.parallel.dtypes import float_dtype
+    from hpcpar.parallel.device.dtypes import float_dtype
 
     gpu = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     probe = probes(cp)

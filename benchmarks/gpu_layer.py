@@ -24,11 +24,11 @@ def main(argv=None) -> None:
     from cupyx.profiler import benchmark
     from mpi4py import MPI
 
-    from hpcpar.parallel.backend import select_backend
+    from hpcpar.parallel.device.backend import select_backend
     from hpcpar.checkpoint.presets import preset_config
     from hpcpar.parallel.comm import MpiCommunicator
     from hpcpar.models.config import ModelConfig
-    from hpcpar.parallel.dtypes import float_dtype
+    from hpcpar.parallel.device.dtypes import float_dtype
     from hpcpar.models.decoder import DecoderStage
     from hpcpar.parallel.ops import AttentionRows, ops_for
     from hpcpar.models.tensors import StageSpan, stage_tensors

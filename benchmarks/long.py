@@ -134,7 +134,7 @@ def needed_mb(mode: str, cfg: dict, tokens: int, cp: int) -> float:
     from hpcpar.models.config import ModelConfig
     from hpcpar.jobs.layout import ParallelConfig
     from hpcpar.models.decoder import PREFILL_CHUNK
-    from hpcpar.parallel.context import ContextShard
+    from hpcpar.parallel.context_parallel.ring_attention import ContextShard
     from hpcpar.models.tensors import stage_tensors
     from hpcpar.jobs.train.memory import activation_bytes, state_bytes
     model = ModelConfig.from_hf(cfg)

@@ -34,14 +34,14 @@ def main():
     for name, (pa, pb) in CASES.items():
         a = hp.DArray.from_full(a_full, mesh, pa)
         b = hp.DArray.from_full(b_full, mesh, pb)
-        y, ctx = hp.matmul_forward(a, b)
+        y, ctx = hp.tensor.matmul_forward(a, b)
         assert ctx.policy == name, (ctx.policy, name)
-        da, db = hp.matmul_backward(hp.DArray.from_full(dy_full, mesh, y.placements), ctx)
+        da, db = hp.tensor.matmul_backward(hp.DArray.from_full(dy_full, mesh, y.placements), ctx)
         error = max(np.abs(y.full() - a_full @ b_full).max(),
                     np.abs(da.full() - dy_full @ b_full.T).max(),
                     np.abs(db.full() - a_full.T @ dy_full).max())
         assert error < 1e-12, (name, error)
-        steps = hp.matmul_communication(a, b) or ["no communication"]
+        steps = hp.tensor.matmul_communication(a, b) or ["no communication"]
         if mesh.rank == 0:
             print(f"{name:13s} Y {y.placement_text():35s} max error {error:.1e}")
             for s in steps:

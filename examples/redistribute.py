@@ -29,13 +29,13 @@ def main():
     for src in layouts:
         try:
             x = hp.DArray.from_full(full, mesh, list(src))
-        except hp.ShardingError:
+        except hp.tensor.ShardingError:
             refused += 1
             continue
         for dst in layouts:
             try:
                 y = x.redistribute(list(dst))
-            except hp.ShardingError:
+            except hp.tensor.ShardingError:
                 continue
             assert np.array_equal(y.full(), full), (src, dst)
             assert np.array_equal(x.full(), full)       # the source is left as it was
@@ -44,7 +44,7 @@ def main():
         for src, dst in [((hp.Shard(0), hp.Replicate()), (hp.Shard(1), hp.Replicate())),
                          ((hp.Partial(), hp.Replicate()), (hp.Shard(0), hp.Replicate())),
                          ((hp.Shard(0), hp.Shard(0)), (hp.Replicate(), hp.Shard(0)))]:
-            steps = hp.redistribute_plan(full.shape, mesh.sizes, src, dst)
+            steps = hp.tensor.redistribution_steps(full.shape, mesh.sizes, src, dst)
             print(f"{src} -> {dst}:", "; ".join(s.text(mesh.axis_names) for s in steps))
         print(f"{pairs} pairs of the {len(layouts) - refused} placements that split the "
               f"array ({refused} refused), every one equal to the array: OK")

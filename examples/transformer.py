@@ -28,7 +28,7 @@ import hpcpar.parallel as hp
 
 VOCAB, D, HEADS, KV_HEADS, HD, FFN, LAYERS = 37, 16, 4, 1, 4, 32, 2
 ROWS, T, MICRO, STEPS, LR, CLIP, EPS = 4, 15, 2, 3, 1e-2, 0.5, 1e-6
-GELU, GELU_GRAD = hp.ACTIVATIONS["gelu_tanh"]
+GELU, GELU_GRAD = hp.tensor.ACTIVATIONS["gelu_tanh"]
 
 
 def make_weights(seed=0) -> dict:
@@ -80,7 +80,7 @@ class Attention:
             return hp.ColumnParallelLinear.from_full(tp, w[prefix + name], unit=HD)
         self.q, self.k, self.v = column("q.weight"), column("k.weight"), column("v.weight")
         self.o = hp.RowParallelLinear.from_full(tp, w[prefix + "o.weight"])
-        self.ring = hp.RingAttention(hp.TiledAttention(np, block=8), cp)
+        self.ring = hp.RingAttention(hp.ops.tiled_attention.TiledAttention(np, block=8), cp)
 
     def forward(self, x, rows):
         B, n, _ = x.shape
@@ -215,7 +215,7 @@ def train(args):
                    {"dp": args.dp, "pp": args.pp, "cp": args.cp, "tp": args.tp})
     tp, pp = mesh.group("tp"), mesh.group("pp")
     w = make_weights()
-    per_stage = hp.stage_layers(LAYERS, pp.size, pp.rank)   # this stage's layer indices
+    per_stage = hp.pipeline.stage_layers(LAYERS, pp.size, pp.rank)   # this stage's layer indices
     stage = Stage(mesh, w, pp.rank == 0, pp.rank == pp.size - 1, per_stage)
     ce = hp.VocabParallelCrossEntropy(None, VOCAB, tp)
 
@@ -243,7 +243,7 @@ def train(args):
         step = pipe.train_step(hp.split_micro_batches(inputs, MICRO),
                                list(zip(hp.split_micro_batches(labels, MICRO),
                                         hp.split_micro_batches(weights, MICRO))))
-        hp.sum_partial_grads(params.values())        # the KV head's replicas' parts
+        hp.data_parallel.sum_partial_grads(params.values())        # the KV head's replicas' parts
         reducer.finish()                             # summed over dp x cp
         norm = hp.grad_norm(list(params.values()), norm_group)
         opt.step(grad_scale=hp.clip_coefficient(norm, CLIP))
@@ -316,10 +316,10 @@ def my_piece(name: str, full: np.ndarray, stage: Stage, tp) -> np.ndarray:
         return rows
     unit = HD if ".attn." in name else 1
     if name.endswith(("q.weight", "k.weight", "v.weight", "up.weight", "up.bias")):
-        a, b = hp.bounds(full.shape[0], tp.size, unit=unit)[tp.rank]
+        a, b = hp.tensor.bounds(full.shape[0], tp.size, unit=unit)[tp.rank]
         return full[a:b]
     if name.endswith(("o.weight", "down.weight")):
-        a, b = hp.bounds(full.shape[1], tp.size, unit=unit)[tp.rank]
+        a, b = hp.tensor.bounds(full.shape[1], tp.size, unit=unit)[tp.rank]
         return full[:, a:b]
     return full                                  # norms, positions, row-parallel biases
 

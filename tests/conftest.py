@@ -75,7 +75,7 @@ def comm():
 
 def _gpu_present() -> bool:
     """The test of ``hpcpar run --backend cupy``: CuPy imports and CUDA reports a device."""
-    from hpcpar.parallel.backend import select_backend
+    from hpcpar.parallel.device.backend import select_backend
     from hpcpar.parallel.errors import HpcparError
     try:
         select_backend("cupy")

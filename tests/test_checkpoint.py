@@ -11,7 +11,7 @@ from hpcpar.checkpoint import (CheckpointError, convert, init_checkpoint, load_s
 from hpcpar.checkpoint.format import CHUNK_TP_SIZES
 from hpcpar.models.config import ModelConfig
 from hpcpar.jobs.layout import ParallelConfig
-from hpcpar.parallel.dtypes import FLOAT_DTYPES, bfloat16, nonfinite
+from hpcpar.parallel.device.dtypes import FLOAT_DTYPES, bfloat16, nonfinite
 from hpcpar.parallel.errors import HpcparError
 from hpcpar.models.sharding import shard_of
 from hpcpar.models.tensors import model_tensors

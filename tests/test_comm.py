@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hpcpar.parallel.comm import CommStats, MpiCommunicator, split_sizes
-from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.device.dtypes import bfloat16
 from hpcpar.parallel.errors import HpcparError
 
 DTYPES = [np.float32, np.float16, bfloat16, np.float64, np.int64]

@@ -1,7 +1,7 @@
-"""Context parallelism's core (``hpcpar.parallel.context``): the load-balanced split of a
-sequence, the log-sum-exp merge of partial attentions, and ring attention over the whole
-world (mpiexec -n 2 and 8) against the full-matrix reference attention of the whole sequence,
-forward and dq/dk/dv, on sequences longer than one tile and not divisible by the cp size,
+"""Context parallelism's core (``hpcpar.parallel.context_parallel.ring_attention``): the
+load-balanced split of a sequence, the log-sum-exp merge of partial attentions, and ring attention
+over the whole world (mpiexec -n 2 and 8) against the full-matrix reference attention of the whole
+sequence, forward and dq/dk/dv, on sequences longer than one tile and not divisible by the cp size,
 with padded rows, GQA, sliding windows, in float32 and bfloat16."""
 
 import os
@@ -11,13 +11,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from hpcpar.parallel.backend import select_backend
-from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.device.backend import select_backend
+from hpcpar.parallel.device.dtypes import bfloat16
 from hpcpar.parallel.errors import HpcparError
 from hpcpar.parallel.ops import AttentionRows
 from hpcpar.parallel.ops.attention import Attention
 from hpcpar.parallel.ops.tiled_attention import TiledAttention, merge
-from hpcpar.parallel.context import ContextShard, RingAttention
+from hpcpar.parallel.context_parallel.ring_attention import ContextShard, RingAttention
 
 TOL = {np.float32: 2e-6, bfloat16: 2e-2}
 
@@ -166,7 +166,7 @@ def test_a_decode_step_over_a_cache_split_over_cp_is_the_whole_caches_attention(
     prefill positions and every decoded position p with p mod cp == its rank (``SplitKV``);
     the merged attention of each step's query equals the reference over the whole cache."""
     import hpcpar.parallel as hp
-    from hpcpar.parallel.context import SplitKV
+    from hpcpar.parallel.context_parallel.ring_attention import SplitKV
     backend = select_backend(os.environ.get("HPCPAR_BACKEND", "numpy"))
     xp, put = backend.xp, backend.asarray
     mesh = hp.Mesh(comm, {"cp": comm.Get_size()}, backend=backend, timeout=60)

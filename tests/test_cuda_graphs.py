@@ -1,5 +1,5 @@
 """CUDA-graph decode (``--cuda-graphs``), checked on the CPU: the strict backend stands in for
-the GPU (``parallel.graphs``): it refuses in a captured step what a CUDA graph cannot hold (a
+the GPU (``parallel.device.graphs``): it refuses in a captured step what a CUDA graph cannot hold (a
 read, an upload, CuPy's matmul) and checks every replay against the capture. There a graphed
 step is the eager step's computation, so the tokens and log-probs are the eager ones, bit for
 bit, under both batchings (in float16: float32 runs the reference attention, which a GPU's
@@ -13,12 +13,12 @@ from helpers import refused
 from hpcpar.checkpoint import init_checkpoint, preset_config
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
-from hpcpar.parallel import budget as device_budget
-from hpcpar.parallel.backend import NUMPY, ArrayBackend
-from hpcpar.parallel.capture import CaptureError, kernel
+from hpcpar.parallel.device import budget as device_budget
+from hpcpar.parallel.device.backend import NUMPY, ArrayBackend
+from hpcpar.parallel.device.capture import CaptureError, kernel
 from hpcpar.parallel.errors import HpcparError
-from hpcpar.parallel.graphs import StepGraph
-from hpcpar.parallel.strict import xp
+from hpcpar.parallel.device.graphs import StepGraph
+from hpcpar.parallel.device.strict_arrays import xp
 
 STRICT = ArrayBackend("strict", xp)
 PROMPTS = [np.arange(1, 7), np.arange(3, 12), np.arange(2, 5), np.arange(5, 9),

@@ -1,4 +1,4 @@
-"""The device budget (``parallel.budget`` on the strict backend): what it counts, checked
+"""The device budget (``parallel.device.budget`` on the strict backend): what it counts, checked
 against operations counted by hand, and what it shows of a generation's decode step."""
 
 import numpy as np
@@ -7,9 +7,9 @@ from mpi4py import MPI
 
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
-from hpcpar.parallel import budget as device_budget
-from hpcpar.parallel.budget import Budget
-from hpcpar.parallel.strict import xp
+from hpcpar.parallel.device import budget as device_budget
+from hpcpar.parallel.device.budget import Budget
+from hpcpar.parallel.device.strict_arrays import xp
 
 
 def test_each_kind_of_operation_is_counted_as_a_gpu_would_see_it():
@@ -144,7 +144,7 @@ def test_loading_holds_each_weight_once_and_one_check_block_more(tmp_path, monke
     blocks beside a merged copy), plus the NaN / inf check's temporaries of one block (16 KB
     here, 8 MB in a run): never a second copy of a projection, of the model or of the head."""
     from hpcpar.checkpoint import init_checkpoint, preset_config
-    from hpcpar.parallel import dtypes
+    from hpcpar.parallel.device import dtypes
     monkeypatch.setattr(dtypes, "CHECK_BLOCK_BYTES", 16 << 10)
     cfg = dict(preset_config("tiny"), num_hidden_layers=3, vocab_size=4096,
                tie_word_embeddings=False)

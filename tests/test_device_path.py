@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from helpers import GQA, TIED, make_checkpoint
-from hpcpar.parallel.backend import require_dtype, select_backend
+from hpcpar.parallel.device.backend import require_dtype, select_backend
 from hpcpar.parallel.comm import choice
 from hpcpar.parallel.comm.nccl import pack_unique_id, unpack_unique_id
-from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.device.dtypes import bfloat16
 from hpcpar.parallel.errors import HpcparError
 
 GPU = dict(host="node1", nccl=True)
@@ -138,7 +138,7 @@ def test_a_stage_holds_each_weight_once(tmp_path, cfg):
     shard = load_shard(ckpt, specs)
     loaded = sum(a.nbytes for a in shard.tensors.values())
     tp = MpiCommunicator(MPI.COMM_SELF)
-    from hpcpar.parallel.backend import NUMPY
+    from hpcpar.parallel.device.backend import NUMPY
     from hpcpar.parallel.ops import ops_for
     stage = DecoderStage.from_tensors(ckpt.config, specs, shard.tensors, StageSpan(layers), tp,
                                       ops_for(NUMPY), np.dtype(np.float32))
@@ -214,7 +214,7 @@ def test_free_memory_on_a_gpu_is_the_drivers_free_plus_the_pools_free_blocks():
     """The CuPy calls behind continuous batching's default rows in flight, with a stand-in
     for CuPy (test_ops_gpu checks them on a real GPU)."""
     from types import SimpleNamespace
-    from hpcpar.parallel.backend import ArrayBackend
+    from hpcpar.parallel.device.backend import ArrayBackend
     pool = SimpleNamespace(free_bytes=lambda: 3 << 30)
     fake = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(
         memGetInfo=lambda: (5 << 30, 80 << 30))), get_default_memory_pool=lambda: pool)

@@ -82,7 +82,7 @@ def test_every_variable_read_or_documented_is_in_the_table_and_documented():
 
 
 def test_the_table_names_the_choices_the_code_has():
-    from hpcpar.parallel.backend import BACKENDS
+    from hpcpar.parallel.device.backend import BACKENDS
     from hpcpar.parallel.comm import COMM_KINDS
     assert settings.ENVIRONMENT["HPCPAR_BACKEND"][0].values == BACKENDS
     assert settings.ENVIRONMENT["HPCPAR_COMM"][0].values == COMM_KINDS
@@ -167,7 +167,7 @@ def test_the_keepers_pipe_is_accepted_and_nothing_else_is_written_to(clean_env, 
 
 def test_the_readers_go_through_the_table(clean_env):
     from hpcpar.jobs import supervisor
-    from hpcpar.parallel.backend import NUMPY, select_backend
+    from hpcpar.parallel.device.backend import NUMPY, select_backend
     from hpcpar.parallel.comm.mpi import cuda_aware
     clean_env.setenv("HPCPAR_CUDA_AWARE", "no")
     assert cuda_aware() == (False, "HPCPAR_CUDA_AWARE=0")

@@ -82,7 +82,7 @@ def test_moe_settings_that_differ_between_ranks_are_one_error_on_every_rank(comm
     layer = _moe_layer(np.random.default_rng(0))
     try:
         top_k = 2 if mesh.rank == 0 else 1
-        with pytest.raises(hp.Disagreement, match="MoE.from_full.*top_k"):
+        with pytest.raises(hp.comm.agreement.Disagreement, match="MoE.from_full.*top_k"):
             hp.MoE.from_full(*layer, top_k=top_k, ep=mesh.group("ep"))
         narrow = [a[:, :4] if a.ndim == 3 and mesh.rank == 0 and i < 3 else a
                   for i, a in enumerate(layer)]          # rank 0's gate and up: 4 features
@@ -116,7 +116,7 @@ def test_a_programs_own_error_is_told_with_tell_peers(comm):
             try:
                 raise KeyError("no such sample")
             except KeyError as e:
-                hp.tell_peers(e)
+                hp.comm.failfast.tell_peers(e)
         else:
             with pytest.raises(hp.PeerFailed, match="rank 0 failed: KeyError: 'no such sample'"):
                 mesh.group("x").all_reduce(np.ones(2))
@@ -127,7 +127,7 @@ def test_a_programs_own_error_is_told_with_tell_peers(comm):
 def test_a_stop_request_leaves_a_collective_as_itself_and_is_told_to_nobody(comm):
     """A stop request (SIGTERM: every rank hears it through the jobs' watchdog) raised in a
     wait is ``Stopped`` as it is, not a failed collective, and not a failure of the rank."""
-    from hpcpar.parallel import waits
+    from hpcpar.parallel.device import waits
     from hpcpar.parallel.errors import Stopped
     mesh = hp.Mesh(comm, {"x": -1}, timeout=TIMEOUT, check=False)
     group, n = mesh.group("x"), comm.Get_size()
@@ -162,7 +162,7 @@ def test_a_failed_mesh_runs_no_more_collectives_on_any_rank(comm):
                     try:
                         raise ValueError("a bad batch")
                     except ValueError as e:
-                        hp.tell_peers(e)
+                        hp.comm.failfast.tell_peers(e)
                         raise
                 x = np.full(2, 10.0 ** step)
                 group.all_reduce(x)
@@ -179,7 +179,7 @@ def test_a_failed_mesh_runs_no_more_collectives_on_any_rank(comm):
 def test_a_programs_own_function_tells_with_fails_together(comm):
     mesh = hp.Mesh(comm, {"x": -1}, timeout=TIMEOUT)
 
-    @hp.fails_together
+    @hp.comm.failfast.fails_together
     def load_batch(step: int):
         if mesh.rank == 0:
             raise FileNotFoundError(f"batch {step} is missing")

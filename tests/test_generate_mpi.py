@@ -264,7 +264,7 @@ class _FixedPayload:
 
 @pytest.mark.mpi(min_size=2)
 def test_a_wrong_schedule_is_an_error_on_every_rank_before_any_step():
-    from hpcpar.parallel.backend import NUMPY
+    from hpcpar.parallel.device.backend import NUMPY
     from hpcpar.parallel.comm import create_communicator
     from hpcpar.parallel.errors import HpcparError
     from hpcpar.parallel.pipeline.executor import PipelineExecutor

@@ -1,8 +1,9 @@
 """The package's three layers, read from its imports: each layer imports only the ones below
 it (the parallel core nothing above it; the models not the checkpoint or the jobs; the
 checkpoint not the jobs), the jobs generate, score and train never import each other (what
-they share is hpcpar.jobs.inputs), and no module imports itself around a circle. Every import
-counts, including those inside functions (a lazy import is still a dependency)."""
+they share is hpcpar.jobs.inputs), the parallel core is one sub-package per concept, and no
+module imports itself around a circle. Every import counts, including those inside functions
+(a lazy import is still a dependency)."""
 
 import ast
 from pathlib import Path
@@ -17,6 +18,11 @@ LAYERS = ("hpcpar.cores", "hpcpar.parallel", "hpcpar.models", "hpcpar.checkpoint
 # side by side in the jobs layer: each imports neither of the others (hpcpar.jobs.inputs holds
 # what they all read)
 JOBS = ("hpcpar.jobs.generate", "hpcpar.jobs.score", "hpcpar.jobs.train")
+# the parallel core: a sub-package per parallelism or concept, and the few modules all of them
+# stand on
+CORE_PACKAGES = {"comm", "device", "tensor", "tensor_parallel", "context_parallel",
+                 "expert_parallel", "data_parallel", "optim", "pipeline", "ops"}
+CORE_MODULES = {"__init__", "mesh", "params", "errors", "environment", "trace", "exports"}
 
 
 def _module_name(path: Path) -> str:
@@ -59,7 +65,7 @@ def _layer(module: str) -> int:
 
 def test_every_module_belongs_to_a_layer():
     loose = [m for m in _imports() if _layer(m) == len(LAYERS)
-             and m not in ("hpcpar", "hpcpar.__main__")]
+             and m not in ("hpcpar", "hpcpar.__main__", "hpcpar.moved")]
     assert loose == [], f"modules outside the layers: {loose}"
 
 
@@ -111,3 +117,10 @@ def test_no_module_imports_itself_around_a_circle():
         if module not in index:
             visit(module)
     assert circles == [], f"import circles: {circles}"
+
+
+def test_the_parallel_core_is_a_package_per_concept():
+    core = PACKAGE / "parallel"
+    packages = {p.name for p in core.iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in core.glob("*.py")}
+    assert (packages, modules) == (CORE_PACKAGES, CORE_MODULES)

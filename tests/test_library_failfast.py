@@ -1,8 +1,8 @@
 """A user's program whose rank fails ends the whole job at once, not after the mesh's
 timeout: an uncaught exception on one rank prints its traceback and aborts every rank
-(``hpcpar.parallel.comm.failfast``), and ``hp.abort(status)`` does it on purpose. The other rank is
-waiting in a collective the failed one never joins; each job's timeout below (120 s) is
-far below the mesh's (600 s), so a job that waits for the mesh's timeout fails the test."""
+(``hpcpar.parallel.comm.failfast``), and ``hp.comm.failfast.abort(status)`` does it on purpose. The
+other rank is waiting in a collective the failed one never joins; each job's timeout below (120 s)
+is far below the mesh's (600 s), so a job that waits for the mesh's timeout fails the test."""
 
 import os
 import subprocess
@@ -26,7 +26,7 @@ PROGRAM = textwrap.dedent("""
     if mesh.rank == 1:
         if sys.argv[1] == "raise":
             raise ValueError("a bug on rank 1")
-        hp.abort(3)
+        hp.comm.failfast.abort(3)
     mesh.group("x").all_reduce(np.ones(3))      # rank 1 never joins
     print("rank 0 finished the all-reduce", flush=True)
 """)

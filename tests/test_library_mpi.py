@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import hpcpar.parallel as hp
+from hpcpar.parallel.tensor import ShardingError
 
 pytestmark = pytest.mark.mpi(ranks=(2, 8))
 
@@ -181,7 +182,7 @@ def test_training_step_equals_torch_with_the_norm_counted_once(comm, clip):
     opt.zero_grad()
     losses = pipe.train_step(hp.split_micro_batches(my_rows(mesh, x), MICRO),
                              hp.split_micro_batches(my_rows(mesh, t), MICRO))
-    hp.sum_partial_grads(params)        # the KV head's replicas each added a part
+    hp.data_parallel.sum_partial_grads(params)        # the KV head's replicas each added a part
     reducer.finish()
     norm = hp.grad_norm(params, mesh.group(("pp", "tp")))
     coef = hp.clip_coefficient(norm, clip)
@@ -266,7 +267,7 @@ def test_a_partial_gradient_must_be_summed_before_the_norm_and_the_step(comm):
             hp.grad_norm([p], tp)
         with pytest.raises(hp.HpcparError, match="call sum_partial_grads"):
             opt.step()
-        hp.sum_partial_grads([p])
+        hp.data_parallel.sum_partial_grads([p])
         assert hp.grad_norm([p], tp) == pytest.approx(2 * n * (n + 1) / 2)
         opt.step()
     np.testing.assert_array_equal(p.data, -n * (n + 1))      # two whole-gradient steps
@@ -274,7 +275,7 @@ def test_a_partial_gradient_must_be_summed_before_the_norm_and_the_step(comm):
 
 def _raises_everywhere(comm, fn, match):
     """``fn`` raises ``Disagreement`` matching ``match`` on every rank (no hang)."""
-    with pytest.raises(hp.Disagreement, match=match):
+    with pytest.raises(hp.comm.agreement.Disagreement, match=match):
         fn()
     comm.Barrier()
 
@@ -441,7 +442,7 @@ def test_nested_uneven_shards_are_checked_at_every_coordinate(comm):
     """An inner axis's sizes that fit one outer piece and not another are the same error on
     every rank (they were accepted on some and refused on others, who then waited)."""
     mesh = hp.Mesh(comm, {"a": 2, "b": 2}, timeout=30)
-    with pytest.raises(hp.ShardingError, match=r"sizes \[1, 1\] for a dimension 0 of length 6"):
+    with pytest.raises(ShardingError, match=r"sizes \[1, 1\] for a dimension 0 of length 6"):
         hp.DArray.from_full(np.zeros((8, 2)), mesh, {"a": hp.Shard(0, sizes=(2, 6)),
                                                      "b": hp.Shard(0, sizes=(1, 1))})
     mesh.free()
@@ -452,7 +453,7 @@ def test_an_empty_dict_of_gradient_placements_means_replicated(comm):
     n = 2 * comm.Get_size()
     a = hp.DArray.from_full(np.ones((n, 3)), mesh, {"x": S0})
     b = hp.DArray.from_full(np.ones((3, 2)), mesh, {})
-    y, ctx = hp.matmul_forward(a, b)
-    da, db = hp.matmul_backward(y, ctx, da_placements={}, db_placements={})
+    y, ctx = hp.tensor.matmul_forward(a, b)
+    da, db = hp.tensor.matmul_backward(y, ctx, da_placements={}, db_placements={})
     assert da.placements == (R,) and db.placements == (R,)
     mesh.free()

@@ -41,7 +41,7 @@ def test_an_optimizer_resumed_from_its_state_dict_steps_as_one_that_never_stoppe
 
 def test_a_bfloat16_layer_learns_in_float32_and_computes_with_the_refreshed_copy():
     from hpcpar.parallel.comm import create_communicator
-    from hpcpar.parallel.dtypes import bfloat16
+    from hpcpar.parallel.device.dtypes import bfloat16
     tp = create_communicator(MPI.COMM_SELF, "mpi")
     rng = np.random.default_rng(1)
     w = rng.standard_normal((4, 8)).astype(np.float32)
@@ -83,9 +83,9 @@ def test_one_pass_over_mixed_tensors_and_dtypes_is_torchs_update(optimizer, back
     buffers in blocks that cut across tensors (the CPU's, made 7 elements long here) or in
     whole runs (a device's: the strict backend), with a gradient scale: torch's optimizer
     with the matrices in a decayed param group, step by step."""
-    from hpcpar.parallel import optim
-    from hpcpar.parallel.strict import xp as strict_xp
-    monkeypatch.setattr(optim, "BLOCK", 7)
+    from hpcpar.parallel.optim import optimizers
+    from hpcpar.parallel.device.strict_arrays import xp as strict_xp
+    monkeypatch.setattr(optimizers, "BLOCK", 7)
     xp = strict_xp if backend == "strict" else np
     host = (lambda a: a.get()) if backend == "strict" else np.asarray
     rng = np.random.default_rng(3)

@@ -178,7 +178,7 @@ def test_a_lines_logprobs_must_be_a_count(llama, tmp_path, capfd, value, message
 def test_no_token_copies_the_vocabulary_to_the_host(llama, monkeypatch):
     """Every array a generation with log-probs (K 5, sampled with top-k, penalties) reads
     back to the host holds a few numbers per row, never a row of the vocabulary."""
-    from hpcpar.parallel.backend import ArrayBackend
+    from hpcpar.parallel.device.backend import ArrayBackend
     _, path = llama
     widths = []
     to_host = ArrayBackend.to_host

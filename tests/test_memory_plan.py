@@ -15,8 +15,8 @@ from hpcpar.jobs.plan import format_plan, plan_stages
 from hpcpar.models.config import ModelConfig
 from hpcpar.models.decoder import DecoderStage, matrix_stacks
 from hpcpar.models.tensors import StageSpan, stage_tensors
-from hpcpar.parallel.backend import select_backend
-from hpcpar.parallel.budget import Budget
+from hpcpar.parallel.device.backend import select_backend
+from hpcpar.parallel.device.budget import Budget
 from hpcpar.parallel.comm import create_communicator
 from hpcpar.parallel.ops import ops_for
 

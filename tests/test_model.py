@@ -81,7 +81,7 @@ def test_continuous_batching_keeps_in_flight_what_fits_the_memory(tmp_path, monk
     """Without --batch-size the rows in flight are what half the free memory holds of KV
     cache: with room for about two rows, slots are refilled and the tokens stay those of
     static batching."""
-    from hpcpar.parallel.backend import ArrayBackend
+    from hpcpar.parallel.device.backend import ArrayBackend
     from hpcpar.jobs.generate import continuous, engine
     from hpcpar.models.kv_cache import kv_cache_bytes
     path, _ = make_checkpoint(tmp_path, GQA)
@@ -159,7 +159,7 @@ def test_a_prefill_computes_its_last_layer_at_each_rows_last_token_alone(tmp_pat
     and values are cached as without it. A prefill in chunks of 4 positions (prompts of 3 to
     12 tokens: rows that end in an earlier chunk than others) gives the same states."""
     from helpers import MISTRAL
-    from hpcpar.parallel.backend import NUMPY
+    from hpcpar.parallel.device.backend import NUMPY
     from hpcpar.checkpoint import load_shard, open_checkpoint
     from hpcpar.parallel.comm import MpiCommunicator
     from hpcpar.models.decoder import DecoderStage

@@ -91,7 +91,7 @@ def test_the_moe_layer_on_cupy_arrays_is_numpys():
     import cupy as cp
 
     import hpcpar.parallel as hp
-    from hpcpar.parallel.backend import select_backend
+    from hpcpar.parallel.device.backend import select_backend
     from hpcpar.parallel.comm import create_communicator
     weights = [w.astype(np.float32) for w in _layer()]
     rng = np.random.default_rng(1)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcpar.parallel.dtypes import float_dtype
+from hpcpar.parallel.device.dtypes import float_dtype
 from hpcpar.parallel.ops import AttentionRows, embedding_lookup, linear, linear_input_grad, native_ops
 
 OPS = native_ops(np)

@@ -38,7 +38,7 @@ def device_ops(cp):
 
 @pytest.fixture(scope="module")
 def native(cp):
-    from hpcpar.parallel.backend import NUMPY
+    from hpcpar.parallel.device.backend import NUMPY
     from hpcpar.parallel.ops import ops_for
     return ops_for(NUMPY)
 
@@ -229,7 +229,7 @@ def test_generation_on_the_gpu_matches_the_cpu(tmp_path, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_load_time_finite_check_runs_on_the_device(cp, dtype):
-    from hpcpar.parallel.dtypes import float_dtype, nonfinite
+    from hpcpar.parallel.device.dtypes import float_dtype, nonfinite
     values = np.array([0.0, -1.5, 3.0e4, 1e-30, np.inf, -np.inf, np.nan] * 100, np.float32)
     np.random.default_rng(0).shuffle(values)
     on_device = cp.asarray(values.astype(float_dtype(dtype)))
@@ -241,7 +241,7 @@ def test_the_load_time_finite_check_runs_on_the_device(cp, dtype):
 def test_free_device_memory_counts_the_pools_free_blocks(cp):
     """What continuous batching's default rows in flight are sized from: an array in use
     takes its bytes out of the free memory; freed into CuPy's pool, they count again."""
-    from hpcpar.parallel.backend import ArrayBackend
+    from hpcpar.parallel.device.backend import ArrayBackend
     backend = ArrayBackend("cupy", cp)
     cp.get_default_memory_pool().free_all_blocks()
     before = backend.free_memory_bytes()
@@ -259,7 +259,7 @@ def test_graphed_decode_on_the_gpu_gives_the_eager_steps(tmp_path, monkeypatch, 
     their log-probabilities are the eager steps' (float16: the graph's products are
     cuBLASLt's planned matmuls, the eager ones cuBLAS's; they may round apart)."""
     from helpers import GQA, PROMPTS, make_checkpoint
-    from hpcpar.parallel.graphs import StepGraph
+    from hpcpar.parallel.device.graphs import StepGraph
     path, _ = make_checkpoint(tmp_path, dict(GQA, head_dim=16))
     replays = []
     call = StepGraph.__call__
@@ -284,9 +284,9 @@ def test_the_fused_optimizer_kernel_makes_the_references_roundings(cp, rule, com
     with a gradient scale (clipping)."""
     from hpcpar.parallel.ops import OptimizerUpdate, UpdateStep
     from hpcpar.parallel.ops.cuda.optimizer_update import OptimizerUpdateCuda
-    from hpcpar.parallel.optim_layout import Block
-    from hpcpar.parallel.optim_settings import OptimizerSettings
-    from hpcpar.parallel.dtypes import float_dtype
+    from hpcpar.parallel.optim.flat_layout import Block
+    from hpcpar.parallel.optim.settings import OptimizerSettings
+    from hpcpar.parallel.device.dtypes import float_dtype
     from helpers import optimizer_arrays
     rng = np.random.default_rng(7)
     n = 100_003

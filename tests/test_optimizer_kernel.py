@@ -16,8 +16,8 @@ import pytest
 from hpcpar.parallel.ops import OptimizerUpdate, UpdateStep
 from hpcpar.parallel.ops.cuda.optimizer_update import SOURCES
 from hpcpar.parallel.ops.optimizer_update import bias_corrections
-from hpcpar.parallel.optim_layout import Block
-from hpcpar.parallel.optim_settings import OptimizerSettings
+from hpcpar.parallel.optim.flat_layout import Block
+from hpcpar.parallel.optim.settings import OptimizerSettings
 
 from helpers import optimizer_arrays
 

@@ -1,15 +1,15 @@
 """The parallel core's pure parts, without MPI: split rules, mesh coordinates, redistribution
-plans, matmul policy choice on a one-rank mesh, micro-batch split, and the errors of bad
-input. The multi-rank behaviour is in test_parallel_mpi.py."""
+redistribution steps, matmul policy choice on a one-rank mesh, micro-batch split, and the errors of
+bad input. The multi-rank behaviour is in test_parallel_mpi.py."""
 
 import numpy as np
 import pytest
 
-from hpcpar.parallel.dtypes import bfloat16
-from hpcpar.parallel import splits
+from hpcpar.parallel.device.dtypes import bfloat16
+from hpcpar.parallel.tensor import splits
 from hpcpar.parallel.mesh import MeshError, group_members, mesh_coords, mesh_rank, resolve_shape
-from hpcpar.parallel.placement import Partial, Replicate, Shard
-from hpcpar.parallel.redistribute import plan
+from hpcpar.parallel.tensor.placement import Partial, Replicate, Shard
+from hpcpar.parallel.tensor.redistribute import redistribution_steps as steps_of
 
 R, P = Replicate(), Partial()
 
@@ -86,24 +86,25 @@ def _ops(steps):
     return [(s.axis, s.op) for s in steps]
 
 
-def test_plans_use_the_fewest_collectives():
+def test_redistribution_steps_use_the_fewest_collectives():
     shape = (8, 8)
-    assert _ops(plan(shape, (2,), [Shard(0)], [R])) == [(0, "all_gather")]
-    assert _ops(plan(shape, (2,), [P], [R])) == [(0, "all_reduce")]
-    assert _ops(plan(shape, (2,), [P], [Shard(1)])) == [(0, "reduce_scatter")]
-    assert _ops(plan(shape, (2,), [Shard(0)], [Shard(1)])) == [(0, "all_to_all")]
-    assert _ops(plan(shape, (2,), [R], [Shard(0)])) == [(0, "slice")]
-    assert _ops(plan(shape, (2,), [Shard(0)], [P])) == [(0, "zero_pad")]
-    assert _ops(plan(shape, (2,), [R], [P])) == [(0, "keep_one")]
-    assert plan(shape, (2, 2), [Shard(0), Shard(1)], [Shard(0), Shard(1)]) == []
+    assert _ops(steps_of(shape, (2,), [Shard(0)], [R])) == [(0, "all_gather")]
+    assert _ops(steps_of(shape, (2,), [P], [R])) == [(0, "all_reduce")]
+    assert _ops(steps_of(shape, (2,), [P], [Shard(1)])) == [(0, "reduce_scatter")]
+    assert _ops(steps_of(shape, (2,), [Shard(0)], [Shard(1)])) == [(0, "all_to_all")]
+    assert _ops(steps_of(shape, (2,), [R], [Shard(0)])) == [(0, "slice")]
+    assert _ops(steps_of(shape, (2,), [Shard(0)], [P])) == [(0, "zero_pad")]
+    assert _ops(steps_of(shape, (2,), [R], [P])) == [(0, "keep_one")]
+    assert steps_of(shape, (2, 2), [Shard(0), Shard(1)], [Shard(0), Shard(1)]) == []
     # unchanged outer shard, inner one changes: only the inner axis moves
-    assert _ops(plan(shape, (2, 2), [Shard(0), Shard(0)], [Shard(0), R])) == [(1, "all_gather")]
+    assert _ops(steps_of(shape, (2, 2), [Shard(0), Shard(0)], [Shard(0), R])) == [
+        (1, "all_gather")]
     # the outer shard of a doubly-sharded dim changes: inner first, then cut again
-    assert _ops(plan(shape, (2, 2), [Shard(0), Shard(0)], [R, Shard(0)])) == [
+    assert _ops(steps_of(shape, (2, 2), [Shard(0), Shard(0)], [R, Shard(0)])) == [
         (1, "all_gather"), (0, "all_gather"), (1, "slice")]
     # replicated units cannot be summed as a partition: through Replicate instead
-    assert _ops(plan((8, 8), (4,), [Shard(1, unit=4)], [P])) == [(0, "all_gather"),
-                                                                   (0, "keep_one")]
+    assert _ops(steps_of((8, 8), (4,), [Shard(1, unit=4)], [P])) == [(0, "all_gather"),
+                                                               (0, "keep_one")]
 
 
 def test_placements_read_as_they_are_written():
@@ -130,15 +131,15 @@ def test_bad_operands_are_one_clear_error():
     from mpi4py import MPI
     mesh, other = hp.Mesh(MPI.COMM_SELF, {"x": 1}), hp.Mesh(MPI.COMM_SELF, {"x": 1})
     a = hp.DArray.from_full(np.ones((2, 3)), mesh, {})
-    with pytest.raises(hp.PolicyError, match="different meshes"):
+    with pytest.raises(hp.tensor.PolicyError, match="different meshes"):
         hp.matmul(a, hp.DArray.from_full(np.ones((3, 2)), other, {}))
-    with pytest.raises(hp.PolicyError, match=r"do not share the inner dimension \(3 != 4\)"):
+    with pytest.raises(hp.tensor.PolicyError, match=r"do not share the inner dimension \(3 != 4\)"):
         hp.matmul(a, hp.DArray.from_full(np.ones((4, 2)), mesh, {}))
-    with pytest.raises(hp.PolicyError, match="not one of"):
+    with pytest.raises(hp.tensor.PolicyError, match="not one of"):
         hp.matmul(a, hp.DArray.from_full(np.ones((3, 2)), mesh, {}), policy="diagonal")
-    with pytest.raises(hp.PlacementError, match="no dimension 2"):
+    with pytest.raises(hp.tensor.PlacementError, match="no dimension 2"):
         hp.DArray.from_full(np.ones((2, 3)), mesh, {"x": hp.Shard(2)})
-    with pytest.raises(hp.MeshError, match="not 'y'"):
+    with pytest.raises(hp.mesh.MeshError, match="not 'y'"):
         hp.DArray.from_full(np.ones((2, 3)), mesh, {"y": hp.Shard(0)})
 
 
@@ -152,10 +153,10 @@ def test_16_bit_operands_take_every_activation_and_the_embedding_takes_integer_i
     rng = np.random.default_rng(0)
     w1, w2, x = (rng.standard_normal(s) for s in [(4, 8), (8, 4), (3, 4)])
     for activation in ("relu", "silu", "gelu_tanh"):
-        f, _ = hp.ACTIVATIONS[activation]
+        f, _ = hp.tensor.ACTIVATIONS[activation]
         want = f(np, x.astype(bfloat16).astype(np.float64) @ w1.astype(bfloat16)
                  .astype(np.float64)) @ w2.astype(bfloat16).astype(np.float64)
-        ffn = hp.FeedForward(*(hp.DArray.from_full(w.astype(bfloat16), mesh, {"tp": pl})
+        ffn = hp.tensor.FeedForward(*(hp.DArray.from_full(w.astype(bfloat16), mesh, {"tp": pl})
                                for w, pl in ((w1, hp.Shard(1)), (w2, hp.Shard(0)))),
                              activation=activation)
         y, ctx = ffn.forward(hp.DArray.from_full(x.astype(bfloat16), mesh, {}))
@@ -174,7 +175,7 @@ def test_micro_batches_split_and_join():
     x = np.arange(20).reshape(10, 2)
     parts = hp.split_micro_batches(x, 4)
     assert [len(p) for p in parts] == [3, 3, 2, 2]
-    np.testing.assert_array_equal(hp.concat_micro_batches(parts), x)
+    np.testing.assert_array_equal(hp.pipeline.concat_micro_batches(parts), x)
     with pytest.raises(hp.HpcparError, match="cannot cut 10 rows into 11"):
         hp.split_micro_batches(x, 11)
 
@@ -186,17 +187,17 @@ def test_the_core_on_cupy_arrays():
     from mpi4py import MPI
 
     import hpcpar.parallel as hp
-    from hpcpar.parallel.backend import select_backend
+    from hpcpar.parallel.device.backend import select_backend
     backend = select_backend("cupy")
     mesh = hp.Mesh(MPI.COMM_SELF, {"x": 1}, backend=backend)
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal((6, 4)).astype(np.float32), rng.standard_normal((4, 3)).astype(
         np.float32)
-    y, ctx = hp.matmul_forward(hp.DArray.from_full(a, mesh, [hp.Shard(1)]),
+    y, ctx = hp.tensor.matmul_forward(hp.DArray.from_full(a, mesh, [hp.Shard(1)]),
                                hp.DArray.from_full(b, mesh, [hp.Shard(0)]))
     assert type(y.local).__module__.startswith("cupy")
     np.testing.assert_allclose(backend.to_host(y.full()), a @ b, rtol=1e-5)
-    da, _ = hp.matmul_backward(y.like(y.local * 0 + 1), ctx)
+    da, _ = hp.tensor.matmul_backward(y.like(y.local * 0 + 1), ctx)
     np.testing.assert_allclose(backend.to_host(da.full()), np.ones((6, 3)) @ b.T, rtol=1e-5)
     tp = mesh.group("x")
     col = hp.ColumnParallelLinear.from_full(tp, a.T.copy())
@@ -218,7 +219,7 @@ def test_every_public_name_resolves_and_the_pure_modules_stay_free_of_mpi():
     for name in hp.__all__:
         assert not isinstance(getattr(hp, name), types.ModuleType), name
     assert not {m.name for m in pkgutil.iter_modules(hp.__path__)} & set(hp.__all__)
-    probe = ("import sys, hpcpar.models.config, hpcpar.models.sharding, hpcpar.parallel.splits; "
-             "print('mpi4py.MPI' in sys.modules)")
+    probe = ("import sys, hpcpar.models.config, hpcpar.models.sharding, "
+             "hpcpar.parallel.tensor.splits; print('mpi4py.MPI' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"

@@ -18,8 +18,11 @@ import numpy as np
 import pytest
 
 import hpcpar.parallel as hp
-from hpcpar.parallel.backend import select_backend
-from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.comm.agreement import Disagreement
+from hpcpar.parallel.device.backend import select_backend
+from hpcpar.parallel.device.dtypes import bfloat16
+from hpcpar.parallel.tensor import even_sizes, matmul_communication
+from hpcpar.parallel.tensor_parallel import GatherFromGroup, ScatterToGroup
 
 pytestmark = [pytest.mark.mpi(ranks=(2, 8)), pytest.mark.device]
 
@@ -53,8 +56,8 @@ def options(p: int, shape):
     """What one mesh axis of p ranks can hold of an array of ``shape``: uneven sizes and
     whole units (replicated when there are fewer units than ranks) included."""
     rows, cols = shape
-    out = [R, P, hp.Shard(0, sizes=hp.even_sizes(rows, p)),
-           hp.Shard(1, sizes=hp.even_sizes(cols, p)), hp.Shard(1, unit=cols // 2)]
+    out = [R, P, hp.Shard(0, sizes=even_sizes(rows, p)),
+           hp.Shard(1, sizes=even_sizes(cols, p)), hp.Shard(1, unit=cols // 2)]
     if rows % p == 0:
         out.append(S0)
     return out
@@ -68,7 +71,7 @@ def layouts(mesh, shape, limit, seed):
         try:
             hp.DArray.from_full(np.zeros(shape), mesh, c)
             ok.append(c)
-        except hp.ShardingError:
+        except hp.tensor.ShardingError:
             pass
     rng = np.random.default_rng(seed)          # the same sample on every rank
     if len(ok) > limit:
@@ -104,7 +107,7 @@ def test_from_local_infers_the_global_shape_and_uneven_sizes(comm):
     np.testing.assert_array_equal(host(mesh, x.full()), expected)
     # pieces that are not one array are refused on every rank
     bad = mesh.backend.xp.asarray(np.zeros((2, 3 + (rank == n - 1)), np.float32))
-    with pytest.raises(hp.PlacementError, match="not its piece"):
+    with pytest.raises(hp.tensor.PlacementError, match="not its piece"):
         hp.DArray.from_local(bad, mesh, [S0])
 
 
@@ -122,25 +125,25 @@ def _check(mesh, got, ref, dtype, what):
 def policy_cases(mesh, k):
     """(policy, A placements, B placements, axis) with uneven and unit-wise cuts of k."""
     n = mesh.sizes[0]
-    ks = hp.even_sizes(k, n)
+    ks = even_sizes(k, n)
     cases = [("duplicated", {}, {}, None),
              ("inner", {"x": hp.Shard(1, sizes=ks)}, {"x": hp.Shard(0, sizes=ks)}, "x"),
              ("inner", {"x": hp.Shard(1, sizes=ks)}, {}, "x"),     # B sliced like A
              ("inner_gather", {"x": hp.Shard(1, sizes=ks)},
-              {"x": hp.Shard(1, sizes=hp.even_sizes(4, n))}, "x"),    # B by columns
+              {"x": hp.Shard(1, sizes=even_sizes(4, n))}, "x"),    # B by columns
              ("inner_gather", {"x": hp.Shard(1, sizes=ks)},
               {"x": hp.Shard(0, sizes=[k] + [0] * (n - 1))}, "x"),     # other cuts of k
              # 2 whole units ("heads") of k: one per rank, or each replicated when 4+ ranks,
              # which a pending sum would count twice: gathered instead
              ("inner" if n == 2 else "inner_gather", {"x": hp.Shard(1, unit=k // 2)},
               {"x": hp.Shard(0, unit=k // 2)}, "x"),
-             ("outer", {"x": hp.Shard(0, sizes=hp.even_sizes(6, n))},
+             ("outer", {"x": hp.Shard(0, sizes=even_sizes(6, n))},
               {"x": hp.Shard(0, sizes=ks)}, "x"),
-             ("local", {"x": hp.Shard(0, sizes=hp.even_sizes(6, n))}, {}, None)]
+             ("local", {"x": hp.Shard(0, sizes=even_sizes(6, n))}, {}, None)]
     if len(mesh.sizes) >= 2:
-        cases.append(("full", {"x": S0, "y": hp.Shard(1, sizes=hp.even_sizes(k, mesh.sizes[1]))},
-                      {"x": hp.Shard(0, sizes=hp.even_sizes(k, mesh.sizes[0])),
-                       "y": hp.Shard(1, sizes=hp.even_sizes(4, mesh.sizes[1]))}, ("x", "y")))
+        cases.append(("full", {"x": S0, "y": hp.Shard(1, sizes=even_sizes(k, mesh.sizes[1]))},
+                      {"x": hp.Shard(0, sizes=even_sizes(k, mesh.sizes[0])),
+                       "y": hp.Shard(1, sizes=even_sizes(4, mesh.sizes[1]))}, ("x", "y")))
     return cases
 
 
@@ -155,10 +158,10 @@ def test_every_matmul_policy_forward_and_backward(comm, dtype):
         for name, pa, pb, axis in policy_cases(mesh, k):
             a = hp.DArray.from_full(a_full.astype(dtype), mesh, pa)
             b = hp.DArray.from_full(b_full.astype(dtype), mesh, pb)
-            y, ctx = hp.matmul_forward(a, b)
+            y, ctx = hp.tensor.matmul_forward(a, b)
             assert ctx.policy == name, (ctx.policy, name, pa, pb)
             _check(mesh, y.full(), a_ref @ b_ref, dtype, f"{name} forward")
-            da, db = hp.matmul_backward(hp.DArray.from_full(dy_full.astype(dtype), mesh,
+            da, db = hp.tensor.matmul_backward(hp.DArray.from_full(dy_full.astype(dtype), mesh,
                                                             y.placements), ctx)
             assert da.placements == a.placements and db.placements == b.placements
             _check(mesh, da.full(), dy_ref @ b_ref.T, dtype, f"{name} dA")
@@ -174,10 +177,10 @@ def test_inner_policy_outputs_on_request(comm):
     mesh = hp.Mesh(comm, {"x": comm.Get_size()}, backend=backend(), timeout=60)
     rng = np.random.default_rng(2)
     a_full, b_full = rng.standard_normal((comm.Get_size() * 2, 8)), rng.standard_normal((8, 3))
-    a = hp.DArray.from_full(a_full, mesh, [hp.Shard(1, sizes=hp.even_sizes(8, mesh.sizes[0]))])
-    b = hp.DArray.from_full(b_full, mesh, [hp.Shard(0, sizes=hp.even_sizes(8, mesh.sizes[0]))])
-    assert hp.matmul_communication(a, b) == ["Y: all_reduce over 'x': Partial() -> Replicate()"]
-    assert hp.matmul_communication(a, b, out=[S0]) == [
+    a = hp.DArray.from_full(a_full, mesh, [hp.Shard(1, sizes=even_sizes(8, mesh.sizes[0]))])
+    b = hp.DArray.from_full(b_full, mesh, [hp.Shard(0, sizes=even_sizes(8, mesh.sizes[0]))])
+    assert matmul_communication(a, b) == ["Y: all_reduce over 'x': Partial() -> Replicate()"]
+    assert matmul_communication(a, b, out=[S0]) == [
         "Y: reduce_scatter over 'x': Partial() -> Shard(0)"]
     for out in ([S0], [P]):
         y = hp.matmul(a, b, out=out)
@@ -203,13 +206,13 @@ def test_one_placement_alone_places_on_a_one_axis_mesh_and_is_one_error_on_more(
     b = hp.DArray.from_full(b_full, grid, {"tp": S0})
     for bad, words in [(S0, "one placement, Shard(0), for a mesh of axes ['dp', 'tp']"),
                        (P, "such as {'tp': Partial()}"), (5, "placements 5: give one per")]:
-        with pytest.raises(hp.PlacementError, match=re.escape(words)):
+        with pytest.raises(hp.tensor.PlacementError, match=re.escape(words)):
             hp.matmul(a, b, out=bad)
-        with pytest.raises(hp.PlacementError, match=re.escape(words)):
+        with pytest.raises(hp.tensor.PlacementError, match=re.escape(words)):
             hp.DArray.from_full(a_full, grid, bad)
 
 
-@pytest.mark.parametrize("policy", hp.FFN_POLICIES)
+@pytest.mark.parametrize("policy", hp.tensor.FFN_POLICIES)
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "silu"])
 def test_feed_forward_policies(comm, policy, activation):
     n = comm.Get_size()
@@ -220,10 +223,10 @@ def test_feed_forward_policies(comm, policy, activation):
     dy_full = rng.standard_normal((rows, d))
     x_pl, w1_pl, w2_pl = {"megatron": (R, S1, S0), "allgather": (R, S1, S1),
                           "sequence": (S0, S1, S0)}[policy]
-    ffn = hp.FeedForward(hp.DArray.from_full(w1, mesh, [w1_pl]),
+    ffn = hp.tensor.FeedForward(hp.DArray.from_full(w1, mesh, [w1_pl]),
                          hp.DArray.from_full(w2, mesh, [w2_pl]), policy, activation=activation)
     y, ctx = ffn.forward(hp.DArray.from_full(x_full, mesh, [x_pl]))
-    f, df = hp.ACTIVATIONS[activation]
+    f, df = hp.tensor.ACTIVATIONS[activation]
     z = x_full @ w1
     np.testing.assert_allclose(host(mesh, y.full()), f(np, z) @ w2, rtol=1e-10, atol=1e-12)
     dx, dw1, dw2 = ffn.backward(hp.DArray.from_full(dy_full, mesh, y.placements), ctx)
@@ -246,7 +249,7 @@ def test_parallel_layers_from_whole_weights(comm):
     x = rng.standard_normal((2, 3, d)).astype(np.float32)
     w1, b1, w2, b2 = (rng.standard_normal(s).astype(np.float32)
                       for s in ((h, d), (h,), (d, h), (d,)))
-    sizes = hp.even_sizes(h, n)
+    sizes = even_sizes(h, n)
     col = hp.ColumnParallelLinear.from_full(tp, w1, b1, sizes=sizes)
     row = hp.RowParallelLinear.from_full(tp, w2, b2, sizes=sizes)
     xd = xp.asarray(x)
@@ -299,19 +302,19 @@ def test_megatron_f_and_g(comm):
     mesh = hp.Mesh(comm, {"tp": comm.Get_size()}, backend=backend(), timeout=60)
     tp, xp, n, r = mesh.group("tp"), mesh.backend.xp, comm.Get_size(), comm.Get_rank()
     x = xp.asarray(np.full((n + 1, 2), r + 1.0))
-    assert hp.f.forward(x, tp) is x
+    assert hp.tensor_parallel.f.forward(x, tp) is x
     total = n * (n + 1) / 2
-    np.testing.assert_array_equal(host(mesh, hp.f.backward(x.copy(), tp)), total)
-    np.testing.assert_array_equal(host(mesh, hp.g.forward(x.copy(), tp)), total)
-    assert hp.g.backward(x, tp) is x
-    sizes = hp.even_sizes(n + 1, n)
-    mine = hp.ScatterToGroup.forward(x, tp, axis=0, sizes=sizes)
+    np.testing.assert_array_equal(host(mesh, hp.tensor_parallel.f.backward(x.copy(), tp)), total)
+    np.testing.assert_array_equal(host(mesh, hp.tensor_parallel.g.forward(x.copy(), tp)), total)
+    assert hp.tensor_parallel.g.backward(x, tp) is x
+    sizes = even_sizes(n + 1, n)
+    mine = ScatterToGroup.forward(x, tp, axis=0, sizes=sizes)
     assert mine.shape == (sizes[r], 2)
-    assert hp.ScatterToGroup.backward(mine, tp, axis=0, sizes=sizes).shape == (n + 1, 2)
-    gathered = hp.GatherFromGroup.forward(mine, tp, axis=0, sizes=sizes)
+    assert ScatterToGroup.backward(mine, tp, axis=0, sizes=sizes).shape == (n + 1, 2)
+    gathered = GatherFromGroup.forward(mine, tp, axis=0, sizes=sizes)
     np.testing.assert_array_equal(host(mesh, gathered)[:, 0],
                                   np.repeat(np.arange(1.0, n + 1), sizes))
-    back = hp.GatherFromGroup.backward(xp.asarray(np.ones((n + 1, 2))), tp, axis=0, sizes=sizes)
+    back = GatherFromGroup.backward(xp.asarray(np.ones((n + 1, 2))), tp, axis=0, sizes=sizes)
     np.testing.assert_array_equal(host(mesh, back), n)                    # summed, then cut
 
 
@@ -395,7 +398,7 @@ def test_pipeline_schedules_equal_the_unpipelined_model(comm, schedule, virtual,
         np.testing.assert_allclose(host(mesh, chunk.w.grad), grads[c * n + stage], rtol=1e-10,
                                    atol=1e-12)
     assert 0.0 <= pipe.bubble() < 1.0
-    assert pipe.bubble_formula(m) == hp.bubble_formula(schedule, n, m, virtual)
+    assert pipe.bubble_formula(m) == hp.pipeline.bubble_formula(schedule, n, m, virtual)
 
 
 def test_pipeline_forward_returns_the_last_stage_outputs(comm):
@@ -444,7 +447,7 @@ def test_a_schedule_that_cannot_run_is_refused_before_the_first_step(comm):
     pipe = hp.Pipeline(mesh.group("pp"), TanhLayer(np.eye(D), xp),
                        loss=lambda y, t: _loss(y, y * 0))
     m = 2 if mesh.rank == 0 else 3                     # the ranks disagree on the count
-    with pytest.raises(hp.Disagreement, match="micro-batch count .*: 2 on rank 0 and 3 on "):
+    with pytest.raises(Disagreement, match="micro-batch count .*: 2 on rank 0 and 3 on "):
         pipe.train_step([xp.asarray(np.ones((1, D)))] * m, [None] * m)
     chunks = [TanhLayer(np.eye(D), xp), TanhLayer(np.eye(D), xp)]
     interleaved = hp.Pipeline(mesh.group("pp"), chunks, schedule="interleaved", loss=_loss)
@@ -456,15 +459,15 @@ def test_bad_shapes_and_operands_are_one_error_on_every_rank(comm):
     n = comm.Get_size()
     mesh = hp.Mesh(comm, {"x": n}, backend=backend(), timeout=30)
     other = hp.Mesh(comm, {"x": n}, backend=backend(), timeout=30)
-    with pytest.raises(hp.ShardingError, match=f"length {n + 1} does not split evenly over "
+    with pytest.raises(hp.tensor.ShardingError, match=f"length {n + 1} does not split evenly over "
                                                f"{n} ranks; pass sizes="):
         hp.DArray.from_full(np.zeros((n + 1, 2)), mesh, [S0])
     a = hp.DArray.from_full(np.ones((2 * n, 2 * n)), mesh, [S0])
-    with pytest.raises(hp.PolicyError, match="different meshes"):
+    with pytest.raises(hp.tensor.PolicyError, match="different meshes"):
         hp.matmul(a, hp.DArray.from_full(np.ones((2 * n, 3)), other, [R]))
-    with pytest.raises(hp.PolicyError, match="fit none of the policies"):
+    with pytest.raises(hp.tensor.PolicyError, match="fit none of the policies"):
         hp.matmul(a, hp.DArray.from_full(np.ones((2 * n, 2 * n)), mesh, [S1]))
-    with pytest.raises(hp.MeshError, match=rf"x\({n}\) \* y\(2\) = {2 * n} != world size {n}"):
+    with pytest.raises(hp.mesh.MeshError, match=rf"x\({n}\) \* y\(2\) = {2 * n} != world size {n}"):
         hp.Mesh(comm, {"x": n, "y": 2})
 
 

@@ -8,8 +8,8 @@ from hpcpar.parallel.comm import create_communicator
 from hpcpar.jobs.generate.sampling import sample_from_candidates
 from hpcpar.jobs.inputs.sampling_settings import SamplingParams
 from hpcpar.jobs.job import JobError, load_job, parse_set
-from hpcpar.parallel.layers import Frozen
-from hpcpar.parallel.vocab import ParallelLMHead
+from hpcpar.parallel.tensor_parallel.layers import Frozen
+from hpcpar.parallel.tensor_parallel.vocab import ParallelLMHead
 from hpcpar.parallel.ops import native_ops
 
 
@@ -113,9 +113,9 @@ def test_a_step_of_greedy_and_top_k_rows_reads_the_device_once():
     the lower id, as the argmax), so a mixed step reads its candidates once, in one array."""
     from hpcpar.jobs.generate.sampling import next_tokens
     from hpcpar.jobs.inputs.sampling_settings import PromptSampling
-    from hpcpar.parallel.backend import ArrayBackend
-    from hpcpar.parallel.budget import Budget
-    from hpcpar.parallel.strict import xp
+    from hpcpar.parallel.device.backend import ArrayBackend
+    from hpcpar.parallel.device.budget import Budget
+    from hpcpar.parallel.device.strict_arrays import xp
     tp = create_communicator(MPI.COMM_SELF, "mpi", backend=ArrayBackend("strict", xp),
                              name="tp")
     rng = np.random.default_rng(2)

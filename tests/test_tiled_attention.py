@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from hpcpar.parallel.dtypes import bfloat16
+from hpcpar.parallel.device.dtypes import bfloat16
 from hpcpar.parallel.ops import AttentionRows
 from hpcpar.parallel.ops.attention import Attention
 from hpcpar.parallel.ops.tiled_attention import TiledAttention
@@ -92,7 +92,7 @@ def _dense_scores(q, k, rows):
 def test_the_starting_shift_is_a_score_each_query_reaches(name):
     """The known shift's premise: each query's starting c is one of its visible scores, so
     at most its largest (padding queries included: they see key 0 alone)."""
-    from hpcpar.parallel.ops.known_shift import reached_scores
+    from hpcpar.parallel.ops.softmax_shift import reached_scores
     from hpcpar.parallel.ops.tiled_attention import grouped_heads
     rng = np.random.default_rng(zlib.crc32(name.encode()))
     B, T, S, nh, nkv, hd, q_len, kv_len, window = CASES[name]
@@ -109,7 +109,7 @@ def test_spans_of_large_scores_move_the_shift_and_keep_the_reference_output():
     """A key of large norm (scores of ~100): the spans the bound cannot keep in range take
     their maximum, the others do not, and the output equals the reference in float32 and
     float64, its lse too."""
-    from hpcpar.parallel.ops.known_shift import KnownShift, spans
+    from hpcpar.parallel.ops.softmax_shift import KnownShift, spans
     from hpcpar.parallel.ops.tiled_attention import grouped_heads
     rng = np.random.default_rng(7)
     B, T, nh, nkv, hd = 2, 24, 4, 2, 8
@@ -145,7 +145,7 @@ def test_spans_of_large_scores_move_the_shift_and_keep_the_reference_output():
 def test_the_known_shift_is_for_whole_sequences_in_float32_and_float64():
     """Decode steps (fewer queries than a block), 16-bit inputs and segments of a ring keep
     the online softmax."""
-    from hpcpar.parallel.ops.known_shift import KnownShift
+    from hpcpar.parallel.ops.softmax_shift import KnownShift
     from hpcpar.parallel.ops.tiled_attention import grouped_heads
     rng = np.random.default_rng(3)
     q, k, v, rows, _ = _case(rng, 1, 8, 8, 2, 1, 4, [8], [8], np.float32)

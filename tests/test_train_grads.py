@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import GQA, TIED, realistic_tensors
-from hpcpar.parallel.backend import NUMPY
+from hpcpar.parallel.device.backend import NUMPY
 from hpcpar.parallel.comm import create_communicator
 from hpcpar.models.config import ModelConfig
 from hpcpar.models.rope import RotaryEmbedding
@@ -22,7 +22,7 @@ from hpcpar.jobs.train.model_chunk import Batch, ModelChunk
 from hpcpar.jobs.train.data import label_count, make_batches
 from hpcpar.models.attention import Attention
 from hpcpar.models.decoder import Mlp, norm_backward
-from hpcpar.parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
+from hpcpar.parallel.tensor_parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from hpcpar.jobs.train.params import GradSink, make_params
 from reference import llama_logits
 

@@ -321,7 +321,7 @@ def test_plan_predicts_the_activations_each_cp_rank_keeps(long_setup):
     ``plan``'s formula at its own positions per row (the plan prints the largest). NumPy
     arrays: the formula counts theirs (the strict backend's wrappers keep other views)."""
     from hpcpar.models.config import ModelConfig
-    from hpcpar.parallel.context import ContextShard
+    from hpcpar.parallel.context_parallel.ring_attention import ContextShard
     from hpcpar.jobs.train.memory import activation_bytes
     comm = MPI.COMM_WORLD
     cfg, folder = long_setup

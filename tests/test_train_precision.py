@@ -85,7 +85,7 @@ def _torch_scales(start: float, window: int, overflows: list[bool]) -> list[floa
 
 
 def test_the_loss_scaler_follows_torchs_grad_scaler():
-    from hpcpar.parallel.optim import LossScaler
+    from hpcpar.parallel.optim.optimizers import LossScaler
     rng = np.random.default_rng(3)
     overflows = list(rng.random(60) < 0.15)
     scaler, got = LossScaler(2.0 ** 10, growth_interval=3), []

@@ -68,7 +68,7 @@ def torch_lrs(lr: float, min_lr: float, warmup: int, steps: int, kind: str) -> l
 @pytest.mark.parametrize("kind", ["constant", "cosine", "linear"])
 @pytest.mark.parametrize("warmup, steps", [(0, 7), (1, 5), (3, 10), (4, 4)])
 def test_learning_rate_schedules_are_torchs(kind, warmup, steps):
-    from hpcpar.parallel.optim_settings import OptimizerSettings, learning_rate
+    from hpcpar.parallel.optim.settings import OptimizerSettings, learning_rate
     settings = OptimizerSettings(lr=3e-3, min_lr=3e-4, warmup_steps=warmup, lr_schedule=kind)
     ours = [learning_rate(settings, s, steps) for s in range(1, steps + 1)]
     np.testing.assert_allclose(ours, torch_lrs(3e-3, 3e-4, warmup, steps, kind), rtol=1e-12)

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hpcpar.parallel import waits
-from hpcpar.parallel.backend import ArrayBackend
+from hpcpar.parallel.device import waits
+from hpcpar.parallel.device.backend import ArrayBackend
 from hpcpar.parallel.errors import CommTimeout
 
 
@@ -100,7 +100,7 @@ def _timed_cupy():
 
 
 def test_device_time_is_read_from_events_once_settled_not_from_the_host():
-    from hpcpar.parallel.backend import DeviceClock
+    from hpcpar.parallel.device.backend import DeviceClock
     clock = DeviceClock(ArrayBackend("cupy", _timed_cupy(), 0))
     totals = [0.0, 0.0]
     start = clock.now()
@@ -112,7 +112,7 @@ def test_device_time_is_read_from_events_once_settled_not_from_the_host():
 
 
 def test_queued_communication_is_timed_on_the_device():
-    from hpcpar.parallel.backend import DeviceClock
+    from hpcpar.parallel.device.backend import DeviceClock
     from hpcpar.parallel.comm.stats import CommStats
     clock = DeviceClock(ArrayBackend("cupy", _timed_cupy(), 0))
     stats = CommStats()

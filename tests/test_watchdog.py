@@ -16,7 +16,7 @@ from hpcpar.parallel.errors import CommTimeout, HangElsewhere
 def board_on(nodes: int, monkeypatch):
     """An ActionBoard over the world split into ``nodes`` fake nodes, its alarm listened to."""
     from mpi4py import MPI
-    from hpcpar.parallel.waits import listen_for_alarm
+    from hpcpar.parallel.device.waits import listen_for_alarm
     from hpcpar.jobs.watchdog import ActionBoard
     world = MPI.COMM_WORLD
     monkeypatch.setenv("HPCPAR_FAKE_NODES", str(nodes))
@@ -34,7 +34,7 @@ def board_on(nodes: int, monkeypatch):
 def wait_for_nothing(timeout: float, tag: int):
     """A bounded wait on a receive nobody sends; the receive is cancelled whatever happens."""
     from mpi4py import MPI
-    from hpcpar.parallel.waits import wait_bounded
+    from hpcpar.parallel.device.waits import wait_bounded
     never = MPI.COMM_WORLD.Irecv(np.empty(1), source=MPI.ANY_SOURCE, tag=tag)
     try:
         wait_bounded(never, timeout, "a receive that never completes")

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..models.config import ModelConfig
 from ..models.tensors import inert_tensors, stored_tensors
-from ..parallel.dtypes import FLOAT_DTYPES, float_dtype
+from ..parallel.device.dtypes import FLOAT_DTYPES, float_dtype
 from ..parallel.errors import HpcparError
 from .files import OutputLock, check_output
 from .format import TOKENIZER_FILES

@@ -35,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from ..models.tensors import TensorSpec, stored_tensors
-from ..parallel.dtypes import FLOAT_DTYPES, float_dtype
+from ..parallel.device.dtypes import FLOAT_DTYPES, float_dtype
 from ..parallel.errors import HpcparError
 from .files import OutputLock, check_space, check_writable, write_point, writing
 from .reader import Checkpoint, load_shard, open_checkpoint

@@ -23,7 +23,7 @@ import numpy as np
 from ..models.config import ModelConfig
 from ..models.sharding import ShardingError, Split, shard_of, split_of
 from ..models.tensors import TensorSpec, model_tensors
-from ..parallel.dtypes import bfloat16
+from ..parallel.device.dtypes import bfloat16
 
 FORMAT_VERSION = 1
 ATTR_VERSION = "hpcpar_format_version"

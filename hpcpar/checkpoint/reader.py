@@ -21,10 +21,10 @@ import numpy as np
 from ..models.config import ConfigError, ModelConfig
 from ..models.sharding import shard_of
 from ..models.tensors import TensorSpec, stored_tensors
-from ..parallel.backend import NUMPY, ArrayBackend
-from ..parallel.dtypes import FLOAT_DTYPES, any_nonfinite, dtype_name, nonfinite
+from ..parallel.device.backend import NUMPY, ArrayBackend
+from ..parallel.device.dtypes import FLOAT_DTYPES, any_nonfinite, dtype_name, nonfinite
 from ..parallel.errors import HpcparError
-from ..parallel.layers import stored_matrix
+from ..parallel.tensor_parallel.layers import stored_matrix
 from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, INERT_GROUP, TOKENIZER_GROUP,
                      logical_dtype, storage_dtype)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..models.config import ModelConfig
 from ..models.tensors import TensorSpec, stored_tensors
-from ..parallel.dtypes import dtype_name
+from ..parallel.device.dtypes import dtype_name
 from ..parallel.errors import HpcparError
 from .files import (AtomicPath, WriteError, check_space, is_write_failure, quiet_deallocation,
                     write_failure, write_point, writing)

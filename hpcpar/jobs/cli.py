@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..parallel import waits
+from ..parallel.device import waits
 from ..parallel.errors import HpcparError, Stopped
 from .launch import (EXIT_PREEMPTED, EXIT_REQUESTS_FAILED, JobFailed, StopRequest,
                      check_launch, everyone, phase, run_guarded, world)
@@ -113,7 +113,7 @@ def _main(argv) -> int:
         return _on_rank0(comm, f"showing {args.path}", lambda: _show(args))
     if command == "init":
         from ..checkpoint import init_checkpoint
-        from ..parallel.dtypes import float_dtype
+        from ..parallel.device.dtypes import float_dtype
         return _on_rank0(comm, f"initialising preset {args.preset}", _wrote(
             args.out, lambda: init_checkpoint(args.out, args.preset, args.seed,
                                               float_dtype(args.dtype))))
@@ -219,7 +219,7 @@ def _train(comm, job) -> int:
 def _plan_text(args) -> str:
     from ..checkpoint import open_checkpoint, preset_config
     from ..models.config import ModelConfig
-    from ..parallel.dtypes import float_dtype
+    from ..parallel.device.dtypes import float_dtype
     from .job import PRESET_PREFIX, load_job
 
     flags = {("parallel", k): getattr(args, k) for k in

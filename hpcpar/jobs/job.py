@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from ..parallel.errors import HpcparError
-from ..parallel.optim_settings import OptimizerSettings
+from ..parallel.optim.settings import OptimizerSettings
 from . import settings
 from .layout import ParallelConfig
 

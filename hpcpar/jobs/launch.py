@@ -37,7 +37,8 @@ from typing import Callable, TypeVar
 
 import numpy as np
 
-from ..parallel import trace, waits
+from ..parallel import trace
+from ..parallel.device import waits
 from ..parallel.comm.failfast import abort
 from ..parallel.errors import CommTimeout, HangElsewhere, HpcparError
 from .supervisor import launcher_size, mark_known_exit

@@ -52,7 +52,7 @@ class ParallelConfig:
     """The dp × pp × cp × tp layout and how the pipeline runs.
 
     ``cp`` splits every sequence over its ranks (context parallelism: ring attention, see
-    ``parallel.context``); it is 1 unless asked for, never inferred.
+    ``parallel.context_parallel.ring_attention``); it is 1 unless asked for, never inferred.
 
     ``stage_layers`` optionally fixes how many decoder layers each pipeline stage holds;
     without it the layers are split evenly with the remainder on the first stages.

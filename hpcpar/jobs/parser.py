@@ -121,7 +121,7 @@ def _trace_flag(p) -> None:
 
 
 def _job_flags(p, required: bool, out_help: str) -> None:
-    from ..parallel.backend import BACKENDS
+    from ..parallel.device.backend import BACKENDS
     from ..parallel.comm import COMM_KINDS
     need = {"required": required}
     p.add_argument("--checkpoint", **need, help="HDF5 checkpoint, or preset:NAME")
@@ -191,7 +191,7 @@ def _float_pair(text: str) -> tuple[float, ...]:
 
 def _train_flags(p) -> None:
     """The flags of ``train`` that ``generate`` does not have (``run`` takes both)."""
-    from ..parallel.optim_settings import LR_SCHEDULES, OPTIMIZERS
+    from ..parallel.optim.settings import LR_SCHEDULES, OPTIMIZERS
     from ..parallel.pipeline.training_schedules import TRAINING_SCHEDULES
     p.add_argument("--data", help="training data: .npy rows, .bin tokens or .jsonl")
     p.add_argument("--steps", type=int, help="total optimizer steps (counted from step 0)")
@@ -246,7 +246,7 @@ def command_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.Argum
 
 
 def _demo_command(sub) -> None:
-    from ..parallel.backend import BACKENDS
+    from ..parallel.device.backend import BACKENDS
     from ..parallel.comm import COMM_KINDS
     demo = sub.add_parser("demo", help="the built-in demo job (the default command)")
     demo.add_argument("--checkpoint", help="checkpoint (default: a cached random tiny model)")
@@ -278,7 +278,7 @@ def _generate_command(sub) -> None:
 
 
 def _score_command(sub) -> None:
-    from ..parallel.backend import BACKENDS
+    from ..parallel.device.backend import BACKENDS
     from ..parallel.comm import COMM_KINDS
     score = sub.add_parser("score", help="log-probabilities of given token sequences")
     score.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -296,7 +296,7 @@ def _score_command(sub) -> None:
 
 
 def _train_command(sub) -> None:
-    from ..parallel.backend import BACKENDS
+    from ..parallel.device.backend import BACKENDS
     from ..parallel.comm import COMM_KINDS
     train = sub.add_parser("train", help="train from a checkpoint on token data")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -359,7 +359,7 @@ def _plan_command(sub) -> None:
 
 
 def _convert_command(sub) -> None:
-    from ..parallel.dtypes import FLOAT_DTYPES
+    from ..parallel.device.dtypes import FLOAT_DTYPES
     conv = sub.add_parser("convert", help="Hugging Face folder -> HDF5 checkpoint")
     conv.add_argument("hf_dir", type=Path)
     conv.add_argument("out", type=Path)
@@ -392,7 +392,7 @@ def _show_command(sub) -> None:
 
 def _init_command(sub) -> None:
     from ..checkpoint import PRESETS
-    from ..parallel.dtypes import FLOAT_DTYPES
+    from ..parallel.device.dtypes import FLOAT_DTYPES
     init = sub.add_parser("init", help="random weights for a named model shape")
     init.add_argument("--preset", required=True, choices=sorted(PRESETS))
     init.add_argument("out", type=Path)

@@ -17,10 +17,10 @@ from ..models.decoder import PREFILL_CHUNK
 from ..models.kv_cache import kv_cache_bytes
 from ..models.sharding import shard_of
 from ..models.tensors import StageSpan, stage_tensors
-from ..parallel.context import ContextShard
+from ..parallel.context_parallel.ring_attention import ContextShard
 from ..parallel.pipeline.partition import stage_layers
 from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
-from ..parallel.splits import expert_block
+from ..parallel.tensor.splits import expert_block
 from .generate.memory import StageMemory, rank_widths, rows_at_once, stage_memory
 from .job import GenerateSection, TrainSection
 from .layout import ParallelConfig

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import init_checkpoint
-from ..parallel.backend import NUMPY, ArrayBackend, select_backend
+from ..parallel.device.backend import NUMPY, ArrayBackend, select_backend
 from ..parallel.comm import CommStats, Communicator, create_communicator
 from ..parallel.mesh import Mesh
-from ..parallel.splits import expert_block
+from ..parallel.tensor.splits import expert_block
 from .job import PRESET_PREFIX, Job
 from .launch import everyone, local_rank, phase, set_board, set_location
 from .layout import ParallelConfig, describe_rank, grad_axes, job_mesh

@@ -21,7 +21,7 @@ from ..parallel.environment import (ENVIRONMENT, POSITIVE, SEED, SEED_LIMIT, YES
                                     Count, Pipe, Range, Text, check_environment, declare,
                                     environment_number, environment_value, parse_environment)
 from ..parallel.environment import problem as _problem
-from ..parallel.optim_settings import OPTIMIZER_RULES
+from ..parallel.optim.settings import OPTIMIZER_RULES
 from . import faults  # noqa: F401  (declares HPCPAR_FAULT)
 
 __all__ = ["ENVIRONMENT", "RULES", "SEED_LIMIT", "check_environment", "environment_number",

@@ -24,8 +24,8 @@ import numpy as np
 
 from .. import __version__
 from ..checkpoint import Checkpoint, open_checkpoint
-from ..parallel import waits
-from ..parallel.dtypes import dtype_name
+from ..parallel.device import waits
+from ..parallel.device.dtypes import dtype_name
 from ..parallel.errors import CommTimeout, Stopped
 from ..parallel.ops import check_ops
 from .job import Job

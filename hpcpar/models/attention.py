@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..parallel.comm import Communicator
-from ..parallel.layers import (ColumnParallelLinear, RowParallelLinear, column_parallel,
-                               row_parallel)
+from ..parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                               column_parallel, row_parallel)
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
 from .kv_cache import KVCache

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..parallel.errors import HpcparError
-from ..parallel.splits import unit_split_problem
+from ..parallel.tensor.splits import unit_split_problem
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")          # the gated MLP's: SwiGLU, GeGLU
@@ -88,7 +88,7 @@ class ModelConfig:
     mixed_windows: bool = False          # a window on some layers only (Qwen2's, refused)
     partial_rotary: float = 1.0          # the share of head_dim rotary turns (Phi-3.5/4 < 1)
     # mixture of experts (Mixtral, Qwen-MoE): the layers in ``moe_layers`` route each token to
-    # ``experts_per_token`` of ``num_experts`` experts (``hpcpar.parallel.moe``)
+    # ``experts_per_token`` of ``num_experts`` experts (``hpcpar.parallel.expert_parallel.moe``)
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0       # an expert's intermediate size

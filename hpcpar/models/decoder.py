@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..parallel import budget
-from ..parallel.backend import host_array
+from ..parallel.device import budget
+from ..parallel.device.backend import host_array
 from ..parallel.comm import Communicator
-from ..parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear, column_parallel,
-                               frozen_matrix, product, row_parallel, weight_grads)
-from ..parallel.moe import ExpertDispatch, Experts, MoE
+from ..parallel.tensor_parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear,
+                                               column_parallel, frozen_matrix, product,
+                                               row_parallel, weight_grads)
+from ..parallel.expert_parallel.moe import ExpertDispatch, Experts, MoE
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
-from ..parallel.routing import TopKRouter
-from ..parallel.vocab import ParallelLMHead, VocabParallelEmbedding
+from ..parallel.expert_parallel.routing import TopKRouter
+from ..parallel.tensor_parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 from .attention import QKV, Attention
 from .config import ModelConfig
 from .kv_cache import KVCache, kv_cache_bytes
@@ -133,10 +134,10 @@ class Mlp:
 
 
 class MoeMlp:
-    """A mixture-of-experts layer's MLP: the core's routed experts (``parallel.moe.MoE``: the
-    router, this rank's ep block of experts, each split over tp, and the all_to_alls between
-    them), plus, in Qwen2-MoE, a shared expert every token runs, added through a sigmoid
-    gate: y = moe(x) + sigmoid(x g^T) * shared(x)."""
+    """A mixture-of-experts layer's MLP: the core's routed experts
+    (``parallel.expert_parallel.moe.MoE``: the router, this rank's ep block of experts, each split
+    over tp, and the all_to_alls between them), plus, in Qwen2-MoE, a shared expert every token
+    runs, added through a sigmoid gate: y = moe(x) + sigmoid(x g^T) * shared(x)."""
 
     def __init__(self, ops: Ops, moe: MoE, shared: Mlp | None = None, shared_gate=None):
         self.ops, self.moe, self.shared, self.shared_gate = ops, moe, shared, shared_gate

@@ -21,8 +21,8 @@ from enum import Enum
 
 import numpy as np
 
-from ..parallel import splits as core_split
-from ..parallel.splits import ShardingError, padded_vocab_size, vocab_range
+from ..parallel.tensor import splits as core_split
+from ..parallel.tensor.splits import ShardingError, padded_vocab_size, vocab_range
 from .config import ModelConfig
 from .tensors import TensorSpec
 

@@ -26,12 +26,12 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .backend import NUMPY, ArrayBackend
+from .device.backend import NUMPY, ArrayBackend
 from .comm import CommStats, Communicator, create_communicator
 from .comm.agreement import ERROR, Check, active, agree_mpi
 from .comm.failfast import ErrorBoard, abort_on_uncaught_exceptions
 from .errors import HpcparError
-from .waits import wait_bounded
+from .device.waits import wait_bounded
 
 Axes = str | Sequence[str]
 

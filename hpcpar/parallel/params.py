@@ -11,8 +11,8 @@ norm: by default, unless it is a replica other than the first), and ``master`` (
 weights the optimizer updates; ``data`` itself unless computing in 16 bits). An optimizer
 keeps a parameter's state by the object itself, so two parameters never share it, whatever
 their names. A ``GradientReducer`` and an optimizer move the arrays into their flat buffers
-(``flat``) and rebind ``grad``, ``master`` and ``data`` to views of them: read and write a
-parameter's arrays through it, in place.
+(``data_parallel.flat_buffers``) and rebind ``grad``, ``master`` and ``data`` to views of them: read
+and write a parameter's arrays through it, in place.
 
 ``named_parameters(obj)`` finds every ``Parameter`` of a model the way torch's modules do,
 by attribute path (``"mlp.up.weight"``, ``"layers.0.weight"``): hpcpar's layers and the
@@ -43,7 +43,7 @@ class Parameter:
     partial_summed: bool = field(default=False, init=False, repr=False)
     # the GradientReducer that sums this gradient over dp (it sets itself)
     reducer: object = field(default=None, init=False, repr=False)
-    # where grad / master / data lie in flat buffers: attr -> (``flat.Flat``, index), set by
+    # where grad / master / data lie in flat buffers: attr -> (``flat_buffers.Flat``, index), set by
     # whoever put them there (a GradientReducer, ZeRO's shards, an optimizer)
     homes: dict = field(default_factory=dict, init=False, repr=False)
 

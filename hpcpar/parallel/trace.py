@@ -22,7 +22,7 @@ from time import perf_counter
 
 import numpy as np
 
-from . import waits
+from .device import waits
 from .errors import HpcparError
 
 MAX_SPANS = 250_000        # per rank: ~30 MB of JSON

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...models.decoder import DecoderStage
 from ...models.kv_cache import CacheRows
-from ...parallel.context import SplitKV, split_batch
+from ...parallel.context_parallel.ring_attention import SplitKV, split_batch
 from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point

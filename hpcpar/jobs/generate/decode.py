@@ -5,8 +5,8 @@ the head, to this rank's logits.
 Its inputs sit in one device buffer allocated once per micro-batch and written in place, one
 upload a step (each row's last token, and the keys the row has with this step's), so the step
 reads and writes fixed addresses only, and its shapes never change: a CUDA graph can replay it
-(``--cuda-graphs``: ``parallel.graphs``, one graph per micro-batch, each over its own rows and
-cache). On a device its attention reads the whole cache, graphed or not (cuDNN's kernel does;
+(``--cuda-graphs``: ``parallel.device.graphs``, one graph per micro-batch, each over its own rows
+and cache). On a device its attention reads the whole cache, graphed or not (cuDNN's kernel does;
 the per-row lengths mask the rest), so a graphed step computes what the eager one does; on the
 host, the keys the longest row has.
 """
@@ -18,10 +18,10 @@ import numpy as np
 from ...models.config import ModelConfig
 from ...models.decoder import DecoderStage
 from ...models.kv_cache import KVCache
-from ...parallel.dtypes import dtype_name
+from ...parallel.device.dtypes import dtype_name
 from ...parallel.environment import environment_value
 from ...parallel.errors import HpcparError
-from ...parallel.graphs import StepGraph
+from ...parallel.device.graphs import StepGraph
 from ...parallel.ops import AttentionRows
 from ..layout import ParallelConfig
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...parallel.vocab import LOGITS_BLOCK_BYTES, VocabParallelCrossEntropy
+from ...parallel.tensor_parallel.vocab import LOGITS_BLOCK_BYTES, VocabParallelCrossEntropy
 from .results import Logprobs
 
 MAX_LOGPROBS = 20          # alternatives per token, at most (vLLM's default max_logprobs)

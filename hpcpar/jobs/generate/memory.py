@@ -49,7 +49,7 @@ from ...models.decoder import matrix_stacks
 from ...models.sharding import padded_vocab_size, shard_of
 from ...models.tensors import StageSpan, TensorSpec, layer_tensors
 from ...parallel.comm import split_sizes
-from ...parallel.dtypes import check_temporary_bytes
+from ...parallel.device.dtypes import check_temporary_bytes
 from ..job import GenerateSection
 from ..layout import ParallelConfig
 from .continuous import PREFILL_TOKENS

@@ -16,7 +16,7 @@ from ...checkpoint import Checkpoint
 from ...checkpoint.files import check_output
 from ...models.chat import ChatTemplate
 from ...models.tokenizer import StoredTokenizer
-from ...parallel.dtypes import dtype_name, float_dtype
+from ...parallel.device.dtypes import dtype_name, float_dtype
 from ...parallel.errors import HpcparError
 from ..inputs.prompts import Prompts, check_prompts, load_prompts, random_prompts
 from ..inputs.sampling_settings import PromptSampling, SamplingParams

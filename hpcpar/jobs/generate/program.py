@@ -21,7 +21,8 @@ import numpy as np
 
 from ...models.decoder import DecoderStage
 from ...models.kv_cache import CacheRows, KVCache
-from ...parallel.context import ContextShard, SplitKV, last_states, split_batch
+from ...parallel.context_parallel.ring_attention import (ContextShard, SplitKV, last_states,
+                                                         split_batch)
 from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
@@ -113,7 +114,8 @@ class ReplicaProgram(ABC):
         before each forward, and once its tp ranks agree on a stop, every micro-batch is
         retired there (the STOP reaches the other stages with the activations) and only
         finished rows count. ``cp``: the context-parallel group (a ``Communicator``) the
-        prompts and KV cache are split over (``parallel.context``), or None."""
+        prompts and KV cache are split over (``parallel.context_parallel.ring_attention``), or
+        None."""
         settings, limits, pad_id = rules.settings, rules.limits, rules.pad_id
         self.stage, self.mbs, self.settings, self.backend = stage, mbs, settings, backend
         self.xp = backend.xp

@@ -13,7 +13,7 @@ from ...checkpoint import Checkpoint, load_shard
 from ...models.decoder import DecoderStage, matrix_stacks
 from ...models.tensors import StageSpan, stage_tensors
 from ...models.tokenizer import StoredTokenizer
-from ...parallel import budget
+from ...parallel.device import budget
 from ...parallel.comm import CommStats
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh

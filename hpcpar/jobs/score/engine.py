@@ -22,7 +22,7 @@ import numpy as np
 
 from ...checkpoint.files import (OUTPUT_KIND, AtomicPath, check_output, check_space, write_point,
                                  writing)
-from ...parallel.dtypes import float_dtype
+from ...parallel.device.dtypes import float_dtype
 from ...parallel.errors import HpcparError, Stopped
 from ...parallel.mesh import Mesh
 from ...parallel.pipeline.executor import PipelineExecutor

@@ -7,8 +7,9 @@ vocabulary-parallel log-softmax of the training loss (one AllReduce of the row m
 the sums over tp), the target's logit taken where it lives.
 
 Under context parallelism (a ``cp`` group) each rank of the group runs its two chunks of
-every row (``parallel.context``; rows shorter than the group are padded to it) and scores
-those positions; ``gather_over_cp`` then gives every rank of the last stage the whole rows.
+every row (``parallel.context_parallel.ring_attention``; rows shorter than the group are padded to
+it) and scores those positions; ``gather_over_cp`` then gives every rank of the last stage the whole
+rows.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Callable
 import numpy as np
 
 from ...models.decoder import DecoderStage
-from ...parallel.context import ContextShard, split_batch
+from ...parallel.context_parallel.ring_attention import ContextShard, split_batch
 from ...parallel.pipeline.schedule import Action
-from ...parallel.vocab import LOGITS_BLOCK_BYTES, VocabParallelCrossEntropy
+from ...parallel.tensor_parallel.vocab import LOGITS_BLOCK_BYTES, VocabParallelCrossEntropy
 from ..faults import fault_point
 from ..inputs.batching import MicroBatch
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ...models.config import ModelConfig
-from ...parallel.context import ContextShard
+from ...parallel.context_parallel.ring_attention import ContextShard
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
 from ..npy import read_npy

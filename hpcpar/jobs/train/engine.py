@@ -16,11 +16,12 @@ from time import perf_counter
 
 import numpy as np
 
-from ...parallel import budget, trace
-from ...parallel.data_parallel import local_sq_norm
-from ...parallel.flat import spans
-from ...parallel.optim import LossScaler, Optimizer, clip_coefficient
-from ...parallel.optim_settings import learning_rate
+from ...parallel.device import budget
+from ...parallel import trace
+from ...parallel.data_parallel.reducer import local_sq_norm
+from ...parallel.data_parallel.flat_buffers import spans
+from ...parallel.optim.optimizers import LossScaler, Optimizer, clip_coefficient
+from ...parallel.optim.settings import learning_rate
 from ...parallel.pipeline.executor import PipelineExecutor
 from ...parallel.pipeline.training_schedules import training_schedule
 from ..faults import fault_point

@@ -1,5 +1,5 @@
 """Gradients after the backward: the data-parallel reduction in buckets and the global norm
-are the core's (``hpcpar.parallel.data_parallel``); here the sums over the ranks that hold
+are the core's (``hpcpar.parallel.data_parallel.reducer``); here the sums over the ranks that hold
 the same model tensor.
 
 Three sums make replicated tensors' gradients whole:

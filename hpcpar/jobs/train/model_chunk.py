@@ -19,13 +19,13 @@ import numpy as np
 from ...models.config import ModelConfig
 from ...models.decoder import DecoderStage, MoeMlp
 from ...models.tensors import StageSpan
-from ...parallel import budget
-from ...parallel.backend import host_array
+from ...parallel.device import budget
+from ...parallel.device.backend import host_array
 from ...parallel.comm import Communicator
-from ...parallel.context import ContextShard
+from ...parallel.context_parallel.ring_attention import ContextShard
 from ...parallel.ops import AttentionRows, Ops
-from ...parallel.routing import load_balancing_loss
-from ...parallel.vocab import VocabParallelCrossEntropy
+from ...parallel.expert_parallel.routing import load_balancing_loss
+from ...parallel.tensor_parallel.vocab import VocabParallelCrossEntropy
 from .memory import activation_bytes
 from .params import GradSink, Param
 

@@ -21,7 +21,7 @@ from ...models.config import ModelConfig
 from ...models.sharding import Split, split_of
 from ...models.tensors import EMBED, TensorSpec
 from ...parallel.params import GradSink, Parameter
-from ...parallel.splits import unit_replicas
+from ...parallel.tensor.splits import unit_replicas
 
 PER_HEAD_NORMS = ("q_norm", "k_norm")       # one weight every head reads, heads split over tp
 

@@ -14,12 +14,12 @@ from ...checkpoint import Checkpoint, load_shard
 from ...checkpoint.files import check_output, check_space
 from ...models.tensors import StageSpan, stage_tensors
 from ...parallel.comm import create_communicator
-from ...parallel.dtypes import float_dtype
+from ...parallel.device.dtypes import float_dtype
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
 from ...parallel.ops import ops_for
-from ...parallel.optim import STATE_NAMES
-from ...parallel.optim_settings import OptimizerSettings
+from ...parallel.optim.optimizers import STATE_NAMES
+from ...parallel.optim.settings import OptimizerSettings
 from ...parallel.pipeline.partition import stage_layers
 from ...parallel.pipeline.training_schedules import micro_batch_problems
 from ..faults import fault_point

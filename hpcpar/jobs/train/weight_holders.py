@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...parallel.comm import Communicator
-from ...parallel.data_parallel import GradientReducer
+from ...parallel.data_parallel.reducer import GradientReducer
 from .params import Param
 from .zero import ZeroShards
 

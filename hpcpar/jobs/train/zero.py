@@ -8,9 +8,9 @@ Each gradient bucket (``grads.GradientReducer``) is cut into dp consecutive piec
     all-gather the updated weights over dp  -> every replica holds the whole model again
 
 The parameters' float32 master weights become views into one flat buffer laid out as their
-gradients' (``parallel.flat``), so a bucket's weights are a span of it and the gather lands in
-place. The optimizer runs on *segments*: one ``Param`` per (parameter, piece) overlap, whose
-weights and gradients are views of two buffers of this rank's pieces end to end (its
+gradients' (``parallel.data_parallel.flat_buffers``), so a bucket's weights are a span of it and the
+gather lands in place. The optimizer runs on *segments*: one ``Param`` per (parameter, piece)
+overlap, whose weights and gradients are views of two buffers of this rank's pieces end to end (its
 reduced gradients, and its float32 weights: the only copy the optimizer updates, gathered
 from as it is), so the update is one run over them, whatever the number of tensors, and
 the norm count (``Param.counted``) works unchanged. The pieces' weights cost 4 bytes per
@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...parallel.comm import Communicator, split_sizes
-from ...parallel.data_parallel import GradientReducer
-from ...parallel.flat import Flat, adopt, home
+from ...parallel.data_parallel.reducer import GradientReducer
+from ...parallel.data_parallel.flat_buffers import Flat, adopt, home
 from .params import Param
 
 

@@ -6,7 +6,7 @@ import socket
 
 import numpy as np
 
-from ..backend import NUMPY, ArrayBackend
+from ..device.backend import NUMPY, ArrayBackend
 from ..errors import HpcparError
 from . import choice
 from .base import CommStats, Communicator, Request, split_sizes

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ..errors import HpcparError
-from ..waits import wait_bounded
+from ..device.waits import wait_bounded
 
 Fields = Sequence[tuple[str, object]]       # (label, value): what must be the same
 ERROR = "error"                             # the label of a rank's own error, if any

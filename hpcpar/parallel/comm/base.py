@@ -20,9 +20,9 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .. import trace
-from ..backend import NUMPY, ArrayBackend
+from ..device.backend import NUMPY, ArrayBackend
 from ..errors import CommError, HpcparError, Stopped
-from ..splits import even_sizes as split_sizes
+from ..tensor.splits import even_sizes as split_sizes
 from .agreement import active, agree, dtype_name
 from .failfast import fails_together
 from .stats import CommStats

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from .. import waits
+from ..device import waits
 from ..errors import HangElsewhere, HpcparError, PeerFailed, Stopped
 
 _installed = {"hook": None}

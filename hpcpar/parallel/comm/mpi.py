@@ -20,10 +20,10 @@ from collections import defaultdict
 import numpy as np
 from mpi4py import MPI
 
-from .. import budget
-from ..dtypes import bfloat16
+from ..device import budget
+from ..device.dtypes import bfloat16
 from ..errors import CommError
-from ..waits import poll_until, wait_bounded
+from ..device.waits import poll_until, wait_bounded
 from . import choice
 from .base import Communicator, Request
 
@@ -139,7 +139,7 @@ class MpiCommunicator(Communicator):
     kind = "mpi"
 
     def __init__(self, mpi_comm, backend=None, stats=None, name="world", timeout=0.0):
-        from ..backend import NUMPY
+        from ..device.backend import NUMPY
         super().__init__(mpi_comm, backend or NUMPY, stats, name, timeout)
         self.cuda_aware = self.backend.is_gpu and cuda_aware()[0]
         self._staging = _HostStaging(self.backend)

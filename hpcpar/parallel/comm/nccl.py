@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..dtypes import bfloat16
+from ..device.dtypes import bfloat16
 from ..errors import HpcparError
-from ..waits import wait_bounded, wait_event
+from ..device.waits import wait_bounded, wait_event
 from .base import Communicator, Request
 from .mpi import MpiCommunicator
 
@@ -101,7 +101,7 @@ class NcclCommunicator(Communicator):
 
     def _device_clock(self):
         if self._clock is None:
-            from ..backend import DeviceClock
+            from ..device.backend import DeviceClock
             self._clock = DeviceClock(self.backend)
         return self._clock
 

@@ -19,7 +19,7 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
     kv_write     a step's keys and values into the KV cache, each row at its own slots
     cross_entropy  the vocab-parallel cross-entropy's local pieces, and its backward
     top_k        the vocab-parallel sampling reductions: local candidates, and their merge
-    optimizer_update  AdamW / SGD over a span of flat buffers (``parallel.optim``)
+    optimizer_update  AdamW / SGD over a span of flat buffers (``parallel.optim.optimizers``)
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ def ops_for(backend, cp=None) -> Ops:
     ``HPCPAR_OPS=device`` on the strict backend takes that table with each kernel's reference
     counted as one operation, ``ops.counted``: the device budget of the GPU's path).
     With a context-parallel group ``cp`` (a ``Communicator`` of more than one rank) attention
-    is ring attention over it (``parallel.context``), its tiles the NumPy reference's."""
+    is ring attention over it (``parallel.context_parallel.ring_attention``), its tiles the
+    NumPy reference's."""
     from dataclasses import replace
 
     from ..environment import environment_value
     xp = backend.xp
     if cp is not None and cp.size > 1:
-        from ..context import RingAttention
+        from ..context_parallel.ring_attention import RingAttention
         from .tiled_attention import TiledAttention
         return replace(ops_for(backend), attention=RingAttention(TiledAttention(xp), cp))
     choice = environment_value("HPCPAR_OPS")
@@ -94,7 +95,7 @@ def optimizer_update(xp, fused: bool) -> OptimizerUpdate:
     if fused and module == "cupy" and choice != "native":
         from .cuda.optimizer_update import OptimizerUpdateCuda
         return OptimizerUpdateCuda(xp)
-    if fused and module.startswith("hpcpar.parallel.strict") and choice == "device":
+    if fused and module.startswith("hpcpar.parallel.device.strict_arrays") and choice == "device":
         from .counted import counted_update
         return counted_update(xp)
     return OptimizerUpdate(xp)

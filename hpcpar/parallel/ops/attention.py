@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..dtypes import at_least_float32
+from ..device.dtypes import at_least_float32
 from ..errors import HpcparError
 
 
@@ -39,8 +39,8 @@ class AttentionRows:
     max_kv: int                # keys to read: max(kv_lengths), host int
     from_start: bool           # every row's queries start at position 0 (q_lengths = kv_lengths)
     window: int | None = None  # a query sees its last ``window`` keys only (sliding window)
-    context: object = None     # ``parallel.context.ContextShard``: this rank holds a part of
-                               # each sequence (context parallelism; ring attention)
+    context: object = None     # a ``ContextShard`` (``parallel.context_parallel``): this rank
+                               # holds a part of each sequence (context parallelism)
 
     @staticmethod
     def build(xp, q_lengths, kv_lengths, from_start: bool) -> "AttentionRows":
@@ -61,7 +61,8 @@ class AttentionRows:
 
     def cache_slots(self):
         """(B,) the KV-cache slot of each row's first query's key: its position, or where a
-        context-parallel rank keeps it (``context.cache_slots``)."""
+        context-parallel rank keeps it
+        (``context_parallel.ring_attention.ContextShard.cache_slots``)."""
         return self.starts() if self.context is None else self.context.cache_slots(self)
 
     def positions(self, xp, T: int):

@@ -1,10 +1,10 @@
 """The device kernels' bodies on the strict backend (``HPCPAR_OPS=device``): the table of
 ``ops/cuda`` with each of its kernels replaced by the NumPy reference it is checked against,
-counted by the device budget (``parallel.budget``) as the one operation the kernel is, its
+counted by the device budget (``parallel.device.budget``) as the one operation the kernel is, its
 outputs as its allocations and nothing of what the reference does inside. The rest of the
 table (the loss, top-k) is the references', as ``cuda_ops`` has it, and
 ``device`` is set, so the jobs take the GPU's control flow. A kernel is also what a CUDA
-graph's capture accepts (``parallel.capture``): the planned GEMM of ``ops/cuda/linear``,
+graph's capture accepts (``parallel.device.capture``): the planned GEMM of ``ops/cuda/linear``,
 cuDNN's attention, the compiled kernels.
 
 What a GPU run launches is then counted on the CPU: the GPU path's operations per layer,
@@ -13,8 +13,8 @@ its reads and its allocations (``benchmarks/device_budget.py``).
 
 from __future__ import annotations
 
-from .. import budget, capture
-from ..strict import arrays_of
+from ..device import budget, capture
+from ..device.strict_arrays import arrays_of
 from .cross_entropy import CrossEntropy
 from .geglu import GeGLU
 from .kv_write import KVWrite

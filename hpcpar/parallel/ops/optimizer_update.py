@@ -1,5 +1,5 @@
-"""One optimizer update of a span of flat buffers (``parallel.optim``), elementwise: torch's
-single-tensor AdamW and SGD, with the gradient's scale (clipping, loss scaling) in front and
+"""One optimizer update of a span of flat buffers (``parallel.optim.optimizers``), elementwise:
+torch's single-tensor AdamW and SGD, with the gradient's scale (clipping, loss scaling) in front and
 the refresh of a 16-bit compute copy behind.
 
     g  = g * grad_scale                                   (in place: the step's gradient)

@@ -12,7 +12,7 @@ Backward, with x̂ = x r (float32) and g = dy w:
 
 from __future__ import annotations
 
-from ..dtypes import at_least_float32
+from ..device.dtypes import at_least_float32
 
 
 class RMSNorm:

@@ -23,17 +23,17 @@ the test oracle.
 ``attend`` and ``attend_backward`` take a segment of queries and a segment of keys anywhere
 in the sequence (their first positions ``q_at`` and ``k_at``) and give a partial output with
 its lse; ``merge`` combines partial outputs over disjoint key sets. The whole-sequence op is
-one segment of each; ring attention (``parallel.context``) is many.
+one segment of each; ring attention (``parallel.context_parallel.ring_attention``) is many.
 """
 
 from __future__ import annotations
 
 import math
 
-from ..backend import host_array
-from ..dtypes import accumulator, at_least_float32
+from ..device.backend import host_array
+from ..device.dtypes import accumulator, at_least_float32
 from .attention import Attention, AttentionRows, attention_mask, grouped
-from .known_shift import LN2, KnownShift, spans
+from .softmax_shift import LN2, KnownShift, spans
 
 BLOCK = 128                    # queries and keys per tile
 

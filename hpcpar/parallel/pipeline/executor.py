@@ -25,10 +25,11 @@ from typing import Protocol
 
 import numpy as np
 
-from .. import budget, trace
-from ..backend import DeviceClock
+from ..device import budget
+from .. import trace
+from ..device.backend import DeviceClock
 from ..comm import Communicator, Request
-from ..dtypes import bfloat16
+from ..device.dtypes import bfloat16
 from ..errors import CommError, HpcparError
 from .schedule import (COMPUTE, ENCODED_FIELDS, OP_CODES, RECVS, SENDS, Action, Op, decode, encode,
                        simulate)

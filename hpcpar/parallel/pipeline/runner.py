@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import splits, waits
+from ..tensor import splits
+from ..device import waits
 from ..comm import Communicator
 from ..comm.failfast import MESSAGE_BYTES, failure_message, failure_of, fails_together
 from ..errors import HpcparError, PeerFailed

@@ -3,7 +3,7 @@
 CuPy's matmul (cuBLAS) runs every eager product: it is at the GEMM ceiling already (803
 TFLOP/s bf16 on an H100) and cheap to call. But it refuses a capturing stream ("calling cuBLAS
 API during stream capture is currently unsupported"), so while a graph is prepared and captured
-(``capture_safe``, ``parallel.graphs``) the products go through nvmath-python's planned
+(``capture_safe``, ``parallel.device.graphs``) the products go through nvmath-python's planned
 cuBLASLt matmul, which capture records (16 GEMMs: 0.53 ms eager, 0.125 ms replayed, measured
 on an H100: ../shared/notes/gpu-h100.md). One plan per shape and dtype of the operands, made
 on the graph's eager warm-up step and reused by its capture with the operands reset.

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import splits
-from .comm import Communicator
-from .dtypes import at_least_float32
-from .errors import HpcparError
+from ..tensor import splits
+from ..comm import Communicator
+from ..device.dtypes import at_least_float32
+from ..errors import HpcparError
 from .layers import keep_slice, named_of, product, sink_or_new, weight_grads
 from .mappings import CopyToGroup, ReduceFromGroup
-from .ops import Ops, embedding_lookup, native_ops
-from .params import Parameter
+from ..ops import Ops, embedding_lookup, native_ops
+from ..params import Parameter
 
 # float32 logits of one block of positions, per rank, in a pass over many positions (scoring,
 # prompt log-probabilities; the head's output is [rows, block, vocab/tp]): about 256 MiB,

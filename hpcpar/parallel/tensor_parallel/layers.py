@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import splits
-from .comm import Communicator
-from .errors import HpcparError
+from ..tensor import splits
+from ..comm import Communicator
+from ..errors import HpcparError
 from .mappings import CopyToGroup, ReduceFromGroup
-from .ops import Ops, native_ops
-from .params import GradSink, Parameter, join
+from ..ops import Ops, native_ops
+from ..params import GradSink, Parameter, join
 
 
 @dataclass(eq=False)

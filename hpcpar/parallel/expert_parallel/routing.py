@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .layers import product, weight_grads
-from .ops import Ops
+from ..tensor_parallel.layers import product, weight_grads
+from ..ops import Ops
 
 
 @dataclass

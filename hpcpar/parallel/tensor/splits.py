@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .errors import HpcparError
+from ..errors import HpcparError
 
 
 class ShardingError(HpcparError):

@@ -10,9 +10,9 @@ import functools
 import math
 from typing import Iterable, Mapping, Sequence
 
-from .comm.agreement import dtype_name
-from .errors import HpcparError
-from .mesh import Mesh, MeshError
+from ..comm.agreement import dtype_name
+from ..errors import HpcparError
+from ..mesh import Mesh, MeshError
 from .placement import Partial, Placement, Replicate, Shard
 
 

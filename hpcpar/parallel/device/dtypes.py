@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from .errors import HpcparError
+from ..errors import HpcparError
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 

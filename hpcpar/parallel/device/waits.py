@@ -12,8 +12,8 @@ import os
 from time import monotonic, sleep
 from typing import Callable
 
-from ..cores import oversubscribed
-from .errors import CommTimeout, HangElsewhere
+from ...cores import oversubscribed
+from ..errors import CommTimeout, HangElsewhere
 
 _state: dict = {"limit": 600.0, "alarm": None}     # the CLI's default --timeout
 _alarms: list[Callable[[], Exception | None]] = []  # error boards of the meshes now called

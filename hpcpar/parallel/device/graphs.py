@@ -17,7 +17,7 @@ then captures it on that stream; a replay is launched on the caller's current st
 is ordered with the eager work around it.
 
 The strict backend (the CPU's pretend device): the first call runs the step, then runs it
-again under ``parallel.capture`` (a read, an upload or CuPy's matmul is refused, as capture
+again under ``parallel.device.capture`` (a read, an upload or CuPy's matmul is refused, as capture
 refuses them) and records it; its outputs must equal the first run's (a replay recomputes the
 same step). A replay runs the step again, checked and compared with the record: the same
 operations on the same shapes with the same host values, or a ``CaptureError`` naming the
@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from . import capture
-from .errors import HpcparError
+from ..errors import HpcparError
 
 
 class StepGraph:
@@ -72,7 +72,7 @@ class _CudaGraph:
     def capture(self):
         """The step eagerly on the graph's stream (this call's result: it also plans the
         GEMMs, builds cuDNN's graphs and fills the pool), then its capture there."""
-        from .ops.cuda.linear import capture_safe
+        from ..ops.cuda.linear import capture_safe
         cupy, stream = self.cupy, self.stream
         caller = cupy.cuda.get_current_stream()
         stream.wait_event(caller.record())               # after the eager work before it
@@ -132,7 +132,7 @@ def _arrays(value) -> list:
 
 
 def _equal(a, b) -> bool:
-    from .strict import peek
+    from .strict_arrays import peek
     return all(np.array_equal(peek(x), peek(y), equal_nan=True)
                for x, y in zip(_arrays(a), _arrays(b)))
 
@@ -140,6 +140,6 @@ def _equal(a, b) -> bool:
 def _copy_into(outputs, result) -> None:
     """What a CUDA replay leaves: the new results in the captured outputs (uncounted: the
     replay's kernels wrote them)."""
-    from .strict import peek
+    from .strict_arrays import peek
     for out, new in zip(_arrays(outputs), _arrays(result)):
         np.copyto(peek(out), peek(new))

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .dtypes import accumulator
-from .errors import HpcparError
-from .ops.attention import AttentionRows, at_positions
-from .ops.tiled_attention import TiledAttention, grouped_heads, merge
+from ..device.dtypes import accumulator
+from ..errors import HpcparError
+from ..ops.attention import AttentionRows, at_positions
+from ..ops.tiled_attention import TiledAttention, grouped_heads, merge
 
 if TYPE_CHECKING:       # the split is pure (``plan`` reads it without MPI); the ring is not
-    from .comm import Communicator
+    from ..comm import Communicator
 
 _KV, _DKV = 11, 12              # message tags of the ring's K/V blocks and their gradients
 

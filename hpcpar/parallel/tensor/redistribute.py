@@ -1,7 +1,7 @@
 """From one list of placements to another with the fewest collectives.
 
-``plan`` is pure: it returns the steps, each one operation over one mesh axis, that turn an
-array placed as ``src`` into the same array placed as ``dst``:
+``redistribution_steps`` is pure: it returns the steps, each one operation over one mesh axis, that
+turn an array placed as ``src`` into the same array placed as ``dst``:
 
     Shard(d)  -> Replicate   all_gather along d          Partial -> Replicate   all_reduce
     Partial   -> Shard(d)    reduce_scatter along d      Shard(d) -> Shard(e)   all_to_all
@@ -12,7 +12,7 @@ When several mesh axes shard one dimension, the inner ones hold pieces of the ou
 pieces; so pieces come together innermost axis first (the axes in reverse), and are cut
 again outermost first. A direct all_to_all / reduce_scatter is used when no other axis
 shards the dimensions involved and the shard is a partition (no replicated units);
-otherwise the step goes through Replicate. ``redistribute`` runs a plan; the source array
+otherwise the step goes through Replicate. ``redistribute`` runs the steps; the source array
 is never modified.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .pieces import PlacementError, array_fields, piece_bounds, shard_chain
+from .piece_layout import PlacementError, array_fields, piece_bounds, shard_chain
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import is_partition
 
@@ -41,13 +41,13 @@ class Step:
 COMMUNICATING = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
-def plan(shape: Sequence[int], sizes: Sequence[int], src: Sequence[Placement],
-         dst: Sequence[Placement]) -> list[Step]:
+def redistribution_steps(shape: Sequence[int], sizes: Sequence[int], src: Sequence[Placement],
+                         dst: Sequence[Placement]) -> list[Step]:
     """The steps from ``src`` to ``dst`` placements (one per mesh axis of ``sizes``)."""
     for name, given in (("src", src), ("dst", dst)):
         if not isinstance(given, (list, tuple)) or len(given) != len(sizes):
             raise PlacementError(
-                f"redistribute_plan: {name} must be one placement per mesh axis, in order "
+                f"redistribution_steps: {name} must be one placement per mesh axis, in order "
                 f"({len(sizes)}), as x.placements is; got {given!r} (a dict by axis name needs "
                 f"the mesh: normalize with x.redistribute, or list them)")
     state = list(src)
@@ -183,11 +183,11 @@ class Move:
 
 
 def compiled(shape: tuple, sizes: tuple, coords: tuple, src: tuple, dst: tuple) -> tuple:
-    """``plan``'s steps with every slice and length they need on the rank at ``coords``
+    """``redistribution_steps`` with every slice and length they need on the rank at ``coords``
     (pure; a ``Program`` binds them to the groups)."""
     state = list(src)
     moves = []
-    for step in plan(shape, sizes, src, dst):
+    for step in redistribution_steps(shape, sizes, src, dst):
         before = tuple(state)
         state[step.axis] = step.dst
         after = tuple(state)

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import budget
 from .dtypes import dtype_name
-from .errors import HpcparError
+from ..errors import HpcparError
 from .waits import wait_event
 
 BACKENDS = ("auto", "numpy", "cupy", "strict")
@@ -31,7 +31,7 @@ def host_array(a) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ArrayBackend:
-    name: str            # "numpy", "cupy", or "strict" (tests: a pretend device, see strict.py)
+    name: str            # "numpy", "cupy", or "strict" (a pretend device: strict_arrays)
     xp: ModuleType       # numpy, cupy, or strict.xp
     device_id: int | None = None
 
@@ -124,8 +124,8 @@ def array_module(a) -> ModuleType:
     if hasattr(a, "__cuda_array_interface__"):
         import cupy
         return cupy
-    if type(a).__module__ == "hpcpar.parallel.strict":
-        from .strict import xp
+    if type(a).__module__ == "hpcpar.parallel.device.strict_arrays":
+        from .strict_arrays import xp
         return xp
     return np
 
@@ -170,14 +170,14 @@ def select_backend(name: str = "auto", local_rank: int = 0, dtype=None) -> Array
     ``local_rank % device_count`` (``HPCPAR_BACKEND`` overrides ``auto``). With ``dtype``,
     refuse one the device's arrays cannot compute in."""
     if name == "auto":
-        from .environment import environment_value
+        from ..environment import environment_value
         name = environment_value("HPCPAR_BACKEND")
     if name not in BACKENDS:
         raise HpcparError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
     if name == "numpy":
         return NUMPY
     if name == "strict":
-        from .strict import xp as strict_xp
+        from .strict_arrays import xp as strict_xp
         return ArrayBackend("strict", strict_xp)
     try:
         import cupy

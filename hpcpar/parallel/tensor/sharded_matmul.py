@@ -37,10 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .comm.agreement import trusted
+from ..comm.agreement import trusted
 from .darray import DArray
-from .errors import HpcparError
-from .pieces import attempt, given_key, normalize_placements, placements_text
+from ..errors import HpcparError
+from .piece_layout import attempt, given_key, normalize_placements, placements_text
 from .placement import Partial, Placement, Replicate, Shard
 from .splits import even_sizes
 
@@ -382,11 +382,11 @@ def _matmul_backward(dy: DArray, ctx: MatmulCtx, da_placements, db_placements):
                  for i, (grad, given) in enumerate(((da, da_placements), (db, db_placements))))
 
 
-def communication(a: DArray, b: DArray, policy: str | None = None, axis=None,
-                  out=None) -> list[str]:
+def matmul_communication(a: DArray, b: DArray, policy: str | None = None, axis=None,
+                         out=None) -> list[str]:
     """The collectives ``matmul`` would run, as text (pure: nothing is sent)."""
     from .redistribute import COMMUNICATING
-    from .redistribute import plan as steps_of
+    from .redistribute import redistribution_steps as steps_of
     p, sizes, names = _plan(a, b, policy, axis, out), a.mesh.sizes, a.mesh.axis_names
     steps = [("A", steps_of(a.shape, sizes, a.placements, p.a_in)),
              ("B", steps_of(b.shape, sizes, b.placements, p.b_in)),

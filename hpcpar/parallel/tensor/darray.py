@@ -16,11 +16,11 @@ from typing import Sequence
 
 import numpy as np
 
-from .comm.agreement import trusted
-from .errors import HpcparError
-from .mesh import Mesh
-from .pieces import (PlacementError, array_fields, attempt, given_key, normalize_placements,
-                     piece_bounds, placed, placements_text, shard_chain)
+from ..comm.agreement import trusted
+from ..errors import HpcparError
+from ..mesh import Mesh
+from .piece_layout import (PlacementError, array_fields, attempt, given_key, normalize_placements,
+                           piece_bounds, placed, placements_text, shard_chain)
 from .placement import Partial, Placement, Replicate, Shard
 from .redistribute import Program
 
@@ -145,9 +145,9 @@ class DArray:
 
     def redistribute(self, placements) -> "DArray":
         """The same global array under other placements, with the fewest collectives (see
-        ``redistribute.plan``). The source is never modified. A redistribution seen before on
-        this mesh runs its ``redistribute.Program``: the agreement check and the transfers,
-        nothing worked out again."""
+        ``redistribute.redistribution_steps``). The source is never modified. A redistribution seen
+        before on this mesh runs its ``redistribute.Program``: the agreement check and the
+        transfers, nothing worked out again."""
         mesh = self.mesh
         try:
             key = ("redistribute", self.shape, self.local.dtype, self.placements,

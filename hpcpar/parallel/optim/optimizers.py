@@ -1,5 +1,5 @@
 """Optimizers and gradient clipping over any model's parameters (their settings and the
-learning-rate schedule: ``optim_settings``).
+learning-rate schedule: ``settings``).
 
 SGD and AdamW follow ``torch.optim.SGD`` (momentum, no dampening, no Nesterov) and
 ``torch.optim.AdamW`` (bias correction, eps outside the square root, decoupled weight decay)
@@ -7,7 +7,7 @@ operation for operation, so float32 results agree with torch's to rounding. Weig
 applies to matrices (embeddings and linear weights), not to norm weights or biases.
 Every update is elementwise, so it runs on each rank's shard as it is, and on many tensors
 at once: a step is a fixed number of passes over flat buffers (master weights, gradients and
-each state one contiguous array per dtype, each parameter's a view; ``optim_layout``), the
+each state one contiguous array per dtype, each parameter's a view; ``flat_layout``), the
 gradient scale (clipping) and the weight decay among them, whatever the number of tensors;
 with ``fused`` (torch's ``fused=True``) one kernel on a GPU (the update's math, written once:
 ``ops.optimizer_update``).
@@ -20,14 +20,14 @@ from typing import Mapping
 
 import numpy as np
 
-from .backend import array_module
-from .data_parallel import check_partial_sums, owes_partial_sum
-from .errors import HpcparError
-from .flat import Flat, spans
-from .ops import UpdateStep, optimizer_update
-from .optim_layout import Group, plan
-from .optim_settings import OptimizerSettings
-from .params import Parameter
+from ..device.backend import array_module
+from ..data_parallel.reducer import check_partial_sums, owes_partial_sum
+from ..errors import HpcparError
+from ..data_parallel.flat_buffers import Flat, spans
+from ..ops import UpdateStep, optimizer_update
+from .flat_layout import Group, group_parameters
+from .settings import OptimizerSettings
+from ..params import Parameter
 
 BLOCK = 1 << 15                 # elements per block of the update on the CPU (L2-sized)
 STATE_NAMES = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
@@ -49,7 +49,7 @@ class Optimizer:
     The state of each parameter is its own, whatever the names; a parameter listed twice is
     an error (a tied weight is one Parameter, stepped once).
 
-    Made, it takes the parameters' arrays into flat buffers (``optim_layout``): each
+    Made, it takes the parameters' arrays into flat buffers (``flat_layout``): each
     ``p.master`` (with ``p.data`` when it is the master), each separate 16-bit ``p.data``,
     and each ``p.grad`` that no ``GradientReducer`` holds, becomes a view of a buffer of its
     kind; gradients a reducer holds stay where they are, in its buffer (make the reducer
@@ -82,7 +82,7 @@ class Optimizer:
         # (``--fused-optimizer``) one kernel a run and no scratch (``ops.optimizer_update``).
         self.block = BLOCK if xp is np else None
         self.update = optimizer_update(xp, settings.fused)
-        self.groups = plan(xp, params, self.block, settings.weight_decay)
+        self.groups = group_parameters(xp, params, self.block, settings.weight_decay)
         self._bound = [(p, a, getattr(p, a)) for g in self.groups for p in g.params
                        for a in g.attrs]
         self._scratch = {}

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import math
 
-from .comm.agreement import trusted
+from ..comm.agreement import trusted
 from .darray import DArray
-from .dtypes import at_least_float32
-from .errors import HpcparError
+from ..device.dtypes import at_least_float32
+from ..errors import HpcparError
 from .placement import Replicate, Shard
 from .sharded_matmul import matmul_backward, matmul_forward
 

@@ -27,12 +27,12 @@ from time import perf_counter
 
 import numpy as np
 
-from .backend import array_module
-from .comm import Communicator, Request
-from .comm.agreement import trusted
-from .errors import HpcparError
-from .flat import adopt, home
-from .params import Parameter
+from ..device.backend import array_module
+from ..comm import Communicator, Request
+from ..comm.agreement import trusted
+from ..errors import HpcparError
+from .flat_buffers import adopt, home
+from ..params import Parameter
 
 BUCKET_BYTES = 25 << 20        # PyTorch DDP's default bucket size
 
@@ -40,7 +40,7 @@ BUCKET_BYTES = 25 << 20        # PyTorch DDP's default bucket size
 class GradientReducer:
     """Buckets over ``groups`` (lists of params, in the order their gradients complete);
     every param's ``grad`` becomes a view into one flat gradient buffer (one per dtype),
-    whose spans the buckets are; the arrays it replaced are made read-only (``flat.adopt``).
+    whose spans the buckets are; the arrays it replaced are made read-only (``flat_buffers.adopt``).
     An optimizer made after it steps the same buffer, in the same order."""
 
     def __init__(self, dp: Communicator, groups: list[list[Parameter]], xp=None,
@@ -73,7 +73,7 @@ class GradientReducer:
 
     def _make_buckets(self, buckets: list[list[Parameter]]) -> None:
         """One flat gradient buffer per dtype, its params in bucket order, so that each
-        bucket is a span of it (``flat``): the AllReduce runs on the gradients themselves,
+        bucket is a span of it (``flat_buffers``): the AllReduce runs on the gradients themselves,
         nothing is copied into a bucket or out of it."""
         by_dtype: dict[object, list[Parameter]] = {}
         for params in buckets:
@@ -305,6 +305,6 @@ def world_ranks(group: Communicator | None) -> list[int]:
         return []
     cached = getattr(group, "_world_ranks", None)
     if cached is None:
-        from .comm.agreement import world_ranks_of
+        from ..comm.agreement import world_ranks_of
         cached = group._world_ranks = world_ranks_of(group.mpi_comm)
     return cached

@@ -6,10 +6,10 @@ host code), must not copy host data in (the graph would replay the first step's 
 launch only what stream capture accepts (CuPy's own matmul refuses: cuBLAS during capture), and
 must be, at every step, the same computation on the same shapes (a Python value that changes
 from step to step would be frozen at its first one). On the strict device backend
-(``parallel.strict``) every array operation passes through here while a ``Capture`` is
+(``parallel.device.strict_arrays``) every array operation passes through here while a ``Capture`` is
 active: the first three are refused with an ``HpcparError`` naming what to change, and each
 operation is recorded, with its operands' shapes and dtypes and its host arguments, so that a
-replay can be compared with the capture (``parallel.graphs``).
+replay can be compared with the capture (``parallel.device.graphs``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .errors import HpcparError
+from ..errors import HpcparError
 
 _active: "Capture | None" = None
 

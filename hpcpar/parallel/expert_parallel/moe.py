@@ -34,16 +34,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import host_array
-from .comm import Communicator
-from .comm.failfast import fails_together
-from .errors import HpcparError
-from .layers import frozen_matrix, keep_slice, product, weight_grads
-from .mappings import CopyToGroup, ReduceFromGroup
-from .ops import Ops, native_ops
-from .params import GradSink, Parameter, join
+from ..device.backend import host_array
+from ..comm import Communicator
+from ..comm.failfast import fails_together
+from ..errors import HpcparError
+from ..tensor_parallel.layers import frozen_matrix, keep_slice, product, weight_grads
+from ..tensor_parallel.mappings import CopyToGroup, ReduceFromGroup
+from ..ops import Ops, native_ops
+from ..params import GradSink, Parameter, join
 from .routing import Routing, TopKRouter
-from .splits import expert_block
+from ..tensor.splits import expert_block
 
 
 class Experts:

@@ -1,6 +1,6 @@
 """What a GPU would be asked to do, counted without one: on the strict device backend
-(``HPCPAR_BACKEND=strict``, ``parallel.strict``) every array operation goes through one
-wrapper, so it can count what makes a GPU run slow:
+(``HPCPAR_BACKEND=strict``, ``parallel.device.strict_arrays``) every array operation goes through
+one wrapper, so it can count what makes a GPU run slow:
 
     ops          array operations that compute: each is one kernel launch on a GPU (a view,
                  a reshape or a transpose computes nothing and is not one)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..backend import host_array
-from ..dtypes import accumulator
+from ..device.backend import host_array
+from ..device.dtypes import accumulator
 from .attention import AttentionRows
 
 # exp2(S - c) stays at or below 2^HEADROOM (sums of a million such, times any sane value, stay

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .comm import Communicator, split_sizes
+from ..comm import Communicator, split_sizes
 
 
 def _cut(x, group: Communicator, axis: int, sizes: Sequence[int] | None):

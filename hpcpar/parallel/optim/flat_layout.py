@@ -1,10 +1,10 @@
 """Where an optimizer's parameters lie, so that a step is a few elementwise passes over
-flat buffers (``flat``) whatever the number of tensors.
+flat buffers (``data_parallel.flat_buffers``) whatever the number of tensors.
 
 The parameters are grouped by dtype (master weights, gradients, a 16-bit compute copy) and
 each group is put in the order of its gradients' buffer (a ``GradientReducer``'s, or ZeRO's
 pieces), so the optimizer steps that buffer as it is. What lies in no buffer yet is moved
-into a new one (``flat.adopt``), in that order: the master weights (and ``data``, the same
+into a new one (``flat_buffers.adopt``), in that order: the master weights (and ``data``, the same
 array in float32), a separate 16-bit copy, gradients no reducer holds. A group is then cut
 into *runs*, spans that are contiguous in every buffer at once: one run per group when one
 optimizer steps all of a reducer's parameters (or none), more where a buffer holds
@@ -27,7 +27,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from .flat import Flat, adopt, home, in_buffer_order, runs, span_of
+from ..data_parallel.flat_buffers import Flat, adopt, home, in_buffer_order, runs, span_of
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Group:
                 for k, flat in self.states.items()}
 
 
-def plan(xp, params: list, block: int | None, weight_decay: float) -> list[Group]:
+def group_parameters(xp, params: list, block: int | None, weight_decay: float) -> list[Group]:
     """The groups of ``params`` (see the module docstring); ``block``: elements per block,
     None for whole runs; ``weight_decay``: 0 needs no masks."""
     kinds: dict[tuple, list] = {}

@@ -18,11 +18,12 @@ on device arrays (dispatched through ``__array_function__`` / ``__array_ufunc__`
 refuses is refused: ``x[...] = numpy_array`` (CuPy 14 fills a view from scalars alone).
 Everything is computed by NumPy on the host, so results equal a NumPy run bit for bit.
 
-While a ``parallel.budget.Budget`` counts, every operation here reports to it: an operation
+While a ``parallel.device.budget.Budget`` counts, every operation here reports to it: an operation
 that computes (one kernel launch on a GPU), a new array and its bytes, a read back to the host
 (a sync), an upload. Views (slices, reshapes, transposes) compute nothing and are not counted.
-While a step is captured (``parallel.capture``, for ``parallel.graphs``), every operation is
-recorded and what a CUDA graph cannot hold (a read, an upload, CuPy's matmul) is refused.
+While a step is captured (``parallel.device.capture``, for ``parallel.device.graphs``), every
+operation is recorded and what a CUDA graph cannot hold (a read, an upload, CuPy's matmul) is
+refused.
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def ascontiguousarray(a, dtype=None):
 
 def peek(a: StrictArray) -> np.ndarray:
     """The host array behind ``a``, uncounted and unchecked: for the backend's own checks
-    (``parallel.graphs``), never for the program's reads."""
+    (``parallel.device.graphs``), never for the program's reads."""
     return a._a
 
 
@@ -376,6 +377,6 @@ class _Module(types.ModuleType):
         return attr                      # dtypes, constants
 
 
-xp = _Module("hpcpar.parallel.strict.xp")
+xp = _Module("hpcpar.parallel.device.strict_arrays.xp")
 for _fn in (asarray, array, ascontiguousarray, asnumpy):
     setattr(xp, _fn.__name__, _fn)

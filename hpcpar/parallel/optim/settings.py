@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from .environment import FRACTION, NON_NEGATIVE, Range, problems
+from ..environment import FRACTION, NON_NEGATIVE, Range, problems
 
 OPTIMIZERS = ("adamw", "sgd")
 LR_SCHEDULES = ("constant", "cosine", "linear")
