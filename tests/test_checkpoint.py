@@ -13,7 +13,7 @@ from hpcpar.models.config import ModelConfig
 from hpcpar.jobs.layout import ParallelConfig
 from hpcpar.parallel.device.dtypes import FLOAT_DTYPES, bfloat16, nonfinite
 from hpcpar.parallel.errors import HpcparError
-from hpcpar.models.sharding import shard_of
+from hpcpar.models.sharding import piece_of
 from hpcpar.models.tensors import model_tensors
 from helpers import TINY, expected_slice, write_hf_checkpoint
 
@@ -107,7 +107,7 @@ def test_slices_for_tp_1_2_4_8_are_whole_chunks(tmp_path):
             chunks = f[spec.name].chunks
             for tp in CHUNK_TP_SIZES:
                 for r in range(tp):
-                    region = shard_of(spec, cfg, r, tp).source
+                    region = piece_of(spec, cfg, r, tp).source
                     for dim, (sl, c) in enumerate(zip(region, chunks)):
                         # a slice starts on a chunk edge and ends on one or at the tensor's end
                         assert sl.start % c == 0, (spec.name, tp, r, dim)

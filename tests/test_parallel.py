@@ -1,6 +1,6 @@
 """The parallel core's pure parts, without MPI: split rules, mesh coordinates, redistribution
-redistribution steps, matmul policy choice on a one-rank mesh, micro-batch split, and the errors of
-bad input. The multi-rank behaviour is in test_parallel_mpi.py."""
+steps, matmul policy choice on a one-rank mesh, micro-batch split, and the errors of bad input.
+The multi-rank behaviour is in test_parallel_mpi.py."""
 
 import numpy as np
 import pytest
@@ -62,6 +62,26 @@ def test_vocab_range_pads_the_last_blocks():
     assert splits.padded_vocab_size(10, 4) == 12
 
 
+@pytest.mark.parametrize("rows,parts", [(11, 4), (10, 4), (5, 8), (8, 2)])
+def test_a_padded_shard_cuts_blocks_of_ceil_n_over_p_each_padded_to_one_shape(rows, parts):
+    """The vocabulary's split, as a placement: every rank's buffer is the same shape, its
+    rows the whole tensor's in blocks of ceil(n / p), zero past the end (NumPy's reference:
+    the tensor padded with zero rows, cut evenly)."""
+    full = np.arange(1, rows * 3 + 1).reshape(rows, 3)
+    per = -(-rows // parts)
+    padded = np.zeros((per * parts, 3), dtype=full.dtype)
+    padded[:rows] = full
+    for r in range(parts):
+        piece = Shard(0, padded=True).piece(full.shape, r, parts)
+        local = np.zeros(piece.shape, dtype=full.dtype)
+        local[piece.dest] = full[piece.source]
+        np.testing.assert_array_equal(local, padded[r * per:(r + 1) * per])
+    whole = Replicate().piece(full.shape, 1, parts)
+    assert whole.shape == full.shape and np.array_equal(full[whole.source], full)
+    with pytest.raises(splits.ShardingError, match="neither sizes nor a unit"):
+        Shard(0, sizes=(1, 2), padded=True)
+
+
 def test_mesh_coordinates_and_groups_are_row_major():
     sizes = (2, 2, 2)                                   # dp, pp, tp
     assert [mesh_coords(r, sizes) for r in (0, 1, 2, 5)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0),
@@ -110,6 +130,7 @@ def test_redistribution_steps_use_the_fewest_collectives():
 def test_placements_read_as_they_are_written():
     assert repr(Shard(1, sizes=[3, 2])) == "Shard(1, sizes=(3, 2))"
     assert repr(Shard(0, unit=64)) == "Shard(0, unit=64)"
+    assert repr(Shard(0, padded=True)) == "Shard(0, padded=True)"
     assert (repr(R), repr(P)) == ("Replicate()", "Partial()")
     assert Shard(0) == Shard(0) and Shard(0) != Shard(0, sizes=(1, 1))
 
@@ -141,6 +162,8 @@ def test_bad_operands_are_one_clear_error():
         hp.DArray.from_full(np.ones((2, 3)), mesh, {"x": hp.Shard(2)})
     with pytest.raises(hp.mesh.MeshError, match="not 'y'"):
         hp.DArray.from_full(np.ones((2, 3)), mesh, {"y": hp.Shard(0)})
+    with pytest.raises(hp.tensor.PlacementError, match="a padded shard is a vocabulary-"):
+        hp.DArray.from_full(np.ones((2, 3)), mesh, {"x": hp.Shard(0, padded=True)})
 
 
 def test_16_bit_operands_take_every_activation_and_the_embedding_takes_integer_ids():

@@ -4,7 +4,8 @@ from hypothesis import given, settings, strategies as st
 
 from hpcpar.models.config import ModelConfig
 from hpcpar.parallel.pipeline.partition import stage_layer_counts, stage_layers
-from hpcpar.models.sharding import ShardingError, merge, padded_vocab_size, shard_of, split, vocab_range
+from hpcpar.models.sharding import (ShardingError, merge, padded_vocab_size, piece_of, split,
+                                    vocab_range)
 from hpcpar.models.tensors import model_tensors, stage_tensors
 from helpers import TINY, expected_slice, hf_tensor_shapes
 
@@ -40,7 +41,7 @@ def test_split_matches_megatron_and_merge_inverts_it(case):
         pieces = split(full, spec, cfg, tp)
         for r, piece in enumerate(pieces):
             np.testing.assert_array_equal(piece, expected_slice(spec.name, full, hf, r, tp))
-            assert piece.shape == shard_of(spec, cfg, r, tp).shape
+            assert piece.shape == piece_of(spec, cfg, r, tp).shape
         np.testing.assert_array_equal(merge(pieces, spec, cfg), full)
 
 
@@ -51,9 +52,9 @@ def test_kv_heads_replicated_so_each_rank_has_its_query_heads_kv_head():
                                                                "0.self_attn.k_proj.weight")))
     tp, group = 8, 8 // 2
     for r in range(tp):
-        q_heads = range(shard_of(q, cfg, r, tp).source[0].start // 8,
-                        shard_of(q, cfg, r, tp).source[0].stop // 8)
-        kv_head = shard_of(k, cfg, r, tp).source[0].start // 8
+        q_heads = range(piece_of(q, cfg, r, tp).source[0].start // 8,
+                        piece_of(q, cfg, r, tp).source[0].stop // 8)
+        kv_head = piece_of(k, cfg, r, tp).source[0].start // 8
         assert {h // group for h in q_heads} == {kv_head}
 
 
@@ -67,10 +68,10 @@ def test_uneven_split_is_a_clear_error():
     cfg = ModelConfig.from_hf(dict(TINY, intermediate_size=100))
     gate = next(s for s in model_tensors(cfg) if s.role == "gate")
     with pytest.raises(ShardingError, match="100 rows cannot be split evenly over tp 8"):
-        shard_of(gate, cfg, 0, 8)
+        piece_of(gate, cfg, 0, 8)
     q = next(s for s in model_tensors(cfg) if s.role == "q")
     with pytest.raises(ShardingError, match="8 heads cannot be split evenly over tp 3"):
-        shard_of(q, cfg, 0, 3)
+        piece_of(q, cfg, 0, 3)
 
 
 def test_stage_partition_is_contiguous_with_remainder_first():
@@ -117,7 +118,7 @@ def test_each_rank_reads_its_slices_of_each_part_of_a_fused_tensor(tp):
                    "up": "up_proj"}[spec.role]
         alone = fused[name][start:start + rows]
         for r in range(tp):
-            shard = shard_of(spec, cfg, r, tp)
-            got = fused[name][spec.file_region(shard.source)]
+            piece = piece_of(spec, cfg, r, tp)
+            got = fused[name][spec.file_region(piece.source)]
             want = expected_slice(f"model.layers.1.x.{hf_name}.weight", alone, PHI3, r, tp)
             np.testing.assert_array_equal(got, want, err_msg=f"{spec.role} tp {r}/{tp}")

@@ -195,7 +195,7 @@ def test_a_run_resumed_under_another_layout_ends_with_the_same_weights(setup):
 def test_tp2_stage_gradients_pass_finite_differences_and_equal_tp1():
     from test_train_grads import CONFIGS as GRAD_CONFIGS, batch_of, build_chunk, directional
     from hpcpar.parallel.comm import create_communicator
-    from hpcpar.models.sharding import merge, shard_of
+    from hpcpar.models.sharding import merge, piece_of
     from hpcpar.jobs.train.grads import sum_replicated
     from hpcpar.jobs.train.params import GradSink
 
@@ -226,7 +226,7 @@ def test_tp2_stage_gradients_pass_finite_differences_and_equal_tp1():
             np.testing.assert_allclose(full, single_params[tname].grad, rtol=1e-9, atol=1e-12)
             # the parallel loss itself, along a direction shared by both ranks
             d_full = rng.standard_normal(p.spec.shape)
-            shard = shard_of(p.spec, chunk.cfg, tp.rank, 2)
+            shard = piece_of(p.spec, chunk.cfg, tp.rank, 2)
             d = np.zeros_like(p.data)
             d[shard.dest] = d_full[shard.source]
 

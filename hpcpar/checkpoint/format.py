@@ -21,9 +21,10 @@ from math import gcd
 import numpy as np
 
 from ..models.config import ModelConfig
-from ..models.sharding import ShardingError, Split, shard_of, split_of
+from ..models.sharding import ShardingError, piece_of, placement_of
 from ..models.tensors import TensorSpec, model_tensors
 from ..parallel.device.dtypes import bfloat16
+from ..parallel.tensor.placement import Shard
 
 FORMAT_VERSION = 1
 ATTR_VERSION = "hpcpar_format_version"
@@ -74,14 +75,14 @@ def split_boundaries(spec: TensorSpec, cfg: ModelConfig,
             if part.stored == spec.name:
                 edges.update(part.offset + e for e in split_boundaries(part, cfg, tp_sizes)[1])
         return 0, sorted(edges)
-    split = split_of(spec)
-    if split is Split.REPLICATED:
+    placement = placement_of(spec, cfg)
+    if not isinstance(placement, Shard):
         return None, []
-    axis = 1 if split is Split.ROW else 0
+    axis = placement.dim
     edges = {0, spec.shape[axis]}
     for tp in tp_sizes:
         try:
-            pieces = [shard_of(spec, cfg, r, tp).source[axis] for r in range(tp)]
+            pieces = [piece_of(spec, cfg, r, tp).source[axis] for r in range(tp)]
         except ShardingError:
             continue
         edges.update(p for s in pieces for p in (s.start, s.stop))

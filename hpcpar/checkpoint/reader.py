@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from ..models.config import ConfigError, ModelConfig
-from ..models.sharding import shard_of
+from ..models.sharding import piece_of
 from ..models.tensors import TensorSpec, stored_tensors
 from ..parallel.device.backend import NUMPY, ArrayBackend
 from ..parallel.device.dtypes import FLOAT_DTYPES, any_nonfinite, dtype_name, nonfinite
@@ -189,15 +189,15 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
     tensor on the host when no dtype conversion is needed; vocabulary padding rows stay zero.
     """
     dtype = np.dtype(dtype or ckpt.dtype)
-    shards = {spec.name: shard_of(spec, ckpt.config, tp_rank, tp_size) for spec in specs}
-    where = _places(stacks, shards)
+    pieces = {spec.name: piece_of(spec, ckpt.config, tp_rank, tp_size) for spec in specs}
+    where = _places(stacks, pieces)
     matrices: dict = {}
     out = LoadedShard()
     start = perf_counter()
     flags = []              # per tensor, on the device: holds a NaN or inf (read once, below)
     with ckpt.open() as f:
         for spec in specs:
-            host = _read(f, ckpt, spec, shards[spec.name], dataset, out)
+            host = _read(f, ckpt, spec, pieces[spec.name], dataset, out)
             if host.dtype != dtype:
                 with np.errstate(over="ignore"):        # an overflow is refused just below
                     host = host.astype(dtype)
@@ -219,34 +219,34 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
     return out
 
 
-def _places(stacks: list[tuple[str, ...]], shards: dict) -> dict[str, tuple[int, int, tuple]]:
+def _places(stacks: list[tuple[str, ...]], pieces: dict) -> dict[str, tuple[int, int, tuple]]:
     """Each stacked tensor's (group, first row, the group's matrix shape), from the slices
-    this rank reads (``shards``); the tensors of a group take its rows in order."""
+    this rank reads (``pieces``); the tensors of a group take its rows in order."""
     where = {}
     for group, names in enumerate(stacks):
-        rows = sum(shards[n].shape[0] for n in names)
+        rows = sum(pieces[n].shape[0] for n in names)
         at = 0
         for n in names:
-            where[n] = (group, at, (rows, shards[n].shape[1]))
-            at += shards[n].shape[0]
+            where[n] = (group, at, (rows, pieces[n].shape[1]))
+            at += pieces[n].shape[0]
     return where
 
 
-def _read(f: h5py.File, ckpt: Checkpoint, spec: TensorSpec, shard, dataset: str,
+def _read(f: h5py.File, ckpt: Checkpoint, spec: TensorSpec, piece, dataset: str,
           out: LoadedShard) -> np.ndarray:
-    """This rank's slice ``shard`` of ``spec`` (of the dataset ``dataset`` names), read into
+    """This rank's slice ``piece`` of ``spec`` (of the dataset ``dataset`` names), read into
     a host buffer of the checkpoint's dtype; its bytes counted in ``out``."""
     stored = storage_dtype(ckpt.dtype)
-    raw = np.zeros(shard.shape, dtype=stored)
+    raw = np.zeros(piece.shape, dtype=stored)
     # the weights of a fused tensor's part are rows of it; optimizer state is per part
-    name, source = ((spec.file_name, spec.file_region(shard.source)) if dataset == "{}"
-                    else (dataset.format(spec.name), shard.source))
+    name, source = ((spec.file_name, spec.file_region(piece.source)) if dataset == "{}"
+                    else (dataset.format(spec.name), piece.source))
     try:
-        f[name].read_direct(raw, source_sel=source, dest_sel=shard.dest)
+        f[name].read_direct(raw, source_sel=source, dest_sel=piece.dest)
     except (OSError, KeyError) as e:
         raise CheckpointError(f"{ckpt.path}: reading {name} failed, the "
                               f"file is truncated or corrupt ({_first_line(e)})") from None
-    out.bytes_read += shard.source_numel * stored.itemsize
+    out.bytes_read += piece.source_numel * stored.itemsize
     return raw.view(ckpt.dtype) if stored != ckpt.dtype else raw
 
 

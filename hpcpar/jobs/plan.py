@@ -15,7 +15,7 @@ import numpy as np
 from ..models.config import ModelConfig, ep_problems
 from ..models.decoder import PREFILL_CHUNK
 from ..models.kv_cache import kv_cache_bytes
-from ..models.sharding import shard_of
+from ..models.sharding import piece_of
 from ..models.tensors import StageSpan, stage_tensors
 from ..parallel.context_parallel.ring_attention import ContextShard
 from ..parallel.pipeline.partition import stage_layers
@@ -76,7 +76,7 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)
         first, last = s == 0, s == layout.pp - 1
         specs = stage_tensors(cfg, layers, first, last, rank0_experts(cfg, layout.ep))
-        sizes = {spec.name: int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
+        sizes = {spec.name: int(np.prod(piece_of(spec, cfg, 0, layout.tp).shape))
                  for spec in specs}
         weights = sum(sizes.values())
         experts = sum(sizes[spec.name] for spec in specs if spec.expert is not None)
@@ -214,7 +214,7 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
         v = c * p + s
         first, last = v == 0, v == p * V - 1
         for spec in stage_tensors(cfg, layers, first, last, rank0_experts(cfg, layout.ep)):
-            n = int(np.prod(shard_of(spec, cfg, 0, layout.tp).shape))
+            n = int(np.prod(piece_of(spec, cfg, 0, layout.tp).shape))
             count += n
             experts += n if spec.expert is not None else 0
         act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,

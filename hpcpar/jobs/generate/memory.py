@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from ...models.config import ModelConfig
 from ...models.decoder import matrix_stacks
-from ...models.sharding import padded_vocab_size, shard_of
+from ...models.sharding import padded_vocab_size, piece_of
 from ...models.tensors import StageSpan, TensorSpec, layer_tensors
 from ...parallel.comm import split_sizes
 from ...parallel.device.dtypes import check_temporary_bytes
@@ -75,7 +75,7 @@ class Widths:
 def rank_widths(cfg: ModelConfig, tp: int) -> Widths:
     k_proj = next(s for s in layer_tensors(cfg, 0) if s.role == "k")
     return Widths(tp, cfg.hidden_size, cfg.num_attention_heads // tp * cfg.head_dim,
-                  shard_of(k_proj, cfg, 0, tp).shape[0], cfg.intermediate_size // tp,
+                  piece_of(k_proj, cfg, 0, tp).shape[0], cfg.intermediate_size // tp,
                   padded_vocab_size(cfg.vocab_size, tp) // tp, cfg.head_dim,
                   cfg.moe_intermediate_size // tp, cfg.shared_expert_size // tp)
 

@@ -26,7 +26,7 @@ from ...checkpoint import Checkpoint, CheckpointError, load_shard, open_checkpoi
 from ...checkpoint.files import check_space, reserve, write_point, write_text, writing
 from ...checkpoint.format import (ATTR_CONFIG, ATTR_DTYPE, ATTR_VERSION, FORMAT_VERSION,
                                   TOKENIZER_GROUP, chunk_shape)
-from ...models.sharding import shard_of
+from ...models.sharding import piece_of
 from ...models.tensors import model_tensors, stored_tensors
 from ...parallel.errors import HpcparError
 from .params import Param
@@ -96,37 +96,37 @@ def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, 
         for p in params:
             if not p.counted:
                 continue
-            shard = shard_of(p.spec, cfg, tp_rank, tp_size)
-            f[p.spec.file_name][p.spec.file_region(shard.source)] = to_host(p.master)[shard.dest]
+            piece = piece_of(p.spec, cfg, tp_rank, tp_size)
+            f[p.spec.file_name][p.spec.file_region(piece.source)] = to_host(p.master)[piece.dest]
             for state, value in states.get(p.name, {}).items():
-                f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][shard.source] = \
-                    to_host(value)[shard.dest]
+                f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][piece.source] = \
+                    to_host(value)[piece.dest]
 
 
 def write_segments(path: Path, segments: list[Param], offsets: dict[str, int],
                    states: dict[str, dict], cfg, tp_rank: int, tp_size: int, to_host) -> None:
     """ZeRO: the optimizer state of this rank's segments. A segment is elements
-    [a, a + n) of a param's local shard, flattened; it is written as the rectangles of the
+    [a, a + n) of a param's local piece, flattened; it is written as the rectangles of the
     full tensor those elements cover."""
     with writing(path), h5py.File(_tmp(path), "r+") as f:
         write_point(path)
         for seg in segments:
             if not seg.counted:
                 continue
-            shard = shard_of(seg.spec, cfg, tp_rank, tp_size)
+            piece = piece_of(seg.spec, cfg, tp_rank, tp_size)
             for state, value in states.get(seg.name, {}).items():
                 dset = f[f"{OPTIMIZER_GROUP}/{seg.name}/{state}"]
-                _write_flat(dset, shard, offsets[seg.name], to_host(value))
+                _write_flat(dset, piece, offsets[seg.name], to_host(value))
 
 
-def _write_flat(dset, shard, a: int, values: np.ndarray) -> None:
-    """Elements [a, a + len(values)) of the local shard (C order) into the full tensor,
-    skipping vocabulary padding rows (outside ``shard.dest``)."""
-    for region, start in _rectangles(shard.shape, a, a + values.size):
+def _write_flat(dset, piece, a: int, values: np.ndarray) -> None:
+    """Elements [a, a + len(values)) of the local piece (C order) into the full tensor,
+    skipping vocabulary padding rows (outside ``piece.dest``)."""
+    for region, start in _rectangles(piece.shape, a, a + values.size):
         extents = [r.stop - r.start for r in region]
         block = values[start - a:start - a + int(np.prod(extents))].reshape(extents)
         src, sub = [], []
-        for r, d, s in zip(region, shard.dest, shard.source):
+        for r, d, s in zip(region, piece.dest, piece.source):
             lo, hi = max(r.start, d.start), min(r.stop, d.stop)
             if lo >= hi:
                 break

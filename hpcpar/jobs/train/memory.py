@@ -20,7 +20,7 @@ A schedule multiplies this by the micro-batches a stage holds at its peak
 from __future__ import annotations
 
 from ...models.config import ModelConfig
-from ...models.sharding import padded_vocab_size, shard_of
+from ...models.sharding import padded_vocab_size, piece_of
 from ...models.tensors import layer_tensors
 
 FLOAT = 4
@@ -32,7 +32,7 @@ def activation_bytes(cfg: ModelConfig, tp: int, num_layers: int, rows: int, seq_
     float32; with 16-bit compute, ``itemsize`` 2 approximates it)."""
     B, T, h = rows, seq_len, cfg.hidden_size
     k_proj = next(s for s in layer_tensors(cfg, 0) if s.role == "k")
-    kv = shard_of(k_proj, cfg, 0, tp).shape[0]                   # kv_heads * head_dim per rank
+    kv = piece_of(k_proj, cfg, 0, tp).shape[0]                   # kv_heads * head_dim per rank
     heads = cfg.num_attention_heads // tp
     q = heads * cfg.head_dim
     inter = cfg.intermediate_size // tp

@@ -2,7 +2,7 @@
 two facts the optimizer needs about it.
 
 A ``Param`` holds the shard in Hugging Face's orientation ([out, in] for linear weights), as
-``sharding.shard_of`` cuts it: ``master`` in float32, which the optimizer updates and
+``sharding.piece_of`` cuts it: ``master`` in float32, which the optimizer updates and
 checkpoints store, and ``data`` in the compute dtype, which the layers read (the same array
 when computing in float32; a copy refreshed after each step in bfloat16 or float16).
 Gradients accumulate in float32. Which rank *counts* a tensor's
@@ -18,9 +18,10 @@ elements decides the global gradient norm, so it is decided here, once:
 from __future__ import annotations
 
 from ...models.config import ModelConfig
-from ...models.sharding import Split, split_of
+from ...models.sharding import placement_of
 from ...models.tensors import EMBED, TensorSpec
 from ...parallel.params import GradSink, Parameter
+from ...parallel.tensor.placement import Replicate
 from ...parallel.tensor.splits import unit_replicas
 
 PER_HEAD_NORMS = ("q_norm", "k_norm")       # one weight every head reads, heads split over tp
@@ -49,9 +50,9 @@ def kv_replicas(cfg: ModelConfig, tp_size: int) -> int:
 def make_param(spec: TensorSpec, master, xp, cfg: ModelConfig, tp_rank: int, tp_size: int,
                last_stage_tied_copy: bool = False, dtype=None) -> Param:
     """A param of float32 ``master`` weights, computing in ``dtype`` (default: float32)."""
-    split = split_of(spec)
+    replicated = isinstance(placement_of(spec, cfg), Replicate)
     replicas = kv_replicas(cfg, tp_size) if spec.role in ("k", "v", "k_bias", "v_bias") else 1
-    if split is Split.REPLICATED:
+    if replicated:
         counted = tp_rank == 0
     else:
         counted = tp_rank % replicas == 0

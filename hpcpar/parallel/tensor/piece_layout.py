@@ -63,6 +63,10 @@ def _normalized(axis_names: tuple, key: tuple, named: bool, ndim: int) -> tuple:
         if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
             raise PlacementError(f"{p!r} on axis {name!r}: an array of {ndim} dimensions has "
                                  f"no dimension {p.dim}")
+        if isinstance(p, Shard) and p.padded:
+            raise PlacementError(f"{p!r} on axis {name!r}: a padded shard is a vocabulary-"
+                                 f"parallel layer's (VocabParallelEmbedding, ParallelLMHead); "
+                                 f"a DArray takes Shard({p.dim}) or Shard({p.dim}, sizes=...)")
     return tuple(Shard(p.dim % ndim, p.sizes, p.unit) if isinstance(p, Shard) else p
                  for p in out)
 
