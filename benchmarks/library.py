@@ -71,7 +71,7 @@ class Timer:
 
     def best(self, calls: dict) -> dict:
         calls = {k: v for k, v in calls.items() if k not in self.left_out}
-        for fn in calls.values():                # warm-up: allocations, plans, caches
+        for fn in calls.values():                # warm-up: allocations, programs, caches
             fn()
         names = list(calls)
         times = {name: [] for name in names}

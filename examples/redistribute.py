@@ -5,9 +5,10 @@
 A 6 x 8 array is placed every way a mesh axis can hold it (replicated, a pending sum,
 sharded along either dimension, unevenly by given sizes, by whole units of 4 columns), on
 each of the two axes, and redistributed to every other such placement. Each result's
-``full()`` equals the array; rank 0 prints a few plans and how many pairs ran. Placements
-whose pieces do not split (6 rows cut by both axes: 3 rows over 2 ranks, no sizes given) are
-refused with a ``ShardingError``, the same on every rank, and counted.
+``full()`` equals the array; rank 0 prints the steps of a few redistributions and how many
+pairs ran. Placements whose pieces do not split (6 rows cut by both axes: 3 rows over 2
+ranks, no sizes given) are refused with a ``ShardingError``, the same on every rank, and
+counted.
 """
 
 import itertools

@@ -45,6 +45,7 @@ MOVED = {
     "hpcpar.jobs.outputs": "hpcpar.jobs.output_lock",
     "hpcpar.jobs.train.holders": "hpcpar.jobs.train.weight_holders",
     "hpcpar.jobs.train.chunk": "hpcpar.jobs.train.model_chunk",
+    "hpcpar.jobs.generate.plan": "hpcpar.jobs.generate.validation",
 }
 
 

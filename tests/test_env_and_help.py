@@ -1,12 +1,12 @@
-"""Environment variables and what a newcomer reads (issue 33, items 5 and 6).
+"""Environment variables, and what a newcomer reads: ``--help``, messages, job-file comments.
 
 Every ``HPCPAR_*`` variable is read through one table (``settings.ENVIRONMENT``): a bad value,
 or a name hpcpar does not read, is one line naming the variable, the value and what it
 accepts, status 2 on every rank, before any work; the variables hpcpar sets for its own
-processes keep working. Then the newcomer's list: each command's ``--help`` equals the
-command block of docs/reference/cli.md, the messages and job-file comments a first run meets say what is
-true, output to a closed pipe ends quietly, and the Slurm tests skip, with the reason, where
-no local Slurm can run.
+processes keep working. Then what a newcomer reads: each command's ``--help`` equals the
+command block of docs/reference/cli.md, the messages and job-file comments a first run meets
+say what is true, output to a closed pipe ends quietly, and the Slurm tests skip, with the
+reason, where no local Slurm can run.
 """
 
 import json
@@ -60,7 +60,7 @@ def _run(args, cwd, env=None, **kw):
                           text=True, timeout=120, **streams)
 
 
-# ---- item 5: one table for every HPCPAR_* variable -------------------------------------------
+# ---- one table for every HPCPAR_* variable ---------------------------------------------------
 
 def _names_in(text: str) -> set[str]:
     return set(re.findall(r"\bHPCPAR_[A-Z][A-Z0-9_]*[A-Z0-9]\b", text))
@@ -230,7 +230,7 @@ def test_the_variables_hpcpar_sets_for_its_ranks_keep_working(work):
         assert f["tokens"].shape == (4, 3)
 
 
-# ---- item 6: --help and the command block of docs/reference/cli.md ---------------------------
+# ---- --help and the command block of docs/reference/cli.md -----------------------------------
 
 def _cli_reference_commands() -> dict[str, str]:
     """The command block under "## Commands" in docs/reference/cli.md: command -> its text
@@ -322,7 +322,7 @@ def test_run_of_a_scoring_job_takes_data_as_score_does(work):
         assert f["token_logprobs"].shape == (2, 3)
 
 
-# ---- item 6: the rest of the newcomer's list -------------------------------------------------
+# ---- the messages, job-file comments and pipes a first run meets -----------------------------
 
 def test_converts_message_says_how_to_install_from_a_clone(monkeypatch):
     from hpcpar.checkpoint.convert import _safetensors
@@ -331,7 +331,8 @@ def test_converts_message_says_how_to_install_from_a_clone(monkeypatch):
         _safetensors()
     assert 'pip install -e ".[hf]"' in str(e.value) and "hpcpar[hf]" not in str(e.value)
     assert "hpcpar[hf]" not in DOCS
-    assert 'pip install -e ".[hf]"' in CLI_REFERENCE.split("## convert and export", 1)[1].split("\n## ")[0]
+    convert = CLI_REFERENCE.split("## convert and export", 1)[1].split("\n## ")[0]
+    assert 'pip install -e ".[hf]"' in convert
 
 
 @pytest.mark.slow
@@ -408,7 +409,7 @@ def test_the_docs_say_what_scoring_does_with_rows_shorter_than_cp(work):
     np.testing.assert_allclose(runs[3], runs[1], atol=1e-5, equal_nan=True)
 
 
-# ---- item 6: the Slurm tests skip, with the reason, where no local Slurm can run -----------
+# ---- the Slurm tests skip, with the reason, where no local Slurm can run ---------------------
 
 @pytest.mark.slow
 def test_local_cluster_says_why_this_machine_cannot_have_one(tmp_path):

@@ -344,7 +344,7 @@ def test_remembered_redistributions_and_products_are_still_checked(comm):
     for _ in range(3):                                   # made once, then remembered
         np.testing.assert_array_equal(a.redistribute([hp.Shard(1)]).full(), full)
         np.testing.assert_array_equal(a.redistribute({"x": hp.Replicate()}).local, full)
-    assert len(mesh.plans) >= 2
+    assert len(mesh.programs) >= 2
     odd = r == n - 1
     _raises_everywhere(comm, lambda: a.redistribute([hp.Replicate() if odd else hp.Shard(1)]),
                        r"target placements: \(Shard\(1\),\) on ranks? 0.* and "
@@ -393,8 +393,8 @@ def test_prepared_collectives_equal_the_calls_they_stand_for(comm):
 
 def test_cross_entropy_ignores_label_minus_one_and_refuses_what_it_cannot_score(comm):
     """Label -1 adds nothing to the loss or the gradient, whatever its weight, and its
-    token loss and log-probability are 0 (torch's ignore_index); labels outside the vocabulary and logits that are not this rank's block
-    are one error, not a number."""
+    token loss and log-probability are 0 (torch's ignore_index); labels outside the
+    vocabulary and logits that are not this rank's block are one error, not a number."""
     tp = hp.Mesh(comm, {"tp": comm.Get_size()}, timeout=30).group("tp")
     V, rows = 11, 5
     rng = np.random.default_rng(3)

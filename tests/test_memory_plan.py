@@ -38,7 +38,8 @@ def measure_and_plan(comm, folder, cfg: dict, lengths, sets=(), tp: int = 1, pp:
                      itemsize: int = 4):
     """A generation of prompts of ``lengths`` tokens and 3 new ones on the strict backend
     with the device ops (``HPCPAR_OPS=device``, set by the caller), its budget and this
-    rank's ``StagePlan``, and the measured peaks of each phase's runs (reference figures)."""
+    rank's ``StageEstimate``, and the measured peaks of each phase's runs (reference
+    figures)."""
     if comm.Get_rank() == 0:
         folder.mkdir(exist_ok=True)
         init_checkpoint(folder / "model.h5", cfg)

@@ -86,10 +86,11 @@ def test_generated_rows_that_end_early_take_their_unused_tokens_off_the_work():
     from types import SimpleNamespace
 
     from hpcpar.jobs.generate.progress import GenerationProgress
-    plan = SimpleNamespace(limits=np.array([8, 8, 4]), samples=SimpleNamespace(width=1),
-                           prompts=SimpleNamespace(lengths=[3, 5, 2]))
+    checked = SimpleNamespace(limits=np.array([8, 8, 4]), samples=SimpleNamespace(width=1),
+                              prompts=SimpleNamespace(lengths=[3, 5, 2]))
     log = io.StringIO()
-    progress = GenerationProgress(plan, np.array([0, 2]), interval=60, terminal=False, out=log)
+    progress = GenerationProgress(checked, np.array([0, 2]), interval=60, terminal=False,
+                                  out=log)
     assert progress.display.total == 3 + 2 + 8 + 4            # prompt 1 was done before
     progress.heard(0, 5)                                      # replica 0: a prefill
     progress.heard(1, 4)                                      # replica 1: prefill and 2
@@ -100,8 +101,8 @@ def test_generated_rows_that_end_early_take_their_unused_tokens_off_the_work():
     assert progress.done == 12
     progress.close()
     assert _counts(log.getvalue()) == [(12, 15, "1/2 prompts")]
-    plan.samples.width = 3                   # --n 3: a prompt's samples are rows of their own
-    progress = GenerationProgress(plan, np.array([0, 1, 2]), interval=60, terminal=False,
+    checked.samples.width = 3                   # --n 3: a prompt's samples are rows of their own
+    progress = GenerationProgress(checked, np.array([0, 1, 2]), interval=60, terminal=False,
                                   out=io.StringIO())
     progress.rows_finished(np.array([2]), np.array([4]))
     assert progress.display.detail == "1/3 sample rows"

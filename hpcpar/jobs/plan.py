@@ -27,7 +27,8 @@ from .layout import ParallelConfig
 
 
 @dataclass(frozen=True)
-class StagePlan:
+class StageEstimate:
+    """What ``hpcpar plan`` estimates for one pipeline stage, per rank of that stage."""
     stage: int
     layers: range
     weight_bytes: int          # per rank of this stage
@@ -64,7 +65,7 @@ def all_to_all_bytes(cfg: ModelConfig, layers: range, ep: int, itemsize: int) ->
 
 def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_length: int,
                 max_new_tokens: int, itemsize: int,
-                gen: GenerateSection | None = None) -> list[StagePlan]:
+                gen: GenerateSection | None = None) -> list[StageEstimate]:
     """Per stage, a rank's bytes and traffic for ``batch`` prompts of up to
     ``prompt_length`` tokens (``gen``: the job's batching and sampling; default: a job's
     defaults)."""
@@ -85,7 +86,7 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
                             prompt_length + max_new_tokens, cfg.head_dim, itemsize)
         memory = stage_memory(cfg, layout.tp, rows, prompt_length,
                               StageSpan(layers, first, last), specs, sizes, kv, itemsize, gen)
-        out.append(StagePlan(
+        out.append(StageEstimate(
             s, layers, weights * itemsize, kv,
             reduces * cfg.hidden_size * itemsize,
             0 if last else cfg.hidden_size * itemsize, experts * itemsize,

@@ -47,7 +47,7 @@ class JobRun(ABC):
         self.comm, self.job = comm, job
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.ckpt: Checkpoint | None = None
-        self.plan = None
+        self.checked = None
         self.stop: StopRequest | None = None
         self.bar = None             # a progress display with close(), on rank 0
 
@@ -93,10 +93,10 @@ class JobRun(ABC):
         everyone(self.comm, check_ops, self.job.parallel.backend)
         self.ckpt = everyone(self.comm, open_checkpoint, path)
         if self.checking_phase is None:
-            self.plan = everyone(self.comm, self.validate)
+            self.checked = everyone(self.comm, self.validate)
         else:
             with phase(self.checking_phase):
-                self.plan = everyone(self.comm, self.validate)
+                self.checked = everyone(self.comm, self.validate)
         if self.job.output.trace is not None:       # rank 0 writes it: its file system
             everyone(self.comm, lambda: self.rank != 0 or check_trace_path(
                 self.job.output.trace, self.output_path(), self.output_is_folder))
@@ -106,8 +106,8 @@ class JobRun(ABC):
 
     @abstractmethod
     def validate(self):
-        """The job's plan from ``self.job`` and ``self.ckpt``, or an ``HpcparError`` saying
-        what is wrong (run on every rank; the ranks agree)."""
+        """The job as checked from ``self.job`` and ``self.ckpt`` (kept as ``self.checked``),
+        or an ``HpcparError`` saying what is wrong (run on every rank; the ranks agree)."""
 
     def has_work(self) -> bool:
         return True
@@ -131,7 +131,7 @@ class JobRun(ABC):
 
     def trace_metadata(self) -> dict:
         """What a ``--trace`` file says of the run besides its spans."""
-        return {"job": self.verb, "layout": self.plan.layout.describe(), "checkpoint":
+        return {"job": self.verb, "layout": self.checked.layout.describe(), "checkpoint":
                 str(self.ckpt.path)}
 
     def preempted(self, message: str) -> None:
@@ -158,11 +158,11 @@ class JobRun(ABC):
 
     def run_attrs(self, backend: str, comm_kind: str) -> dict:
         """What every output records about its run (a job kind adds its own)."""
-        layout = self.plan.layout
+        layout = self.checked.layout
         return {"hpcpar_version": __version__, "checkpoint": str(self.ckpt.path),
                 "dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "ep": layout.ep,
                 "micro_batches": layout.micro_batches,
-                "compute_dtype": dtype_name(self.plan.dtype), "backend": backend,
+                "compute_dtype": dtype_name(self.checked.dtype), "backend": backend,
                 "tp_comm": comm_kind}
 
 

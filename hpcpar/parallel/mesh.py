@@ -158,7 +158,7 @@ class Mesh:
             self._group((axis,))
         self._everyone = self._group(tuple(range(len(self.sizes))))
         self.fingerprint = f"mesh {self.id} {_product_text(self.shape)}"   # alike on all ranks
-        self.plans: dict = {}         # work this rank did once for this mesh (``remember``)
+        self.programs: dict = {}      # work this rank did once for this mesh (``remember``)
 
     @classmethod
     def _agree_id(cls, comm, timeout: float) -> int:
@@ -186,12 +186,13 @@ class Mesh:
         return Check(self.everyone.mpi_comm, what,
                      [("mesh", self.fingerprint), *fields, (ERROR, "")], self.everyone.timeout)
 
-    def remember(self, key, plan) -> None:
-        """Keep ``plan`` (a redistribution's ``Program``, ...) for ``key`` in ``plans``; a
-        program whose shapes never repeat does not grow it without bound."""
-        if len(self.plans) >= 4096:
-            self.plans.clear()
-        self.plans[key] = plan
+    def remember(self, key, program) -> None:
+        """Keep ``program`` (a redistribution's ``Program``, a matmul's product and its check,
+        ...) for ``key`` in ``programs``, for the next call that repeats it; a program whose
+        shapes never repeat does not grow it without bound."""
+        if len(self.programs) >= 4096:
+            self.programs.clear()
+        self.programs[key] = program
 
     @property
     def checking(self) -> bool:
@@ -295,4 +296,4 @@ class Mesh:
             self.cart.Free()
         self._groups.clear()
         self._named.clear()
-        self.plans.clear()
+        self.programs.clear()

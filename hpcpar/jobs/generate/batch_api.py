@@ -258,7 +258,8 @@ class BatchLines(JsonLines):
     def __init__(self, path: Path, requests: Requests, samples, describe, entries, tokenizer,
                  checkpoint: str):
         """``describe(row, tokens_row, length)``: text and finish reason;
-        ``entries(row, results)``: the row's token log-prob entries (``plan.logprob_fields``);
+        ``entries(row, results)``: the row's token log-prob entries
+        (``validation.logprob_fields``);
         ``tokenizer``: the checkpoint's (a ``StoredTokenizer``: texts and tokens' bytes);
         ``samples``: the rows of each prompt."""
         super().__init__(path, describe)

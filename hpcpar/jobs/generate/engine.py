@@ -1,7 +1,7 @@
 """A generation job from start to end, on every rank of ``comm``, on the job skeleton.
 
-    validate (agreed by every rank, ``generate.plan``) -> mesh and communicators -> load this
-    rank's slices
+    validate (agreed by every rank, ``generate.validation``) -> mesh and communicators -> load
+    this rank's slices
     -> for each wave: split its prompts over replicas and micro-batches -> pre-flight check
     of the schedule -> run the pipeline -> finished rows to rank 0 and the output as they
     finish -> collect on rank 0 -> report -> write output
@@ -34,7 +34,7 @@ from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
 from .jsonl_output import JsonLines
 from .output_file import PartialOutput, RunShape, unpad_into
-from .plan import GenerationPlan, describe_row, fingerprint, logprob_fields, validate
+from .validation import CheckedGeneration, describe_row, fingerprint, logprob_fields, validate
 from .program import GenerationProgram, RowRules, any_rank
 from .progress import GenerationProgress
 from .report import RankFigures, RunReport
@@ -79,59 +79,59 @@ class GenerationRun(JobRun):
         self.totals, self.micro = None, 0
         self.waves = 0                  # waves started (HPCPAR_FAULT's prefill step)
 
-    def validate(self) -> GenerationPlan:
+    def validate(self) -> CheckedGeneration:
         return validate(self.job, self.ckpt, self.size, self.prompts)
 
     def open(self) -> None:
-        check = (partial(check_graphed_backend, dtype=self.plan.dtype, cfg=self.ckpt.config)
-                 if self.plan.settings.cuda_graphs else None)
-        self.ranks = open_stage(self.comm, self.job, self.plan.layout, self.ckpt,
-                                self.plan.dtype, check)
+        check = (partial(check_graphed_backend, dtype=self.checked.dtype, cfg=self.ckpt.config)
+                 if self.checked.settings.cuda_graphs else None)
+        self.ranks = open_stage(self.comm, self.job, self.checked.layout, self.ckpt,
+                                self.checked.dtype, check)
 
     # ---- work: the waves ---------------------------------------------------------------
 
     def work(self) -> None:
-        plan, cfg, world = self.plan, self.ckpt.config, self.ranks.world
-        eos = plan.eos
+        checked, cfg, world = self.checked, self.ckpt.config, self.ranks.world
+        eos = checked.eos
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
-        n_prompts = len(plan.prompts)
+        n_prompts = len(checked.prompts)
         with phase("opening the output file"):
             everyone(self.comm, self._open_output)
         self.done = np.zeros(n_prompts, dtype=np.int64)    # prompts a stopped run finished
         if self.out is not None:
             self.done[:] = self.out.done
-        self.done[~plan.samples.present] = 1              # rows past a prompt's own n
+        self.done[~checked.samples.present] = 1              # rows past a prompt's own n
         world.broadcast(self.done)
         self.todo = waves_of(np.flatnonzero(self.done == 0), self.job.generate.wave_size)
         if self.rank == 0 and self.progress and self.todo:
-            self.bar = GenerationProgress(plan, np.concatenate(self.todo))
-        self.results = RowResults.empty(n_prompts, plan.results, self.pad_id)
+            self.bar = GenerationProgress(checked, np.concatenate(self.todo))
+        self.results = RowResults.empty(n_prompts, checked.results, self.pad_id)
         self.logits = None
-        if self.rank == 0 and plan.settings.save_logits and self.out is None:   # in memory
-            self.logits = np.full((n_prompts // plan.samples.width, max(plan.prompts.lengths),
+        if self.rank == 0 and checked.settings.save_logits and self.out is None:   # in memory
+            self.logits = np.full((n_prompts // checked.samples.width, max(checked.prompts.lengths),
                                    cfg.vocab_size), np.nan, dtype=np.float32)
         # finished rows reach rank 0 and the file as they finish; with prompt logits,
         # the file once those are written (at the end of a wave, or of a stopped run)
-        self.live = bool(self.job.output.path) and not plan.settings.save_logits
+        self.live = bool(self.job.output.path) and not checked.settings.save_logits
         for i, wave in enumerate(self.todo):
             self._wave_and_verdict(wave, last=i == len(self.todo) - 1)
         self.close_bar()
 
     def _open_output(self) -> None:
-        job, plan = self.job, self.plan
+        job, checked = self.job, self.checked
         if self.rank != 0 or not job.output.path:
             return
-        shape = RunShape(fingerprint(job, self.ckpt, plan), plan.results,
-                         np.asarray(plan.prompts.lengths, np.int64), plan.limits,
-                         self.ckpt.config.vocab_size, plan.settings.save_logits, plan.samples)
+        shape = RunShape(fingerprint(job, self.ckpt, checked), checked.results,
+                         np.asarray(checked.prompts.lengths, np.int64), checked.limits,
+                         self.ckpt.config.vocab_size, checked.settings.save_logits, checked.samples)
         lines, path = None, Path(job.output.path)
-        if plan.prompts.requests is not None:                  # OpenAI Batch API output
-            lines = BatchLines(path, plan.prompts.requests, plan.samples,
-                               partial(describe_row, plan), partial(logprob_fields, plan),
-                               plan.tokenizer, Path(self.ckpt.path).stem)
+        if checked.prompts.requests is not None:                  # OpenAI Batch API output
+            lines = BatchLines(path, checked.prompts.requests, checked.samples,
+                               partial(describe_row, checked), partial(logprob_fields, checked),
+                               checked.tokenizer, Path(self.ckpt.path).stem)
         elif path.suffix.lower() == ".jsonl":
-            lines = JsonLines(path, partial(describe_row, plan), partial(logprob_fields, plan),
-                              plan.samples)
+            lines = JsonLines(path, partial(describe_row, checked),
+                              partial(logprob_fields, checked), checked.samples)
         self.out = PartialOutput(job.output.path, shape, job.generate.resume, lines)
 
     def _received(self, rows, results: RowResults) -> None:          # rank 0
@@ -172,8 +172,8 @@ class GenerationRun(JobRun):
         if flag[0] and (flag[1] or not last):
             kept = ("saved; run again with --resume auto to finish the rest"
                     if out is not None else "not saved (no --out)")
-            present = self.plan.samples.present
-            what = "samples" if self.plan.samples.width > 1 else "prompts"
+            present = self.checked.samples.present
+            what = "samples" if self.checked.samples.width > 1 else "prompts"
             self.preempted(f"{self.stop.describe()}: {int(self.done[present].sum())} of "
                            f"{int(present.sum())} {what} are finished and {kept}")
 
@@ -183,7 +183,7 @@ class GenerationRun(JobRun):
         ``_received`` on rank 0 (about every second, and all by the end; a stop request ends
         the wave early: the rows not finished by then are not). Prompt logits go
         micro-batch by micro-batch to the output file, or into ``logits`` (rank 0)."""
-        ranks, plan = self.ranks, self.plan
+        ranks, checked = self.ranks, self.checked
         world, backend = ranks.world, ranks.backend
         program, actions, mbs = self._wave_program(wave)
         executor = PipelineExecutor(ranks.pp, ranks.mesh.coord("pp"), program, backend,
@@ -208,22 +208,22 @@ class GenerationRun(JobRun):
                            finished)
         self.stream.close()
         with phase("collecting the outputs on rank 0"):
-            if plan.settings.save_logits:
-                _collect_logits(world, plan.layout, plan.prompts, wave, program, self.out,
-                                self.logits, plan.samples.width)
+            if checked.settings.save_logits:
+                _collect_logits(world, checked.layout, checked.prompts, wave, program, self.out,
+                                self.logits, checked.samples.width)
         return figures, len(mbs)
 
     def _wave_program(self, wave: np.ndarray):
         """The wave's program (continuous or static batching), its first actions, its
         micro-batches; ``self.stream`` carries finished rows to rank 0."""
-        ranks, plan, settings = self.ranks, self.plan, self.plan.settings
-        layout, stage, backend = plan.layout, ranks.stage, ranks.backend
+        ranks, checked, settings = self.ranks, self.checked, self.checked.settings
+        layout, stage, backend = checked.layout, ranks.stage, ranks.backend
         rows = _wave_rows(wave, layout.dp, ranks.mesh.coord("dp"))
-        mbs = micro_batches(plan.prompts.ids, rows, layout.micro_batches)
-        rules = RowRules(settings, plan.eos, self.pad_id, plan.limits, plan.sampling,
-                         plan.stops, plan.stop_ids, plan.results)
+        mbs = micro_batches(checked.prompts.ids, rows, layout.micro_batches)
+        rules = RowRules(settings, checked.eos, self.pad_id, checked.limits, checked.sampling,
+                         checked.stops, checked.stop_ids, checked.results)
         if settings.batching == "continuous":
-            width = rows_in_flight(settings, stage, mbs, plan.limits, backend, ranks.world,
+            width = rows_in_flight(settings, stage, mbs, checked.limits, backend, ranks.world,
                                    ranks.cp)
             program = ContinuousProgram(stage, mbs, rules, backend, width,
                                         segment_steps(layout.pp), self, ranks.cp)
@@ -263,7 +263,7 @@ class GenerationRun(JobRun):
     # ---- finish: collect, report, write ------------------------------------------------
 
     def finish(self) -> GenerationResult | None:
-        ranks, plan, world = self.ranks, self.plan, self.ranks.world
+        ranks, checked, world = self.ranks, self.checked, self.ranks.world
         with phase("collecting the outputs on rank 0"):
             totals = replace(self.totals or RankFigures(), load_seconds=ranks.shard.seconds,
                              load_bytes=ranks.shard.bytes_read)
@@ -272,7 +272,7 @@ class GenerationRun(JobRun):
 
         def write():
             if self.out is not None:
-                s = plan.settings
+                s = checked.settings
                 attrs = self.run_attrs(ranks.backend.name, ranks.tp.kind) | {
                     "prompts": self.job.data.prompts, "max_new_tokens": s.max_new_tokens,
                     **{k: v for k, v in vars(s.sampling).items() if v is not None},
@@ -290,25 +290,25 @@ class GenerationRun(JobRun):
     def _result(self, table: np.ndarray) -> GenerationResult:
         """Rank 0's result: every prompt's tokens (with those earlier runs finished, from
         the output), texts, finish reasons and the run's report."""
-        plan, todo = self.plan, self.todo
+        checked, todo = self.checked, self.todo
         results = self.out.results() if self.out is not None else self.results
         tokens, lengths = results.tokens, results.lengths
-        texts, stopped = decode_rows(plan.tokenizer, tokens, lengths, plan.stops)
+        texts, stopped = decode_rows(checked.tokenizer, tokens, lengths, checked.stops)
         ran = sum(len(w) for w in todo)                         # rows: samples
-        width = plan.samples.width                              # a prompt's samples: one
+        width = checked.samples.width                              # a prompt's samples: one
         prefilled = {int(r) // width for w in todo for r in w}  # prefill (as measured)
-        ran_tokens = sum(plan.prompts.lengths[p * width] for p in prefilled)
+        ran_tokens = sum(checked.prompts.lengths[p * width] for p in prefilled)
         new_tokens = int(sum(lengths[r] for w in todo for r in w))
-        report = RunReport.build(table, plan.layout, self.micro, len(prefilled), ran_tokens,
+        report = RunReport.build(table, checked.layout, self.micro, len(prefilled), ran_tokens,
                                  new_tokens, ran)
-        reasons = finish_reasons(tokens, lengths, plan.eos, plan.settings.stop_at_eos, stopped,
-                                 plan.stop_ids)
-        reasons = [r if run else "" for r, run in zip(reasons, plan.samples.present)]
-        return GenerationResult(tokens, lengths, np.asarray(plan.prompts.lengths, np.int64),
+        reasons = finish_reasons(tokens, lengths, checked.eos, checked.settings.stop_at_eos,
+                                 stopped, checked.stop_ids)
+        reasons = [r if run else "" for r, run in zip(reasons, checked.samples.present)]
+        return GenerationResult(tokens, lengths, np.asarray(checked.prompts.lengths, np.int64),
                                 self.logits, texts, report, reasons, results.logprobs,
                                 results.prompt_logprobs,
-                                plan.samples,
-                                plan.prompts.requests)
+                                checked.samples,
+                                checked.prompts.requests)
 
 
 def run_generation(comm, job: Job, prompts: Prompts | None = None,

@@ -3,8 +3,8 @@ the tokens generated, out of the prompts' tokens and each prompt's ``max_new_tok
 
 Every replica's owner reports its replica's count with the finished rows it streams to rank 0
 (``generate.stream``, about every second), so the count is every replica's, exact to within
-that; replica 0's rank 0 counts as its steps come. A row that ends before its limit (EOS, a stop string) takes its unused tokens off
-the work known when rank 0 receives it.
+that; replica 0's rank 0 counts as its steps come. A row that ends before its limit (EOS, a
+stop string) takes its unused tokens off the work known when rank 0 receives it.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from ..progress import Progress
 
 
 class GenerationProgress:
-    def __init__(self, plan, prompts: np.ndarray, **display):
-        """``plan``: the run's ``GenerationPlan``; ``prompts``: the indices this run
+    def __init__(self, checked, prompts: np.ndarray, **display):
+        """``checked``: the run's ``CheckedGeneration``; ``prompts``: the indices this run
         generates for; ``display``: ``Progress``'s options."""
-        self.limits = np.asarray(plan.limits, np.int64)
-        lengths = np.asarray(plan.prompts.lengths, np.int64)
+        self.limits = np.asarray(checked.limits, np.int64)
+        lengths = np.asarray(checked.prompts.lengths, np.int64)
         total = int(lengths[prompts].sum() + self.limits[prompts].sum())
         self.prompts, self.finished = len(prompts), 0
-        # with n samples a prompt is several rows (``plan.samples``): count what finishes
-        self.unit = "prompts" if plan.samples.width == 1 else "sample rows"
+        # with n samples a prompt is several rows (``checked.samples``): count what finishes
+        self.unit = "prompts" if checked.samples.width == 1 else "sample rows"
         self.earlier = 0                # tokens of the waves already collected
         self.replicas: dict[int, int] = {}     # the current wave: replica -> tokens done
         self.display = Progress("generating", total, **display)

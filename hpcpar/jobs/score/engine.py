@@ -61,7 +61,8 @@ class ScoreResult:
 
 
 @dataclass
-class _Plan:
+class _CheckedScoring:
+    """A scoring job as ``validate`` checked it on every rank."""
     layout: ParallelConfig
     dtype: np.dtype
     data: ScoreData
@@ -78,7 +79,7 @@ class ScoringRun(JobRun):
         super().__init__(comm, job)
         self.progress = progress
 
-    def validate(self) -> _Plan:
+    def validate(self) -> _CheckedScoring:
         job, ckpt = self.job, self.ckpt
         layout = job.parallel.layout(self.size)
         layout.check(ckpt.config, self.size)
@@ -100,15 +101,15 @@ class ScoringRun(JobRun):
             raise HpcparError("scoring needs an output file: --out OUT.h5")
         check_output(job.output.path, {"checkpoint": ckpt.path, "data": source}, kind="scores")
         check_space(job.output.path, output_bytes(len(data), data.width))   # before the work
-        return _Plan(layout, float_dtype(job.model.dtype), data)
+        return _CheckedScoring(layout, float_dtype(job.model.dtype), data)
 
     def open(self) -> None:
-        self.ranks = open_stage(self.comm, self.job, self.plan.layout, self.ckpt,
-                                self.plan.dtype)
+        self.ranks = open_stage(self.comm, self.job, self.checked.layout, self.ckpt,
+                                self.checked.dtype)
         self.ranks.board.stops_waits = True
 
     def work(self) -> None:
-        layout, ranks, world = self.plan.layout, self.ranks, self.ranks.world
+        layout, ranks, world = self.checked.layout, self.ranks, self.ranks.world
         mesh, backend, stop = ranks.mesh, ranks.backend, self.stop
 
         def after_batch():
@@ -117,8 +118,9 @@ class ScoringRun(JobRun):
                 raise Stopped(stop.signal_name, stop.asked_by if stop.asked_by is not None
                               else world.rank)
 
-        rows = replica_rows(len(self.plan.data), layout.dp, mesh.coord("dp"))
-        mbs = micro_batches(self.plan.data.ids, rows, _micro_batch_count(self.plan.data, layout))
+        data = self.checked.data
+        rows = replica_rows(len(data), layout.dp, mesh.coord("dp"))
+        mbs = micro_batches(data.ids, rows, _micro_batch_count(data, layout))
         done: dict[int, int] = {}           # rank 0: each replica's tokens scored
 
         def heard(dp_rank: int, tokens: int) -> None:
@@ -126,7 +128,7 @@ class ScoringRun(JobRun):
             self.bar.update(sum(done.values()))
 
         if self.rank == 0 and self.progress:
-            self.bar = Progress("scoring", scored_tokens([len(r) for r in self.plan.data.ids]))
+            self.bar = Progress("scoring", scored_tokens([len(r) for r in data.ids]))
         # replicas may end minutes apart; each one's owner reports its tokens scored
         channel = ReplicaChannel(world, layout, ranks.board,
                                  progress=lambda: self.program.worked,
@@ -153,14 +155,14 @@ class ScoringRun(JobRun):
         self.seconds = float(world.all_reduce(np.array([elapsed]), op="max")[0])
 
     def finish(self) -> ScoreResult | None:
-        layout, ranks = self.plan.layout, self.ranks
+        layout, ranks = self.checked.layout, self.ranks
         with phase("collecting the log-probabilities on rank 0"):
-            logprobs = _collect(ranks.world, ranks.mesh, layout, len(self.plan.data),
+            logprobs = _collect(ranks.world, ranks.mesh, layout, len(self.checked.data),
                                 self.program)
         ranks.board.stops_waits = False     # all scored: a stop now lets the output be written
         result = None
         if self.rank == 0:
-            result = _result(self.plan.data, logprobs, self.seconds, ranks.shard.seconds)
+            result = _result(self.checked.data, logprobs, self.seconds, ranks.shard.seconds)
 
         def write():
             if self.rank == 0:

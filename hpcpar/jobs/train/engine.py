@@ -38,7 +38,7 @@ from .grads import sum_replicated
 from .weight_holders import holders
 from .program import TrainingProgram
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
-from .setup import TrainPlan, kv_group, load_chunks, validate
+from .setup import CheckedTraining, kv_group, load_chunks, validate
 
 
 class TrainingRun(JobRun):
@@ -54,55 +54,55 @@ class TrainingRun(JobRun):
         super().__init__(comm, job)
         self.progress = progress
 
-    def validate(self) -> TrainPlan:
+    def validate(self) -> CheckedTraining:
         return validate(self.job, self.ckpt, self.size)
 
     def has_work(self) -> bool:
-        if self.plan.start_step < self.job.train.steps:
+        if self.checked.start_step < self.job.train.steps:
             return True
         if self.rank == 0:
-            print(f"nothing to do: the checkpoint is at step {self.plan.start_step} >= steps "
+            print(f"nothing to do: the checkpoint is at step {self.checked.start_step} >= steps "
                   f"{self.job.train.steps}")
         return False
 
     def output_path(self) -> Path:
-        return self.plan.out_dir
+        return self.checked.out_dir
 
     # ---- open: the runtime, the model's chunks, the optimizer, the schedule -------------
 
     def open(self) -> None:
-        plan, tr = self.plan, self.job.train
+        checked, tr = self.checked, self.job.train
         if self.rank == 0:
-            tc.remove_partial(plan.out_dir)
-        self.rt = rt = open_runtime(self.comm, self.job, plan.layout, plan.dtype,
+            tc.remove_partial(checked.out_dir)
+        self.rt = rt = open_runtime(self.comm, self.job, checked.layout, checked.dtype,
                                     data_parallel=True)
         self.xp = rt.backend.xp
         self.kv_comm = kv_group(rt.mesh, self.ckpt.config, rt.backend, rt.stats,
                                  self.job.parallel.timeout)
         with phase("loading the checkpoint"):
             self.chunks, self.params, states = load_chunks(
-                self.comm, rt.mesh, plan, self.ckpt, rt.tp, rt.backend,
+                self.comm, rt.mesh, checked, self.ckpt, rt.tp, rt.backend,
                 recompute=tr.recompute == "full", cp=rt.cp, ep=rt.ep)
         self._open_optimizer(states)
         self._open_schedule()
-        self.metrics = everyone(self.comm, Metrics, plan.out_dir / "metrics.jsonl",
-                                self.rank == 0, plan.start_step)
-        self.per_token = flops_per_token(self.ckpt.config, plan.dataset.seq_len)
+        self.metrics = everyone(self.comm, Metrics, checked.out_dir / "metrics.jsonl",
+                                self.rank == 0, checked.start_step)
+        self.per_token = flops_per_token(self.ckpt.config, checked.dataset.seq_len)
         self.peak = (tr.peak_tflops * 1e12 if tr.peak_tflops
                      else peak_flops(self.xp, rt.backend))
         self.figures = TrainFigures()
         if self.rank == 0 and self.progress:
-            self.bar = Progress("training", (tr.steps - plan.start_step) * self._step_tokens())
-            self._show_progress(plan.start_step)
+            self.bar = Progress("training", (tr.steps - checked.start_step) * self._step_tokens())
+            self._show_progress(checked.start_step)
 
     def _open_optimizer(self, states) -> None:
         """Gradient buckets, ZeRO's shards, the optimizer and loss scaler (their state
         restored when resuming), and the peer of a tied embedding."""
-        plan, tr, rt, mesh = self.plan, self.job.train, self.rt, self.rt.mesh
+        checked, tr, rt, mesh = self.checked, self.job.train, self.rt, self.rt.mesh
         self.tied_peer = None
         holds_embedding = mesh.is_first("pp") or mesh.is_last("pp")
-        if self.ckpt.config.tie_word_embeddings and plan.layout.pp > 1 and holds_embedding:
-            self.tied_peer = (rt.pp, plan.layout.pp - 1 if mesh.is_first("pp") else 0)
+        if self.ckpt.config.tie_word_embeddings and checked.layout.pp > 1 and holds_embedding:
+            self.tied_peer = (rt.pp, checked.layout.pp - 1 if mesh.is_first("pp") else 0)
         groups = [g for chunk in reversed(self.chunks) for g in chunk.groups]
         # gradients are summed over every rank that holds the same weights: dp x cp, and
         # with ep the experts over their own replicas (``holders``)
@@ -111,23 +111,23 @@ class TrainingRun(JobRun):
             group.open(groups, self.xp, int(tr.bucket_mb * (1 << 20)), tr.zero)
         self.zero = any(group.zero for group in self.held)
         self.updated = [p for group in self.held for p in group.updated]   # what is stepped
-        self.optimizer = Optimizer(plan.optimizer, self.updated, self.xp)
+        self.optimizer = Optimizer(checked.optimizer, self.updated, self.xp)
         self.scaler = (LossScaler(tr.loss_scale, growth_interval=tr.loss_scale_window)
-                       if plan.dtype == np.float16 else None)
+                       if checked.dtype == np.float16 else None)
         if states is not None:
             self.optimizer.load_state_dict({name: state for group in self.held
                                             for name, state in group.slice_state(states).items()})
-            attrs = plan.resume[1]
-            self.optimizer.steps = int(attrs.get("optimizer_steps", plan.start_step))
+            attrs = checked.resume[1]
+            self.optimizer.steps = int(attrs.get("optimizer_steps", checked.start_step))
             if self.scaler is not None and "loss_scale" in attrs:
                 self.scaler.scale = float(attrs["loss_scale"])
                 self.scaler.good_steps = int(attrs["good_steps"])
 
     def _open_schedule(self) -> None:
         """The pipeline schedule, checked once: every step has the same shapes."""
-        plan, rt, mesh = self.plan, self.rt, self.rt.mesh
-        layout, M, V = plan.layout, plan.layout.micro_batches, plan.virtual_stages
-        T = plan.dataset.seq_len
+        checked, rt, mesh = self.checked, self.rt, self.rt.mesh
+        layout, M, V = checked.layout, checked.layout.micro_batches, checked.virtual_stages
+        T = checked.dataset.seq_len
         mb_rows = self.job.train.global_batch // (layout.dp * M)
         self.actions = training_schedule(layout.schedule, layout.pp, M, V)[mesh.coord("pp")]
         T_here = context_shard(T, mesh).local_length() if layout.cp > 1 else T     # this rank's
@@ -138,16 +138,16 @@ class TrainingRun(JobRun):
             everyone(self.comm, self.executor.preflight, self.actions)
 
     def _program(self, batches, overlap=None) -> TrainingProgram:
-        cfg, layout = self.ckpt.config, self.plan.layout
+        cfg, layout = self.ckpt.config, self.checked.layout
         return TrainingProgram(self.chunks, batches, layout.pp, self.rt.mesh.coord("pp"),
-                               cfg.hidden_size, self.plan.dtype, self.xp, overlap)
+                               cfg.hidden_size, self.checked.dtype, self.xp, overlap)
 
     # ---- work: the steps ---------------------------------------------------------------
 
     def work(self) -> None:
         self.rt.world.barrier()
         self.rt.stats.reset()
-        self.step = self.saved_at = self.plan.start_step
+        self.step = self.saved_at = self.checked.start_step
         with phase("training"):
             while self.step < self.job.train.steps:
                 self._train_step()
@@ -155,12 +155,12 @@ class TrainingRun(JobRun):
     def _train_step(self) -> None:
         """One step: forward and backward over the schedule, gradients summed, the loss,
         norm and stop agreed, the update, its metrics, and a checkpoint where one is due."""
-        tr, plan = self.job.train, self.plan
+        tr, checked = self.job.train, self.checked
         self.step += 1
         step, B = self.step, tr.global_batch
         fault_point("train", step)
         start = perf_counter()
-        first_sample = plan.samples_start + (step - plan.start_step - 1) * B
+        first_sample = checked.samples_start + (step - checked.start_step - 1) * B
         scale = self.scaler.scale if self.scaler else 1.0
         with budget.phase("train step"):
             program = self._forward_backward(first_sample, scale)
@@ -169,9 +169,9 @@ class TrainingRun(JobRun):
         overflow = self.scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
         if not overflow and not (math.isfinite(loss) and math.isfinite(norm)):
             if self.rank == 0:                                  # the same on every rank
-                print_error(_diverged(step, loss, norm, plan.out_dir, self.saved_at))
+                print_error(_diverged(step, loss, norm, checked.out_dir, self.saved_at))
             raise JobFailed(EXIT_INVALID)
-        lr = learning_rate(plan.optimizer, step, tr.steps)
+        lr = learning_rate(checked.optimizer, step, tr.steps)
         self._update(lr, norm, scale, overflow)
         self._record(program, start, loss, None if overflow else norm, lr)
         if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
@@ -180,7 +180,7 @@ class TrainingRun(JobRun):
             self.saved_at = step
         if stopping and step < tr.steps:
             self.preempted(f"{self.stop.describe(f'at step {step}')}; saved "
-                           f"{plan.out_dir / tc.checkpoint_name(step)}; run again with "
+                           f"{checked.out_dir / tc.checkpoint_name(step)}; run again with "
                            "--resume auto to continue")
 
     def _forward_backward(self, first_sample: int, scale: float) -> TrainingProgram:
@@ -191,7 +191,7 @@ class TrainingRun(JobRun):
         # the backward starts each bucket's sum as it completes: one group's buckets only
         overlap = reducers[0].grads_done if len(self.held) == 1 and reducers and not zero \
             else None
-        batches = replica_batches(self.plan.dataset, rt.mesh, self.plan.layout.micro_batches,
+        batches = replica_batches(self.checked.dataset, rt.mesh, self.checked.layout.micro_batches,
                                   first_sample, self.job.train, self.xp, scale)
         for span in spans(self.params, "grad"):     # one operation per gradient buffer
             span[...] = 0
@@ -236,9 +236,9 @@ class TrainingRun(JobRun):
         self.rt.world.all_reduce(agreed)
         for chunk in self.chunks:
             chunk.aux_sum = 0.0
-        layout = self.plan.layout
+        layout = self.checked.layout
         self.aux_loss = (float(agreed[3]) / (layout.dp * layout.micro_batches)
-                         if self.plan.aux_coef else None)
+                         if self.checked.aux_coef else None)
         return float(agreed[0]) / scale, math.sqrt(agreed[1]) / scale, bool(agreed[2] > 0)
 
     def _expert_load(self) -> list | None:
@@ -259,7 +259,7 @@ class TrainingRun(JobRun):
         if self.scaler is not None:
             self.scaler.update(overflow)
         if not overflow:
-            coef = clip_coefficient(norm, self.plan.optimizer.clip_grad)
+            coef = clip_coefficient(norm, self.checked.optimizer.clip_grad)
             with trace.span("optimizer step", "compute"), budget.phase("optimizer"):
                 self.optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
             if self.zero:                             # the updated pieces gathered, then copied
@@ -290,13 +290,13 @@ class TrainingRun(JobRun):
                 print(self.metrics.line(), flush=True)
 
     def _step_tokens(self) -> int:
-        return self.job.train.global_batch * self.plan.dataset.seq_len
+        return self.job.train.global_batch * self.checked.dataset.seq_len
 
     def _show_progress(self, step: int, loss: float | None = None) -> None:
         detail = f"step {step}/{self.job.train.steps}"
         if loss is not None:
             detail += f", loss {loss:.4f}"
-        self.bar.update((step - self.plan.start_step) * self._step_tokens(), detail=detail)
+        self.bar.update((step - self.checked.start_step) * self._step_tokens(), detail=detail)
 
     def _save(self, samples: int) -> None:
         """Every rank writes its counted slices in turn into one file (see
@@ -304,12 +304,13 @@ class TrainingRun(JobRun):
         segments. Each step agreed: a write that fails on any rank (a full disk) ends the
         job on all, with one line, the temporary file removed and ``latest`` at the previous
         checkpoint."""
-        plan, optimizer, mesh = self.plan, self.optimizer, self.rt.mesh
-        path, rank, cfg = plan.out_dir / tc.checkpoint_name(self.step), self.rank, self.ckpt.config
+        checked, optimizer, mesh = self.checked, self.optimizer, self.rt.mesh
+        path = checked.out_dir / tc.checkpoint_name(self.step)
+        rank, cfg = self.rank, self.ckpt.config
 
         def create():
             if rank == 0:
-                plan.out_dir.mkdir(exist_ok=True)
+                checked.out_dir.mkdir(exist_ok=True)
                 tc.create_file(path, self.ckpt, optimizer.state_names, self._save_attrs(samples))
 
         states = {name: {k: st[k] for k in optimizer.state_names}     # the step is an attribute
@@ -341,12 +342,12 @@ class TrainingRun(JobRun):
             raise
 
     def _save_attrs(self, samples: int) -> dict:
-        plan, tr = self.plan, self.job.train
-        attrs = {"step": self.step, "samples": samples, "optimizer": plan.optimizer.optimizer,
+        checked, tr = self.checked, self.job.train
+        attrs = {"step": self.step, "samples": samples, "optimizer": checked.optimizer.optimizer,
                  "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
-                 "seq_len": plan.dataset.seq_len, "data": str(plan.dataset.source),
-                 "layout": plan.layout.describe(),
-                 "schedule": plan.layout.schedule, "lr": tr.lr,
+                 "seq_len": checked.dataset.seq_len, "data": str(checked.dataset.source),
+                 "layout": checked.layout.describe(),
+                 "schedule": checked.layout.schedule, "lr": tr.lr,
                  "optimizer_steps": self.optimizer.steps, "compute_dtype": self.job.model.dtype}
         if self.scaler is not None:
             attrs |= {"loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
@@ -364,9 +365,9 @@ class TrainingRun(JobRun):
         self.rt.close()
         if self.rank != 0:
             return None
-        plan = self.plan
-        return TrainReport.build(table, plan.layout, plan.virtual_stages, plan.start_step,
-                                 self.step, self.job.train.global_batch * plan.dataset.seq_len,
+        checked = self.checked
+        return TrainReport.build(table, checked.layout, checked.virtual_stages, checked.start_step,
+                                 self.step, self.job.train.global_batch * checked.dataset.seq_len,
                                  self.metrics)
 
 

@@ -38,7 +38,8 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
-class TrainPlan:
+class CheckedTraining:
+    """A training job as ``validate`` checked it on every rank: what its run works from."""
     layout: ParallelConfig
     dtype: np.dtype                    # compute dtype (master weights are float32)
     virtual_stages: int
@@ -51,7 +52,7 @@ class TrainPlan:
     aux_coef: float = 0.0              # the router's load-balancing loss (MoE)
 
 
-def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
+def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     cfg, tr = ckpt.config, job.train
     layout = job.parallel.layout(world_size, default_schedule="1f1b")
     V = job.parallel.virtual_stages
@@ -105,8 +106,8 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> TrainPlan:
                               f", this job uses {settings.optimizer!r}; keep the optimizer to "
                               "resume")
         start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
-    return TrainPlan(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir, resume,
-                     start_step, samples_start, float(aux or 0.0))
+    return CheckedTraining(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir,
+                           resume, start_step, samples_start, float(aux or 0.0))
 
 
 def _router_problems(cfg, aux: float, pp: int) -> list[str]:
@@ -138,17 +139,17 @@ def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
             for v in range(stage, layout.pp * virtual_stages, layout.pp)]
 
 
-def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend, recompute: bool,
-                cp=None, ep=None):
+def load_chunks(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, tp, backend,
+                recompute: bool, cp=None, ep=None):
     """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
     being resumed; of a MoE layer, this rank's ep block of experts only) and, when resuming,
     the optimizer state of those parameters."""
-    cfg, layout, V, xp = ckpt.config, plan.layout, plan.virtual_stages, backend.xp
-    source = plan.resume[0] if plan.resume else ckpt
+    cfg, layout, V, xp = ckpt.config, checked.layout, checked.virtual_stages, backend.xp
+    source = checked.resume[0] if checked.resume else ckpt
     ops = ops_for(backend, cp)
     chunks, params, all_specs = [], [], []
-    aux = (AuxLoss(plan.aux_coef, layout.dp * layout.micro_batches, cp, mesh.coord("cp") == 0)
-           if plan.aux_coef else None)
+    aux = (AuxLoss(checked.aux_coef, layout.dp * layout.micro_batches, cp, mesh.coord("cp") == 0)
+           if checked.aux_coef else None)
     for c, layers in enumerate(chunk_layers(cfg.num_hidden_layers, layout, mesh.coord("pp"), V)):
         v = c * layout.pp + mesh.coord("pp")
         first, last = v == 0, v == layout.pp * V - 1
@@ -157,15 +158,15 @@ def load_chunks(comm, mesh: Mesh, plan: TrainPlan, ckpt: Checkpoint, tp, backend
         shard = everyone(comm, load_shard, source, specs, mesh.coord("tp"), layout.tp, np.float32,
                          backend)
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
-                                   last_stage_tied_copy=last and not first, dtype=plan.dtype)
+                                   last_stage_tied_copy=last and not first, dtype=checked.dtype)
         chunks.append(ModelChunk(cfg, chunk_params, StageSpan(layers, first, last), tp, ops,
                                  recompute, ep, aux))
         params += chunk_params.values()
         all_specs += specs
     states = None
-    if plan.resume:
-        states = everyone(comm, tc.load_optimizer_state, plan.resume[0], all_specs,
-                          STATE_NAMES[plan.optimizer.optimizer], mesh.coord("tp"), layout.tp,
+    if checked.resume:
+        states = everyone(comm, tc.load_optimizer_state, checked.resume[0], all_specs,
+                          STATE_NAMES[checked.optimizer.optimizer], mesh.coord("tp"), layout.tp,
                           backend)
     backend.release_unused_device_memory()
     return chunks, params, states

@@ -152,7 +152,7 @@ class DArray:
         try:
             key = ("redistribute", self.shape, self.local.dtype, self.placements,
                    given_key(placements))
-            program = mesh.plans.get(key)
+            program = mesh.programs.get(key)
         except TypeError:                             # unhashable placements: worked out anew
             key = program = None
         if program is None:

@@ -227,7 +227,7 @@ def _check(a: DArray, b: DArray) -> None:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Product:
     """How one product runs: the policy, the placements A and B are multiplied in, Y's
     placements as the local product makes them, and the placements Y is returned in."""
 
@@ -238,28 +238,28 @@ class _Plan:
     y_out: tuple
 
 
-_PLANS: dict = {}                   # pure: one plan per operands' layout and options
+_PRODUCTS: dict = {}                # pure: one per operands' layout and options
 
 
-def _plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
+def _product(a: DArray, b: DArray, policy: str | None, axis, out) -> _Product:
     _check(a, b)
     mesh = a.mesh
     try:
         key = (a.shape, a.placements, b.shape, b.placements, mesh.sizes, mesh.axis_names,
                policy, axis, None if out is None else normalize_placements(mesh, out, 2))
-        found = _PLANS.get(key)
+        found = _PRODUCTS.get(key)
     except TypeError:                               # an unhashable option: not remembered
         key, found = None, None
     if found is None:
-        found = _make_plan(a, b, policy, axis, out)
+        found = _make_product(a, b, policy, axis, out)
         if key is not None:
-            if len(_PLANS) > 4096:
-                _PLANS.clear()
-            _PLANS[key] = found
+            if len(_PRODUCTS) > 4096:
+                _PRODUCTS.clear()
+            _PRODUCTS[key] = found
     return found
 
 
-def _make_plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
+def _make_product(a: DArray, b: DArray, policy: str | None, axis, out) -> _Product:
     mesh = a.mesh
     if policy is None:
         policy, axes = choose(a, b)
@@ -277,30 +277,31 @@ def _make_plan(a: DArray, b: DArray, policy: str | None, axis, out) -> _Plan:
     y_local = tuple(r[0] for r in rules)
     y_out = normalize_placements(mesh, _default_out(policy, list(y_local)) if out is None
                                  else out, 2)
-    return _Plan(policy, tuple(a_in), tuple(b_in), y_local, y_out)
+    return _Product(policy, tuple(a_in), tuple(b_in), y_local, y_out)
 
 
 def _checked(what: str, operands: dict[str, DArray], make, **options):
-    """``make()``, this rank's plan for ``operands`` and ``options`` (or its bad input),
-    once every rank is found to pass the same operands (shapes, dtypes, placements, meshes)
-    and options; bad input on one rank is raised on every rank. Remembered on the mesh, so
-    that a product repeated in a loop costs a lookup and the check's small all-reduce."""
+    """``make()``, what this rank makes of ``operands`` and ``options`` (matmul's ``_Product``;
+    or its bad input), once every rank is found to pass the same operands (shapes, dtypes,
+    placements, meshes) and options; bad input on one rank is raised on every rank. Remembered
+    on the mesh, so that a product repeated in a loop costs a lookup and the check's small
+    all-reduce."""
     mesh = next(iter(operands.values())).mesh
     key = _key(what, mesh, operands, options)
-    known = mesh.plans.get(key) if key is not None else None
+    known = mesh.programs.get(key) if key is not None else None
     if known is not None:
-        plan, check = known
+        made, check = known
         if mesh.checking:
             check()
-        return plan
-    plan, error = attempt(None, make)
+        return made
+    made, error = attempt(None, make)
     if mesh.checking:
         mesh.agree(what, _fields(operands, options), error)
     elif error is not None:
         raise error
     if key is not None:
-        mesh.remember(key, (plan, mesh.check_for(what, _fields(operands, options))))
-    return plan
+        mesh.remember(key, (made, mesh.check_for(what, _fields(operands, options))))
+    return made
 
 
 def _key(what: str, mesh, operands: dict[str, DArray], options: dict):
@@ -328,18 +329,19 @@ def matmul_forward(a: DArray, b: DArray, policy: str | None = None, axis=None,
                    out=None) -> tuple[DArray, MatmulCtx]:
     """Y = A B under ``policy`` (default: the one the placements ask for, ``choose``),
     placed as ``out`` (default: the policy's), and the ctx ``matmul_backward`` needs."""
-    plan = _checked("matmul", {"A": a, "B": b}, lambda: _plan(a, b, policy, axis, out),
-                    policy=policy, axis=axis, out=out)
+    product = _checked("matmul", {"A": a, "B": b},
+                       lambda: _product(a, b, policy, axis, out),
+                       policy=policy, axis=axis, out=out)
     with trusted():
-        return _matmul_forward(a, b, plan)
+        return _matmul_forward(a, b, product)
 
 
-def _matmul_forward(a: DArray, b: DArray, plan: _Plan) -> tuple[DArray, MatmulCtx]:
-    a2, b2 = _moved(a, plan.a_in), _moved(b, plan.b_in)
+def _matmul_forward(a: DArray, b: DArray, product: _Product) -> tuple[DArray, MatmulCtx]:
+    a2, b2 = _moved(a, product.a_in), _moved(b, product.b_in)
     y = DArray.unchecked(local_product(a.mesh.backend.xp, a2.local, b2.local),
-                         (a.shape[0], b.shape[1]), a.mesh, plan.y_local)
-    ctx = MatmulCtx(a2, b2, a.placements, b.placements, plan.y_local, plan.policy)
-    return _moved(y, plan.y_out), ctx
+                         (a.shape[0], b.shape[1]), a.mesh, product.y_local)
+    ctx = MatmulCtx(a2, b2, a.placements, b.placements, product.y_local, product.policy)
+    return _moved(y, product.y_out), ctx
 
 
 def _moved(x: DArray, placements: tuple) -> DArray:
@@ -387,7 +389,7 @@ def matmul_communication(a: DArray, b: DArray, policy: str | None = None, axis=N
     """The collectives ``matmul`` would run, as text (pure: nothing is sent)."""
     from .redistribute import COMMUNICATING
     from .redistribute import redistribution_steps as steps_of
-    p, sizes, names = _plan(a, b, policy, axis, out), a.mesh.sizes, a.mesh.axis_names
+    p, sizes, names = _product(a, b, policy, axis, out), a.mesh.sizes, a.mesh.axis_names
     steps = [("A", steps_of(a.shape, sizes, a.placements, p.a_in)),
              ("B", steps_of(b.shape, sizes, b.placements, p.b_in)),
              ("Y", steps_of((a.shape[0], b.shape[1]), sizes, p.y_local, p.y_out))]

@@ -1,4 +1,4 @@
-"""What a generation job is checked and planned as, on every rank before any work: the
+"""A generation job as every rank checks it before any work (``CheckedGeneration``): the
 layout, the settings, the prompts (a file's, random, or given) with each one's limit,
 sampling and stop strings, and the fingerprint a resumed run must share."""
 
@@ -31,7 +31,8 @@ from .stopping import StopStrings, decode_rows, finish_reasons
 
 
 @dataclass
-class GenerationPlan:
+class CheckedGeneration:
+    """A generation job as ``validate`` checked it on every rank: what its run works from."""
     layout: ParallelConfig
     dtype: np.dtype
     settings: GenerationSettings
@@ -52,7 +53,8 @@ class GenerationPlan:
                            prompt_k, max(self.prompts.lengths) if prompt_k >= 0 else 0)
 
 
-def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | None) -> GenerationPlan:
+def validate(job: Job, ckpt: Checkpoint, world_size: int,
+             prompts: Prompts | None) -> CheckedGeneration:
     cfg = ckpt.config
     layout = job.parallel.layout(world_size)
     layout.check(cfg, world_size)
@@ -122,9 +124,9 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int, prompts: Prompts | Non
         stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer,
                                per_prompt.min_tokens)
         stop_ids = None if stop_ids is None else [i for i in stop_ids for _ in range(width)]
-    return GenerationPlan(layout, float_dtype(job.model.dtype), settings, prompts, tokenizer,
-                          limits, per_prompt, eos_ids(ckpt), stops, stop_ids,
-                          Samples(counts, width))
+    return CheckedGeneration(layout, float_dtype(job.model.dtype), settings, prompts,
+                             tokenizer, limits, per_prompt, eos_ids(ckpt), stops, stop_ids,
+                             Samples(counts, width))
 
 
 def _check_each(prompts: Prompts, cfg, settings: GenerationSettings, layout: ParallelConfig,
@@ -208,22 +210,22 @@ def _job_prompts(job: Job, ckpt: Checkpoint, tokenizer) -> Prompts:
                           ckpt.config.vocab_size, job.data.random_seed)
 
 
-def fingerprint(job: Job, ckpt: Checkpoint, plan: GenerationPlan) -> dict:
+def fingerprint(job: Job, ckpt: Checkpoint, checked: CheckedGeneration) -> dict:
     """What a resumed run must share with the stopped one for the file to be one run's."""
     digest = hashlib.sha256()
-    for ids in plan.prompts.ids:
+    for ids in checked.prompts.ids:
         digest.update(np.asarray(ids, dtype=np.int64).tobytes() + b"|")
-    if plan.prompts.max_new_tokens:            # the prompts' own limits (the job's is below)
-        digest.update(json.dumps(plan.prompts.max_new_tokens).encode())
-    if plan.prompts.sampling:
-        digest.update(json.dumps(plan.prompts.sampling, sort_keys=True).encode())
-    if plan.prompts.stops:
-        digest.update(json.dumps(plan.prompts.stops).encode())
-    if plan.prompts.stop_ids:
-        digest.update(json.dumps(plan.prompts.stop_ids).encode())
-    if plan.prompts.samples:
-        digest.update(json.dumps(plan.prompts.samples).encode())
-    s = plan.settings
+    if checked.prompts.max_new_tokens:         # the prompts' own limits (the job's is below)
+        digest.update(json.dumps(checked.prompts.max_new_tokens).encode())
+    if checked.prompts.sampling:
+        digest.update(json.dumps(checked.prompts.sampling, sort_keys=True).encode())
+    if checked.prompts.stops:
+        digest.update(json.dumps(checked.prompts.stops).encode())
+    if checked.prompts.stop_ids:
+        digest.update(json.dumps(checked.prompts.stop_ids).encode())
+    if checked.prompts.samples:
+        digest.update(json.dumps(checked.prompts.samples).encode())
+    s = checked.settings
     return {
         "checkpoint": str(Path(ckpt.path).resolve()), "model": ckpt.hf_config,
         "prompts_sha256": digest.hexdigest(), "max_new_tokens": s.max_new_tokens,
@@ -231,24 +233,24 @@ def fingerprint(job: Job, ckpt: Checkpoint, plan: GenerationPlan) -> dict:
         **vars(s.sampling), "stop_at_eos": s.stop_at_eos,
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
         "stop": list(job.generate.stop), "stop_token_ids": list(job.generate.stop_token_ids),
-        "dtype": dtype_name(plan.dtype)}
+        "dtype": dtype_name(checked.dtype)}
 
 
-def logprob_fields(plan: GenerationPlan, prompt: int, results: RowResults) -> dict:
+def logprob_fields(checked: CheckedGeneration, prompt: int, results: RowResults) -> dict:
     """A finished row's log-probabilities for its JSON line, where its prompt asks for them:
     ``logprobs`` (one entry per new token) and ``prompt_logprobs`` (null for the first prompt
     token, then one per token), each ``{"token_id", "token", "logprob", "top_logprobs"}``,
     the alternatives most likely first (``token``: its text, where there is a tokenizer)."""
     out, r = {}, prompt
-    token = _token_text(plan.tokenizer)
+    token = _token_text(checked.tokenizer)
     found = results.logprobs
-    if found is not None and plan.sampling.logprobs[r] >= 0:
+    if found is not None and checked.sampling.logprobs[r] >= 0:
         n = int(results.lengths[r])
         out["logprobs"] = [_entry(int(results.tokens[r, t]), found, r, t, token)
                            for t in range(n)]
     found = results.prompt_logprobs
-    if found is not None and plan.sampling.prompt_logprobs[r] >= 0:
-        ids = plan.prompts.ids[r]
+    if found is not None and checked.sampling.prompt_logprobs[r] >= 0:
+        ids = checked.prompts.ids[r]
         out["prompt_logprobs"] = [None] + [_entry(int(ids[t]), found, r, t, token)
                                            for t in range(1, len(ids))]
     return out
@@ -273,11 +275,11 @@ def _token_text(tokenizer):
     return text
 
 
-def describe_row(plan: GenerationPlan, prompt: int, row: np.ndarray, length: int):
+def describe_row(checked: CheckedGeneration, prompt: int, row: np.ndarray, length: int):
     """A finished row's text and why it ended (for the JSON lines, row by row)."""
-    texts, stopped = decode_rows(plan.tokenizer, row[None], np.array([length]), plan.stops,
-                                 [prompt])
-    reason = finish_reasons(row[None], np.array([length]), plan.eos,
-                            plan.settings.stop_at_eos, stopped,
-                            None if plan.stop_ids is None else [plan.stop_ids[prompt]])[0]
+    texts, stopped = decode_rows(checked.tokenizer, row[None], np.array([length]),
+                                 checked.stops, [prompt])
+    reason = finish_reasons(row[None], np.array([length]), checked.eos,
+                            checked.settings.stop_at_eos, stopped,
+                            None if checked.stop_ids is None else [checked.stop_ids[prompt]])[0]
     return (texts[0] if texts is not None else None), reason
