@@ -14,7 +14,8 @@
                 save_logits,
                 batching ("continuous" or "static"), batch_size (rows in flight per
                 micro-batch; 0: what fits), cuda_graphs (decode steps replayed as CUDA
-                graphs)
+                graphs), prefix_cache (prompts that begin alike share their keys),
+                kv_block_size (positions per block of the paged KV cache)
     [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
     [score]     data = "texts.jsonl"        sequences to score (.npy ids left-padded with
                                              negative ids, or .jsonl of {ids} / {text})
@@ -109,6 +110,8 @@ class GenerateSection:
     batching: str = "continuous"    # or "static": every micro-batch runs to its longest row
     batch_size: int = 0             # rows in flight per micro-batch (0: what fits)
     cuda_graphs: bool = False       # each decode step a replayed CUDA graph (one rank a model)
+    prefix_cache: bool = True       # continuous batching: rows share a cached prompt prefix
+    kv_block_size: int = 16         # positions per block of the paged KV cache
     stop: tuple[str, ...] = ()      # stop strings: a row ends once its text holds one
     stop_token_ids: tuple[int, ...] = ()    # ids that end a row as EOS does (reason "stop")
     wave_size: int = 0              # prompts per wave (0: all at once); the output is

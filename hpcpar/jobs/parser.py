@@ -33,6 +33,7 @@ JOB_FLAGS = {
     "wave_size": ("generate", "wave_size"), "batching": ("generate", "batching"),
     "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
     "cuda_graphs": ("generate", "cuda_graphs"),
+    "prefix_cache": ("generate", "prefix_cache"), "kv_block_size": ("generate", "kv_block_size"),
     "out": ("output", "path"), "trace": ("output", "trace"),
 }
 # training flags -> (job section, key); --seed goes to [train] when the job trains
@@ -173,6 +174,12 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     p.add_argument("--cuda-graphs", action="store_const", const=True,
                    help="replay each decode step as a CUDA graph (a GPU, a whole dense model "
                         "per rank, bfloat16 or float16)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
+                   help="compute every prompt from its first token, even where an earlier "
+                        "prompt began alike (continuous batching shares those keys)")
+    p.add_argument("--kv-block-size", type=int,
+                   help="positions per block of the paged KV cache (a power of two; "
+                        "default 16)")
     p.add_argument("--wave-size", type=int,
                    help="prompts per wave: the output is saved, and the job can stop, after "
                         "each (default: all at once)")

@@ -258,6 +258,10 @@ class BlockPool:
     def rows(self) -> list:
         return list(self._rows)
 
+    def holds(self, row) -> bool:
+        """Whether row ``row`` holds blocks."""
+        return row in self._rows
+
     def match_prefix(self, token_ids, salt=b"") -> list[int]:
         """The cached blocks a sequence starting with ``token_ids`` can share: those of the
         longest run of its full blocks from the first whose chained hashes are cached."""

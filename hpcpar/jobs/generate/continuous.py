@@ -22,6 +22,10 @@ seed gives the same tokens whatever the batching. Outputs stay in input order: t
 a micro-batch are the ones static batching gives it, in the same rows of the output. The
 samples of a prompt (``--n``) refilled together share one prefill: it runs on one slot per
 prompt and the others take copies of its KV-cache rows and logits.
+
+Where it is exact (``paged_rows.pages_rows``) the rows live in a paged KV cache instead, with
+automatic prefix caching: a prompt that begins as an earlier one did prefills only the rest,
+and the samples of a prompt share its blocks rather than copies of them.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from ..faults import fault_point
 from ..inputs.batching import MicroBatch
 from ..inputs.schedule import generation
 from .decode import decode_steps
+from .paged_rows import PagedRows, pages_rows
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
 from .sampling import next_tokens
 
@@ -90,7 +95,10 @@ class ContinuousProgram(ReplicaProgram):
         self.capacity = max((len(p) + k for p, k in zip(self.prompt_ids, self.limit)),
                             default=1)
         local = self.cache_capacity(self.capacity)
-        self.caches = [stage.new_cache(w, local) for w in self.width]
+        self.paged = (PagedRows(stage, self.width, self.capacity, rules.settings.kv_block_size)
+                      if pages_rows(rules.settings, self.prompt_ks, backend, cp) else None)
+        self.caches = (self.paged.views if self.paged is not None
+                       else [stage.new_cache(w, local) for w in self.width])
         self.split = [self.split_kv(w, local) for w in self.width]     # under cp
         self.decode = decode_steps(stage, self.caches, self.width, backend,
                                    rules.settings.cuda_graphs, cp)
@@ -123,14 +131,19 @@ class ContinuousProgram(ReplicaProgram):
                 self.step_tokens[i][:] = state[at:at + w]
                 at += w
         work, steps = False, 1
-        for s in self.slots:
+        for mb, s in enumerate(self.slots):
             free = np.flatnonzero(~s.active(self.done))
+            if self.paged is not None:
+                for row in s.prompt[free]:
+                    self.paged.release(int(row))
             take = self._admit(s.queue[:len(free)])
             s.new = free[:take]
             s.prompt[free[take:]] = -1                    # finished, nothing to take its place
             for slot in s.new:
                 s.prompt[slot] = s.queue.pop(0)
             s.first, s.inverse = self.prefill_groups(s.prompt[s.new])
+            if self.paged is not None:
+                self.paged.bind(mb, s.prompt)
             active = s.active(self.done)
             work = work or bool(active.any())
             held = s.prompt[active]
@@ -144,7 +157,12 @@ class ContinuousProgram(ReplicaProgram):
     def _admit(self, waiting: list[int]) -> int:
         """How many of the ``waiting`` prompts (one per free slot) a refill takes: all whose
         padded prefill holds at most ``PREFILL_TOKENS`` tokens (at least one), so a prefill's
-        activations stay bounded whatever the rows in flight; the rest wait a segment."""
+        activations stay bounded whatever the rows in flight; the rest wait a segment. In a
+        paged cache, the tokens computed count, and the rows take their blocks
+        (``PagedRows.admit``)."""
+        if self.paged is not None:
+            return self.paged.admit(waiting, self.prompt_ids, self.limit, self.source,
+                                    PREFILL_TOKENS)
         take, longest = 0, 0
         for p in waiting:
             longest = max(longest, len(self.prompt_ids[p]))
@@ -203,7 +221,9 @@ class ContinuousProgram(ReplicaProgram):
         stage, xp, s = self.stage, self.xp, self.slots[a.mb]
         cache = self.caches[a.mb]
         split = self.split[a.mb]
-        if self._refill(a.mb, a.step):
+        if self._refill(a.mb, a.step) and self.paged is not None:
+            y = self._prefill_paged(a.mb)
+        elif self._refill(a.mb, a.step):
             slots = s.new[s.first]                     # one per prompt; its samples copy it
             lengths = self._lengths(s.prompt[slots])
             ids, rows, shard = split_batch(xp, self._prefill_ids(a.mb), lengths, self.cp)
@@ -238,6 +258,34 @@ class ContinuousProgram(ReplicaProgram):
         else:
             self.outputs[a.mb] = y
 
+    def _prefill_paged(self, mb: int):
+        """A refill's prefill in the paged cache: each new row from its cached prefix on,
+        its prompt's full blocks sealed once this stage has written them."""
+        stage, xp, s = self.stage, self.xp, self.slots[mb]
+        rows = s.prompt[s.new[s.first]]                 # one per prompt; its samples fork it
+        lengths = self._lengths(rows)
+        computed = self._computed(rows)
+        attention = AttentionRows.build(xp, computed, lengths, from_start=bool(
+            (computed == lengths).all()))
+        x = (stage.embed(xp.asarray(self._prefill_ids(mb))) if stage.first
+             else self.inputs.pop(mb))
+        y = stage.forward(x, attention, self.paged.prefill_view(rows, lengths),
+                          self.prefill_keep(computed, rows))
+        self.paged.seal(rows, self.prompt_ids)
+        self.paged.fork(s.prompt[s.new], s.first, s.inverse, lengths[s.inverse], self.limit)
+        self.paged.bind(mb, s.prompt)                   # the samples' blocks, now taken
+        s.position[s.new] = lengths[s.inverse]
+        return y
+
+    def kv_cache_bytes(self) -> int:
+        return self.paged.nbytes if self.paged is not None else super().kv_cache_bytes()
+
+    def prefix_stats(self) -> tuple[int, int]:
+        if self.paged is None:
+            return super().prefix_stats()
+        stats = self.paged.stats()
+        return stats.prompt_tokens, stats.hit_tokens
+
     def _advance(self, s: _Slots) -> None:
         """A decode step's slots one position on: every stage alike (slots change at refills
         only); a finished row stays in bounds."""
@@ -246,11 +294,19 @@ class ContinuousProgram(ReplicaProgram):
     def _lengths(self, rows: np.ndarray) -> np.ndarray:
         return np.array([len(self.prompt_ids[p]) for p in rows], np.int64)
 
+    def _computed(self, rows: np.ndarray) -> np.ndarray:
+        """The prompt tokens a refill computes of each row: past its cached prefix."""
+        lengths = self._lengths(rows)
+        return lengths if self.paged is None else lengths - self.paged.starts(rows)
+
     def _prefill_ids(self, mb: int) -> np.ndarray:
         """(prompts, longest) the refill's prompts, one per prompt (``_Slots.first``), each
         from column 0."""
         s = self.slots[mb]
-        prompts = [self.prompt_ids[p] for p in s.prompt[s.new[s.first]]]
+        rows = s.prompt[s.new[s.first]]
+        prompts = [self.prompt_ids[p] for p in rows]
+        if self.paged is not None:                # each from its cached prefix on
+            prompts = [p[start:] for p, start in zip(prompts, self.paged.starts(rows))]
         ids = np.zeros((len(prompts), max(len(p) for p in prompts)), dtype=np.int64)
         for j, p in enumerate(prompts):
             ids[j, :len(p)] = p
@@ -294,8 +350,9 @@ class ContinuousProgram(ReplicaProgram):
                 self.logits_of[int(p)] = full[s.inverse[j], :len(self.prompt_ids[p])]
         self.read_prompt_logprobs(y, self._prefill_ids(mb), lengths, rows[s.first])
         self.share_prompt_logprobs(rows, s.first, s.inverse)
-        last = stage.logits(self.last_states(y, lengths, self.prefill_keep(lengths,
-                                                                           rows[s.first]),
+        computed = self._computed(rows[s.first])
+        last = stage.logits(self.last_states(y, computed, self.prefill_keep(computed,
+                                                                            rows[s.first]),
                                              self.shards.pop(mb, None)))
         return last if len(s.first) == len(rows) else last[self.xp.asarray(s.inverse)]
 

@@ -332,6 +332,7 @@ def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
 
 def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:
     t = executor.times
+    prefix = program.prefix_stats()
 
     def nbytes(key: str) -> int:
         op = stats.ops.get(key)
@@ -350,7 +351,8 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         peak_host_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device_bytes=backend.device_memory_bytes() + sum(
             step.graph_bytes for step in program.decode or []),
-        kv_cache_bytes=sum(c.nbytes for c in program.caches),
+        kv_cache_bytes=program.kv_cache_bytes(),
+        prefix_prompt_tokens=prefix[0], prefix_hit_tokens=prefix[1],
         weight_bytes=stage.weight_bytes)
 
 

@@ -44,6 +44,8 @@ class GenerationSettings:
     batching: str = "continuous"    # or "static" (see ``generate.continuous``)
     batch_size: int = 0             # continuous: rows in flight per micro-batch (0: all)
     cuda_graphs: bool = False       # decode steps replayed as CUDA graphs (``generate.decode``)
+    prefix_cache: bool = True       # continuous: rows in a paged cache sharing prompt prefixes
+    kv_block_size: int = 16         # positions per block of that cache (``generate.paged_rows``)
 
 
 @dataclass(frozen=True)
@@ -273,6 +275,14 @@ class ReplicaProgram(ABC):
             ends = self.eos if self.stop_ids is None else np.union1d(self.eos, self.stop_ids[r])
             banned.append(ends if len(seen) < self.min_tokens[r] else ends[:0])
         return History(prompts, generated, banned)
+
+    def kv_cache_bytes(self) -> int:
+        """The bytes of this stage's KV cache."""
+        return sum(c.nbytes for c in self.caches)
+
+    def prefix_stats(self) -> tuple[int, int]:
+        """(prompt tokens admitted, those served from the prefix cache): none here."""
+        return 0, 0
 
     @abstractmethod
     def prefill_seconds(self, times, start: float) -> float:

@@ -36,6 +36,8 @@ class RankFigures:
     load_bytes: float = 0.0
     ep_all_to_all_bytes: float = 0.0     # a mixture of experts' tokens to their experts
     expert_bytes: float = 0.0            # the experts' share of ``weight_bytes``
+    prefix_prompt_tokens: float = 0.0    # prompt tokens admitted to a paged cache
+    prefix_hit_tokens: float = 0.0       # of those, served from its prefix cache
 
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
@@ -83,6 +85,7 @@ class RunReport:
     load_gb_per_s: float          # all ranks' bytes over the slowest rank's seconds
     ep_all_to_all_bytes: int = 0
     expert_mb: list[float] | None = None     # a mixture of experts: per rank
+    prefix_hit_rate: float = 0.0  # prompt tokens served from the prefix cache, of those admitted
     samples: int = 0                         # rows generated (n per prompt with --n)
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
@@ -124,6 +127,8 @@ class RunReport:
             load_gb_per_s=(sum(f.load_bytes for f in ranks) / 1e9
                            / max(max(f.load_seconds for f in ranks), 1e-9)),
             ep_all_to_all_bytes=int(sum(f.ep_all_to_all_bytes for f in ranks)),
+            prefix_hit_rate=(sum(f.prefix_hit_tokens for f in ranks)
+                             / max(sum(f.prefix_prompt_tokens for f in ranks), 1)),
             expert_mb=[f.expert_bytes / 1e6 for f in ranks])
 
     def attrs(self) -> dict:
@@ -159,6 +164,9 @@ class RunReport:
         if max(self.device_mb) > 0:
             memory += f"; GPU pool {max(self.device_mb):.0f} MB"
         lines.append(memory)
+        if self.prefix_hit_rate:
+            lines.append(f"prefix cache: {self.prefix_hit_rate:.1%} of the prompt tokens "
+                         "served from it")
         lines.append(f"loading: {self.load_seconds:.2f} s, {self.load_gb_per_s:.2f} GB/s "
                      "(all ranks' bytes over the slowest rank's time)")
         return "\n".join(lines)

@@ -79,9 +79,12 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int,
                           "batching; static batching runs every prompt of a micro-batch at "
                           "once: bound it with --micro-batches or --wave-size instead, or "
                           "drop --batching static")
+    if gen.kv_block_size & (gen.kv_block_size - 1):
+        raise HpcparError(f"generate.kv_block_size {gen.kv_block_size} is not a power of two: "
+                          "pass --kv-block-size 16 (the default), 8, 32, 64, ...")
     settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
                                   gen.save_logits, gen.batching, gen.batch_size,
-                                  gen.cuda_graphs)
+                                  gen.cuda_graphs, gen.prefix_cache, gen.kv_block_size)
     if gen.cuda_graphs:
         check_graphed_layout(layout, cfg)
     tokenizer = load_tokenizer(ckpt)

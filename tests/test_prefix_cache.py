@@ -1,0 +1,122 @@
+"""Continuous batching in the paged KV cache with automatic prefix caching gives the tokens and
+log-probabilities of the contiguous cache (``--no-prefix-cache``), which the other generation
+tests hold to transformers: prompts sharing a prefix of several blocks, each family, samples,
+per-row limits, seeded sampling with penalties, stop ids and min_tokens, refills of few rows,
+several micro-batches, and every layout of 2 and 4 ranks; the run report says how many prompt tokens
+came from the cache; a block size that is not a power of two is refused before any work."""
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from helpers import GEMMA, GQA, MISTRAL, PHI3, QWEN3, TIED, make_checkpoint, refused
+from hpcpar.jobs.generate import Prompts, run_generation
+from hpcpar.jobs.job import load_job
+
+FAMILIES = {"gqa": GQA, "tied": TIED, "qwen3": QWEN3, "gemma": GEMMA, "mistral": MISTRAL,
+            "phi3": PHI3}
+SAMPLED = {"temperature": 0.9, "top_k": 30, "seed": 4, "repetition_penalty": 1.3,
+           "presence_penalty": 0.4, "logprobs": 2}
+
+
+def _prompts(vocab: int, seed: int = 0) -> Prompts:
+    """Two system prompts of 3 and 5 blocks of 8, each before several questions, a prompt
+    that is a system prompt alone, and two unrelated ones; limits of their own."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(3, vocab, 24), rng.integers(3, vocab, 40)]
+    ids = [np.concatenate([systems[i % 2], rng.integers(3, vocab, int(rng.integers(1, 12)))])
+           for i in range(7)]
+    ids += [systems[1], rng.integers(3, vocab, 19), rng.integers(3, vocab, 5)]
+    return Prompts(ids, max_new_tokens=[int(k) for k in rng.integers(3, 9, len(ids))])
+
+
+def _generate(comm, path, prompts, layout=(1, 1, 1, 1), cache=True, **gen):
+    dp, pp, tp, mbs = layout
+    sets = [f"model.checkpoint='{path}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
+            f"parallel.tp={tp}", f"parallel.micro_batches={mbs}", "generate.max_new_tokens=8",
+            "generate.stop_at_eos=false", "generate.kv_block_size=8",
+            f"generate.prefix_cache={str(cache).lower()}"]
+    sets += [f"generate.{k}={json.dumps(v)}" for k, v in gen.items()]    # TOML values
+    return run_generation(comm, load_job(None, sets), prompts=prompts, progress=False)
+
+
+def _same(cached, contiguous, what) -> None:
+    np.testing.assert_array_equal(cached.tokens, contiguous.tokens, err_msg=what)
+    np.testing.assert_array_equal(cached.lengths, contiguous.lengths, err_msg=what)
+    if contiguous.logprobs is not None:
+        np.testing.assert_allclose(cached.logprobs.values, contiguous.logprobs.values,
+                                   atol=1e-5, err_msg=what)
+        np.testing.assert_array_equal(cached.logprobs.top_ids, contiguous.logprobs.top_ids)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    cfg = FAMILIES[request.param]
+    folder = None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp(f"prefix-{request.param}")
+        make_checkpoint(folder, cfg)
+    folder = comm.bcast(str(folder) if folder else None, root=0)
+    return cfg, f"{folder}/model.h5"
+
+
+def test_shared_prefixes_give_the_contiguous_caches_tokens_and_logprobs(family):
+    """Greedy and sampled (with penalties), one sample and three, few rows in flight (refills
+    that defer a prompt whose prefix another is writing) and two micro-batches."""
+    cfg, path = family
+    prompts = _prompts(cfg["vocab_size"])
+    for gen in ({"batch_size": 3}, dict(SAMPLED, n=3, batch_size=4),
+                dict(SAMPLED, stop_token_ids=list(range(3, 40)), min_tokens=2)):
+        for layout in ((1, 1, 1, 1), (1, 1, 1, 2)):
+            cached = _generate(MPI.COMM_SELF, path, prompts, layout, **gen)
+            contiguous = _generate(MPI.COMM_SELF, path, prompts, layout, cache=False, **gen)
+            _same(cached, contiguous, f"{gen} {layout}")
+
+
+def test_the_report_gives_the_prompt_tokens_served_from_the_cache(tmp_path):
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = _prompts(GQA["vocab_size"])
+    result = _generate(MPI.COMM_SELF, path, prompts, batch_size=2)
+    # after the first question on each system prompt, the other questions share its full
+    # blocks of 8 (3 on 3 blocks, 2 on 5), and the system prompt alone its first 4 (its
+    # last token is computed)
+    lengths = [len(p) for p in prompts.ids]
+    shared = 3 * (3 * 8) + 2 * (5 * 8) + 4 * 8
+    assert result.report.prefix_hit_rate == pytest.approx(shared / sum(lengths))
+    assert "prefix cache: " in result.report.format()
+    contiguous = _generate(MPI.COMM_SELF, path, prompts, cache=False, batch_size=2)
+    assert contiguous.report.prefix_hit_rate == 0
+    assert "prefix cache" not in contiguous.report.format()
+
+
+@pytest.mark.mpi(ranks=(2, 4))
+def test_every_layout_with_the_prefix_cache_gives_the_single_ranks_tokens(tmp_path_factory):
+    """tp 2 x pp 2 and dp 2 x pp 2 (4 ranks), dp 2 and pp 2 (2 ranks): every stage keeps the
+    same books, so every rank's cache serves the same prompt tokens."""
+    comm = MPI.COMM_WORLD
+    folder = None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp("prefix-layouts")
+        make_checkpoint(folder, GQA)
+    path = f"{comm.bcast(str(folder) if folder else None, root=0)}/model.h5"
+    prompts = _prompts(GQA["vocab_size"], seed=1)
+    gen = dict(SAMPLED, n=2, batch_size=3)
+    single = (_generate(MPI.COMM_SELF, path, prompts, cache=False, **gen)
+              if comm.Get_rank() == 0 else None)
+    layouts = {2: [(2, 1, 1, 1), (1, 2, 1, 2)], 4: [(1, 2, 2, 2), (2, 2, 1, 1)]}
+    for layout in layouts[comm.Get_size()]:
+        result = _generate(comm, path, prompts, layout, **gen)
+        if comm.Get_rank() == 0:
+            _same(result, single, str(layout))
+            assert result.report.prefix_hit_rate > 0.4, layout
+
+
+def test_a_block_size_that_is_not_a_power_of_two_is_refused(capfd, tmp_path):
+    path, _ = make_checkpoint(tmp_path, GQA)
+    message = refused(capfd, lambda: _generate(MPI.COMM_SELF, path, _prompts(250),
+                                               kv_block_size=24))
+    assert message.strip() == ("2 hpcpar: error: generate.kv_block_size 24 is not a power of "
+                               "two: pass --kv-block-size 16 (the default), 8, 32, 64, ...")
