@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from hpcpar.checkpoint import init_checkpoint, load_shard, open_checkpoint, preset_config
 from hpcpar.jobs.generate import Prompts, run_generation
-from hpcpar.jobs.job import load_job
+from hpcpar.jobs.job import GenerateSection, load_job
 from hpcpar.jobs.layout import ParallelConfig
 from hpcpar.jobs.plan import format_plan, plan_stages
 from hpcpar.models.config import ModelConfig
@@ -170,3 +170,14 @@ def test_loaded_matrices_lie_where_the_products_read_them_and_merge_as_they_lie(
     got, want = (be.to_host(s.logits(s.forward(s.embed(ids), rows, None)))
                  for s in (stage, apart))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_plan_gives_the_paged_caches_blocks_and_the_rows_kv_memory_holds():
+    cfg = ModelConfig.from_hf(preset_config("llama3-1b"))
+    text = format_plan(cfg, ParallelConfig(), 64, 1000, 64, 4, "llama3-1b",
+                       GenerateSection(kv_memory=4e9))
+    per_block = 2 * 16 * 8 * 16 * 64 * 4     # k and v, 16 layers, 8 KV heads, 16 x 64 floats
+    row = -(-(1000 + 64) // 16)
+    assert f"blocks of 16 positions, {per_block / 1e6:.2f} MB each" in text
+    assert f"a row of 1064 tokens takes {row}, the replica's 64 rows {64 * row}" in text
+    assert f"holds {int(4e9 // per_block)}: {int(4e9 // per_block) // row} rows" in text

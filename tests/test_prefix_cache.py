@@ -92,6 +92,39 @@ def test_the_report_gives_the_prompt_tokens_served_from_the_cache(tmp_path):
     assert "prefix cache" not in contiguous.report.format()
 
 
+def _block_bytes(cfg: dict, block: int = 8) -> int:
+    """A block's keys and values over every layer, float32."""
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * block * 8 * 4
+
+
+@pytest.mark.parametrize("gen, blocks", [({"batch_size": 6}, 10),
+                                         (dict(SAMPLED, n=2, batch_size=6), 12)],
+                         ids=["greedy", "sampled"])
+def test_rows_preempted_when_the_blocks_run_out_give_the_same_tokens(tmp_path, gen, blocks):
+    """A pool of a few blocks of 8 (the longest row needs 8): rows are preempted while
+    others decode, wait, and compute their prompt and tokens again; every token is the
+    contiguous cache's."""
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = _prompts(GQA["vocab_size"], seed=2)
+    small = _generate(MPI.COMM_SELF, path, prompts, kv_memory=blocks * _block_bytes(GQA) + 1,
+                      **gen)
+    contiguous = _generate(MPI.COMM_SELF, path, prompts, cache=False, **gen)
+    _same(small, contiguous, f"{blocks} blocks")
+    assert small.report.kv_blocks == blocks and small.report.preemptions > 0
+    assert "rows preempted" in small.report.format()
+
+
+def test_a_pool_smaller_than_the_longest_row_is_refused(capfd, tmp_path):
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = _prompts(GQA["vocab_size"], seed=2)
+    longest = max(-(-(len(p) + k) // 8) for p, k in zip(prompts.ids, prompts.max_new_tokens))
+    message = refused(capfd, lambda: _generate(MPI.COMM_SELF, path, prompts,
+                                               kv_memory=3 * _block_bytes(GQA) + 1))
+    assert (f"the KV cache holds 3 blocks of 8 positions on the fullest rank, and the longest "
+            f"row needs {longest} (its prompt and its new tokens): give --kv-memory more"
+            in message)
+
+
 @pytest.mark.mpi(ranks=(2, 4))
 def test_every_layout_with_the_prefix_cache_gives_the_single_ranks_tokens(tmp_path_factory):
     """tp 2 x pp 2 and dp 2 x pp 2 (4 ranks), dp 2 and pp 2 (2 ranks): every stage keeps the

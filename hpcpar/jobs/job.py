@@ -15,7 +15,8 @@
                 batching ("continuous" or "static"), batch_size (rows in flight per
                 micro-batch; 0: what fits), cuda_graphs (decode steps replayed as CUDA
                 graphs), prefix_cache (prompts that begin alike share their keys),
-                kv_block_size (positions per block of the paged KV cache)
+                kv_block_size (positions per block of the paged KV cache), kv_memory
+                (its size: a fraction of the free memory up to 1, bytes above)
     [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
     [score]     data = "texts.jsonl"        sequences to score (.npy ids left-padded with
                                              negative ids, or .jsonl of {ids} / {text})
@@ -112,6 +113,8 @@ class GenerateSection:
     cuda_graphs: bool = False       # each decode step a replayed CUDA graph (one rank a model)
     prefix_cache: bool = True       # continuous batching: rows share a cached prompt prefix
     kv_block_size: int = 16         # positions per block of the paged KV cache
+    kv_memory: float = 0.0          # its size: <= 1 a fraction of free memory, > 1 bytes
+                                    # (0: half the free memory)
     stop: tuple[str, ...] = ()      # stop strings: a row ends once its text holds one
     stop_token_ids: tuple[int, ...] = ()    # ids that end a row as EOS does (reason "stop")
     wave_size: int = 0              # prompts per wave (0: all at once); the output is

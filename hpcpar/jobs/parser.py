@@ -34,6 +34,7 @@ JOB_FLAGS = {
     "batch_size": ("generate", "batch_size"), "stop": ("generate", "stop"),
     "cuda_graphs": ("generate", "cuda_graphs"),
     "prefix_cache": ("generate", "prefix_cache"), "kv_block_size": ("generate", "kv_block_size"),
+    "kv_memory": ("generate", "kv_memory"),
     "out": ("output", "path"), "trace": ("output", "trace"),
 }
 # training flags -> (job section, key); --seed goes to [train] when the job trains
@@ -180,6 +181,9 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     p.add_argument("--kv-block-size", type=int,
                    help="positions per block of the paged KV cache (a power of two; "
                         "default 16)")
+    p.add_argument("--kv-memory", type=float, metavar="X",
+                   help="the paged KV cache's memory per rank: a fraction of the free memory "
+                        "(up to 1) or bytes (default 0.5)")
     p.add_argument("--wave-size", type=int,
                    help="prompts per wave: the output is saved, and the job can stop, after "
                         "each (default: all at once)")

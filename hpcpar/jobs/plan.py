@@ -14,6 +14,7 @@ import numpy as np
 
 from ..models.config import ModelConfig, ep_problems
 from ..models.decoder import PREFILL_CHUNK
+from ..models.kv_blocks import block_bytes, blocks_for
 from ..models.kv_cache import kv_cache_bytes
 from ..models.sharding import piece_of
 from ..models.tensors import StageSpan, stage_tensors
@@ -138,12 +139,33 @@ def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         f"prefill of {rows.prefill} row(s) x {prompt_length} tokens at once and a decode step "
         f"of {rows.decode}; on the CPU (NumPy) a prefill runs {PREFILL_CHUNK} positions at "
         "a time",
+        paged_cache_line(cfg, layout, top, batch, prompt_length + max_new_tokens, itemsize, gen),
         f"pipeline bubble with {M} micro-batch(es): (S-1)/(S+M-1) = "
         f"{bubble_fraction(layout.pp, M):.1%}",
         "prefill schedule (GPipe forward; F<m> = micro-batch m computing, . = idle):",
         draw(gpipe_forward(layout.pp, M)),
     ]
     return "\n".join(lines)
+
+
+def paged_cache_line(cfg: ModelConfig, layout: ParallelConfig, top: StageEstimate, batch: int,
+                     row_length: int, itemsize: int, gen: GenerateSection) -> str:
+    """What the paged KV cache of continuous batching on host arrays holds on the largest
+    rank: its blocks, a row's, and with ``--kv-memory`` in bytes the rows at once."""
+    kv_heads = max(cfg.num_key_value_heads // layout.tp, 1)
+    per_block = block_bytes(len(top.layers), kv_heads, gen.kv_block_size, cfg.head_dim,
+                            itemsize)
+    per_row = blocks_for(row_length, gen.kv_block_size)
+    rows = -(-batch // layout.dp)
+    text = (f"paged KV cache (continuous batching on host arrays): blocks of "
+            f"{gen.kv_block_size} positions, {_size(per_block)} each on the largest rank; a "
+            f"row of {row_length} tokens takes {per_row}, the replica's {rows} rows "
+            f"{rows * per_row} ({_size(rows * per_row * per_block)}) less the blocks their "
+            "prompts share")
+    if gen.kv_memory > 1:
+        blocks = int(gen.kv_memory // per_block)
+        text += f"; --kv-memory {gen.kv_memory:.4g} B holds {blocks}: {blocks // per_row} rows"
+    return text
 
 
 def _size(n: int) -> str:

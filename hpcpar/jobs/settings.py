@@ -51,6 +51,7 @@ RULES: dict[str, Range] = {
     "generate.prompt_logprobs": Range(0, 20, note="alternatives per token; 0: the token's own"),
     "generate.batch_size": Range(0, note="0: what fits the KV cache"),
     "generate.kv_block_size": Range(1, 1024, note="a power of two"),
+    "generate.kv_memory": Range(0, note="<= 1: a fraction of the free memory, > 1: bytes"),
     "generate.wave_size": Range(0, note="0: all prompts in one wave"),
     "train.steps": POSITIVE, "train.global_batch": POSITIVE,
     "train.seq_len": Range(2, note="a sample needs an input and a next token"),

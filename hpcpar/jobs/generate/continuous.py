@@ -35,15 +35,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...models.decoder import DecoderStage
+from ...models.kv_blocks import block_bytes, blocks_for
 from ...models.kv_cache import CacheRows
 from ...parallel.context_parallel.ring_attention import SplitKV, split_batch
+from ...parallel.errors import HpcparError
 from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from ..inputs.batching import MicroBatch
 from ..inputs.schedule import generation
 from .decode import decode_steps
-from .paged_rows import PagedRows, pages_rows
+from ..launch import everyone
+from .paged_rows import PagedRows
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
 from .sampling import next_tokens
 
@@ -81,9 +84,11 @@ class ContinuousProgram(ReplicaProgram):
     ``GenerationProgram``'s are."""
 
     def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], rules: RowRules, backend,
-                 batch_size: int, steps: int, events: WaveEvents | None = None, cp=None):
+                 batch_size: int, steps: int, events: WaveEvents | None = None, cp=None,
+                 kv_blocks: int = 0):
         """``batch_size``: the rows in flight per micro-batch; ``steps``: decode steps per
-        segment (``ReplicaProgram`` says what the other arguments are)."""
+        segment; ``kv_blocks``: the blocks of a paged cache (``kv_pool_blocks``; 0: a
+        contiguous cache). ``ReplicaProgram`` says what the other arguments are."""
         super().__init__(stage, mbs, rules, backend, events, cp)
         pad_id = rules.pad_id
         self.steps = steps
@@ -95,8 +100,9 @@ class ContinuousProgram(ReplicaProgram):
         self.capacity = max((len(p) + k for p, k in zip(self.prompt_ids, self.limit)),
                             default=1)
         local = self.cache_capacity(self.capacity)
-        self.paged = (PagedRows(stage, self.width, self.capacity, rules.settings.kv_block_size)
-                      if pages_rows(rules.settings, self.prompt_ks, backend, cp) else None)
+        self.paged = (PagedRows(stage, self.width, self.capacity, rules.settings.kv_block_size,
+                                min(kv_blocks, self._every_row_blocks(rules.settings)))
+                      if kv_blocks else None)
         self.caches = (self.paged.views if self.paged is not None
                        else [stage.new_cache(w, local) for w in self.width])
         self.split = [self.split_kv(w, local) for w in self.width]     # under cp
@@ -110,6 +116,11 @@ class ContinuousProgram(ReplicaProgram):
         self.step_tokens = [np.full(w, pad_id, np.int64) for w in self.width]  # last sampled
         self.logits_of: dict[int, np.ndarray] = {}                 # prompt -> (L, vocab)
         self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
+
+    def _every_row_blocks(self, settings: GenerationSettings) -> int:
+        """The blocks of every row at its end, none shared: the most a paged cache needs."""
+        return max(sum(blocks_for(len(p) + int(k), settings.kv_block_size)
+                       for p, k in zip(self.prompt_ids, self.limit)), 1)
 
     # ---- between segments --------------------------------------------------------------------
 
@@ -130,20 +141,17 @@ class ContinuousProgram(ReplicaProgram):
             for i, w in enumerate(self.width):
                 self.step_tokens[i][:] = state[at:at + w]
                 at += w
+        if self.paged is not None:
+            self._make_room()
         work, steps = False, 1
-        for mb, s in enumerate(self.slots):
+        for s in self.slots:
             free = np.flatnonzero(~s.active(self.done))
-            if self.paged is not None:
-                for row in s.prompt[free]:
-                    self.paged.release(int(row))
             take = self._admit(s.queue[:len(free)])
             s.new = free[:take]
             s.prompt[free[take:]] = -1                    # finished, nothing to take its place
             for slot in s.new:
                 s.prompt[slot] = s.queue.pop(0)
-            s.first, s.inverse = self.prefill_groups(s.prompt[s.new])
-            if self.paged is not None:
-                self.paged.bind(mb, s.prompt)
+            s.first, s.inverse = self._groups(s.prompt[s.new])
             active = s.active(self.done)
             work = work or bool(active.any())
             held = s.prompt[active]
@@ -152,7 +160,75 @@ class ContinuousProgram(ReplicaProgram):
             return []
         if any(s.queue for s in self.slots):
             steps = self.steps                    # refill again soon
+        if self.paged is not None:
+            steps = self._reach(steps)
+            for mb, s in enumerate(self.slots):
+                self.paged.bind(mb, s.prompt)
         return generation(pp_host.size, len(self.mbs), steps)[pp_host.rank]
+
+    # ---- a paged cache's rows ----------------------------------------------------------------
+
+    def _make_room(self) -> None:
+        """Finished rows give their blocks back; every running row takes those of its next
+        ``steps`` positions, the newest rows preempted where the pool runs out: they wait at
+        the front of their queue and compute their tokens again when readmitted."""
+        needs, where = {}, {}
+        for s in self.slots:
+            for slot in np.flatnonzero(s.prompt >= 0):
+                row = int(s.prompt[slot])
+                if self.done[row]:
+                    self.paged.release(row)
+                else:
+                    needs[row] = min(int(s.position[slot]) + self.steps, self._total(row))
+                    where[row] = (s, slot)
+        for row in self.paged.grow(needs):
+            s, slot = where[row]
+            s.prompt[slot] = -1
+            s.queue.insert(0, row)
+
+    def _reach(self, steps: int) -> int:
+        """The segment's steps: ``steps`` where every active row's blocks can hold them (a
+        refill's samples take theirs at its prefill), else the segment's usual length, for
+        which ``_make_room`` and the admission kept them."""
+        if steps <= self.steps or any(len(s.first) < len(s.new) for s in self.slots):
+            return min(steps, self.steps) if steps > self.steps else steps
+        needs = {}
+        for s in self.slots:
+            for slot in np.flatnonzero(s.active(self.done)):
+                row = int(s.prompt[slot])
+                held = (len(self._ids(row)) if slot in s.new else int(s.position[slot]))
+                needs[row] = min(held + steps, self._total(row))
+        return steps if self.paged.extend(needs) else self.steps
+
+    def _total(self, row: int) -> int:
+        """The positions row ``row`` holds at its end: its prompt and its new tokens."""
+        return len(self.prompt_ids[row]) + int(self.limit[row])
+
+    def _reserve(self, row: int) -> int:
+        """Positions past its tokens a row is admitted with: a segment's worth."""
+        return min(self.steps, int(self.limit[row] - self.generated[row]))
+
+    def _ids(self, row: int) -> np.ndarray:
+        """What row ``row``'s refill computes from: its prompt, and the tokens it generated
+        before it was preempted."""
+        k = int(self.generated[row])
+        if k == 0:
+            return self.prompt_ids[row]
+        return np.concatenate([self.prompt_ids[row], self.tokens[row, :k]])
+
+    def _key(self, row: int):
+        """A fresh row's prompt, which its other fresh samples share (None: a readmitted
+        row, whose tokens are its own)."""
+        return int(self.source[row]) if self.generated[row] == 0 else None
+
+    def _groups(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``prefill_groups``; in a paged cache a readmitted row prefills alone."""
+        if self.paged is None:
+            return self.prefill_groups(rows)
+        keys = np.array([self._key(int(r)) if self._key(int(r)) is not None else -1 - int(r)
+                         for r in rows], dtype=np.int64)
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        return first, inverse.reshape(-1)
 
     def _admit(self, waiting: list[int]) -> int:
         """How many of the ``waiting`` prompts (one per free slot) a refill takes: all whose
@@ -161,7 +237,7 @@ class ContinuousProgram(ReplicaProgram):
         paged cache, the tokens computed count, and the rows take their blocks
         (``PagedRows.admit``)."""
         if self.paged is not None:
-            return self.paged.admit(waiting, self.prompt_ids, self.limit, self.source,
+            return self.paged.admit(waiting, self._ids, self._key, self._reserve,
                                     PREFILL_TOKENS)
         take, longest = 0, 0
         for p in waiting:
@@ -271,8 +347,8 @@ class ContinuousProgram(ReplicaProgram):
              else self.inputs.pop(mb))
         y = stage.forward(x, attention, self.paged.prefill_view(rows, lengths),
                           self.prefill_keep(computed, rows))
-        self.paged.seal(rows, self.prompt_ids)
-        self.paged.fork(s.prompt[s.new], s.first, s.inverse, lengths[s.inverse], self.limit)
+        self.paged.seal(rows, self._ids)
+        self.paged.fork(s.prompt[s.new], s.first, s.inverse, lengths[s.inverse], self._reserve)
         self.paged.bind(mb, s.prompt)                   # the samples' blocks, now taken
         s.position[s.new] = lengths[s.inverse]
         return y
@@ -286,13 +362,19 @@ class ContinuousProgram(ReplicaProgram):
         stats = self.paged.stats()
         return stats.prompt_tokens, stats.hit_tokens
 
+    def pool_stats(self) -> tuple[int, int, int]:
+        if self.paged is None:
+            return super().pool_stats()
+        stats = self.paged.stats()
+        return stats.blocks, stats.peak_in_use, self.paged.preemptions
+
     def _advance(self, s: _Slots) -> None:
         """A decode step's slots one position on: every stage alike (slots change at refills
         only); a finished row stays in bounds."""
         s.position = np.minimum(s.position + (s.prompt >= 0), self.capacity - 1)
 
     def _lengths(self, rows: np.ndarray) -> np.ndarray:
-        return np.array([len(self.prompt_ids[p]) for p in rows], np.int64)
+        return np.array([len(self._ids(p)) for p in rows], np.int64)
 
     def _computed(self, rows: np.ndarray) -> np.ndarray:
         """The prompt tokens a refill computes of each row: past its cached prefix."""
@@ -304,7 +386,7 @@ class ContinuousProgram(ReplicaProgram):
         from column 0."""
         s = self.slots[mb]
         rows = s.prompt[s.new[s.first]]
-        prompts = [self.prompt_ids[p] for p in rows]
+        prompts = [self._ids(p) for p in rows]
         if self.paged is not None:                # each from its cached prefix on
             prompts = [p[start:] for p, start in zip(prompts, self.paged.starts(rows))]
         ids = np.zeros((len(prompts), max(len(p) for p in prompts)), dtype=np.int64)
@@ -399,13 +481,54 @@ class ContinuousProgram(ReplicaProgram):
             self.prompt_logits[mb.index] = full
 
 
+def kv_pool_blocks(settings: GenerationSettings, stage, mbs, limits, backend, world,
+                   comm) -> int:
+    """The blocks of each stage's paged KV cache (collective over the world): what
+    ``--kv-memory`` gives every rank (a fraction of its free memory up to 1, bytes above it;
+    by default ``KV_SHARE`` of it), in blocks of this stage's layers, the fewest over the
+    ranks. A pool that cannot hold the longest row of any replica (its prompt and its new
+    tokens), or ``--kv-memory`` beyond a rank's free memory, is refused on every rank of
+    ``comm`` (the world's MPI communicator)."""
+    per = block_bytes(len(stage.decoder), stage.kv_heads, settings.kv_block_size,
+                      stage.cfg.head_dim, np.dtype(stage.dtype).itemsize)
+    free = backend.free_memory_bytes()
+    wanted = settings.kv_memory
+    problem = None
+    if wanted > 1 and free is not None and wanted > free:
+        problem = (f"--kv-memory {wanted:.4g} bytes is more than this rank's free memory, "
+                   f"{free:.4g} bytes: give less, or a fraction of it (0.5: half)")
+    budget = (wanted if wanted > 1 else (wanted or KV_SHARE) * free if free is not None
+              else 2 ** 62)
+    longest = max((blocks_for(int(n) + int(limits[r]), settings.kv_block_size)
+                   for mb in mbs for r, n in zip(mb.rows, mb.lengths)), default=0)
+    agreed = world.all_reduce(np.array([-int(budget // max(per, 1)), longest, problem is not None],
+                                       dtype=np.int64), op="max")
+    blocks, longest = -int(agreed[0]), int(agreed[1])
+
+    def check():
+        if problem is not None:
+            raise HpcparError(problem)
+        if agreed[2] == 0 and blocks < longest:
+            raise HpcparError(
+                f"the KV cache holds {blocks} blocks of {settings.kv_block_size} positions on "
+                f"the fullest rank, and the longest row needs {longest} (its prompt and its "
+                f"new tokens): give --kv-memory more (now "
+                f"{'the default share' if not wanted else f'{wanted:.4g}'}), or generate "
+                f"fewer tokens")
+    everyone(comm, check)
+    return blocks
+
+
 def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world,
-                   cp=None) -> int:
-    """Rows in flight per micro-batch: --batch-size, or what fits: the rows whose KV cache
-    (for the longest prompt and limit, every micro-batch) takes at most ``KV_SHARE`` of the
-    free memory of the fullest rank (collective over the world)."""
+                   cp=None, paged: bool = False) -> int:
+    """Rows in flight per micro-batch: --batch-size, or what fits: in a paged cache every
+    row (the blocks bound them), else the rows whose KV cache (for the longest prompt and
+    limit, every micro-batch) takes at most ``KV_SHARE`` of the free memory of the fullest
+    rank (collective over the world)."""
     if settings.batch_size:
         return settings.batch_size
+    if paged:
+        return max((mb.size for mb in mbs), default=1)
     fit = 2 ** 62
     free = backend.free_memory_bytes()
     if free is not None and mbs:

@@ -29,7 +29,8 @@ from ..launch import EXIT_INVALID, JobFailed, everyone, phase, print_error
 from ..layout import ParallelConfig
 from ..replicas import owners
 from ..skeleton import JobRun
-from .continuous import ContinuousProgram, rows_in_flight, segment_steps
+from .continuous import ContinuousProgram, kv_pool_blocks, rows_in_flight, segment_steps
+from .paged_rows import pages_rows
 from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
 from .jsonl_output import JsonLines
@@ -223,10 +224,13 @@ class GenerationRun(JobRun):
         rules = RowRules(settings, checked.eos, self.pad_id, checked.limits, checked.sampling,
                          checked.stops, checked.stop_ids, checked.results)
         if settings.batching == "continuous":
+            paged = pages_rows(settings, checked.results, backend, ranks.cp)
             width = rows_in_flight(settings, stage, mbs, checked.limits, backend, ranks.world,
-                                   ranks.cp)
+                                   ranks.cp, paged)
+            blocks = (kv_pool_blocks(settings, stage, mbs, checked.limits, backend,
+                                     ranks.world, self.comm) if paged else 0)
             program = ContinuousProgram(stage, mbs, rules, backend, width,
-                                        segment_steps(layout.pp), self, ranks.cp)
+                                        segment_steps(layout.pp), self, ranks.cp, blocks)
             actions = program.start_segment(ranks.pp.on_host())
         else:
             program = GenerationProgram(stage, mbs, rules, backend, self, ranks.cp)
@@ -332,7 +336,7 @@ def _wave_rows(wave: np.ndarray, dp: int, dp_rank: int) -> np.ndarray:
 
 def _figures(executor, program, stats, stage, backend, start, finished) -> RankFigures:
     t = executor.times
-    prefix = program.prefix_stats()
+    prefix, pool = program.prefix_stats(), program.pool_stats()
 
     def nbytes(key: str) -> int:
         op = stats.ops.get(key)
@@ -353,6 +357,7 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
             step.graph_bytes for step in program.decode or []),
         kv_cache_bytes=program.kv_cache_bytes(),
         prefix_prompt_tokens=prefix[0], prefix_hit_tokens=prefix[1],
+        kv_blocks=pool[0], kv_blocks_peak=pool[1], preemptions=pool[2],
         weight_bytes=stage.weight_bytes)
 
 

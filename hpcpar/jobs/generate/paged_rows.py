@@ -26,33 +26,40 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...models.kv_blocks import (NO_BLOCK, BlockPool, BlockTables, PoolStats, block_hashes,
-                                 blocks_for)
+from ...models.kv_blocks import (NO_BLOCK, BlockPool, BlockTables, OutOfBlocks, PoolStats,
+                                 block_hashes, blocks_for)
 from ...models.paged_kv import PagedKVCache
+from .results import ResultShape
 
 
-def pages_rows(settings, prompt_ks: np.ndarray, backend, cp) -> bool:
-    """Whether a continuous program keeps its rows in a paged cache (see the module):
-    ``prompt_ks``, each row's prompt log-probabilities asked (-1: none)."""
-    return bool(settings.prefix_cache and cp is None and not backend.on_device
-                and not settings.cuda_graphs and not settings.save_logits
-                and prompt_ks.max(initial=-1) < 0)
+def pages_rows(settings, results: ResultShape, backend, cp) -> bool:
+    """Whether continuous batching keeps the rows in a paged cache (see the module):
+    ``results``, what the job's rows keep."""
+    return bool(settings.batching == "continuous" and settings.prefix_cache and cp is None
+                and not backend.on_device and not settings.cuda_graphs
+                and not settings.save_logits and results.prompt_logprobs < 0)
 
 
 class PagedRows:
     """The pool and cache of one stage, and a view of the cache per micro-batch whose rows
-    are its slots (``views``: what the program steps over)."""
+    are its slots (``views``: what the program steps over). Rows are the program's (replica)
+    row indices; ``ids(row)`` is what a row's refill computes from: its prompt, and the
+    tokens it had generated when it was preempted."""
 
-    def __init__(self, stage, widths: list[int], capacity: int, block_size: int):
+    def __init__(self, stage, widths: list[int], capacity: int, block_size: int,
+                 blocks: int):
         self.block_size = block_size
         self.width = blocks_for(capacity, block_size)               # blocks per row, at most
-        blocks = max(sum(widths) * self.width, 1)
         self.pool = BlockPool(blocks, block_size)
         self.cache = PagedKVCache(stage.ops, len(stage.decoder), blocks, stage.kv_heads,
                                   block_size, stage.cfg.head_dim, stage.dtype)
         empty = [[None] * w for w in widths]
         self.views = [self.cache.rows(self._tables(rows)) for rows in empty]
         self.cached: dict[int, int] = {}         # row -> its prompt tokens served from cache
+        self.order: dict[int, int] = {}          # row -> when it was admitted (preempt last)
+        self.admitted = 0
+        self.promised = 0                        # blocks the refill's samples fork into
+        self.preemptions = 0
 
     @property
     def nbytes(self) -> int:
@@ -62,58 +69,113 @@ class PagedRows:
         return self.pool.stats()
 
     def release(self, row: int) -> None:
-        """Row ``row`` ended (or its slot is being given away): its blocks go back."""
+        """Row ``row`` ended (or was preempted): its blocks go back."""
         if self.pool.holds(row):
             self.pool.free(row)
-            self.cached.pop(row, None)
+        self.cached.pop(row, None)
+        self.order.pop(row, None)
 
-    def admit(self, waiting: list[int], prompt_ids: list[np.ndarray], limits: np.ndarray,
-              source: np.ndarray, budget: int) -> int:
-        """How many of the ``waiting`` rows (in order) a refill takes, each admitted with
-        its blocks (a sample of a prompt the refill computes takes them at ``fork``): until
-        one's leading blocks are among those the refill's rows write (it waits for them to
-        be cached) or the refill's computed tokens, padded to its longest, would pass
-        ``budget`` (at least one row is taken). ``source``: each row's prompt."""
+    def grow(self, needs: dict[int, int]) -> list[int]:
+        """Every row of ``needs`` (row -> positions it must hold), oldest first, takes the
+        blocks it lacks; where the pool runs out, the newest rows are preempted (their blocks
+        freed) until it does not. Returns the rows preempted, which compute their tokens
+        again when readmitted (vLLM's recompute)."""
+        preempted = []
+        for row in sorted(needs, key=self.order.__getitem__):
+            while self.pool.holds(row):
+                try:
+                    self.pool.ensure(row, needs[row])
+                    break
+                except OutOfBlocks:
+                    newest = max((r for r in needs if self.pool.holds(r)),
+                                 key=self.order.__getitem__)
+                    self.release(newest)
+                    preempted.append(newest)
+                    self.preemptions += 1
+        return preempted
+
+    def extend(self, needs: dict[int, int]) -> bool:
+        """Whether every row of ``needs`` holds its positions, each taking the blocks it
+        lacks while the pool has them (none preempted)."""
+        try:
+            for row in sorted(needs, key=self.order.__getitem__):
+                self.pool.ensure(row, needs[row])
+        except OutOfBlocks:
+            return False
+        return True
+
+    def admit(self, waiting: list[int], ids, key, reserve, budget: int) -> int:
+        """How many of the ``waiting`` rows (in order) a refill takes, each admitted with the
+        blocks of ``ids(row)`` and ``reserve(row)`` positions more; a row whose ``key(row)``
+        (its prompt, where a fresh sample of it) is a row's of the refill forks that row's
+        blocks after the prefill, whose fresh blocks are kept for it. The refill stops at the
+        first row the pool cannot hold, one whose leading blocks are among those the refill's
+        rows write (it waits for them to be cached), or one that would make the refill's
+        computed tokens, padded to its longest, pass ``budget`` (at least one row is taken
+        where the pool holds it)."""
         writing: set[bytes] = set()
-        computing: set[int] = set()
+        computing: set = set()
         take, longest = 0, 0
+        self.promised = 0
         for row in waiting:
-            if int(source[row]) in computing:             # a sample: forked after the prefill
+            tokens = ids(row)
+            if key(row) is not None and key(row) in computing:      # forked after the prefill
+                more = (blocks_for(len(tokens) + reserve(row), self.block_size)
+                        - len(tokens) // self.block_size)
+                if self.pool.available() - self.promised < more:
+                    break
+                self.promised += more
+                self._admitted(row)
                 take += 1
                 continue
-            ids = prompt_ids[row]
-            sharable = block_hashes(ids[:(len(ids) - 1) // self.block_size * self.block_size],
-                                    b"", self.block_size)
-            hits = len(self.pool.match_prefix(ids[:len(sharable) * self.block_size]))
+            bs = self.block_size
+            sharable = block_hashes(tokens[:(len(tokens) - 1) // bs * bs], b"", bs)
+            hits = len(self.pool.match_prefix(tokens[:len(sharable) * bs]))
             if any(h in writing for h in sharable[hits:hits + 1]):
                 break
-            computed = len(ids) - hits * self.block_size
+            computed = len(tokens) - hits * bs
             if take and (take + 1) * max(longest, computed) > budget:
                 break
-            self.cached[row] = self.pool.admit(row, ids, reserve=int(limits[row]))
-            computing.add(int(source[row]))
+            # the shared blocks may be idle ones, which count as available (exact when no
+            # row runs, so a refill of an idle pool never waits for nothing)
+            fresh = blocks_for(len(tokens) + reserve(row), bs) - hits
+            if fresh + self.promised > self.pool.available() - hits:
+                break
+            try:
+                self.cached[row] = self.pool.admit(row, tokens, reserve=reserve(row))
+            except OutOfBlocks:
+                break
+            self._admitted(row)
+            if key(row) is not None:
+                computing.add(key(row))
             writing.update(sharable[hits:])
             longest = max(longest, computed)
             take += 1
         return take
 
-    def seal(self, rows, prompt_ids: list[np.ndarray]) -> None:
-        """Rows ``rows`` have their prompts' keys written: their full blocks are cached."""
+    def _admitted(self, row: int) -> None:
+        self.order[row] = self.admitted
+        self.admitted += 1
+
+    def seal(self, rows, ids) -> None:
+        """Rows ``rows`` have the keys of ``ids(row)`` written: their full blocks are cached."""
         for row in rows:
-            self.pool.seal(int(row), prompt_ids[int(row)])
+            self.pool.seal(int(row), ids(int(row)))
 
     def fork(self, rows: np.ndarray, first: np.ndarray, inverse: np.ndarray,
-             lengths: np.ndarray, limits: np.ndarray) -> None:
+             lengths: np.ndarray, reserve) -> None:
         """The samples among a refill's ``rows`` (those not in ``first``) start from their
         prompt's prefilled row, ``rows[first[inverse]]``: its full blocks shared, a copy of
-        its partial last one (``prefill_groups`` says which is which)."""
+        its partial last one, and ``reserve(row)`` positions more (``prefill_groups`` says
+        which is which; ``admit`` kept their blocks)."""
         leaders = set(first.tolist())
         for j, row in enumerate(rows):
             if j not in leaders:
                 leader = int(rows[first[inverse[j]]])
-                pairs = self.pool.fork(leader, int(row), int(lengths[j]), int(limits[row]))
+                pairs = self.pool.fork(leader, int(row), int(lengths[j]), reserve(int(row)))
                 self.cache.copy_blocks(pairs)
                 self.cached[int(row)] = int(lengths[j])
+        self.promised = 0
 
     def bind(self, mb: int, slots: np.ndarray) -> None:
         """Micro-batch ``mb``'s view steps over the rows of its slots (``-1``: none)."""
@@ -122,8 +184,8 @@ class PagedRows:
     def prefill_view(self, rows: np.ndarray, lengths: np.ndarray) -> PagedKVCache:
         """The cache bound to a refill's ``rows`` (prompts of ``lengths``), which write
         from their cached prefix on."""
-        starts = np.array([self.cached[int(r)] for r in rows], dtype=np.int64)
-        return self.cache.rows(self._tables([int(r) for r in rows]), starts, lengths)
+        return self.cache.rows(self._tables([int(r) for r in rows]), self.starts(rows),
+                               lengths)
 
     def starts(self, rows: np.ndarray) -> np.ndarray:
         """Each row's prompt tokens served from the cache: where its prefill starts."""

@@ -46,6 +46,7 @@ class GenerationSettings:
     cuda_graphs: bool = False       # decode steps replayed as CUDA graphs (``generate.decode``)
     prefix_cache: bool = True       # continuous: rows in a paged cache sharing prompt prefixes
     kv_block_size: int = 16         # positions per block of that cache (``generate.paged_rows``)
+    kv_memory: float = 0.0          # its size: a fraction of free memory up to 1, bytes above
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,10 @@ class ReplicaProgram(ABC):
     def prefix_stats(self) -> tuple[int, int]:
         """(prompt tokens admitted, those served from the prefix cache): none here."""
         return 0, 0
+
+    def pool_stats(self) -> tuple[int, int, int]:
+        """(blocks, the most in use at once, rows preempted) of a paged cache: none here."""
+        return 0, 0, 0
 
     @abstractmethod
     def prefill_seconds(self, times, start: float) -> float:

@@ -38,6 +38,9 @@ class RankFigures:
     expert_bytes: float = 0.0            # the experts' share of ``weight_bytes``
     prefix_prompt_tokens: float = 0.0    # prompt tokens admitted to a paged cache
     prefix_hit_tokens: float = 0.0       # of those, served from its prefix cache
+    kv_blocks: float = 0.0               # the blocks of its paged cache
+    kv_blocks_peak: float = 0.0          # the most in use at once
+    preemptions: float = 0.0             # rows preempted when the blocks ran out
 
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
@@ -45,7 +48,7 @@ class RankFigures:
     def combine(self, later: "RankFigures") -> "RankFigures":
         """Two waves of one run: times and bytes add up, memory is the larger."""
         peaks = ("peak_host_bytes", "device_bytes", "kv_cache_bytes", "weight_bytes",
-                 "load_seconds", "load_bytes", "expert_bytes")
+                 "load_seconds", "load_bytes", "expert_bytes", "kv_blocks", "kv_blocks_peak")
         return RankFigures(**{f.name: (max if f.name in peaks else sum)(
             (getattr(self, f.name), getattr(later, f.name))) for f in fields(self)})
 
@@ -86,6 +89,9 @@ class RunReport:
     ep_all_to_all_bytes: int = 0
     expert_mb: list[float] | None = None     # a mixture of experts: per rank
     prefix_hit_rate: float = 0.0  # prompt tokens served from the prefix cache, of those admitted
+    kv_blocks: int = 0            # the paged cache's blocks per rank (0: a contiguous cache)
+    kv_blocks_peak: int = 0       # the most in use at once, on the fullest rank
+    preemptions: int = 0          # rows preempted (their blocks freed, recomputed), all replicas
     samples: int = 0                         # rows generated (n per prompt with --n)
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
@@ -129,6 +135,11 @@ class RunReport:
             ep_all_to_all_bytes=int(sum(f.ep_all_to_all_bytes for f in ranks)),
             prefix_hit_rate=(sum(f.prefix_hit_tokens for f in ranks)
                              / max(sum(f.prefix_prompt_tokens for f in ranks), 1)),
+            kv_blocks=int(max(f.kv_blocks for f in ranks)),
+            kv_blocks_peak=int(max(f.kv_blocks_peak for f in ranks)),
+            # every rank of a replica keeps the same books: each preemption counts once
+            preemptions=round(sum(f.preemptions for f in ranks)
+                              / (layout.pp * layout.tp * layout.cp)),
             expert_mb=[f.expert_bytes / 1e6 for f in ranks])
 
     def attrs(self) -> dict:
@@ -164,9 +175,10 @@ class RunReport:
         if max(self.device_mb) > 0:
             memory += f"; GPU pool {max(self.device_mb):.0f} MB"
         lines.append(memory)
-        if self.prefix_hit_rate:
-            lines.append(f"prefix cache: {self.prefix_hit_rate:.1%} of the prompt tokens "
-                         "served from it")
+        if self.kv_blocks:
+            lines.append(f"paged KV cache: {self.kv_blocks_peak} of {self.kv_blocks} blocks in "
+                         f"use at most, {self.preemptions} rows preempted; prefix cache: "
+                         f"{self.prefix_hit_rate:.1%} of the prompt tokens served from it")
         lines.append(f"loading: {self.load_seconds:.2f} s, {self.load_gb_per_s:.2f} GB/s "
                      "(all ranks' bytes over the slowest rank's time)")
         return "\n".join(lines)

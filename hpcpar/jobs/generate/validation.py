@@ -84,7 +84,8 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int,
                           "pass --kv-block-size 16 (the default), 8, 32, 64, ...")
     settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
                                   gen.save_logits, gen.batching, gen.batch_size,
-                                  gen.cuda_graphs, gen.prefix_cache, gen.kv_block_size)
+                                  gen.cuda_graphs, gen.prefix_cache, gen.kv_block_size,
+                                  gen.kv_memory)
     if gen.cuda_graphs:
         check_graphed_layout(layout, cfg)
     tokenizer = load_tokenizer(ckpt)
