@@ -92,6 +92,18 @@ def test_the_report_gives_the_prompt_tokens_served_from_the_cache(tmp_path):
     assert "prefix cache" not in contiguous.report.format()
 
 
+def test_a_later_wave_shares_the_prompts_an_earlier_one_cached(tmp_path):
+    """Waves of 3 prompts: the pool and its cached prompts outlive a wave, so a question on a
+    system prompt an earlier wave computed prefills only its question."""
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = _prompts(GQA["vocab_size"])
+    waves = _generate(MPI.COMM_SELF, path, prompts, wave_size=3, batch_size=3)
+    one = _generate(MPI.COMM_SELF, path, prompts, batch_size=3)
+    _same(waves, one, "waves of 3")
+    _same(waves, _generate(MPI.COMM_SELF, path, prompts, cache=False, wave_size=3), "no cache")
+    assert waves.report.prefix_hit_rate == pytest.approx(one.report.prefix_hit_rate)
+
+
 def _block_bytes(cfg: dict, block: int = 8) -> int:
     """A block's keys and values over every layer, float32."""
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * block * 8 * 4

@@ -85,10 +85,12 @@ class ContinuousProgram(ReplicaProgram):
 
     def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], rules: RowRules, backend,
                  batch_size: int, steps: int, events: WaveEvents | None = None, cp=None,
-                 kv_blocks: int = 0):
+                 kv_blocks: int = 0, earlier: PagedRows | None = None):
         """``batch_size``: the rows in flight per micro-batch; ``steps``: decode steps per
         segment; ``kv_blocks``: the blocks of a paged cache (``kv_pool_blocks``; 0: a
-        contiguous cache). ``ReplicaProgram`` says what the other arguments are."""
+        contiguous cache), ``earlier``: the paged rows of the replica's previous wave, whose
+        cached prompts this wave's share. ``ReplicaProgram`` says what the other arguments
+        are."""
         super().__init__(stage, mbs, rules, backend, events, cp)
         pad_id = rules.pad_id
         self.steps = steps
@@ -101,7 +103,8 @@ class ContinuousProgram(ReplicaProgram):
                             default=1)
         local = self.cache_capacity(self.capacity)
         self.paged = (PagedRows(stage, self.width, self.capacity, rules.settings.kv_block_size,
-                                min(kv_blocks, self._every_row_blocks(rules.settings)))
+                                min(kv_blocks, self._every_row_blocks(rules.settings)),
+                                earlier)
                       if kv_blocks else None)
         self.caches = (self.paged.views if self.paged is not None
                        else [stage.new_cache(w, local) for w in self.width])

@@ -79,6 +79,7 @@ class GenerationRun(JobRun):
         self.out = None                 # the output file, on rank 0 (None: no --out)
         self.totals, self.micro = None, 0
         self.waves = 0                  # waves started (HPCPAR_FAULT's prefill step)
+        self.paged = None               # the last wave's paged rows: its cached prompts
 
     def validate(self) -> CheckedGeneration:
         return validate(self.job, self.ckpt, self.size, self.prompts)
@@ -230,7 +231,9 @@ class GenerationRun(JobRun):
             blocks = (kv_pool_blocks(settings, stage, mbs, checked.limits, backend,
                                      ranks.world, self.comm) if paged else 0)
             program = ContinuousProgram(stage, mbs, rules, backend, width,
-                                        segment_steps(layout.pp), self, ranks.cp, blocks)
+                                        segment_steps(layout.pp), self, ranks.cp, blocks,
+                                        self.paged)
+            self.paged = program.paged          # the next wave shares its cached prompts
             actions = program.start_segment(ranks.pp.on_host())
         else:
             program = GenerationProgram(stage, mbs, rules, backend, self, ranks.cp)

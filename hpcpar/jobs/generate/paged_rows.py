@@ -24,6 +24,8 @@ a GPU yet).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ...models.kv_blocks import (NO_BLOCK, BlockPool, BlockTables, OutOfBlocks, PoolStats,
@@ -47,12 +49,22 @@ class PagedRows:
     tokens it had generated when it was preempted."""
 
     def __init__(self, stage, widths: list[int], capacity: int, block_size: int,
-                 blocks: int):
+                 blocks: int, earlier: "PagedRows | None" = None):
+        """``blocks``: the pool's; an ``earlier`` wave's pool and cache are kept where they
+        hold as many blocks of this size (its rows given back, its cached prompts kept for
+        this wave's)."""
         self.block_size = block_size
         self.width = blocks_for(capacity, block_size)               # blocks per row, at most
-        self.pool = BlockPool(blocks, block_size)
-        self.cache = PagedKVCache(stage.ops, len(stage.decoder), blocks, stage.kv_heads,
-                                  block_size, stage.cfg.head_dim, stage.dtype)
+        if (earlier is not None and earlier.block_size == block_size
+                and earlier.pool.num_blocks >= blocks):
+            self.pool, self.cache = earlier.pool, earlier.cache
+            for row in self.pool.rows:
+                self.pool.free(row)
+        else:
+            self.pool = BlockPool(blocks, block_size)
+            self.cache = PagedKVCache(stage.ops, len(stage.decoder), blocks, stage.kv_heads,
+                                      block_size, stage.cfg.head_dim, stage.dtype)
+        self.start = self.pool.stats()           # the pool's counts before this wave
         empty = [[None] * w for w in widths]
         self.views = [self.cache.rows(self._tables(rows)) for rows in empty]
         self.cached: dict[int, int] = {}         # row -> its prompt tokens served from cache
@@ -66,7 +78,12 @@ class PagedRows:
         return self.cache.nbytes
 
     def stats(self) -> PoolStats:
-        return self.pool.stats()
+        """The pool's counts of this wave's prompts (its blocks, and its peak in use over the
+        run)."""
+        now = self.pool.stats()
+        return replace(now, prompt_tokens=now.prompt_tokens - self.start.prompt_tokens,
+                       hit_tokens=now.hit_tokens - self.start.hit_tokens,
+                       evictions=now.evictions - self.start.evictions)
 
     def release(self, row: int) -> None:
         """Row ``row`` ended (or was preempted): its blocks go back."""
