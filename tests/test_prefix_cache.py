@@ -32,13 +32,14 @@ def _prompts(vocab: int, seed: int = 0) -> Prompts:
     return Prompts(ids, max_new_tokens=[int(k) for k in rng.integers(3, 9, len(ids))])
 
 
-def _generate(comm, path, prompts, layout=(1, 1, 1, 1), cache=True, **gen):
+def _generate(comm, path, prompts, layout=(1, 1, 1, 1), cache=True, extra=(), **gen):
     dp, pp, tp, mbs = layout
     sets = [f"model.checkpoint='{path}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
             f"parallel.tp={tp}", f"parallel.micro_batches={mbs}", "generate.max_new_tokens=8",
             "generate.stop_at_eos=false", "generate.kv_block_size=8",
             f"generate.prefix_cache={str(cache).lower()}"]
     sets += [f"generate.{k}={json.dumps(v)}" for k, v in gen.items()]    # TOML values
+    sets += list(extra)
     return run_generation(comm, load_job(None, sets), prompts=prompts, progress=False)
 
 
@@ -102,6 +103,38 @@ def test_a_later_wave_shares_the_prompts_an_earlier_one_cached(tmp_path):
     _same(waves, one, "waves of 3")
     _same(waves, _generate(MPI.COMM_SELF, path, prompts, cache=False, wave_size=3), "no cache")
     assert waves.report.prefix_hit_rate == pytest.approx(one.report.prefix_hit_rate)
+
+
+@pytest.mark.device
+def test_the_device_path_pages_rows_behind_its_switch(tmp_path, monkeypatch):
+    """``HPCPAR_PAGED_DEVICE=1``: on the strict backend (the phase that repeats this test
+    there) the paged cache's uploads, gathers and scatters run as a GPU's would, with the
+    same tokens as the contiguous cache."""
+    monkeypatch.setenv("HPCPAR_PAGED_DEVICE", "1")
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = _prompts(GQA["vocab_size"], seed=3)
+    gen = dict(SAMPLED, n=2, batch_size=4)
+    cached = _generate(MPI.COMM_SELF, path, prompts, **gen)
+    _same(cached, _generate(MPI.COMM_SELF, path, prompts, cache=False, **gen), "device path")
+    assert cached.report.prefix_hit_rate > 0.3
+
+
+@pytest.mark.gpu
+def test_the_paged_cache_on_the_gpu_gives_the_contiguous_caches_tokens(tmp_path, monkeypatch):
+    """The switch on a GPU: float32 tokens equal the contiguous cache's; bfloat16 runs (its
+    GEMMs over other rows round apart, so only the cache's use is checked)."""
+    pytest.importorskip("cupy")
+    monkeypatch.setenv("HPCPAR_PAGED_DEVICE", "1")
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = _prompts(GQA["vocab_size"], seed=3)
+    gen = dict(SAMPLED, n=2, batch_size=4)
+    for dtype in ("float32", "bfloat16"):
+        extra = ("parallel.backend='cupy'", f"model.dtype='{dtype}'")
+        cached = _generate(MPI.COMM_SELF, path, prompts, extra=extra, **gen)
+        assert cached.report.kv_blocks > 0 and cached.report.prefix_hit_rate > 0.3, dtype
+        if dtype == "float32":
+            _same(cached, _generate(MPI.COMM_SELF, path, prompts, cache=False, extra=extra,
+                                    **gen), "cupy")
 
 
 def _block_bytes(cfg: dict, block: int = 8) -> int:

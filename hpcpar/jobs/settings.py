@@ -77,6 +77,9 @@ declare({
     "HPCPAR_SUPERVISE": (Choice(("1", "0"), YES_NO, note="0 turns the rank keeper off"), "1"),
     "HPCPAR_SUPERVISED_FD": (Pipe("set by hpcpar's rank keeper for the rank it runs; never "
                                   "set it yourself"), None),
+    "HPCPAR_PAGED_DEVICE": (Choice(("0", "1"), YES_NO, note=(
+        "1: continuous batching's paged KV cache on a device backend too (a GPU, or the "
+        "strict backend); it has not run on a GPU yet")), "0"),
     "HPCPAR_FAKE_NODES": (Count(1, at_most_world=True, note=(
         "tests: K blocks of consecutive ranks that play K nodes")), None),
 })

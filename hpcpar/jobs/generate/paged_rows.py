@@ -18,8 +18,9 @@ prompt compute its keys once.
 Paging serves rows whose whole output comes from their last prompt token on: a job that keeps
 prompt logits or prompt log-probabilities computes every prompt position, and runs on the
 contiguous cache, as do context parallelism (the cache is split over cp), CUDA graphs and a
-device backend (a GPU, or the strict backend that checks a GPU's path: paging has not run on
-a GPU yet).
+device backend (a GPU, or the strict backend that checks a GPU's path), where paging has not
+run yet: ``HPCPAR_PAGED_DEVICE=1`` turns it on there (a gather of each row's blocks before
+the existing attention kernel).
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ import numpy as np
 from ...models.kv_blocks import (NO_BLOCK, BlockPool, BlockTables, OutOfBlocks, PoolStats,
                                  block_hashes, blocks_for)
 from ...models.paged_kv import PagedKVCache
+from ...parallel.environment import environment_value
 from .results import ResultShape
 
 
 def pages_rows(settings, results: ResultShape, backend, cp) -> bool:
     """Whether continuous batching keeps the rows in a paged cache (see the module):
     ``results``, what the job's rows keep."""
+    device = environment_value("HPCPAR_PAGED_DEVICE") == "1"
     return bool(settings.batching == "continuous" and settings.prefix_cache and cp is None
-                and not backend.on_device and not settings.cuda_graphs
+                and (device or not backend.on_device) and not settings.cuda_graphs
                 and not settings.save_logits and results.prompt_logprobs < 0)
 
 
