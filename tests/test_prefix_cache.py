@@ -170,6 +170,14 @@ def test_a_pool_smaller_than_the_longest_row_is_refused(capfd, tmp_path):
             in message)
 
 
+def test_kv_memory_beyond_the_free_memory_is_refused(capfd, tmp_path):
+    path, _ = make_checkpoint(tmp_path, GQA)
+    message = refused(capfd, lambda: _generate(MPI.COMM_SELF, path, _prompts(250),
+                                               kv_memory=1e18))
+    assert "--kv-memory 1e+18 bytes is more than this rank's free memory" in message
+    assert "give less, or a fraction of it (0.5: half)" in message
+
+
 @pytest.mark.mpi(ranks=(2, 4))
 def test_every_layout_with_the_prefix_cache_gives_the_single_ranks_tokens(tmp_path_factory):
     """tp 2 x pp 2 and dp 2 x pp 2 (4 ranks), dp 2 and pp 2 (2 ranks): every stage keeps the

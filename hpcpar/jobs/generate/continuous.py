@@ -35,23 +35,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...models.decoder import DecoderStage
-from ...models.kv_blocks import block_bytes, blocks_for
+from ...models.kv_blocks import blocks_for
 from ...models.kv_cache import CacheRows
 from ...parallel.context_parallel.ring_attention import SplitKV, split_batch
-from ...parallel.errors import HpcparError
 from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action, Op
 from ..faults import fault_point
 from ..inputs.batching import MicroBatch
 from ..inputs.schedule import generation
 from .decode import decode_steps
-from ..launch import everyone
-from .paged_rows import PagedRows
+from .paged_rows import KV_SHARE, PagedRows
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
 from .sampling import next_tokens
 
 SEGMENT_STEPS = 8          # steps between refills when the pipeline has several stages
-KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
 PREFILL_TOKENS = 8192      # at most this many (padded) prompt tokens in one refill's prefill
 
 
@@ -482,44 +479,6 @@ class ContinuousProgram(ReplicaProgram):
                 if logits is not None:
                     full[j, :len(logits)] = logits
             self.prompt_logits[mb.index] = full
-
-
-def kv_pool_blocks(settings: GenerationSettings, stage, mbs, limits, backend, world,
-                   comm) -> int:
-    """The blocks of each stage's paged KV cache (collective over the world): what
-    ``--kv-memory`` gives every rank (a fraction of its free memory up to 1, bytes above it;
-    by default ``KV_SHARE`` of it), in blocks of this stage's layers, the fewest over the
-    ranks. A pool that cannot hold the longest row of any replica (its prompt and its new
-    tokens), or ``--kv-memory`` beyond a rank's free memory, is refused on every rank of
-    ``comm`` (the world's MPI communicator)."""
-    per = block_bytes(len(stage.decoder), stage.kv_heads, settings.kv_block_size,
-                      stage.cfg.head_dim, np.dtype(stage.dtype).itemsize)
-    free = backend.free_memory_bytes()
-    wanted = settings.kv_memory
-    problem = None
-    if wanted > 1 and free is not None and wanted > free:
-        problem = (f"--kv-memory {wanted:.4g} bytes is more than this rank's free memory, "
-                   f"{free:.4g} bytes: give less, or a fraction of it (0.5: half)")
-    budget = (wanted if wanted > 1 else (wanted or KV_SHARE) * free if free is not None
-              else 2 ** 62)
-    longest = max((blocks_for(int(n) + int(limits[r]), settings.kv_block_size)
-                   for mb in mbs for r, n in zip(mb.rows, mb.lengths)), default=0)
-    agreed = world.all_reduce(np.array([-int(budget // max(per, 1)), longest, problem is not None],
-                                       dtype=np.int64), op="max")
-    blocks, longest = -int(agreed[0]), int(agreed[1])
-
-    def check():
-        if problem is not None:
-            raise HpcparError(problem)
-        if agreed[2] == 0 and blocks < longest:
-            raise HpcparError(
-                f"the KV cache holds {blocks} blocks of {settings.kv_block_size} positions on "
-                f"the fullest rank, and the longest row needs {longest} (its prompt and its "
-                f"new tokens): give --kv-memory more (now "
-                f"{'the default share' if not wanted else f'{wanted:.4g}'}), or generate "
-                f"fewer tokens")
-    everyone(comm, check)
-    return blocks
 
 
 def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, world,

@@ -29,8 +29,8 @@ from ..launch import EXIT_INVALID, JobFailed, everyone, phase, print_error
 from ..layout import ParallelConfig
 from ..replicas import owners
 from ..skeleton import JobRun
-from .continuous import ContinuousProgram, kv_pool_blocks, rows_in_flight, segment_steps
-from .paged_rows import pages_rows
+from .continuous import ContinuousProgram, rows_in_flight, segment_steps
+from .paged_rows import kv_pool_blocks, pages_rows
 from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
 from .jsonl_output import JsonLines
