@@ -206,3 +206,69 @@ def test_a_block_size_that_is_not_a_power_of_two_is_refused(capfd, tmp_path):
                                                kv_block_size=24))
     assert message.strip() == ("2 hpcpar: error: generate.kv_block_size 24 is not a power of "
                                "two: pass --kv-block-size 16 (the default), 8, 32, 64, ...")
+
+
+# ---- scoring: rows that begin alike compute their beginning once ----------------------------
+
+def _scored(comm, path, rows: list, folder, layout=(1, 1, 1, 1), cache=True):
+    """Score ``rows`` (token id lists) written as .jsonl into ``folder``."""
+    from hpcpar.jobs.score import run_scoring
+    dp, pp, tp, mbs = layout
+    data = folder / "rows.jsonl"
+    if comm.Get_rank() == 0:
+        data.write_text("".join(json.dumps({"ids": [int(t) for t in r]}) + "\n" for r in rows))
+    comm.Barrier()
+    sets = [f"model.checkpoint='{path}'", f"score.data='{data}'",
+            f"output.path='{folder}/{'cached' if cache else 'whole'}-{dp}{pp}{tp}{mbs}.h5'",
+            f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}",
+            f"parallel.micro_batches={mbs}", f"score.prefix_cache={str(cache).lower()}"]
+    return run_scoring(comm, load_job(None, sets), progress=False)
+
+
+def _choices(vocab: int, seed: int = 0) -> list:
+    """A multiple-choice set: contexts of 40 and 23 tokens, each before 4 continuations (one
+    the context alone, one that shares a token more with another), and two unrelated rows."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in (40, 23):
+        context = rng.integers(3, vocab, n)
+        tails = [rng.integers(3, vocab, int(rng.integers(2, 9))) for _ in range(3)]
+        tails[1][0] = tails[0][0]
+        rows += [np.concatenate([context, t]) for t in tails] + [context]
+    return rows + [rng.integers(3, vocab, 30), rng.integers(3, vocab, 6)]
+
+
+def test_scored_rows_that_begin_alike_are_the_rows_scored_alone(family, tmp_path):
+    """Every row's log-probabilities, and so its NLL and the perplexity, equal the whole
+    rows' (``--no-prefix-cache``); one micro-batch and three."""
+    cfg, path = family
+    rows = _choices(cfg["vocab_size"])
+    for mbs in (1, 3):
+        cached = _scored(MPI.COMM_SELF, path, rows, tmp_path, (1, 1, 1, mbs))
+        whole = _scored(MPI.COMM_SELF, path, rows, tmp_path, (1, 1, 1, mbs), cache=False)
+        np.testing.assert_allclose(cached.token_logprobs, whole.token_logprobs, atol=2e-5,
+                                   err_msg=f"{mbs} micro-batches")
+        assert np.isnan(cached.token_logprobs).sum() == np.isnan(whole.token_logprobs).sum()
+        assert cached.perplexity == pytest.approx(whole.perplexity, rel=1e-5)
+        if mbs == 1:        # 4 rows a context of P: each computes from P - 1, P once more
+            assert cached.shared_positions == (4 * 39 - 40) + (4 * 22 - 23)
+            assert "computed once" in cached.format()
+    assert whole.shared_positions == 0
+
+
+@pytest.mark.mpi(ranks=(2,))
+def test_scoring_with_shared_beginnings_under_tp_and_dp(tmp_path_factory):
+    comm = MPI.COMM_WORLD
+    folder = tmp_path_factory.mktemp("shared-score") if comm.Get_rank() == 0 else None
+    if comm.Get_rank() == 0:
+        make_checkpoint(folder, GQA)
+    folder = type(tmp_path_factory.getbasetemp())(comm.bcast(str(folder) if folder else None))
+    rows = _choices(GQA["vocab_size"], seed=1)
+    whole = (_scored(MPI.COMM_SELF, folder / "model.h5", rows, folder, cache=False)
+             if comm.Get_rank() == 0 else None)
+    for layout in ((1, 1, 2, 1), (2, 1, 1, 1)):
+        cached = _scored(comm, folder / "model.h5", rows, folder, layout)
+        if comm.Get_rank() == 0:
+            np.testing.assert_allclose(cached.token_logprobs, whole.token_logprobs, atol=2e-5,
+                                       err_msg=str(layout))
+            assert cached.shared_positions > 0

@@ -65,6 +65,7 @@ def _main(argv) -> int:
                  if k in JOB_FLAGS and k != "prompts"}
         if getattr(args, "data", None) is not None:       # score's, or run's of a [score] job
             flags[("score", "data")] = args.data
+        flags[("score", "prefix_cache")] = flags.pop(JOB_FLAGS["prefix_cache"], None)
         job = everyone(comm, load_job, getattr(args, "job", None), args.set, flags, FLAG_NAMES)
         everyone(comm, check_same_job, comm, job)
         return _score(comm, job)

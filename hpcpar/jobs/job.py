@@ -19,7 +19,8 @@
                 (its size: a fraction of the free memory up to 1, bytes above)
     [train]     steps, global_batch, seq_len, optimizer, lr, ... (the train flags)
     [score]     data = "texts.jsonl"        sequences to score (.npy ids left-padded with
-                                             negative ids, or .jsonl of {ids} / {text})
+                                             negative ids, or .jsonl of {ids} / {text}),
+                prefix_cache (rows that begin alike compute their beginning once)
     [output]    path = "out.h5" (generation) or a folder (training)
                 trace = "trace.json"        a timeline of every rank (Chrome trace format)
 
@@ -146,6 +147,7 @@ class TrainSection(OptimizerSettings):
 @dataclass(frozen=True)
 class ScoreSection:
     data: str | None = None             # the sequences whose log-probabilities are scored
+    prefix_cache: bool = True           # rows that begin alike compute their beginning once
 
 
 @dataclass(frozen=True)

@@ -302,6 +302,9 @@ def _score_command(sub) -> None:
     _timeout_flag(score)
     score.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
                        help="compute dtype (default float32)")
+    score.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
+                       const=False, help="compute every row from its first token, even where "
+                                         "rows begin alike (their beginning is computed once)")
     score.add_argument("--backend", choices=BACKENDS)
     score.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
 

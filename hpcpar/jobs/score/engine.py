@@ -49,15 +49,18 @@ class ScoreResult:
     perplexity: float
     seconds: float                 # the forward passes, loading excluded
     load_seconds: float
+    shared_positions: int = 0      # positions not computed again: rows' common beginnings
 
     @property
     def tokens_per_s(self) -> float:
         return float(self.tokens_scored.sum()) / self.seconds if self.seconds > 0 else 0.0
 
     def format(self) -> str:
+        shared = (f"; {self.shared_positions} positions of rows' common beginnings computed "
+                  "once" if self.shared_positions else "")
         return (f"scored {int(self.tokens_scored.sum())} tokens of {len(self.nll)} rows in "
                 f"{self.seconds:.2f} s ({self.tokens_per_s:,.0f} tokens/s; loading "
-                f"{self.load_seconds:.2f} s): perplexity {self.perplexity:.4f}")
+                f"{self.load_seconds:.2f} s): perplexity {self.perplexity:.4f}{shared}")
 
 
 @dataclass
@@ -134,7 +137,7 @@ class ScoringRun(JobRun):
                                  progress=lambda: self.program.worked,
                                  heard=heard if self.bar else None)
         self.program = ScoringProgram(ranks.stage, mbs, backend, after_batch=after_batch,
-                                      cp=ranks.cp)
+                                      cp=ranks.cp, prefix_cache=self.job.score.prefix_cache)
         actions = generation(layout.pp, len(mbs), 1)[mesh.coord("pp")] if mbs else []
         executor = PipelineExecutor(ranks.pp, mesh.coord("pp"), self.program, backend,
                                     in_flight=len(mbs), board=ranks.board)
@@ -153,6 +156,9 @@ class ScoringRun(JobRun):
         channel.close()
         self.close_bar()
         self.seconds = float(world.all_reduce(np.array([elapsed]), op="max")[0])
+        # every tp rank of a replica shares the same positions: each counts once
+        self.shared = int(world.all_reduce(np.array([self.program.shared]), op="sum")[0]
+                          ) // layout.tp
 
     def finish(self) -> ScoreResult | None:
         layout, ranks = self.checked.layout, self.ranks
@@ -163,6 +169,7 @@ class ScoringRun(JobRun):
         result = None
         if self.rank == 0:
             result = _result(self.checked.data, logprobs, self.seconds, ranks.shard.seconds)
+            result.shared_positions = self.shared
 
         def write():
             if self.rank == 0:

@@ -6,6 +6,10 @@ a block of positions at a time, so that no rank ever holds a [rows, seq, vocab] 
 vocabulary-parallel log-softmax of the training loss (one AllReduce of the row max and one of
 the sums over tp), the target's logit taken where it lives.
 
+Rows that begin alike (an evaluation's context before each continuation) compute their
+common beginning once where one rank runs the whole model (``shared_prefix``), with
+``prefix_cache``; every row's log-probabilities are those of running it alone.
+
 Under context parallelism (a ``cp`` group) each rank of the group runs its two chunks of
 every row (``parallel.context_parallel.ring_attention``; rows shorter than the group are padded to
 it) and scores those positions; ``gather_over_cp`` then gives every rank of the last stage the whole
@@ -19,11 +23,14 @@ from typing import Callable
 import numpy as np
 
 from ...models.decoder import DecoderStage
+from ...models.kv_cache import CacheRows
 from ...parallel.context_parallel.ring_attention import ContextShard, split_batch
+from ...parallel.ops import AttentionRows
 from ...parallel.pipeline.schedule import Action
 from ...parallel.tensor_parallel.vocab import LOGITS_BLOCK_BYTES, VocabParallelCrossEntropy
 from ..faults import fault_point
 from ..inputs.batching import MicroBatch
+from .shared_prefix import SharedPrefixes, shared_prefixes
 
 
 def scored_tokens(lengths) -> int:
@@ -33,11 +40,17 @@ def scored_tokens(lengths) -> int:
 
 class ScoringProgram:
     def __init__(self, stage: DecoderStage, mbs: list[MicroBatch], backend,
-                 after_batch: Callable[[], None] | None = None, cp=None):
+                 after_batch: Callable[[], None] | None = None, cp=None,
+                 prefix_cache: bool = False):
         """``after_batch()``: called after each micro-batch's forward; ``cp``: the
-        context-parallel group (a ``Communicator``), or None."""
+        context-parallel group (a ``Communicator``), or None; ``prefix_cache``: rows that
+        begin alike share their beginning's pass, where this rank runs the whole model on
+        host arrays (``shared_prefix``)."""
         self.stage, self.mbs, self.backend, self.xp = stage, mbs, backend, backend.xp
         self.after_batch, self.cp = after_batch, cp
+        self.shares = (prefix_cache and stage.first and stage.last and cp is None
+                       and not backend.on_device)
+        self.shared = 0                  # positions the shared passes did not compute
         self.offsets = np.cumsum([0] + [mb.size for mb in mbs])     # each mb's first row
         width = max((mb.length for mb in mbs), default=0)
         # this replica's rows, each from its first token: column t holds log p(ids[t] | ...)
@@ -68,34 +81,77 @@ class ScoringProgram:
     def compute(self, a: Action) -> None:
         fault_point("score", a.mb + 1)
         stage, batch, xp = self.stage, self.mbs[a.mb], self.xp
+        groups = shared_prefixes(batch.ids, batch.lengths) if self.shares else None
+        if groups is not None and len(groups.leaders):
+            self._score_shared(batch, groups)
+            if self.after_batch is not None:
+                self.after_batch()
+            return
         ids, rows, shard = split_batch(xp, batch.ids, batch.lengths, self.cp)
         positions = np.arange(batch.length) if shard is None else shard.positions
         x = stage.embed(xp.asarray(ids)) if stage.first else self.inputs.pop(a.mb)
         y = stage.forward(x, rows, None)
         if stage.last:
-            self._score(batch, stage.final_hidden(y), positions)
+            first = int(self.offsets[batch.index])
+            self._score(first + np.arange(batch.size), batch.ids, batch.lengths,
+                        stage.final_hidden(y), np.broadcast_to(positions,
+                                                               (batch.size, len(positions))))
             self.worked += scored_tokens(batch.lengths)
         else:
             self.outputs[a.mb] = y
         if self.after_batch is not None:
             self.after_batch()
 
+    def _score_shared(self, batch: MicroBatch, groups: SharedPrefixes) -> None:
+        """A micro-batch whose rows share beginnings (``shared_prefix``): each group's prefix
+        once, scored for every row of the group, then every row from its group's last prefix
+        token on, over a copy of the group's keys."""
+        stage, xp = self.stage, self.xp
+        first = int(self.offsets[batch.index])
+        lead, prefix, starts = groups.leaders, groups.prefix, groups.starts
+        own = batch.lengths - starts
+        # a cache row per row, long enough for the padding of the rows' own pass
+        cache = stage.new_cache(batch.size, int((starts + own.max()).max()))
+        ids = np.zeros((len(lead), int(prefix.max())), dtype=np.int64)
+        for g, (row, n) in enumerate(zip(lead, prefix)):
+            ids[g, :n] = batch.ids[row, :n]
+        rows = AttentionRows.build(xp, prefix, prefix, from_start=True)
+        y = stage.forward(stage.embed(xp.asarray(ids)), rows, CacheRows(cache, xp.asarray(lead)))
+        self._score(first + lead, ids, prefix, stage.final_hidden(y),
+                    np.broadcast_to(np.arange(ids.shape[1]), ids.shape))
+        members = np.flatnonzero(groups.group >= 0)
+        sources = lead[groups.group[members]]
+        for row, source in zip(members, sources):    # the prefix's tokens: the group's
+            n = int(prefix[groups.group[row]])
+            self.logprobs[first + row, 1:n] = self.logprobs[first + source, 1:n]
+        cache.copy_rows(xp.asarray(sources), xp.asarray(members))
+        ids = np.zeros((batch.size, int(own.max())), dtype=np.int64)
+        for row in range(batch.size):
+            ids[row, :own[row]] = batch.ids[row, starts[row]:batch.lengths[row]]
+        rows = AttentionRows.build(xp, own, batch.lengths, from_start=False)
+        y = stage.forward(stage.embed(xp.asarray(ids)), rows, cache)
+        self._score(first + np.arange(batch.size), batch.ids, batch.lengths,
+                    stage.final_hidden(y), starts[:, None] + np.arange(ids.shape[1])[None, :])
+        self.worked += scored_tokens(batch.lengths)
+        self.shared += int(batch.lengths.sum() - prefix.sum() - own.sum())
+
     # ---- the last stage ---------------------------------------------------------------------
 
-    def _score(self, batch: MicroBatch, h, positions: np.ndarray) -> None:
-        """Fill this micro-batch's rows of ``logprobs`` from the final hidden states h of the
-        rows' ``positions``: column p + 1 holds log p(ids[p + 1] | ids[:p + 1])."""
+    def _score(self, out_rows: np.ndarray, ids: np.ndarray, lengths: np.ndarray, h,
+               positions: np.ndarray) -> None:
+        """Fill rows ``out_rows`` of ``logprobs`` from the final hidden states h (b, n) of
+        positions ``positions`` (b, n) of rows whose tokens are ``ids`` (b, width; the first
+        ``lengths``): column p + 1 holds log p(ids[p + 1] | ids[:p + 1])."""
         xp, head = self.xp, self.stage.head
-        b, L = batch.ids.shape
+        b, L = ids.shape
         # the label of position t is the token at t + 1; -1 past each row's last token
         following = np.full((b, max(L, int(positions.max()) + 1)), -1, dtype=np.int64)
-        following[:, :L - 1] = batch.ids[:, 1:]
-        following[np.arange(following.shape[1])[None, :] >= (batch.lengths - 1)[:, None]] = -1
-        labels = following[:, positions]                                   # (b, n)
+        following[:, :L - 1] = ids[:, 1:]
+        following[np.arange(following.shape[1])[None, :] >= (lengths - 1)[:, None]] = -1
+        labels = np.take_along_axis(following, positions, axis=1)          # (b, n)
         scored = np.flatnonzero((labels >= 0).any(axis=0))                 # columns to run
         vocab_local = int(head.weight.data.shape[0])          # this block, padding included
         width = max(1, LOGITS_BLOCK_BYTES // (4 * b * vocab_local))
-        first = int(self.offsets[batch.index])
         for k0 in range(0, len(scored), width):
             cols = scored[k0:k0 + width]
             logits = head.local_logits(h[:, xp.asarray(cols)])             # (b, c, vocab_i)
@@ -103,7 +159,7 @@ class ScoringProgram:
                                          xp.asarray(labels[:, cols].reshape(-1)))
             lp = -self.backend.to_host(nll).reshape(b, len(cols)).astype(np.float32)
             r, c = np.nonzero(labels[:, cols] >= 0)
-            self.logprobs[first + r, positions[cols[c]] + 1] = lp[r, c]
+            self.logprobs[out_rows[r], positions[r, cols[c]] + 1] = lp[r, c]
             del logits, nll               # before the next block's: one block at a time
 
     def gather_over_cp(self) -> None:
