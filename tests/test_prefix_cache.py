@@ -1,9 +1,12 @@
 """Continuous batching in the paged KV cache with automatic prefix caching gives the tokens and
 log-probabilities of the contiguous cache (``--no-prefix-cache``), which the other generation
-tests hold to transformers: prompts sharing a prefix of several blocks, each family, samples,
-per-row limits, seeded sampling with penalties, stop ids and min_tokens, refills of few rows,
-several micro-batches, and every layout of 2 and 4 ranks; the run report says how many prompt tokens
-came from the cache; a block size that is not a power of two is refused before any work."""
+tests hold to transformers: prompts sharing a prefix of several blocks, each family (the
+mixtures of experts too), samples, per-row limits, seeded sampling with penalties, stop ids and
+min_tokens, refills of few rows, several micro-batches, waves, rows preempted when the blocks
+run out, the device path behind its switch, and layouts of 2 and 4 ranks; the run report
+says how many prompt tokens came from the cache; bad block sizes and pools are refused before
+any work. Scoring's rows that begin alike compute their beginning once, with every row's
+log-probabilities those of the whole row."""
 
 import json
 
@@ -272,3 +275,20 @@ def test_scoring_with_shared_beginnings_under_tp_and_dp(tmp_path_factory):
             np.testing.assert_allclose(cached.token_logprobs, whole.token_logprobs, atol=2e-5,
                                        err_msg=str(layout))
             assert cached.shared_positions > 0
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_mixtures_of_experts_share_prefixes_exactly(name, tmp_path):
+    """The families whose MLP routes each token: generation in the paged cache and scoring
+    with shared beginnings give the contiguous cache's tokens and the whole rows' scores."""
+    pytest.importorskip("transformers")
+    from helpers import build_hf_model
+    _, path = build_hf_model(name, tmp_path)
+    prompts = _prompts(250, seed=4)
+    gen = dict(SAMPLED, n=2, batch_size=3)
+    _same(_generate(MPI.COMM_SELF, path, prompts, **gen),
+          _generate(MPI.COMM_SELF, path, prompts, cache=False, **gen), name)
+    rows = _choices(250, seed=4)
+    np.testing.assert_allclose(_scored(MPI.COMM_SELF, path, rows, tmp_path).token_logprobs,
+                               _scored(MPI.COMM_SELF, path, rows, tmp_path,
+                                       cache=False).token_logprobs, atol=2e-5)
