@@ -149,6 +149,18 @@ def realistic_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def world_checkpoint(tmp_path_factory, name: str, cfg: dict) -> Path:
+    """A checkpoint of ``cfg`` made once, by rank 0 of the world, in a new temp folder
+    ``name``; its folder on every rank (the ranks share the machine's temp folders)."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    folder = None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp(name)
+        make_checkpoint(folder, cfg)
+    return Path(comm.bcast(str(folder) if folder else None, root=0))
+
+
 def make_checkpoint(folder: Path, cfg: dict, seed: int = 0) -> tuple[Path, dict]:
     """A converted hpcpar checkpoint of ``cfg`` with realistic random weights; returns its
     path and the float32 tensors by Hugging Face name."""

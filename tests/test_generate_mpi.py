@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import (GEMMA, GQA, MISTRAL, PHI3, PROMPTS, QWEN3, TIED, WORLD_SIZES,
-                     make_checkpoint)
+                     make_checkpoint, world_checkpoint)
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
 
@@ -39,15 +39,8 @@ def _layouts(comm, cfg):
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def checkpoint(request, tmp_path_factory):
-    comm = MPI.COMM_WORLD
     cfg = CONFIGS[request.param]
-    folder = None
-    if comm.Get_rank() == 0:
-        folder = tmp_path_factory.mktemp(request.param)
-        make_checkpoint(folder, cfg)
-    # rank 0's temp folder is on the same machine; share its path
-    folder = comm.bcast(str(folder) if folder else None, root=0)
-    return cfg, f"{folder}/model.h5"
+    return cfg, f"{world_checkpoint(tmp_path_factory, request.param, cfg)}/model.h5"
 
 
 def _generate(comm, path, layout=(1, 1, 1, 1), prompts=None, **gen):

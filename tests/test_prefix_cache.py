@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import GEMMA, GQA, MISTRAL, PHI3, QWEN3, TIED, make_checkpoint, refused
+from helpers import (GEMMA, GQA, MISTRAL, PHI3, QWEN3, TIED, make_checkpoint, refused,
+                     world_checkpoint)
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
 
@@ -57,14 +58,8 @@ def _same(cached, contiguous, what) -> None:
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    comm = MPI.COMM_WORLD
     cfg = FAMILIES[request.param]
-    folder = None
-    if comm.Get_rank() == 0:
-        folder = tmp_path_factory.mktemp(f"prefix-{request.param}")
-        make_checkpoint(folder, cfg)
-    folder = comm.bcast(str(folder) if folder else None, root=0)
-    return cfg, f"{folder}/model.h5"
+    return cfg, world_checkpoint(tmp_path_factory, f"prefix-{request.param}", cfg) / "model.h5"
 
 
 def test_shared_prefixes_give_the_contiguous_caches_tokens_and_logprobs(family):
@@ -186,11 +181,7 @@ def test_every_layout_with_the_prefix_cache_gives_the_single_ranks_tokens(tmp_pa
     """tp 2 x pp 2 and dp 2 x pp 2 (4 ranks), dp 2 and pp 2 (2 ranks): every stage keeps the
     same books, so every rank's cache serves the same prompt tokens."""
     comm = MPI.COMM_WORLD
-    folder = None
-    if comm.Get_rank() == 0:
-        folder = tmp_path_factory.mktemp("prefix-layouts")
-        make_checkpoint(folder, GQA)
-    path = f"{comm.bcast(str(folder) if folder else None, root=0)}/model.h5"
+    path = world_checkpoint(tmp_path_factory, "prefix-layouts", GQA) / "model.h5"
     prompts = _prompts(GQA["vocab_size"], seed=1)
     gen = dict(SAMPLED, n=2, batch_size=3)
     single = (_generate(MPI.COMM_SELF, path, prompts, cache=False, **gen)
@@ -262,10 +253,7 @@ def test_scored_rows_that_begin_alike_are_the_rows_scored_alone(family, tmp_path
 @pytest.mark.mpi(ranks=(2,))
 def test_scoring_with_shared_beginnings_under_tp_and_dp(tmp_path_factory):
     comm = MPI.COMM_WORLD
-    folder = tmp_path_factory.mktemp("shared-score") if comm.Get_rank() == 0 else None
-    if comm.Get_rank() == 0:
-        make_checkpoint(folder, GQA)
-    folder = type(tmp_path_factory.getbasetemp())(comm.bcast(str(folder) if folder else None))
+    folder = world_checkpoint(tmp_path_factory, "shared-score", GQA)
     rows = _choices(GQA["vocab_size"], seed=1)
     whole = (_scored(MPI.COMM_SELF, folder / "model.h5", rows, folder, cache=False)
              if comm.Get_rank() == 0 else None)
