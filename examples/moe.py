@@ -10,8 +10,10 @@ tokens (they are data-parallel replicas for everything but the experts): a token
 expert lives on the other rank goes there and back by all_to_all. Each expert is also split
 over tp 2, as a Megatron MLP. The loss is a mean-squared error; the router's gradient is
 summed over ep (data parallelism), the experts' are whole where they live. Three SGD steps
-give the losses and weights of the dense computation on the whole batch (every expert on
-every token, masked by the router's choice).
+give the losses, the gradient norms and the weights of the dense computation on the whole
+batch (every expert on every token, masked by the router's choice). The norm is
+``hp.grad_norm`` over the ep x tp group: the experts' slices differ there, and the router,
+replicated over ep and tp (its ``replicas``), counts once.
 """
 
 import numpy as np
@@ -75,7 +77,8 @@ def dense_step(w, x, target):
     np.put_along_axis(dp, chosen, dtop, -1)
     dlogits = p * (dp - (dp * p).sum(-1, keepdims=True))
     grads["router"] = dlogits.T @ x
-    return loss, {k: v - LR * grads[k] for k, v in w.items()}
+    norm = np.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+    return loss, norm, {k: v - LR * grads[k] for k, v in w.items()}
 
 
 def main():
@@ -86,7 +89,7 @@ def main():
     moe = hp.MoE.from_full(weights["router"], weights["gate"], weights["up"], weights["down"],
                            TOP_K, normalize=True, ep=mesh.group("ep"), tp=mesh.group("tp"))
     mine = slice(mesh.coord("ep") * TOKENS // ep, (mesh.coord("ep") + 1) * TOKENS // ep)
-    losses = []
+    losses, norms = [], []
     for x, target in batches:
         y, ctx = moe.forward(x[mine], train=True)
         loss, dy = mse(y, target[mine])
@@ -94,15 +97,18 @@ def main():
             p.grad[...] = 0
         moe.backward(dy, ctx)
         mesh.group("ep").all_reduce(moe.router.weight.grad)   # the replicas' sum (dp)
+        norms.append(hp.grad_norm(moe.parameters(), mesh.group(("ep", "tp"))))
         for p in moe.parameters():
             p.data -= LR * p.grad
         losses.append(mesh.group("ep").all_reduce(np.array([loss]))[0])
 
-    dense, want = weights, []
+    dense, want, want_norms = weights, [], []
     for x, target in batches:
-        loss, dense = dense_step(dense, x, target)
+        loss, norm, dense = dense_step(dense, x, target)
         want.append(loss)
+        want_norms.append(norm)
     np.testing.assert_allclose(losses, want, rtol=1e-6)
+    np.testing.assert_allclose(norms, want_norms, rtol=1e-6)
     tp, t = mesh.size("tp"), mesh.coord("tp")
     cut = slice(t * INTER // tp, (t + 1) * INTER // tp)
     np.testing.assert_allclose(moe.router.weight.data, dense["router"], rtol=1e-6, atol=1e-9)
@@ -113,7 +119,8 @@ def main():
             np.testing.assert_allclose(p.data, full[cut] if role != "down" else full[:, cut],
                                        rtol=1e-6, atol=1e-9, err_msg=name)
     if comm.Get_rank() == 0:
-        print(f"losses {np.round(losses, 6).tolist()}: the dense layer's; weights equal: OK")
+        print(f"losses {np.round(losses, 6).tolist()} and gradient norms "
+              f"{np.round(norms, 6).tolist()}: the dense layer's; weights equal: OK")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def main():
     q = (mine @ wq).reshape(B, n, HEADS, D)
     k = (mine @ wk).reshape(B, n, KV_HEADS, D)
     v = (mine @ wv).reshape(B, n, KV_HEADS, D)
-    ring = hp.RingAttention(hp.ops.tiled_attention.TiledAttention(np, block=64), cp)
+    ring = hp.RingAttention(hp.context_parallel.TiledAttention(np, block=64), cp)
     out, ctx = ring.forward_train(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                                   shard.rows(np, LENGTHS))
     real = shard.positions[None, :] < np.asarray(LENGTHS)[:, None]        # not padding

@@ -80,7 +80,7 @@ class Attention:
             return hp.ColumnParallelLinear.from_full(tp, w[prefix + name], unit=HD)
         self.q, self.k, self.v = column("q.weight"), column("k.weight"), column("v.weight")
         self.o = hp.RowParallelLinear.from_full(tp, w[prefix + "o.weight"])
-        self.ring = hp.RingAttention(hp.ops.tiled_attention.TiledAttention(np, block=8), cp)
+        self.ring = hp.RingAttention(hp.context_parallel.TiledAttention(np, block=8), cp)
 
     def forward(self, x, rows):
         B, n, _ = x.shape

@@ -121,6 +121,44 @@ def test_ring_attention_gives_the_whole_sequences_attention_and_gradients(comm, 
     mesh.free()
 
 
+def test_the_context_parallel_package_names_what_a_ring_takes():
+    import hpcpar.parallel as hp
+    from hpcpar.parallel import context_parallel
+    assert context_parallel.TiledAttention is TiledAttention
+    assert context_parallel.AttentionRows is AttentionRows
+    assert {"TiledAttention", "AttentionRows"} <= set(hp.context_parallel.__all__)
+
+
+@pytest.mark.mpi(ranks=(2, 4))
+def test_a_ring_without_its_attention_runs_the_tiles_of_its_groups_arrays(comm):
+    """``RingAttention(cp)`` is ``RingAttention(TiledAttention(cp.xp), cp)``; rows that are
+    not a shard's are one error on every rank of the group, and the mesh goes on."""
+    import hpcpar.parallel as hp
+    mesh = hp.Mesh(comm, {"cp": -1}, timeout=60)
+    cp = mesh.group("cp")
+    B, T, nh, nkv, hd, lengths = 2, 300, 4, 2, 8, [300, 170]    # more than one 128 tile
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((B, T, nh, hd))
+    k, v = (rng.standard_normal((B, nkv, T, hd)) for _ in range(2))
+    shard = ContextShard(T, cp.size, cp.rank)
+    args = (shard.take(q, axis=1), shard.take(k, axis=2), shard.take(v, axis=2))
+    ring = hp.RingAttention(cp)
+    assert isinstance(ring.local, TiledAttention) and ring.local.xp is np
+    got, _ = ring.forward_train(*args, shard.rows(np, lengths))
+    want, _ = hp.RingAttention(TiledAttention(np, block=16), cp).forward_train(
+        *args, shard.rows(np, lengths))
+    real = shard.positions[None, :] < np.asarray(lengths)[:, None]
+    np.testing.assert_allclose(got[real], want[real], atol=1e-12)
+    whole = AttentionRows.build(np, lengths, lengths, from_start=True)   # not this rank's
+    with pytest.raises(HpcparError, match="the rows' context must be this rank's"):
+        ring.forward_train(*args, whole)
+    with pytest.raises(HpcparError, match="the layouts are q"):
+        ring.forward_train(args[0], args[1].transpose(0, 2, 1, 3), args[2], shard.rows(
+            np, lengths))
+    assert mesh.errors.alarm() is None
+    mesh.free()
+
+
 # ---- the axis's bad input: one line from one rank, exit 2, no output ---------------------
 
 BAD_CP = {

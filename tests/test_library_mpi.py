@@ -171,6 +171,38 @@ def test_named_parameters_of_layers_and_pipeline_stages(comm):
         hp.AdamW(pipe.parameters()).state_dict()
 
 
+def test_a_stage_of_closures_names_the_parameters_it_is_given(comm):
+    """Functions hold no parameters ``named_parameters`` can find: a ``Stage`` of closures
+    lists none, and the ones given as ``params`` (a list, or a dict by name); an optimizer
+    of them steps the weights the closures read."""
+    n = comm.Get_size()
+    mesh = hp.Mesh(comm, {"pp": n}, timeout=60)
+    pp = mesh.group("pp")
+    w = hp.Parameter(np.eye(3) * (1 + pp.rank))
+
+    def forward(x):
+        return x @ w.data.T, x
+
+    def backward(dy, x):
+        w.grad += dy.T @ x
+        return dy @ w.data
+
+    loss = lambda y, t: (float((y * y).sum()), 2 * y)        # noqa: E731
+    assert hp.Pipeline(pp, hp.Stage(forward, backward), loss=loss).named_parameters() == {}
+    as_dict = hp.Pipeline(pp, hp.Stage(forward, backward, params={"w": w}), loss=loss)
+    assert as_dict.named_parameters() == {f"stage{pp.rank}.w": w}
+    pipe = hp.Pipeline(pp, hp.Stage(forward, backward, params=[w]), loss=loss)
+    assert pipe.named_parameters() == {f"stage{pp.rank}.0": w}
+    opt = hp.SGD(pipe.named_parameters(), lr=0.1)
+    before = w.data.copy()
+    opt.zero_grad()
+    pipe.train_step([np.ones((2, 3))] * 2, [None] * 2)
+    assert np.abs(w.grad).sum() > 0
+    opt.step()
+    np.testing.assert_allclose(w.data, before - 0.1 * w.grad)
+    mesh.free()
+
+
 @pytest.mark.parametrize("clip", [1e9, 0.5])
 def test_training_step_equals_torch_with_the_norm_counted_once(comm, clip):
     w = weights()

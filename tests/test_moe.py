@@ -158,6 +158,40 @@ def test_the_moe_layer_split_over_ep_and_tp_is_the_dense_computation(comm):
                  slice(t * INTER // tp, (t + 1) * INTER // tp))
 
 
+@pytest.mark.mpi(ranks=(2, 4))            # ep 2, ep 2 x tp 2
+@pytest.mark.parametrize("summed_by", ["reducer", "all_reduce"])
+def test_the_gradient_norm_under_ep_is_the_dense_layers(comm, summed_by):
+    """The router, replicated over ep and tp (its ``replicas``), summed over ep by a
+    ``GradientReducer`` or an all-reduce, counts once in ``grad_norm`` over the group of ep
+    and tp, beside every expert's slices: the norm of the dense layer's gradients. A group
+    that leaves out some of the router's replicas is refused."""
+    import hpcpar.parallel as hp
+    size = comm.Get_size()
+    mesh = hp.Mesh(comm, {"ep": 2, "tp": size // 2}, timeout=60)
+    ep = mesh.group("ep")
+    weights = _layer(3)
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal((n, HIDDEN)) for n in (TOKENS, 7)]
+    dys = [rng.standard_normal((n, HIDDEN)) for n in (TOKENS, 7)]
+    moe = hp.MoE.from_full(*weights, TOP_K, True, ep=ep, tp=mesh.group("tp"))
+    router = moe.router.weight
+    reducer = hp.GradientReducer(ep, [[router]]) if summed_by == "reducer" else None
+    y, ctx = moe.forward(xs[ep.rank], train=True)
+    moe.backward(dys[ep.rank], ctx)
+    if reducer is not None:
+        reducer.finish()
+    else:
+        ep.all_reduce(router.grad)
+    norm = hp.grad_norm(moe.parameters(), mesh.group(("ep", "tp")))
+    _, _, ref_grads = _torch_moe(weights, np.concatenate(xs), np.concatenate(dys), True)
+    want = np.sqrt(sum(float((g * g).sum()) for g in ref_grads))
+    assert norm == pytest.approx(want, rel=1e-6)
+    if mesh.size("tp") > 1:
+        with pytest.raises(hp.HpcparError, match="replicas only in part"):
+            hp.grad_norm(moe.parameters(), ep)
+    mesh.free()
+
+
 # ---- the load-balancing loss in training ---------------------------------------------------
 
 def _rows():

@@ -127,6 +127,17 @@ def test_redistribution_steps_use_the_fewest_collectives():
                                                                (0, "keep_one")]
 
 
+def test_redistribution_steps_take_lists_in_axis_order_and_say_how_to_make_one():
+    from hpcpar.parallel.tensor import PlacementError
+    with pytest.raises(PlacementError, match=r"one placement per mesh axis, in order \(2\).*"
+                                             r"for name in mesh.axis_names"):
+        steps_of((8, 8), (2, 2), {"dp": Shard(0)}, [R, R])
+    given, axis_names = {"tp": Shard(1)}, ("dp", "tp")
+    listed = [given.get(name, R) for name in axis_names]
+    assert [s.text(axis_names) for s in steps_of((8, 8), (2, 2), [R, R], listed)] == [
+        "slice over 'tp': Replicate() -> Shard(1)"]
+
+
 def test_placements_read_as_they_are_written():
     assert repr(Shard(1, sizes=[3, 2])) == "Shard(1, sizes=(3, 2))"
     assert repr(Shard(0, unit=64)) == "Shard(0, unit=64)"
@@ -191,6 +202,19 @@ def test_16_bit_operands_take_every_activation_and_the_embedding_takes_integer_i
     embedding = hp.VocabParallelEmbedding.from_full(mesh.group("tp"), np.ones((10, 4)))
     with pytest.raises(hp.HpcparError, match="token ids are integers"):
         embedding.forward(np.array([[1.5, 2.0]]))
+
+
+def test_a_stage_of_functions_lists_the_parameters_it_is_given():
+    import hpcpar.parallel as hp
+    w, b = hp.Parameter(np.ones((2, 2))), hp.Parameter(np.zeros(2))
+
+    def forward(x):
+        return x @ w.data.T + b.data, x
+
+    assert hp.named_parameters(hp.Stage(forward, None)) == {}      # closures: not searched
+    assert hp.named_parameters(hp.Stage(forward, None, params=[w, b]), "s") == {"s.0": w,
+                                                                             "s.1": b}
+    assert hp.named_parameters(hp.Stage(forward, None, params={"w": w})) == {"w": w}
 
 
 def test_micro_batches_split_and_join():

@@ -6,7 +6,8 @@ A ``Parameter`` is this rank's piece of a weight: ``data`` (what the layers read
 optimizer and a gradient norm need: ``decay`` (weight decay applies: matrices, not norms
 or biases), ``replicas`` (the ranks that hold this same parameter apart from data
 parallelism: a bias or norm weight replicated over a tp group, a KV head held by several tp
-ranks under GQA), ``counted`` (whether this rank's elements count in the global gradient
+ranks under GQA; a tuple of groups for their product: an MoE router over ep and tp),
+``counted`` (whether this rank's elements count in the global gradient
 norm: by default, unless it is a replica other than the first), and ``master`` (the float32
 weights the optimizer updates; ``data`` itself unless computing in 16 bits). An optimizer
 keeps a parameter's state by the object itself, so two parameters never share it, whatever
@@ -38,6 +39,7 @@ class Parameter:
     counted: bool | None = None  # default: not a second copy (``replicas`` rank 0, or none)
     master: object = None        # default: ``data``
     replicas: object = None      # the Communicator of the ranks holding this same parameter
+                                 # (or a tuple of them: their product)
     partial_grad: bool = False   # each replica's backward adds a part of the gradient
     # ``sum_partial_grads`` made the partial gradient whole since the last optimizer step
     partial_summed: bool = field(default=False, init=False, repr=False)
@@ -54,7 +56,7 @@ class Parameter:
             dtype = self.master.dtype if self.master.dtype.itemsize >= 4 else np.float32
             self.grad = np.zeros_like(self.master, dtype=dtype)
         if self.counted is None:
-            self.counted = self.replicas is None or self.replicas.rank == 0
+            self.counted = all(g.rank == 0 for g in replica_groups(self))
 
     def zero_grad(self) -> None:
         self.grad[...] = 0
@@ -65,6 +67,13 @@ class Parameter:
         """Copy the updated master weights into the compute copy."""
         if self.data is not self.master:
             self.data[...] = self.master
+
+
+def replica_groups(p: Parameter) -> tuple:
+    """The groups of ``p``'s ``replicas`` (none, one, or the factors of their product)."""
+    if p.replicas is None:
+        return ()
+    return tuple(p.replicas) if isinstance(p.replicas, (tuple, list)) else (p.replicas,)
 
 
 def named_parameters(obj, prefix: str = "") -> dict[str, Parameter]:

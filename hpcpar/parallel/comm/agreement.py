@@ -14,6 +14,8 @@ which value.
 
 A check can also carry a rank's own error (bad input found before the call): every rank
 then raises, those without it too, instead of some waiting in a collective for the others.
+An error raised so is marked with the ranks that raised it together (``agreed``): no rank of
+the call is left waiting for another, so nobody needs to be told (``failfast``).
 
 Checks do not nest: inside ``trusted()`` the operations a checked call makes (its
 redistributions, its collectives) are not checked again, since they follow from what was
@@ -106,7 +108,7 @@ def agree_mpi(mpi_comm, what: str, fields: Fields, timeout: float = 0.0,
     the call; every rank then raises it). Collective; waits at most ``timeout`` seconds."""
     if mpi_comm.Get_size() == 1:
         if error is not None:
-            raise error
+            raise agreed(error, mpi_comm)
         return
     try:
         Check(mpi_comm, what, list(fields) + [(ERROR, "" if error is None else str(error))],
@@ -118,10 +120,12 @@ def agree_mpi(mpi_comm, what: str, fields: Fields, timeout: float = 0.0,
 
 
 def agreed(error: Exception, mpi_comm) -> Exception:
-    """``error``, marked as raised on every rank of ``mpi_comm`` at once (``agreed_by``: how
-    many): a mesh whose every rank raises it has no rank left waiting to be told
-    (``failfast.ErrorBoard``)."""
-    error.agreed_by = mpi_comm.Get_size()
+    """``error``, marked as raised on every rank of ``mpi_comm`` at once: ``agreed_ranks``,
+    the world ranks known to raise it together (more as it passes further agreements). A
+    call over those ranks leaves none of them waiting, and nobody is told of it
+    (``failfast.fails_together``)."""
+    error.agreed_ranks = getattr(error, "agreed_ranks", frozenset()) | frozenset(
+        world_ranks_of(mpi_comm))
     return error
 
 
@@ -157,7 +161,9 @@ def agree(group, what: str, fields: Fields, error: Exception | None = None) -> N
     only this rank's ``error`` is raised."""
     if not active(group):
         if error is not None:
-            raise error
+            # a group of one: this rank is the whole call (else only this rank knows it)
+            raise agreed(error, group.mpi_comm) if group is not None and group.size == 1 \
+                else error
         return
     agree_mpi(group.mpi_comm, what, fields, group.timeout, error)
 

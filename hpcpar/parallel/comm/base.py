@@ -101,6 +101,15 @@ class Communicator(ABC):
         self.check = False
         self._ops: dict = {}                 # prepared operations by kind, shape, dtype, ...
         self._host_twin: Communicator | None = None
+        self._world_ranks: tuple[int, ...] | None = None
+
+    def world_ranks(self) -> tuple[int, ...]:
+        """The world rank of each member, in group order (found once): the ranks that run
+        this group's calls together."""
+        if getattr(self, "_world_ranks", None) is None:
+            from .agreement import world_ranks_of
+            self._world_ranks = tuple(world_ranks_of(self.mpi_comm))
+        return self._world_ranks
 
     def on_host(self) -> "Communicator":
         """This group over MPI with host (NumPy) arrays, for small metadata (schedules,
@@ -125,11 +134,11 @@ class Communicator(ABC):
     @fails_together
     def all_reduce(self, x, op: str = "sum"):
         """x <- sum (or max, with ``op="max"``) of x over the group, in place; returns x."""
-        if op not in REDUCE_OPS:
-            raise HpcparError(f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
-        if self.size == 1:
+        error = None if op in REDUCE_OPS else HpcparError(
+            f"all_reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+        if self.size == 1 and error is None:
             return x
-        self._agree("all_reduce", lambda: (("op", op), *_array_fields(x)))
+        self._agree("all_reduce", lambda: (("op", op), *_array_fields(x)), error)
         return self._in_place("all_reduce", x, self._all_reduce, op)
 
     @fails_together
@@ -462,11 +471,11 @@ class Communicator(ABC):
     def reduce(self, x, root: int = 0, op: str = "sum"):
         """x <- sum (or max) of x over the group on ``root``, in place; other ranks' x is
         left as it was. Returns x."""
-        if op not in REDUCE_OPS:
-            raise HpcparError(f"reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
-        if self.size == 1:
+        error = None if op in REDUCE_OPS else HpcparError(
+            f"reduce: op {op!r} is not one of {', '.join(REDUCE_OPS)}")
+        if self.size == 1 and error is None:
             return x
-        self._agree("reduce", lambda: (("root", root), ("op", op), *_array_fields(x)))
+        self._agree("reduce", lambda: (("root", root), ("op", op), *_array_fields(x)), error)
         return self._in_place("reduce", x, self._reduce, root, op, result=self.rank == root)
 
     def _in_place(self, op: str, x, primitive, *args, result: bool = True):
@@ -544,7 +553,7 @@ class Communicator(ABC):
         if active(self):
             agree(self, f"{op} on the {self.name} group", fields(), error)
         elif error is not None:
-            raise error
+            agree(self, op, (), error)        # raises it (agreed where this rank is all)
 
     @fails_together
     def agree(self, what: str, fields, error: Exception | None = None) -> None:

@@ -18,9 +18,13 @@ waiting for this one: every ``Mesh`` has an ``ErrorBoard``, on which the library
 points (``fails_together``: the collectives, the MoE layer, the pipeline) tell every other
 rank of the mesh about an error leaving them, whichever group it was in. Each of those
 ranks' waits on the mesh raise ``PeerFailed`` naming the rank and its message, within a
-poll, and so does every later call on the mesh. An error raised on every rank of the mesh
-together (a ``Disagreement``, a check agreed over the whole mesh) leaves nobody waiting,
-and nobody is told. A failure on one mesh is no failure of another.
+poll, and so does every later call on the mesh. An error that every rank of the call
+raised together (a ``Disagreement``, or bad input a check agreed over the call's group:
+``agreement.agreed``) leaves nobody of the call waiting, and nobody is told: a layer's
+``from_full`` over a tp group whose split does not fit raises on every rank of the group,
+and the mesh goes on. An entry point over several groups (an MoE layer's forward, a
+pipeline step) tells of an error agreed over only one of them: its other ranks may be
+waiting. A failure on one mesh is no failure of another.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 
 from ..device import waits
 from ..errors import HangElsewhere, HpcparError, PeerFailed, Stopped
+from .agreement import world_ranks_of
 
 _installed = {"hook": None}
 
@@ -106,6 +111,7 @@ class ErrorBoard:
         self.comm = comm.Dup()
         self.size, self.rank = self.comm.Get_size(), self.comm.Get_rank()
         self.world_rank = MPI.COMM_WORLD.Get_rank()
+        self.world_ranks = frozenset(world_ranks_of(self.comm))
         self.buf = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
         self.request = self.comm.Irecv(self.buf, source=MPI.ANY_SOURCE, tag=self.TAG)
         self.failure: PeerFailed | None = None       # the mesh runs nothing after it
@@ -121,8 +127,8 @@ class ErrorBoard:
 
     def announce(self, error: BaseException) -> None:
         """Tell every other rank that this one failed with ``error`` (not when the mesh has
-        failed already, or when every rank raised ``error`` too)."""
-        if self.alarm() is not None or getattr(error, "agreed_by", 0) >= self.size:
+        failed already, or when every rank of the mesh raised ``error`` too)."""
+        if self.alarm() is not None or raised_together(error, self.world_ranks):
             return
         msg = failure_message(error, self.world_rank)
         # kept alive until delivered (a message this small leaves at once: MPI's eager sends)
@@ -151,6 +157,12 @@ def describe(error: BaseException) -> str:
     return str(error) if isinstance(error, HpcparError) else f"{type(error).__name__}: {error}"
 
 
+def raised_together(error: BaseException, ranks) -> bool:
+    """Whether every one of the world ``ranks`` raised ``error`` together (an agreed error,
+    ``agreement.agreed``): none of them is left waiting for another."""
+    return frozenset(ranks) <= getattr(error, "agreed_ranks", frozenset())
+
+
 def tell_peers(error: BaseException) -> None:
     """Tell the other ranks of this process's meshes that this one failed with ``error``
     (a program's own error, caught: their next call on the mesh raises it)."""
@@ -161,10 +173,12 @@ def tell_peers(error: BaseException) -> None:
 def fails_together(method):
     """An entry point whose errors reach the other ranks. A method of an object on a mesh
     (a group, a layer, a pipeline: its ``error_board``, None off a mesh) tells that mesh,
-    and while it runs its waits raise a failure another rank of the mesh tells; a call on
-    a failed mesh raises the failure at once (the other ranks have left, and a collective
-    matched with another step's would move wrong numbers). Any other function (a
-    program's own) tells every mesh of the process (``tell_peers``)."""
+    unless every rank of the call raised the error together (the object's
+    ``world_ranks()``: the ranks that run its calls, all in ``agreed_ranks``), and while it
+    runs its waits raise a failure another rank of the mesh tells; a call on a failed mesh
+    raises the failure at once (the other ranks have left, and a collective matched with
+    another step's would move wrong numbers). Any other function (a program's own) tells
+    every mesh of the process (``tell_peers``) what not every rank of it raised."""
     @functools.wraps(method)
     def entry_point(*args, **kwargs):
         if not (args and hasattr(args[0], "error_board")):
@@ -186,7 +200,10 @@ def fails_together(method):
         except (Stopped, PeerFailed, HangElsewhere):
             raise                    # a stop request, another rank's failure: not this one's
         except Exception as e:
-            board.announce(e)
+            ranks = getattr(args[0], "world_ranks", None)
+            if not (hasattr(e, "agreed_ranks") and ranks is not None
+                    and raised_together(e, ranks())):
+                board.announce(e)
             raise
         finally:
             waits.remove_alarm(board.alarm)

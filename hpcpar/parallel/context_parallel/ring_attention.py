@@ -40,7 +40,7 @@ import numpy as np
 
 from ..device.dtypes import accumulator
 from ..errors import HpcparError
-from ..ops.attention import AttentionRows, at_positions
+from ..ops.attention import AttentionRows, at_positions, check_layouts
 from ..ops.tiled_attention import TiledAttention, grouped_heads, merge
 
 if TYPE_CHECKING:       # the split is pure (``plan`` reads it without MPI); the ring is not
@@ -227,9 +227,18 @@ class RingAttention:
     """The attention op (``forward``, ``forward_train``, ``backward``) over sequences split
     over the cp group ``cp`` (see the module's text); ``local`` computes each block pair's
     tiles. Takes rows with a ``context`` shard, every row from position 0 (whole sequences:
-    training, scoring, prefill)."""
+    training, scoring, prefill).
 
-    def __init__(self, local: TiledAttention, cp: "Communicator"):
+    ``RingAttention(cp)``: the tiles of ``TiledAttention`` on the group's array module;
+    ``RingAttention(local, cp)``: those of ``local`` (``TiledAttention(xp, block=64)``)."""
+
+    def __init__(self, local, cp: "Communicator | None" = None):
+        if cp is None:
+            local, cp = None, local
+        if not hasattr(cp, "mpi_comm"):
+            raise HpcparError(f"RingAttention(cp) or RingAttention(attention, cp) takes the cp "
+                              f"group (mesh.group('cp')), not {type(cp).__name__}")
+        local = local if local is not None else TiledAttention(cp.xp)
         self.local, self.cp, self.xp = local, cp, local.xp
 
     def forward(self, q, keys, values, rows: AttentionRows):
@@ -252,11 +261,16 @@ class RingAttention:
 
     def forward_train(self, q, keys, values, rows: AttentionRows):
         """(out (B, T, heads, d), ctx) for this rank's T queries against every rank's keys."""
+        try:                  # a rank's own bad input, raised on every rank of the group
+            shard, error = _shard(rows, self.cp), None
+            check_layouts(q, keys, values, rows)
+        except HpcparError as e:
+            error = e
         self.cp.agree("RingAttention", [
             ("rows, heads and head size of q", (q.shape[0],) + tuple(q.shape[2:])),
             ("kv heads of keys", keys.shape[1]), ("dtype", str(q.dtype)),
-            ("the sequence's length", getattr(rows.context, "length", None))])
-        xp, shard = self.xp, _shard(rows, self.cp)
+            ("the sequence's length", getattr(rows.context, "length", None))], error)
+        xp = self.xp
         B, T, nh, hd = q.shape
         qs, keys, values = grouped_heads(q, keys, values, rows)
         keys, values = keys[:, :, :T], values[:, :, :T]          # this rank's (a cache: more)
@@ -329,12 +343,13 @@ class RingAttention:
 
 
 def _shard(rows: AttentionRows, cp: "Communicator") -> ContextShard:
-    shard = rows.context
-    if shard is None or shard.size != cp.size or shard.rank != cp.rank:
-        raise ValueError(f"ring attention over cp {cp.size} needs rows whose context is this "
-                         f"rank's shard (cp rank {cp.rank}), got {shard}")
-    if not rows.from_start:
-        raise ValueError("ring attention takes whole sequences (rows from position 0)")
+    shard = getattr(rows, "context", None)
+    if not isinstance(shard, ContextShard) or shard.size != cp.size or shard.rank != cp.rank:
+        raise HpcparError(f"RingAttention over cp {cp.size}: the rows' context must be this "
+                          f"rank's ContextShard (shard.rows(xp, lengths), with shard = "
+                          f"ContextShard(length, cp.size, cp.rank)); got {shard}")
+    if not rows.from_start:            # (a shard's rows are: ``ContextShard.rows``)
+        raise HpcparError("RingAttention takes whole sequences (rows from position 0)")
     return shard
 
 

@@ -32,7 +32,7 @@ from ..comm import Communicator, Request
 from ..comm.agreement import trusted
 from ..errors import HpcparError
 from .flat_buffers import adopt, home
-from ..params import Parameter
+from ..params import Parameter, replica_groups
 
 BUCKET_BYTES = 25 << 20        # PyTorch DDP's default bucket size
 
@@ -227,13 +227,14 @@ def sum_partial_grads(params: list[Parameter]) -> None:
     with trusted():
         for p in params:
             if owes_partial_sum(p):
-                p.replicas.all_reduce(p.grad)
+                for group in replica_groups(p):           # a product: one factor at a time
+                    group.all_reduce(p.grad)
                 p.partial_summed = True
 
 
 def owes_partial_sum(p: Parameter) -> bool:
     """``p``'s replicas each add a part of its gradient (``sum_partial_grads`` sums them)."""
-    return p.partial_grad and p.replicas is not None and p.replicas.size > 1
+    return p.partial_grad and any(g.size > 1 for g in replica_groups(p))
 
 
 def check_partial_sums(params: list[Parameter], among: list[Parameter], what: str) -> None:
@@ -275,36 +276,35 @@ def grad_norm(params: list[Parameter], group: Communicator | None = None) -> flo
 
 
 def _check_norm_group(params: list[Parameter], group: Communicator | None) -> None:
-    """The norm's group holds every replica of each replicated parameter and no dp replica
-    of any (the same answer on every rank of a consistent program)."""
+    """The norm's group holds every replica of each replicated parameter, and none of its
+    data-parallel replicas but those that are also its replicas (an MoE router, summed over
+    ep as over dp and replicated over it: counted once among them), so that each element
+    counts once (the same answer on every rank of a consistent program)."""
     members = set(world_ranks(group)) if group is not None else set()
-    if not members:
-        from mpi4py import MPI
-        members = {MPI.COMM_WORLD.Get_rank()}
-    checked: set[int] = set()
+    from mpi4py import MPI
+    me = MPI.COMM_WORLD.Get_rank()
+    members = members or {me}
+    checked: set = set()
     for p in params:
-        for other, wanted, problem in ((p.reducer and p.reducer.dp, False, "data-parallel "
-                                        "replicas, whose equal gradients would count "
-                                        "several times"),
-                                       (p.replicas, True, "replicas only in part, so the "
-                                        "ranks would disagree on the norm")):
-            if other is None or other.size == 1 or (id(other), wanted) in checked:
-                continue
-            checked.add((id(other), wanted))
-            theirs = set(world_ranks(other))
-            if (theirs <= members) != wanted or (not wanted and len(theirs & members) > 1):
-                raise HpcparError(
-                    f"grad_norm: the group {group.name if group else '(none)'} holds a "
-                    f"parameter's {problem}; pass the group of the ranks that hold different "
-                    f"pieces of the model, e.g. mesh.group(('pp', 'tp'))")
+        replicas = [g for g in replica_groups(p) if g.size > 1]
+        dp = p.reducer.dp if p.reducer is not None and p.reducer.dp.size > 1 else None
+        key = (tuple(id(g) for g in replicas), id(dp))
+        if key in checked:
+            continue
+        checked.add(key)
+        holders = {r for g in replicas for r in world_ranks(g)}
+        if any(not set(world_ranks(g)) <= members for g in replicas):
+            problem = "replicas only in part, so the ranks would disagree on the norm"
+        elif dp is not None and (set(world_ranks(dp)) & members) - holders - {me}:
+            problem = "data-parallel replicas, whose equal gradients would count several times"
+        else:
+            continue
+        raise HpcparError(
+            f"grad_norm: the group {group.name if group else '(none)'} holds a parameter's "
+            f"{problem}; pass the group of the ranks that hold different pieces of the "
+            f"model, e.g. mesh.group(('pp', 'tp'))")
 
 
 def world_ranks(group: Communicator | None) -> list[int]:
     """The world ranks of a group's members, in group order (cached on the group)."""
-    if group is None:
-        return []
-    cached = getattr(group, "_world_ranks", None)
-    if cached is None:
-        from ..comm.agreement import world_ranks_of
-        cached = group._world_ranks = world_ranks_of(group.mpi_comm)
-    return cached
+    return [] if group is None else list(group.world_ranks())

@@ -174,27 +174,37 @@ class ExpertDispatch:
         return self.back(dx_local, route).sum(axis=1)
 
 
-def _agree_on_layer(router, gate, up, down, top_k, normalize, activation, groups) -> None:
-    """``_check_layer``, its error raised on every rank of ``groups``, and the ranks agreed
-    on the layer's settings and shapes (a rank routing with another top_k, or experts of
-    another width, would route its tokens its own way without a word)."""
+def _agree_on_layer(router, gate, up, down, top_k, normalize, activation, ep, tp) -> None:
+    """``_check_layer``, its error raised on every rank of ``ep`` and ``tp``, and the ranks
+    agreed on the layer's settings and shapes (a rank routing with another top_k, or experts
+    of another width, would route its tokens its own way without a word). Both checks run
+    on every rank, an error of the first carried into the second: no rank of the layer is
+    left waiting in one while the others leave, and an error every rank found the same way
+    is told to nobody (``comm.failfast``)."""
     try:
-        _check_layer(router, gate, up, down, top_k)
+        _check_layer(router, gate, up, down, top_k, activation,
+                     ep.size if ep is not None else 1, tp.size if tp is not None else 1)
         error = None
     except HpcparError as e:
         error = e
     fields = [("top_k", top_k), ("normalize", normalize), ("activation", activation),
               *((name, tuple(a.shape)) for name, a in
                 (("router", router), ("gate", gate), ("up", up), ("down", down)))]
-    for group in groups:
+    for group in (ep, tp):
         if group is not None:
-            group.agree("MoE.from_full", fields, error)
+            try:
+                group.agree("MoE.from_full", fields, error)
+            except HpcparError as e:
+                if not hasattr(e, "agreed_ranks"):      # a timeout, another rank's failure
+                    raise
+                error = e                               # raised by the whole group
     if error is not None:
         raise error
 
 
-def _check_layer(router, gate, up, down, top_k) -> None:
-    """``MoE.from_full``'s arrays fit one layer of E experts and top_k is one of 1..E."""
+def _check_layer(router, gate, up, down, top_k, activation, ep: int, tp: int) -> None:
+    """``MoE.from_full``'s arrays fit one layer of E experts, top_k is one of 1..E, and the
+    experts split over ``ep`` ranks, their features over ``tp``."""
     shapes = {name: tuple(a.shape) for name, a in
               (("router", router), ("gate", gate), ("up", up), ("down", down))}
     if len(shapes["gate"]) != 3 or len(shapes["router"]) != 2:
@@ -212,6 +222,15 @@ def _check_layer(router, gate, up, down, top_k) -> None:
             or not 1 <= top_k <= E:
         raise HpcparError(f"MoE.from_full: top_k {top_k!r} must be an integer from 1 to the "
                           f"{E} experts")
+    if activation not in ("silu", "gelu_tanh"):
+        raise HpcparError(f"MoE.from_full: activation {activation!r}: the experts' gated MLP "
+                          "takes 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU)")
+    if E % ep:
+        raise HpcparError(f"MoE.from_full: {E} experts do not split over ep {ep}; choose an "
+                          f"ep that divides {E}")
+    if inter % tp:
+        raise HpcparError(f"MoE.from_full: experts of {inter} features do not split over "
+                          f"tp {tp}; choose a tp that divides {inter}")
 
 
 def _expert_major(by_source: np.ndarray) -> np.ndarray:
@@ -222,6 +241,38 @@ def _expert_major(by_source: np.ndarray) -> np.ndarray:
     em_sizes, em_starts = by_source.T.reshape(-1), starts.T.reshape(-1)
     em_offsets = np.concatenate([[0], np.cumsum(em_sizes)[:-1]])
     return np.repeat(em_starts - em_offsets, em_sizes) + np.arange(int(sizes.sum()))
+
+
+@fails_together            # a failure here, after the agreement, is this rank's alone
+def _keep_pieces(group, cls, router, gate, up, down, top_k, normalize, ep, tp, activation,
+                 ops, name) -> "MoE":
+    """``MoE.from_full`` once the ranks agreed: this rank's pieces (no communication)."""
+    ops = ops or native_ops(group.xp)
+    E, inter = gate.shape[0], gate.shape[1]
+    dispatch = ExpertDispatch(E, ep, ops.xp)
+    t, p = (tp.rank, tp.size) if tp is not None else (0, 1)
+    cut = slice(t * inter // p, (t + 1) * inter // p)
+    mine = range(dispatch.first, dispatch.first + dispatch.local)
+    host = group if tp is None else tp
+
+    def keep(piece, what):
+        return keep_slice(host, np.ascontiguousarray(piece), join(name, what))
+
+    r = keep_slice(host, np.asarray(router), join(name, "router.weight"),
+                   _router_replicas(ep, tp))
+    experts = Experts(ops, [[keep(gate[e, cut], f"experts.{e}.gate.weight"),
+                             keep(up[e, cut], f"experts.{e}.up.weight")] for e in mine],
+                      [keep(down[e][:, cut], f"experts.{e}.down.weight") for e in mine],
+                      activation)
+    return cls(ops, TopKRouter(ops, r, top_k, normalize), experts, dispatch, tp)
+
+
+def _router_replicas(ep, tp):
+    """The groups over which every rank holds the same router: each ep rank routes its own
+    tokens with it (its gradient is summed over ep, as over dp), each tp rank the same ones;
+    counted once in a gradient norm over ep and tp (``grad_norm``)."""
+    groups = tuple(g for g in (ep, tp) if g is not None and g.size > 1)
+    return groups[0] if len(groups) == 1 else (groups or None)
 
 
 class MoE:
@@ -243,41 +294,26 @@ class MoE:
         self.all_serving = True
         self.routing: Routing | None = None       # the last forward's
 
+    def world_ranks(self) -> tuple[int, ...]:
+        """The ranks that run this layer's calls with this one: its ep and tp groups'."""
+        groups = [g for g in (self.dispatch.ep, self.tp) if g is not None]
+        return tuple(sorted({r for g in groups for r in g.world_ranks()}))
+
     @classmethod
-    @fails_together
     def from_full(cls, router, gate, up, down, top_k: int, normalize: bool = True, *,
                   ep: Communicator | None = None, tp: Communicator | None = None,
                   activation: str = "silu", ops: Ops | None = None,
                   name: str = "") -> "MoE":
         """From the whole layer, the same on every rank: ``router`` (E, hidden), ``gate`` and
         ``up`` (E, inter, hidden), ``down`` (E, hidden, inter), as transformers' experts
-        are stacked. This rank keeps its ep block of experts, each cut over ``tp``."""
-        group = tp if tp is not None else ep
-        if group is None:
+        are stacked. This rank keeps its ep block of experts, each cut over ``tp``; the
+        router is replicated over both (its ``replicas``: ``ep``, ``tp`` or the pair)."""
+        if ep is None and tp is None:
             raise HpcparError("MoE.from_full: give the ep group, the tp group, or both "
                               "(a mesh's groups: mesh.group('ep'))")
-        ops = ops or native_ops(group.xp)
-        _agree_on_layer(router, gate, up, down, top_k, normalize, activation, (ep, tp))
-        E, inter = gate.shape[0], gate.shape[1]
-        dispatch = ExpertDispatch(E, ep, ops.xp)
-        t, p = (tp.rank, tp.size) if tp is not None else (0, 1)
-        if inter % p:
-            raise HpcparError(f"MoE.from_full: experts of {inter} features do not split over "
-                              f"tp {p}; choose a tp that divides {inter}")
-        cut = slice(t * inter // p, (t + 1) * inter // p)
-        mine = range(dispatch.first, dispatch.first + dispatch.local)
-        replicas = tp if tp is not None and tp.size > 1 else None
-        host = group if tp is None else tp
-
-        def keep(piece, what):
-            return keep_slice(host, np.ascontiguousarray(piece), join(name, what))
-
-        r = keep_slice(host, np.asarray(router), join(name, "router.weight"), replicas)
-        experts = Experts(ops, [[keep(gate[e, cut], f"experts.{e}.gate.weight"),
-                                 keep(up[e, cut], f"experts.{e}.up.weight")] for e in mine],
-                          [keep(down[e][:, cut], f"experts.{e}.down.weight") for e in mine],
-                          activation)
-        return cls(ops, TopKRouter(ops, r, top_k, normalize), experts, dispatch, tp)
+        _agree_on_layer(router, gate, up, down, top_k, normalize, activation, ep, tp)
+        return _keep_pieces(tp if tp is not None else ep, cls, router, gate, up, down, top_k,
+                            normalize, ep, tp, activation, ops, name)
 
     def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
         """``router.weight`` and this rank's ``experts.{e}.gate/up/down.weight`` (e global)."""

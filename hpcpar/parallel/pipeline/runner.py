@@ -41,12 +41,21 @@ from .training_schedules import bubble_formula, micro_batch_problems, training_s
 
 @dataclass
 class Stage:
-    """A stage from plain functions (``backward_input``/``backward_weight`` optional)."""
+    """A stage from plain functions (``backward_input``/``backward_weight`` optional).
+    Functions hold no parameters ``named_parameters`` can find (closures are not searched):
+    ``params`` names the ones they use, a list, a dict by name or any object that holds
+    them, listed by ``Pipeline.named_parameters`` (``stage0.0``, ``stage0.w``, ...)."""
 
     forward: Callable
     backward: Callable
     backward_input: Callable | None = None
     backward_weight: Callable | None = None
+    params: object = None
+
+    def named_parameters(self, prefix: str = "") -> dict:
+        """``params``' parameters, by position in a list, by key in a dict, by attribute
+        path in an object."""
+        return {} if self.params is None else named_parameters(self.params, prefix)
 
 
 def split_micro_batches(x, num: int, axis: int = 0) -> list:
@@ -78,23 +87,31 @@ class Pipeline:
         self.p, self.rank, self.V = group.size, group.rank, len(self.chunks)
         self.loss, self.schedule, self.recompute = loss, schedule, recompute
         # the counts themselves are checked per step; here the schedule and V (p
-        # micro-batches always fit), in the library's words (the flags are the jobs')
+        # micro-batches always fit), in the library's words (the flags are the jobs'), and
+        # the stages: one error on every rank of the group, agreed before the first
+        # collective (the error channel's)
+        error = None
         if (schedule == "interleaved") != (self.V > 1):
-            raise HpcparError(
+            error = HpcparError(
                 "pipeline: the interleaved schedule takes a list of at least 2 chunks per "
                 f"stage (stages=[chunk_0, chunk_1, ...]), and only it does; got {self.V} "
                 f"chunk(s) with schedule {schedule!r}")
-        problems = micro_batch_problems(schedule, self.p, self.p, self.V)
-        if problems:
-            raise HpcparError("pipeline: " + "; ".join(problems))
+        elif problems := micro_batch_problems(schedule, self.p, self.p, self.V):
+            error = HpcparError("pipeline: " + "; ".join(problems))
         for c in self.chunks:
-            if not callable(getattr(c, "forward", None)) or not callable(getattr(c, "backward",
-                                                                                 None)):
-                raise HpcparError(f"pipeline stage {c!r} needs forward(x) -> (y, ctx) and "
-                                  f"backward(dy, ctx) -> dx (hpcpar.parallel.Stage)")
+            if error is None and not (callable(getattr(c, "forward", None))
+                                      and callable(getattr(c, "backward", None))):
+                error = HpcparError(f"pipeline: a stage of type {type(c).__name__} needs "
+                                    f"forward(x) -> (y, ctx) and backward(dy, ctx) -> dx "
+                                    f"(hpcpar.parallel.Stage)")
+        group.agree("Pipeline", [("schedule", schedule), ("chunks per stage", self.V)], error)
         self._checked: set[tuple] = set()
         self._errors = _ErrorChannel(group)
         self.times = None           # the last step's compute and wait times (bubble())
+
+    def world_ranks(self) -> tuple[int, ...]:
+        """The ranks that run this pipeline's steps together (its group's)."""
+        return self.group.world_ranks()
 
     @property
     def is_last(self) -> bool:

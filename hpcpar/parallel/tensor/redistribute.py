@@ -49,7 +49,7 @@ def redistribution_steps(shape: Sequence[int], sizes: Sequence[int], src: Sequen
             raise PlacementError(
                 f"redistribution_steps: {name} must be one placement per mesh axis, in order "
                 f"({len(sizes)}), as x.placements is; got {given!r} (a dict by axis name needs "
-                f"the mesh: normalize with x.redistribute, or list them)")
+                f"the mesh's names: [d.get(name, Replicate()) for name in mesh.axis_names])")
     state = list(src)
     steps: list[Step] = []
 

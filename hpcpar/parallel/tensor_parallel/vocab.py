@@ -29,7 +29,9 @@ LOGITS_BLOCK_BYTES = 256 << 20
 def _vocab_rows(tp: Communicator, table, name: str, what: str) -> Parameter:
     """This rank's vocabulary rows of ``table``, zero rows after the vocabulary's end (the
     ranks having agreed on the table's shape: one check over tp)."""
-    tp.agree(what, [("table's shape", tuple(table.shape)), ("dtype", str(table.dtype))])
+    error = None if table.ndim == 2 and table.shape[0] > 0 else HpcparError(
+        f"{what}: a table [vocab, hidden]; got one of shape {tuple(table.shape)}")
+    tp.agree(what, [("table's shape", tuple(table.shape)), ("dtype", str(table.dtype))], error)
     per = splits.padded_vocab_size(table.shape[0], tp.size) // tp.size
     start, stop = splits.vocab_range(table.shape[0], tp.rank, tp.size)
     rows = np.zeros((per,) + tuple(table.shape[1:]), dtype=table.dtype) \
