@@ -6,10 +6,12 @@ only the rest.
 
 Every stage of a replica keeps the same books (the same calls in the same order, on the
 prompts every stage knows), so the stages agree on each row's blocks and on the tokens a
-refill computes without a message. A row is admitted with the blocks of its prompt and of its
-limit of new tokens (so no row runs out while decoding, and the pool holds what the
-contiguous cache would); its prompt's full blocks are sealed (registered for later prompts)
-once the stage has written their keys. The samples of a prompt refilled together share one
+refill computes without a message. A row is admitted with the blocks of its prompt and of a
+segment's new tokens, when the pool has them, and takes the blocks of the next segment before
+each one starts; where the pool runs out, the newest rows are preempted (their blocks freed)
+and wait to compute their prompt and tokens again (``grow``). The pool holds ``--kv-memory``
+(``kv_pool_blocks``), at most what every row would hold at its end. A prompt's full blocks
+are sealed (registered for later prompts) once the stage has written their keys. The samples of a prompt refilled together share one
 prefill: the first computes, the others share its full blocks and take a copy of its partial
 last one (``fork``). A prompt whose leading blocks are being written by another prompt of the
 same refill waits for the next refill, where it finds them cached: the requests of one system
