@@ -334,9 +334,13 @@ class Reference:
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("width", [None, 8], ids=["longest", "fixed"])
+@pytest.mark.parametrize("width, decode", [(None, "gathered"), (8, "gathered"),
+                                           (8, "contiguous")],
+                         ids=["longest", "fixed", "contiguous-view"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-def test_attention_through_the_paged_cache_is_the_contiguous_caches(dtype, width):
+def test_attention_through_the_paged_cache_is_the_contiguous_caches(dtype, width, decode):
+    """Decode steps read the blocks gathered each step, or through a ``contiguous`` view that
+    keeps its rows in position order (made before the decode, bound again at each step)."""
     backend = the_backend()
     rng = np.random.default_rng(7)
     ref = Reference(backend, dtype, rng)
@@ -369,11 +373,13 @@ def test_attention_through_the_paged_cache_is_the_contiguous_caches(dtype, width
     assert pool.table("c")[:2] == pool.table("a")[:2]
     assert pool.table("d")[0] == pool.table("a")[0]
     rows = ["a", "b", "c", "d", "e"]
+    view = (cache.rows(pool.tables(rows, width)).contiguous() if decode == "contiguous"
+            else cache)
     for _ in range(6):                                        # decode: a block fills up
         for r in rows:
             pool.ensure(r, len(ref.tokens[r]) + 1)
-        cache.bind(pool.tables(rows, width), [len(ref.tokens[r]) for r in rows])
-        ref.step(cache, rows, dict.fromkeys(rows, 1),
+        view.bind(pool.tables(rows, width), [len(ref.tokens[r]) for r in rows])
+        ref.step(view, rows, dict.fromkeys(rows, 1),
                  {r: [int(rng.integers(1000))] for r in rows})
         for r in rows:
             pool.seal(r, ref.tokens[r])

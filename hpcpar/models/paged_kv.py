@@ -44,10 +44,30 @@ class PagedKVCache:
         self.null_block = num_blocks
         self.tables: BlockTables | None = None
         self._blocks = self._frozen = None            # the bound tables on the device
+        self.rows_k = self.rows_v = None              # ``contiguous``: the bound rows' keys
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    @property
+    def rows_nbytes(self) -> int:
+        """The bytes of a ``contiguous`` view's copy of its rows' keys and values."""
+        return 0 if self.rows_k is None else self.rows_k.nbytes + self.rows_v.nbytes
+
+    def contiguous(self) -> "PagedKVCache":
+        """This view also keeps its rows' keys and values in position order, (layers, B,
+        kv, W block_size, hd), so that a step reads them without gathering its blocks (a
+        decode step's attention reads every row's keys, the gather would copy them all each
+        step): ``write`` stores a step's keys in both, and ``bind`` copies in the rows whose
+        blocks changed, or ``refresh`` names (written through another view)."""
+        B, W = self._blocks.shape
+        # one position more, where the writes the pool sends to its null block go
+        shape = (self.k.shape[0], B, self.kv_heads, W * self.block_size + 1, self.head_dim)
+        self.rows_k = self.xp.zeros(shape, dtype=self.k.dtype)
+        self.rows_v = self.xp.zeros(shape, dtype=self.v.dtype)
+        self._gather_rows(np.arange(B))
+        return self
 
     @property
     def capacity(self) -> int:
@@ -55,11 +75,14 @@ class PagedKVCache:
         returns."""
         return 0 if self.tables is None else self.tables.blocks.shape[1] * self.block_size
 
-    def bind(self, tables: BlockTables, starts=None, lengths=None) -> "PagedKVCache":
+    def bind(self, tables: BlockTables, starts=None, lengths=None,
+             refresh=()) -> "PagedKVCache":
         """The next steps' rows are those of ``tables`` (``BlockPool.tables``), checked
         against the step's first written positions ``starts`` and lengths ``lengths``
         where given (host integers (B,): ``BlockTables.check``). Tables of the shape bound
-        before go to the same device arrays (fixed addresses: a CUDA graph replays)."""
+        before go to the same device arrays (fixed addresses: a CUDA graph replays). A
+        ``contiguous`` view copies in the rows whose blocks changed and those of
+        ``refresh``."""
         blocks = np.asarray(tables.blocks)
         if (blocks.ndim != 2 or tables.block_size != self.block_size
                 or (blocks.size and (blocks.min() < NO_BLOCK
@@ -71,19 +94,41 @@ class PagedKVCache:
         xp = self.xp
         device = xp.asarray(np.where(blocks < 0, self.null_block, blocks).astype(np.int32))
         frozen = xp.asarray(np.asarray(tables.frozen).astype(np.int32))
+        before = None if self.tables is None else np.asarray(self.tables.blocks)
+        if self.rows_k is not None and before.shape != blocks.shape:
+            raise ValueError(f"a contiguous view keeps its tables' shape {before.shape}, "
+                             f"not {blocks.shape}")
         if self._blocks is not None and self._blocks.shape == device.shape:
             self._blocks[...], self._frozen[...] = device, frozen
         else:
             self._blocks, self._frozen = device, frozen
         self.tables = tables
+        if self.rows_k is not None:
+            # a row's blocks that were its before hold its keys already; blocks it took
+            # since hold nothing yet (its writes go to both)
+            changed = ((before != blocks) & (before >= 0)).any(axis=1)
+            changed[np.asarray(refresh, dtype=np.int64)] = True
+            self._gather_rows(np.flatnonzero(changed))
         return self
+
+    def _gather_rows(self, rows: np.ndarray) -> None:
+        """A ``contiguous`` view's ``rows`` copied in from their blocks, every layer."""
+        if len(rows):
+            xp, B, W = self.xp, len(rows), self._blocks.shape[1]
+            index = xp.asarray(rows)
+            blocks = self._blocks[index]                               # (n, W)
+            for store, rows_store in ((self.k, self.rows_k), (self.v, self.rows_v)):
+                gathered = store[:, blocks]                  # (layers, n, W, kv, bs, hd)
+                rows_store[:, index, :, :W * self.block_size] = gathered.transpose(
+                    0, 1, 3, 2, 4, 5).reshape(store.shape[0], B, self.kv_heads,
+                                              W * self.block_size, self.head_dim)
 
     def rows(self, tables: BlockTables, starts=None, lengths=None) -> "PagedKVCache":
         """This cache (the same arrays) bound to other rows' tables, this one's binding kept:
         a step of some rows alone (a prefill of new prompts while others decode), as
         ``CacheRows`` is of a ``KVCache``."""
         view = copy.copy(self)
-        view.tables = view._blocks = view._frozen = None
+        view.tables = view._blocks = view._frozen = view.rows_k = view.rows_v = None
         return view.bind(tables, starts, lengths)
 
     def slots(self, starts, T: int):
@@ -116,9 +161,25 @@ class PagedKVCache:
         block, offset = self.slots(starts, T)
         self.k[layer][block, :, offset] = k                  # (B, T, kv, hd)
         self.v[layer][block, :, offset] = v
+        if self.rows_k is not None:
+            return self._write_rows(layer, k, v, starts, block)
         if from_start:
             return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         return self.gather(layer)
+
+    def _write_rows(self, layer: int, k, v, starts, block):
+        """A ``contiguous`` view's step: its keys at their positions of the rows' copy too
+        (those ``slots`` sent to the null block, none), and the copy's layer returned."""
+        xp = self.xp
+        B, T = k.shape[:2]
+        held = self.rows_k.shape[3] - 1
+        position = starts.astype(xp.int64)[:, None] + xp.arange(T)[None, :]      # (B, T)
+        position = xp.where(block == self.null_block, held, position)
+        keys, values = self.rows_k[layer], self.rows_v[layer]
+        rows = xp.arange(B)[:, None]
+        keys[rows, :, position] = k                                      # (B, T, kv, hd)
+        values[rows, :, position] = v
+        return keys[:, :, :held], values[:, :, :held]
 
     def gather(self, layer: int):
         """The layer's keys and values of the bound rows, (B, kv, W block_size, hd): a copy

@@ -349,7 +349,8 @@ class ContinuousProgram(ReplicaProgram):
                           self.prefill_keep(computed, rows))
         self.paged.seal(rows, self._ids)
         self.paged.fork(s.prompt[s.new], s.first, s.inverse, lengths[s.inverse], self._reserve)
-        self.paged.bind(mb, s.prompt)                   # the samples' blocks, now taken
+        self.paged.bind(mb, s.prompt, refresh=s.new)    # the new rows' keys, the samples'
+                                                        # blocks (taken now)
         s.position[s.new] = lengths[s.inverse]
         return y
 

@@ -113,7 +113,9 @@ class PagedRows:
                                       block_size, stage.cfg.head_dim, stage.dtype)
         self.start = self.pool.stats()           # the pool's counts before this wave
         empty = [[None] * w for w in widths]
-        self.views = [self.cache.rows(self._tables(rows)) for rows in empty]
+        # each micro-batch's rows also kept in position order: its decode steps read them
+        # without gathering every block each step
+        self.views = [self.cache.rows(self._tables(rows)).contiguous() for rows in empty]
         self.cached: dict[int, int] = {}         # row -> its prompt tokens served from cache
         self.order: dict[int, int] = {}          # row -> when it was admitted (preempt last)
         self.admitted = 0
@@ -122,7 +124,7 @@ class PagedRows:
 
     @property
     def nbytes(self) -> int:
-        return self.cache.nbytes
+        return self.cache.nbytes + sum(view.rows_nbytes for view in self.views)
 
     def stats(self) -> PoolStats:
         """The pool's counts of this wave's prompts (its blocks, and its peak in use over the
@@ -241,9 +243,11 @@ class PagedRows:
                 self.cached[int(row)] = int(lengths[j])
         self.promised = 0
 
-    def bind(self, mb: int, slots: np.ndarray) -> None:
-        """Micro-batch ``mb``'s view steps over the rows of its slots (``-1``: none)."""
-        self.views[mb].bind(self._tables([int(r) if r >= 0 else None for r in slots]))
+    def bind(self, mb: int, slots: np.ndarray, refresh=()) -> None:
+        """Micro-batch ``mb``'s view steps over the rows of its slots (``-1``: none); the
+        slots ``refresh`` were written through another view (a refill's prefill)."""
+        self.views[mb].bind(self._tables([int(r) if r >= 0 else None for r in slots]),
+                            refresh=refresh)
 
     def prefill_view(self, rows: np.ndarray, lengths: np.ndarray) -> PagedKVCache:
         """The cache bound to a refill's ``rows`` (prompts of ``lengths``), which write
