@@ -3,7 +3,8 @@ log-probabilities of the contiguous cache (``--no-prefix-cache``), which the oth
 tests hold to transformers: prompts sharing a prefix of several blocks, each family (the
 mixtures of experts too), samples, per-row limits, seeded sampling with penalties, stop ids and
 min_tokens, refills of few rows, several micro-batches, waves, rows preempted when the blocks
-run out, the device path behind its switch, and layouts of 2 and 4 ranks; the run report
+run out, the device path behind its switch, a Batch API file of chat requests with one system
+message, and layouts of 2 and 4 ranks; the run report
 says how many prompt tokens came from the cache; bad block sizes and pools are refused before
 any work. Scoring's rows that begin alike compute their beginning once, with every row's
 log-probabilities those of the whole row."""
@@ -280,3 +281,35 @@ def test_mixtures_of_experts_share_prefixes_exactly(name, tmp_path):
     np.testing.assert_allclose(_scored(MPI.COMM_SELF, path, rows, tmp_path).token_logprobs,
                                _scored(MPI.COMM_SELF, path, rows, tmp_path,
                                        cache=False).token_logprobs, atol=2e-5)
+
+
+def test_a_batch_api_file_of_one_system_message_shares_its_keys(tmp_path):
+    """Chat requests of an OpenAI Batch API file, rendered by the checkpoint's chat template,
+    that open with one system message: every request after the first prefills only what
+    follows it, with the tokens of the run without."""
+    pytest.importorskip("transformers")
+    from helpers import build_hf_model, save_word_tokenizer
+    from hpcpar.checkpoint import convert
+    template = ("{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}\n"
+                "{{ m['content'] | trim }}<|end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+    build_hf_model("gqa-llama3", tmp_path)
+    save_word_tokenizer(tmp_path / "hf", template)
+    convert(tmp_path / "hf", tmp_path / "chat.h5")
+    system = " ".join(f"w{i}" for i in range(40))
+    with open(tmp_path / "batch.jsonl", "w") as f:
+        for i in range(6):
+            body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "logprobs": True,
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": f"w{100 + i} w{120 + i}"}]}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                "url": "/v1/chat/completions", "body": body}) + "\n")
+    runs = {}
+    for cache in (True, False):
+        sets = [f"model.checkpoint='{tmp_path}/chat.h5'",
+                f"data.prompts='{tmp_path}/batch.jsonl'", "generate.max_new_tokens=5",
+                f"output.path='{tmp_path}/out-{cache}.jsonl'", "generate.kv_block_size=8",
+                "generate.batch_size=3", f"generate.prefix_cache={str(cache).lower()}"]
+        runs[cache] = run_generation(MPI.COMM_SELF, load_job(None, sets), progress=False)
+    _same(runs[True], runs[False], "batch file")
+    assert runs[True].report.prefix_hit_rate > 0.5
