@@ -4,10 +4,10 @@ tests hold to transformers: prompts sharing a prefix of several blocks, each fam
 mixtures of experts too), samples, per-row limits, seeded sampling with penalties, stop ids and
 min_tokens, refills of few rows, several micro-batches, waves, rows preempted when the blocks
 run out, the device path behind its switch, a Batch API file of chat requests with one system
-message, and layouts of 2 and 4 ranks; the run report
-says how many prompt tokens came from the cache; bad block sizes and pools are refused before
-any work. Scoring's rows that begin alike compute their beginning once, with every row's
-log-probabilities those of the whole row."""
+message, and layouts of 2 and 4 ranks; the run report says how many prompt tokens came from
+the cache; bad block sizes and pools are refused before any work. Scoring's rows that begin
+alike compute their beginning once, with every row's log-probabilities those of the whole
+row."""
 
 import json
 
