@@ -249,7 +249,9 @@ class GenerationRun(JobRun):
         """After every step's tokens (``WaveEvents``): finished rows and the progress on
         their way to rank 0."""
         if self.bar:
-            self.bar.heard(0, self.stream.program.worked)
+            program = self.stream.program
+            self.bar.paged(program.pool_stats(), program.prefix_stats())
+            self.bar.heard(0, program.worked)
         self.stream.pump()
 
     def stop_requested(self) -> bool:

@@ -25,6 +25,7 @@ class GenerationProgress:
         # with n samples a prompt is several rows (``checked.samples``): count what finishes
         self.unit = "prompts" if checked.samples.width == 1 else "sample rows"
         self.earlier = 0                # tokens of the waves already collected
+        self.cache = ""                 # the paged cache's figures of rank 0's replica
         self.replicas: dict[int, int] = {}     # the current wave: replica -> tokens done
         self.display = Progress("generating", total, **display)
         self._show()
@@ -35,6 +36,14 @@ class GenerationProgress:
         never late): the larger count stands."""
         self.replicas[dp_rank] = max(self.replicas.get(dp_rank, 0), tokens)
         self._show()
+
+    def paged(self, pool: tuple[int, int, int], prefix: tuple[int, int]) -> None:
+        """The paged cache of rank 0's replica: (blocks, the most in use, rows preempted) and
+        (prompt tokens admitted, those served from its prefix cache)."""
+        blocks, peak, preempted = pool
+        if blocks:
+            self.cache = (f"; replica 0: prefix cache {prefix[1] / max(prefix[0], 1):.0%}, "
+                          f"{peak}/{blocks} blocks, {preempted} preempted")
 
     def rows_finished(self, prompts: np.ndarray, lengths: np.ndarray) -> None:
         """Rank 0 received these finished rows: their unused tokens are no longer work."""
@@ -56,4 +65,5 @@ class GenerationProgress:
         self.display.close(final)
 
     def _show(self, total: int | None = None) -> None:
-        self.display.update(self.done, total, f"{self.finished}/{self.prompts} {self.unit}")
+        self.display.update(self.done, total,
+                            f"{self.finished}/{self.prompts} {self.unit}{self.cache}")
