@@ -235,7 +235,8 @@ def _choices(vocab: int, seed: int = 0) -> list:
 
 def test_scored_rows_that_begin_alike_are_the_rows_scored_alone(family, tmp_path):
     """Every row's log-probabilities, and so its NLL and the perplexity, equal the whole
-    rows' (``--no-prefix-cache``); one micro-batch and three."""
+    rows' (``--no-prefix-cache``); one micro-batch and three, which never cut the rows of a
+    context apart."""
     cfg, path = family
     rows = _choices(cfg["vocab_size"])
     for mbs in (1, 3):
@@ -245,9 +246,10 @@ def test_scored_rows_that_begin_alike_are_the_rows_scored_alone(family, tmp_path
                                    err_msg=f"{mbs} micro-batches")
         assert np.isnan(cached.token_logprobs).sum() == np.isnan(whole.token_logprobs).sum()
         assert cached.perplexity == pytest.approx(whole.perplexity, rel=1e-5)
-        if mbs == 1:        # 4 rows a context of P: each computes from P - 1, P once more
-            assert cached.shared_positions == (4 * 39 - 40) + (4 * 22 - 23)
-            assert "computed once" in cached.format()
+        # 4 rows a context of P: each computes from P - 1, P once more; a context's rows are
+        # never cut over micro-batches
+        assert cached.shared_positions == (4 * 39 - 40) + (4 * 22 - 23), mbs
+        assert "computed once" in cached.format()
     assert whole.shared_positions == 0
 
 
@@ -313,3 +315,13 @@ def test_a_batch_api_file_of_one_system_message_shares_its_keys(tmp_path):
         runs[cache] = run_generation(MPI.COMM_SELF, load_job(None, sets), progress=False)
     _same(runs[True], runs[False], "batch file")
     assert runs[True].report.prefix_hit_rate > 0.5
+
+
+def test_runs_of_rows_that_begin_alike_and_what_their_passes_compute():
+    from hpcpar.jobs.score.shared_prefix import run_cost, shared_runs
+    context = list(range(3, 23))                                   # 20 tokens
+    rows = [np.array(context + [50, 51]), np.array(context + [60]), np.array([7] * 30),
+            np.array(context[:10] + [90] * 12), np.array(context + [70, 71, 72])]
+    assert shared_runs(rows) == [(0, 2), (2, 3), (3, 4), (4, 5)]   # 10 shared: too few
+    assert run_cost(rows[0:2]) == 20 + 2 * (22 - 20 + 1)           # the prefix once
+    assert run_cost(rows[2:3]) == 30 and shared_runs([]) == []

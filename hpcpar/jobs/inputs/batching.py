@@ -39,8 +39,15 @@ def micro_batches(prompts: list[np.ndarray], rows, count: int) -> list[MicroBatc
     ``count`` micro-batches of consecutive entries (fewer when there are fewer rows)."""
     rows = np.asarray(rows, dtype=np.int64)
     count = min(count, len(rows))
+    sizes = split_sizes(len(rows), count) if count else []
+    return micro_batches_of(prompts, rows, sizes)
+
+
+def micro_batches_of(prompts: list[np.ndarray], rows, sizes: list[int]) -> list[MicroBatch]:
+    """``rows`` in micro-batches of consecutive entries of the given ``sizes``."""
+    rows = np.asarray(rows, dtype=np.int64)
     out, start = [], 0
-    for i, size in enumerate(split_sizes(len(rows), count) if count else []):
+    for i, size in enumerate(sizes):
         chunk = rows[start:start + size]
         length = max(len(prompts[r]) for r in chunk)
         ids = np.zeros((size, length), dtype=np.int64)

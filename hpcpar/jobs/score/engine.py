@@ -26,7 +26,7 @@ from ...parallel.device.dtypes import float_dtype
 from ...parallel.errors import HpcparError, Stopped
 from ...parallel.mesh import Mesh
 from ...parallel.pipeline.executor import PipelineExecutor
-from ..inputs.batching import micro_batches, replica_rows
+from ..inputs.batching import MicroBatch, micro_batches, micro_batches_of, replica_rows
 from ..inputs.schedule import generation
 from ..inputs.stage import load_tokenizer, open_stage
 from ..job import Job
@@ -37,6 +37,7 @@ from ..replicas import ReplicaChannel, owners
 from ..skeleton import JobRun
 from .data import ScoreData, check_score_data, load_score_data
 from .program import ScoringProgram, scored_tokens
+from .shared_prefix import run_cost, shared_runs
 
 
 @dataclass
@@ -123,7 +124,10 @@ class ScoringRun(JobRun):
 
         data = self.checked.data
         rows = replica_rows(len(data), layout.dp, mesh.coord("dp"))
-        mbs = micro_batches(data.ids, rows, _micro_batch_count(data, layout))
+        shares = (self.job.score.prefix_cache and layout.pp == 1 and layout.cp == 1
+                  and not backend.on_device)
+        mbs = (_shared_micro_batches(data, rows, layout) if shares
+               else micro_batches(data.ids, rows, _micro_batch_count(data, layout)))
         done: dict[int, int] = {}           # rank 0: each replica's tokens scored
 
         def heard(dp_rank: int, tokens: int) -> None:
@@ -202,6 +206,28 @@ def _micro_batch_count(data: ScoreData, layout: ParallelConfig) -> int:
     rows = -(-len(data) // layout.dp)
     longest = -(-max(len(r) for r in data.ids) // layout.cp)      # positions per rank
     return max(layout.micro_batches, -(-rows * longest // SCORE_TOKENS_PER_MICRO_BATCH))
+
+
+def _shared_micro_batches(data: ScoreData, rows, layout: ParallelConfig) -> list[MicroBatch]:
+    """A replica's micro-batches where rows that begin alike share their beginning's pass
+    (``shared_prefix``): runs of such rows are never cut, and runs are packed up to
+    ``SCORE_TOKENS_PER_MICRO_BATCH`` tokens computed (a run's common prefix counted once),
+    or into the layout's micro-batches where those are smaller."""
+    rows = np.asarray(rows, dtype=np.int64)
+    ids = [data.ids[r] for r in rows]
+    runs = shared_runs(ids)
+    costs = [run_cost(ids[a:b]) for a, b in runs]
+    budget = min(SCORE_TOKENS_PER_MICRO_BATCH,
+                 -(-sum(costs) // max(layout.micro_batches, 1)))
+    sizes, size, cost = [], 0, 0
+    for (a, b), c in zip(runs, costs):
+        if size and cost + c > budget:
+            sizes.append(size)
+            size, cost = 0, 0
+        size, cost = size + b - a, cost + c
+    if size:
+        sizes.append(size)
+    return micro_batches_of(data.ids, rows, sizes)
 
 
 def _collect(world, mesh: Mesh, layout: ParallelConfig, count: int,

@@ -63,6 +63,27 @@ def shared_prefixes(ids: np.ndarray, lengths: np.ndarray) -> SharedPrefixes:
                           group)
 
 
+def shared_runs(rows: list[np.ndarray]) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive rows whose every neighbour shares at least
+    ``MIN_SHARED`` leading tokens with it (a context and its continuations: a scoring file's
+    rows in order), and the padded tokens its passes compute: its common prefix once and
+    each row's rest (from the prefix's last token); a row alone is a run of its own."""
+    runs, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or _common(tuple(rows[i - 1]), tuple(rows[i])) < MIN_SHARED:
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def run_cost(rows: list[np.ndarray]) -> int:
+    """The padded tokens a run's passes compute (``shared_runs``)."""
+    if len(rows) == 1:
+        return len(rows[0])
+    prefix = min(_common(tuple(rows[0]), tuple(r)) for r in rows[1:])
+    return prefix + len(rows) * (max(len(r) for r in rows) - prefix + 1)
+
+
 def _common(a: tuple, b: tuple) -> int:
     """The length of the common beginning of two rows."""
     n = min(len(a), len(b))
