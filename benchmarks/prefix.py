@@ -1,13 +1,15 @@
 """Automatic prefix caching on the CPU: end-to-end tokens/s of generation for requests that
 share a system prompt, and for prompts with nothing in common, hpcpar with its prefix cache
 (the default), hpcpar with ``--no-prefix-cache`` and transformers' ``generate`` on the same
-requests and weights.
+requests and weights; and scoring of a multiple-choice set whose continuations share their
+context, with and without ``score.prefix_cache``, against transformers' forward.
 
     python benchmarks/prefix.py                        # 32 x (1000 + 100) tokens, +16, 4 layers
     python benchmarks/prefix.py --repeat 3 --json out.json   # as recorded in the docs
     python benchmarks/prefix.py --new-tokens 64 --no-transformers --repeat 2
     python benchmarks/prefix.py --requests 256 --new-tokens 64 --layers 30   # the target
     python benchmarks/prefix.py --ranks 2              # hpcpar dp 2, transformers 2 threads
+    python benchmarks/prefix.py --workloads choices --repeat 2   # scoring: 16 x 4 choices
 
 The defaults finish in about 3 minutes on a 2-core CPU (``--repeat 3``: about 10). The target
 setting (256 requests, a 1,000-token system prompt, 100-token questions, 64 new tokens, the
@@ -21,6 +23,10 @@ Workloads:
   unrelated  as many prompts of random ids, of lengths within 10% of system + question,
              nothing in common: the prefix cache has nothing to serve, and cached and uncached
              must take the same time within noise
+  choices    scoring (``python -m hpcpar score``), not generation: a multiple-choice set of
+             ``--contexts`` contexts of ``--context`` random ids, each followed by 4
+             continuations of 20 (rows of context + continuation, a context's 4 rows
+             consecutive); every position of every row is scored
 
 Sides, each its own process (one BLAS thread per rank):
   cached       hpcpar, continuous batching in the paged KV cache with prefix caching (the
@@ -43,6 +49,25 @@ drifts by 10-25% over minutes. "cpu s" is each run's process CPU time over the s
 (hpcpar's rank 0, its loading taken out): it leaves out what other processes took of the
 cores, and the "in CPU time" ratio with it. Every side's greedy tokens are compared with
 hpcpar uncached's.
+
+Sides of ``choices``, each its own process (one BLAS thread per rank):
+  cached       hpcpar ``run_scoring`` (dp RANKS) with its shared prefix (the default): the
+               common beginning of a micro-batch's rows computed once; ``shared_positions``
+               is how many positions it did not compute again; it packs a context's rows
+               into one micro-batch whole. ``--score-micro-batches`` (default ``--contexts``)
+               is passed as ``parallel.micro_batches``; the uncached side takes more when one
+               would hold over 1,024 padded tokens
+  uncached     the same with ``score.prefix_cache=false``
+  transformers ``LlamaForCausalLM`` forward over ``--hf-score-batch`` rows at a time (rows of
+               one length: no padding), ``log_softmax`` of the logits and the targets'
+               log-probs; the default, 4 (one context's rows), ties with one by one as its
+               fastest here (4 contexts: 12.5 s and 12.4 s); 16 rows per forward took 1.8x as
+               long (its [rows, seq, vocab] logits leave the caches)
+
+Its time is scoring's forward passes (hpcpar's ``ScoreResult.seconds``; transformers' from
+its first forward to its last log-probs). Tokens/s is tokens scored (every position but a
+row's first) / time. Each side's continuation log-probs are compared with uncached's (max
+abs difference).
 
 The model is the shape of SmolLM-135M (hidden 576, 9 heads / 3 KV heads, vocab 49,152;
 random weights, float32) cut to ``--layers`` layers (default 4) so that the uncached sides
@@ -70,7 +95,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from long import SMOL  # noqa: E402  (the SmolLM-135M shape, shared with long.py)
 
-WORKLOADS = ("shared", "unrelated")
+WORKLOADS = ("shared", "unrelated")       # the default; "choices" is scoring
+CHOICES, CONTINUATION = 4, 20               # choices per context, tokens per continuation
 
 
 def requests(workload: str, n: int, system: int, question: int, vocab: int,
@@ -83,6 +109,18 @@ def requests(workload: str, n: int, system: int, question: int, vocab: int,
     total = system + question
     lengths = rng.integers(int(0.9 * total), int(1.1 * total) + 1, n)
     return [rng.integers(3, vocab, k) for k in lengths]
+
+
+def choices(contexts: int, context: int, vocab: int, seed: int = 0) -> np.ndarray:
+    """The multiple-choice rows (contexts * CHOICES, context + CONTINUATION): each context's
+    rows consecutive; each side builds the same ones from the seed."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(contexts):
+        head = rng.integers(3, vocab, context)
+        rows += [np.concatenate([head, rng.integers(3, vocab, CONTINUATION)])
+                 for _ in range(CHOICES)]
+    return np.stack(rows)
 
 
 # ---- the workers (one process each) ---------------------------------------------------------
@@ -114,6 +152,54 @@ def hpcpar_worker(workload: str, checkpoint: str, cached: bool, ranks: int, a) -
                           "prefix_hit_rate": r.prefix_hit_rate,
                           "kv_cache_mb": max(r.kv_cache_mb),
                           "peak_host_mb": max(r.peak_host_mb)}))
+
+
+def hpcpar_score_worker(checkpoint: str, cached: bool, ranks: int, a) -> None:
+    """One hpcpar scoring run of the choices under mpiexec (dp ``ranks``); rank 0 prints a
+    JSON line and saves the continuations' log-probs."""
+    from mpi4py import MPI
+    from hpcpar.jobs.job import load_job
+    from hpcpar.jobs.score import run_scoring
+    comm = MPI.COMM_WORLD
+    if comm.Get_rank() == 0:
+        np.save(a.work / "rows.npy", choices(a.contexts, a.context, SMOL["vocab_size"], a.seed))
+    comm.Barrier()
+    asked = a.score_micro_batches or a.contexts
+    job = load_job(None, [f"model.checkpoint='{checkpoint}'", f"parallel.dp={ranks}",
+                          f"parallel.micro_batches={asked}",
+                          f"score.data='{a.work / 'rows.npy'}'",
+                          f"output.path='{a.work / 'scores.h5'}'",
+                          f"score.prefix_cache={'true' if cached else 'false'}"])
+    cpu = time.process_time()
+    result = run_scoring(comm, job, progress=False)
+    cpu = time.process_time() - cpu
+    if comm.Get_rank() == 0:
+        np.save(a.work / "tokens.npy", result.token_logprobs[:, a.context:])
+        print(json.dumps({"seconds": result.seconds, "cpu_seconds": cpu - result.load_seconds,
+                          "tokens_scored": int(result.tokens_scored.sum()),
+                          "shared_positions": int(result.shared_positions)}))
+
+
+def transformers_score_worker(checkpoint: str, threads: int, batch: int, a) -> None:
+    """transformers' forward over ``batch`` rows at a time, ``log_softmax`` of the logits and
+    the targets' log-probs: every position's, as hpcpar scores them."""
+    from baselines import transformers_llama
+    import torch
+    model = transformers_llama(Path(checkpoint), threads)
+    model.eval()
+    ids = torch.from_numpy(choices(a.contexts, a.context, SMOL["vocab_size"], a.seed))
+    out = np.full(tuple(ids.shape), np.nan, dtype=np.float32)
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        for at in range(0, len(ids), batch):
+            rows = ids[at:at + batch]
+            logits = model(rows, use_cache=False).logits[:, :-1]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            out[at:at + len(rows), 1:] = logprobs.gather(-1, rows[:, 1:, None])[..., 0].numpy()
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    np.save(a.work / "tokens.npy", out[:, a.context:])
+    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu,
+                      "tokens_scored": int(ids.shape[0] * (ids.shape[1] - 1))}))
 
 
 def transformers_worker(workload: str, checkpoint: str, threads: int, batch: int,
@@ -186,7 +272,14 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--ranks", type=int, default=1,
                    help="hpcpar's ranks (dp), transformers' threads")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help="of shared, unrelated (generation) and choices (scoring)")
+    p.add_argument("--contexts", type=int, default=16, help="choices: contexts")
+    p.add_argument("--context", type=int, default=500, help="choices: tokens per context")
+    p.add_argument("--score-micro-batches", type=int, default=0,
+                   help="choices: hpcpar's parallel.micro_batches (0: --contexts)")
+    p.add_argument("--hf-score-batch", type=int, default=4,
+                   help="choices: transformers' rows per forward")
     p.add_argument("--hf-batch", type=int, default=32,
                    help="transformers' requests per generate call (1: one by one)")
     p.add_argument("--no-hf-reuse", action="store_true",
@@ -202,7 +295,12 @@ def main() -> None:
         kind, workload, checkpoint, work = args.worker[:4]
         args.work = Path(work)
         rest = [int(v) for v in args.worker[4:]]
-        if kind == "hpcpar":
+        if workload == "choices":
+            if kind == "hpcpar":
+                hpcpar_score_worker(checkpoint, bool(rest[0]), rest[1], args)
+            else:
+                transformers_score_worker(checkpoint, rest[0], rest[1], args)
+        elif kind == "hpcpar":
             hpcpar_worker(workload, checkpoint, bool(rest[0]), rest[1], args)
         else:
             transformers_worker(workload, checkpoint, rest[0], rest[1], bool(rest[2]), args)
@@ -218,19 +316,27 @@ def main() -> None:
               f"--question={args.question}", f"--new-tokens={args.new_tokens}",
               f"--seed={args.seed}"]
     n = args.ranks
+    generation = [w for w in args.workloads.split(",") if w != "choices"]
     print(f"SmolLM-135M shape, {args.layers} layers, float32, one thread per rank, "
-          f"{os.cpu_count()} cores; {args.requests} requests, system prompt {args.system} + "
-          f"question {args.question} tokens, {args.new_tokens} new tokens, greedy; hpcpar dp "
-          f"{n}, transformers {n} thread(s), batches of {args.hf_batch}")
-    print(f"{'workload':<10} {'side':<34} {'seconds':>8} {'cpu s':>6} {'tok/s':>7} "
-          f"{'new tok/s':>9} {'vs uncached':>11} {'vs transformers':>15} {'hit rate':>8} "
-          f"{'same tokens':>11}")
+          f"{os.cpu_count()} cores")
+    if generation:
+        print(f"{args.requests} requests, system prompt {args.system} + question "
+              f"{args.question} tokens, {args.new_tokens} new tokens, greedy; hpcpar dp {n}, "
+              f"transformers {n} thread(s), batches of {args.hf_batch}")
+        print(f"{'workload':<10} {'side':<34} {'seconds':>8} {'cpu s':>6} {'tok/s':>7} "
+              f"{'new tok/s':>9} {'vs uncached':>11} {'vs transformers':>15} {'hit rate':>8} "
+              f"{'same tokens':>11}")
     rows, ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "model.h5"
         from hpcpar.checkpoint import init_checkpoint
         init_checkpoint(checkpoint, cfg)
         for workload in args.workloads.split(","):
+            if workload == "choices":
+                score_rows, score_ratios = score_choices(args, me, mpiexec, env, checkpoint, tmp)
+                rows += score_rows
+                ratios += score_ratios
+                continue
             sides = {CACHED: ["hpcpar", 1, n], UNCACHED: ["hpcpar", 0, n]}
             if not args.no_transformers:
                 way = "one by one" if args.hf_batch == 1 else f"batches of {args.hf_batch}"
@@ -284,6 +390,61 @@ def main() -> None:
             "command": "python benchmarks/prefix.py " + " ".join(sys.argv[1:]),
             "commit": commit(), "settings": settings, "ratios": ratios, "rows": rows},
             indent=1))
+
+
+def score_choices(args, me: str, mpiexec: str, env: dict, checkpoint: Path,
+                  tmp: str) -> tuple[list[dict], list[dict]]:
+    """The choices workload: each scoring side ``--repeat`` times, alternating; its rows and
+    ratios."""
+    n = args.ranks
+    asked = args.score_micro_batches or args.contexts
+    print(f"choices: {args.contexts} contexts of {args.context} tokens x {CHOICES} "
+          f"continuations of {CONTINUATION}, every position scored; hpcpar dp {n}, "
+          f"parallel.micro_batches {asked}; transformers {n} thread(s), "
+          f"{args.hf_score_batch} rows per forward")
+    print(f"{'workload':<10} {'side':<34} {'seconds':>8} {'cpu s':>6} {'tok/s':>7} "
+          f"{'vs uncached':>11} {'vs transformers':>15} {'shared pos':>10} {'max |diff|':>10}")
+    sides = {CACHED: ["hpcpar", 1, n], UNCACHED: ["hpcpar", 0, n]}
+    if not args.no_transformers:
+        sides[f"transformers, {args.hf_score_batch} rows per forward"] = [
+            "transformers", n, args.hf_score_batch]
+    runs = {name: [] for name in sides}
+    for _ in range(args.repeat):                # alternating: the sides see one drift
+        for name, (kind, *rest) in sides.items():
+            work = Path(tempfile.mkdtemp(dir=tmp))
+            cmd = [me, kind, "choices", str(checkpoint), str(work), *map(str, rest),
+                   f"--contexts={args.contexts}", f"--context={args.context}",
+                   f"--score-micro-batches={args.score_micro_batches}",
+                   f"--ranks={n}", f"--seed={args.seed}"]
+            if kind == "hpcpar":
+                cmd, side_env = [mpiexec, "-n", str(n), sys.executable] + cmd, env
+            else:
+                cmd, side_env = [sys.executable] + cmd, dict(env, OMP_NUM_THREADS=str(n))
+            runs[name].append(run(cmd, side_env, work))
+    got = {name: best(r) for name, r in runs.items()}
+    uncached = got[UNCACHED]
+    hf = next((r for name, r in got.items() if name.startswith("transformers, ")), None)
+    rows = []
+    for name, r in got.items():
+        r["tokens_per_s"] = r["tokens_scored"] / r["seconds"]
+        r["max_abs_diff"] = float(np.abs(r["tokens"] - uncached["tokens"]).max())
+        r["all_seconds"] = [x["seconds"] for x in runs[name]]
+        r["all_cpu_seconds"] = [x["cpu_seconds"] for x in runs[name]]
+        vs_hf = f"{hf['seconds'] / r['seconds']:.2f}x" if hf else "-"
+        shared = str(r["shared_positions"]) if "shared_positions" in r else ""
+        print(f"{'choices':<10} {name:<34} {r['seconds']:>8.2f} {r['cpu_seconds']:>6.1f} "
+              f"{r['tokens_per_s']:>7,.0f} {uncached['seconds'] / r['seconds']:>10.2f}x "
+              f"{vs_hf:>15} {shared:>10} {r['max_abs_diff']:>10.1e}")
+        rows.append({"workload": "choices", "contexts": args.contexts,
+                     "context": args.context, "choices": CHOICES,
+                     "continuation": CONTINUATION, "side": name,
+                     **{k: v for k, v in r.items() if k != "tokens"}})
+    ratios = [{"workload": "choices", **workload_ratios(got, hf)}]
+    print(f"{'choices':<10} " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x"
+                                          for k, v in ratios[-1].items()
+                                          if isinstance(v, float)))
+    sys.stdout.flush()
+    return rows, ratios
 
 
 def commit() -> str | None:
