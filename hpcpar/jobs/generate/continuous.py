@@ -225,8 +225,8 @@ class ContinuousProgram(ReplicaProgram):
         """``prefill_groups``; in a paged cache a readmitted row prefills alone."""
         if self.paged is None:
             return self.prefill_groups(rows)
-        keys = np.array([self._key(int(r)) if self._key(int(r)) is not None else -1 - int(r)
-                         for r in rows], dtype=np.int64)
+        rows = np.asarray(rows, np.int64)
+        keys = np.where(self.generated[rows] == 0, self.source[rows], -1 - rows)
         _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         return first, inverse.reshape(-1)
 

@@ -42,8 +42,7 @@ from .results import ResultShape
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
 
 
-def kv_pool_blocks(settings, stage, mbs, limits, backend, world,
-                   comm) -> int:
+def kv_pool_blocks(settings, stage, mbs, limits, backend, world, comm) -> int:
     """The blocks of each stage's paged KV cache (collective over the world): what
     ``--kv-memory`` gives every rank (a fraction of its free memory up to 1, bytes above it;
     by default ``KV_SHARE`` of it), in blocks of this stage's layers, the fewest over the
@@ -81,10 +80,10 @@ def kv_pool_blocks(settings, stage, mbs, limits, backend, world,
 
 
 def pages_rows(settings, results: ResultShape, backend, cp) -> bool:
-    """Whether continuous batching keeps the rows in a paged cache (see the module):
+    """Whether continuous batching keeps its rows in a paged cache (see the module):
     ``results``, what the job's rows keep."""
     device = environment_value("HPCPAR_PAGED_DEVICE") == "1"
-    return bool(settings.batching == "continuous" and settings.prefix_cache and cp is None
+    return bool(settings.prefix_cache and cp is None
                 and (device or not backend.on_device) and not settings.cuda_graphs
                 and not settings.save_logits and results.prompt_logprobs < 0)
 
@@ -185,7 +184,8 @@ class PagedRows:
         self.promised = 0
         for row in waiting:
             tokens = ids(row)
-            if key(row) is not None and key(row) in computing:      # forked after the prefill
+            prompt = key(row)
+            if prompt is not None and prompt in computing:      # forked after the prefill
                 more = (blocks_for(len(tokens) + reserve(row), self.block_size)
                         - len(tokens) // self.block_size)
                 if self.pool.available() - self.promised < more:
@@ -196,7 +196,7 @@ class PagedRows:
                 continue
             bs = self.block_size
             sharable = block_hashes(tokens[:(len(tokens) - 1) // bs * bs], b"", bs)
-            hits = len(self.pool.match_prefix(tokens[:len(sharable) * bs]))
+            hits = len(self.pool.cache.match(sharable))
             if any(h in writing for h in sharable[hits:hits + 1]):
                 break
             computed = len(tokens) - hits * bs
@@ -212,8 +212,8 @@ class PagedRows:
             except OutOfBlocks:
                 break
             self._admitted(row)
-            if key(row) is not None:
-                computing.add(key(row))
+            if prompt is not None:
+                computing.add(prompt)
             writing.update(sharable[hits:])
             longest = max(longest, computed)
             take += 1

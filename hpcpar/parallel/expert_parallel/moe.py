@@ -174,7 +174,21 @@ class ExpertDispatch:
         return self.back(dx_local, route).sum(axis=1)
 
 
-def _agree_on_layer(router, gate, up, down, top_k, normalize, activation, ep, tp) -> None:
+@dataclass(frozen=True)
+class _WholeLayer:
+    """What ``MoE.from_full`` is given, the same on every rank: the whole layer's arrays
+    and its settings."""
+
+    router: object
+    gate: object
+    up: object
+    down: object
+    top_k: int
+    normalize: bool
+    activation: str
+
+
+def _agree_on_layer(layer: _WholeLayer, ep, tp) -> None:
     """``_check_layer``, its error raised on every rank of ``ep`` and ``tp``, and the ranks
     agreed on the layer's settings and shapes (a rank routing with another top_k, or experts
     of another width, would route its tokens its own way without a word). Both checks run
@@ -182,14 +196,16 @@ def _agree_on_layer(router, gate, up, down, top_k, normalize, activation, ep, tp
     left waiting in one while the others leave, and an error every rank found the same way
     is told to nobody (``comm.failfast``)."""
     try:
-        _check_layer(router, gate, up, down, top_k, activation,
-                     ep.size if ep is not None else 1, tp.size if tp is not None else 1)
+        _check_layer(layer.router, layer.gate, layer.up, layer.down, layer.top_k,
+                     layer.activation, ep.size if ep is not None else 1,
+                     tp.size if tp is not None else 1)
         error = None
     except HpcparError as e:
         error = e
-    fields = [("top_k", top_k), ("normalize", normalize), ("activation", activation),
-              *((name, tuple(a.shape)) for name, a in
-                (("router", router), ("gate", gate), ("up", up), ("down", down)))]
+    fields = [("top_k", layer.top_k), ("normalize", layer.normalize),
+              ("activation", layer.activation),
+              *((name, tuple(getattr(layer, name).shape))
+                for name in ("router", "gate", "up", "down"))]
     for group in (ep, tp):
         if group is not None:
             try:
@@ -244,10 +260,10 @@ def _expert_major(by_source: np.ndarray) -> np.ndarray:
 
 
 @fails_together            # a failure here, after the agreement, is this rank's alone
-def _keep_pieces(group, cls, router, gate, up, down, top_k, normalize, ep, tp, activation,
-                 ops, name) -> "MoE":
+def _keep_pieces(group, cls, layer: _WholeLayer, ep, tp, ops, name) -> "MoE":
     """``MoE.from_full`` once the ranks agreed: this rank's pieces (no communication)."""
     ops = ops or native_ops(group.xp)
+    router, gate, up, down = layer.router, layer.gate, layer.up, layer.down
     E, inter = gate.shape[0], gate.shape[1]
     dispatch = ExpertDispatch(E, ep, ops.xp)
     t, p = (tp.rank, tp.size) if tp is not None else (0, 1)
@@ -263,8 +279,8 @@ def _keep_pieces(group, cls, router, gate, up, down, top_k, normalize, ep, tp, a
     experts = Experts(ops, [[keep(gate[e, cut], f"experts.{e}.gate.weight"),
                              keep(up[e, cut], f"experts.{e}.up.weight")] for e in mine],
                       [keep(down[e][:, cut], f"experts.{e}.down.weight") for e in mine],
-                      activation)
-    return cls(ops, TopKRouter(ops, r, top_k, normalize), experts, dispatch, tp)
+                      layer.activation)
+    return cls(ops, TopKRouter(ops, r, layer.top_k, layer.normalize), experts, dispatch, tp)
 
 
 def _router_replicas(ep, tp):
@@ -311,9 +327,9 @@ class MoE:
         if ep is None and tp is None:
             raise HpcparError("MoE.from_full: give the ep group, the tp group, or both "
                               "(a mesh's groups: mesh.group('ep'))")
-        _agree_on_layer(router, gate, up, down, top_k, normalize, activation, ep, tp)
-        return _keep_pieces(tp if tp is not None else ep, cls, router, gate, up, down, top_k,
-                            normalize, ep, tp, activation, ops, name)
+        layer = _WholeLayer(router, gate, up, down, top_k, normalize, activation)
+        _agree_on_layer(layer, ep, tp)
+        return _keep_pieces(tp if tp is not None else ep, cls, layer, ep, tp, ops, name)
 
     def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
         """``router.weight`` and this rank's ``experts.{e}.gate/up/down.weight`` (e global)."""
