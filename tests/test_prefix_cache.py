@@ -42,7 +42,7 @@ def _generate(comm, path, prompts, layout=(1, 1, 1, 1), cache=True, extra=(), **
     sets = [f"model.checkpoint='{path}'", f"parallel.dp={dp}", f"parallel.pp={pp}",
             f"parallel.tp={tp}", f"parallel.micro_batches={mbs}", "generate.max_new_tokens=8",
             "generate.stop_at_eos=false", "generate.kv_block_size=8",
-            f"generate.prefix_cache={str(cache).lower()}"]
+            *([] if cache is None else [f"generate.prefix_cache={str(cache).lower()}"])]
     sets += [f"generate.{k}={json.dumps(v)}" for k, v in gen.items()]    # TOML values
     sets += list(extra)
     return run_generation(comm, load_job(None, sets), prompts=prompts, progress=False)
@@ -177,6 +177,27 @@ def test_kv_memory_beyond_the_free_memory_is_refused(capfd, tmp_path):
     assert "give less, or a fraction of it (0.5: half)" in message
 
 
+@pytest.mark.parametrize("option, why", [
+    ({"batching": "static"}, "static batching runs each micro-batch in a KV cache of its own"),
+    ({"prompt_logprobs": 1}, "prompt logits and prompt log-probabilities are computed at every "
+                             "prompt position"),
+    ({"backend": "strict"}, "the paged cache on a device has not run on a GPU yet: set "
+                            "HPCPAR_PAGED_DEVICE=1"),
+])
+def test_the_prefix_cache_asked_for_where_it_cannot_serve_is_refused(capfd, tmp_path, option,
+                                                                     why):
+    """By default such a job runs in the contiguous cache; ``--prefix-cache`` asks for the
+    paged one, and gets one line saying why not (the device's after choosing the backend,
+    before loading)."""
+    path, _ = make_checkpoint(tmp_path, GQA)
+    extra = [f"parallel.backend='{option.pop('backend')}'"] if "backend" in option else []
+    default = _generate(MPI.COMM_SELF, path, _prompts(250), cache=None, extra=extra, **option)
+    assert default.report.kv_blocks == 0
+    message = refused(capfd, lambda: _generate(MPI.COMM_SELF, path, _prompts(250),
+                                               extra=extra, **option))
+    assert message.startswith("2 hpcpar: error: --prefix-cache: " + why), message
+
+
 @pytest.mark.mpi(ranks=(2, 4))
 def test_every_layout_with_the_prefix_cache_gives_the_single_ranks_tokens(tmp_path_factory):
     """tp 2 x pp 2 and dp 2 x pp 2 (4 ranks), dp 2 and pp 2 (2 ranks): every stage keeps the
@@ -254,18 +275,22 @@ def test_scored_rows_that_begin_alike_are_the_rows_scored_alone(family, tmp_path
 
 
 @pytest.mark.mpi(ranks=(2,))
-def test_scoring_with_shared_beginnings_under_tp_and_dp(tmp_path_factory):
+def test_scoring_with_shared_beginnings_under_tp_pp_and_dp(tmp_path_factory):
+    """Under pp a micro-batch whose rows share beginnings takes two passes through the
+    pipeline (its prefixes, then the rest), the others one: 4 micro-batches of both kinds."""
     comm = MPI.COMM_WORLD
     folder = world_checkpoint(tmp_path_factory, "shared-score", GQA)
     rows = _choices(GQA["vocab_size"], seed=1)
     whole = (_scored(MPI.COMM_SELF, folder / "model.h5", rows, folder, cache=False)
              if comm.Get_rank() == 0 else None)
-    for layout in ((1, 1, 2, 1), (2, 1, 1, 1)):
+    for layout in ((1, 1, 2, 1), (2, 1, 1, 1), (1, 2, 1, 4)):
         cached = _scored(comm, folder / "model.h5", rows, folder, layout)
         if comm.Get_rank() == 0:
             np.testing.assert_allclose(cached.token_logprobs, whole.token_logprobs, atol=2e-5,
                                        err_msg=str(layout))
             assert cached.shared_positions > 0
+            if layout[0] == 1:              # one replica: every context's rows together
+                assert cached.shared_positions == (4 * 39 - 40) + (4 * 22 - 23), layout
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])

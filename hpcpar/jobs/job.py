@@ -112,7 +112,8 @@ class GenerateSection:
     batching: str = "continuous"    # or "static": every micro-batch runs to its longest row
     batch_size: int = 0             # rows in flight per micro-batch (0: what fits)
     cuda_graphs: bool = False       # each decode step a replayed CUDA graph (one rank a model)
-    prefix_cache: bool = True       # continuous batching: rows share a cached prompt prefix
+    prefix_cache: bool | None = None    # rows share cached prompt prefixes (None: wherever
+                                        # exact; true: refused where it cannot be)
     kv_block_size: int = 16         # positions per block of the paged KV cache
     kv_memory: float = 0.0          # its size: <= 1 a fraction of free memory, > 1 bytes
                                     # (0: half the free memory)
@@ -147,7 +148,8 @@ class TrainSection(OptimizerSettings):
 @dataclass(frozen=True)
 class ScoreSection:
     data: str | None = None             # the sequences whose log-probabilities are scored
-    prefix_cache: bool = True           # rows that begin alike compute their beginning once
+    prefix_cache: bool | None = None    # rows that begin alike compute their beginning once
+                                        # (None: wherever exact; true: refused elsewhere)
 
 
 @dataclass(frozen=True)

@@ -175,9 +175,14 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     p.add_argument("--cuda-graphs", action="store_const", const=True,
                    help="replay each decode step as a CUDA graph (a GPU, a whole dense model "
                         "per rank, bfloat16 or float16)")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const", const=False,
-                   help="compute every prompt from its first token, even where an earlier "
-                        "prompt began alike (continuous batching shares those keys)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--prefix-cache", dest="prefix_cache", action="store_const", const=True,
+                       help="rows in a paged KV cache, a prompt that begins as an earlier one "
+                            "did taking its keys (the default wherever it is exact; asked for, "
+                            "refused where it is not)")
+    cache.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
+                       const=False, help="compute every prompt from its first token, in a "
+                                         "contiguous KV cache")
     p.add_argument("--kv-block-size", type=int,
                    help="positions per block of the paged KV cache (a power of two; "
                         "default 16)")
@@ -302,9 +307,12 @@ def _score_command(sub) -> None:
     _timeout_flag(score)
     score.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
                        help="compute dtype (default float32)")
-    score.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
-                       const=False, help="compute every row from its first token, even where "
-                                         "rows begin alike (their beginning is computed once)")
+    shared = score.add_mutually_exclusive_group()
+    shared.add_argument("--prefix-cache", dest="prefix_cache", action="store_const", const=True,
+                        help="rows that begin alike compute their beginning once (the default "
+                             "wherever it is exact; asked for, refused where it is not)")
+    shared.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_const",
+                        const=False, help="compute every row from its first token")
     score.add_argument("--backend", choices=BACKENDS)
     score.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
 

@@ -23,6 +23,7 @@ from ..parallel.pipeline.partition import stage_layers
 from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
 from ..parallel.tensor.splits import expert_block
 from .generate.memory import StageMemory, rank_widths, rows_at_once, stage_memory
+from .generate.paged_rows import paging_refusal
 from .job import GenerateSection, TrainSection
 from .layout import ParallelConfig
 
@@ -151,7 +152,14 @@ def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
 def paged_cache_line(cfg: ModelConfig, layout: ParallelConfig, top: StageEstimate, batch: int,
                      row_length: int, itemsize: int, gen: GenerateSection) -> str:
     """What the paged KV cache of continuous batching on host arrays holds on the largest
-    rank: its blocks, a row's, and with ``--kv-memory`` in bytes the rows at once."""
+    rank: its blocks, a row's, and with ``--kv-memory`` in bytes the rows at once; or why
+    the job's rows are in a contiguous cache instead."""
+    if gen.prefix_cache is False:
+        return ("KV cache: contiguous, every prompt computed from its first token "
+                "(--no-prefix-cache)")
+    reason = paging_refusal(gen, gen.prompt_logprobs is not None, layout.cp, False)
+    if reason:
+        return f"KV cache: contiguous, no prefix cache: {reason}"
     kv_heads = max(cfg.num_key_value_heads // layout.tp, 1)
     per_block = block_bytes(len(top.layers), kv_heads, gen.kv_block_size, cfg.head_dim,
                             itemsize)

@@ -30,7 +30,7 @@ from ..layout import ParallelConfig
 from ..replicas import owners
 from ..skeleton import JobRun
 from .continuous import ContinuousProgram, rows_in_flight, segment_steps
-from .paged_rows import kv_pool_blocks, pages_rows
+from .paged_rows import check_prefix_cache, kv_pool_blocks, pages_rows
 from .decode import check_graphed_backend
 from .batch_api import BatchLines, Requests
 from .jsonl_output import JsonLines
@@ -85,10 +85,17 @@ class GenerationRun(JobRun):
         return validate(self.job, self.ckpt, self.size, self.prompts)
 
     def open(self) -> None:
-        check = (partial(check_graphed_backend, dtype=self.checked.dtype, cfg=self.ckpt.config)
-                 if self.checked.settings.cuda_graphs else None)
         self.ranks = open_stage(self.comm, self.job, self.checked.layout, self.ckpt,
-                                self.checked.dtype, check)
+                                self.checked.dtype, self._check_backend)
+
+    def _check_backend(self, backend) -> None:
+        """What the job asks of its backend, before loading: CUDA graphs' device and dtype,
+        an explicit ``--prefix-cache``'s paging there."""
+        checked = self.checked
+        if checked.settings.cuda_graphs:
+            check_graphed_backend(backend, checked.dtype, self.ckpt.config)
+        check_prefix_cache(checked.settings, checked.results, checked.layout.cp,
+                           backend.on_device)
 
     # ---- work: the waves ---------------------------------------------------------------
 

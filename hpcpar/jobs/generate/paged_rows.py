@@ -19,10 +19,11 @@ prompt compute its keys once.
 
 Paging serves rows whose whole output comes from their last prompt token on: a job that keeps
 prompt logits or prompt log-probabilities computes every prompt position, and runs on the
-contiguous cache, as do context parallelism (the cache is split over cp), CUDA graphs and a
-device backend (a GPU, or the strict backend that checks a GPU's path), where paging has not
-run yet: ``HPCPAR_PAGED_DEVICE=1`` turns it on there (a gather of each row's blocks before
-the existing attention kernel).
+contiguous cache, as do static batching, context parallelism (the cache is split over cp),
+CUDA graphs and a device backend (a GPU, or the strict backend that checks a GPU's path),
+where paging has not run yet: ``HPCPAR_PAGED_DEVICE=1`` turns it on there (a gather of each
+row's blocks before the existing attention kernel). ``--prefix-cache`` asks for it
+explicitly, and is refused in one line where it cannot serve (``paging_refusal``).
 """
 
 from __future__ import annotations
@@ -79,13 +80,47 @@ def kv_pool_blocks(settings, stage, mbs, limits, backend, world, comm) -> int:
     return blocks
 
 
+def paging_refusal(settings, prompt_logprobs: bool, cp: int,
+                   on_device: bool | None) -> str | None:
+    """Why a job's rows cannot go in a paged cache with prefix caching, exactly as they run in
+    a contiguous one (see the module), or None where they can: ``prompt_logprobs``, whether
+    a row keeps them; ``cp``, the context-parallel ranks; ``on_device``, whether the backend
+    is a device's (None: not known yet)."""
+    if settings.batching == "static":
+        return ("static batching runs each micro-batch in a KV cache of its own; the paged "
+                "cache is continuous batching's (the default): drop --batching static")
+    if cp > 1:
+        return (f"the KV cache is split over cp {cp}, position by position, and a block of "
+                "the paged cache holds consecutive positions: run without --cp")
+    if settings.save_logits or prompt_logprobs:
+        return ("prompt logits and prompt log-probabilities are computed at every prompt "
+                "position, so no prompt begins from cached keys: drop --save-logits / "
+                "--prompt-logprobs")
+    if settings.cuda_graphs:
+        return ("a CUDA graph replays a decode step over fixed rows of a contiguous cache: "
+                "drop --cuda-graphs")
+    if on_device and environment_value("HPCPAR_PAGED_DEVICE") != "1":
+        return ("the paged cache on a device has not run on a GPU yet: set "
+                "HPCPAR_PAGED_DEVICE=1 to use it there")
+    return None
+
+
+def check_prefix_cache(settings, results: ResultShape, cp: int,
+                       on_device: bool | None = None) -> None:
+    """``--prefix-cache`` asked for where it cannot serve: one line saying why (by default
+    the job runs in a contiguous cache instead)."""
+    reason = settings.prefix_cache and paging_refusal(
+        settings, results.prompt_logprobs >= 0, cp, on_device)
+    if reason:
+        raise HpcparError(f"--prefix-cache: {reason}")
+
+
 def pages_rows(settings, results: ResultShape, backend, cp) -> bool:
-    """Whether continuous batching keeps its rows in a paged cache (see the module):
-    ``results``, what the job's rows keep."""
-    device = environment_value("HPCPAR_PAGED_DEVICE") == "1"
-    return bool(settings.prefix_cache and cp is None
-                and (device or not backend.on_device) and not settings.cuda_graphs
-                and not settings.save_logits and results.prompt_logprobs < 0)
+    """Whether the rows go in a paged cache: unless ``--no-prefix-cache``, wherever
+    ``paging_refusal`` has no reason (``cp``: the context-parallel group, or None)."""
+    return (settings.prefix_cache is not False
+            and paging_refusal(settings, results.prompt_logprobs >= 0,
+                               1 if cp is None else cp.size, backend.on_device) is None)
 
 
 class PagedRows:

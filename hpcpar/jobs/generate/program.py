@@ -44,7 +44,8 @@ class GenerationSettings:
     batching: str = "continuous"    # or "static" (see ``generate.continuous``)
     batch_size: int = 0             # continuous: rows in flight per micro-batch (0: all)
     cuda_graphs: bool = False       # decode steps replayed as CUDA graphs (``generate.decode``)
-    prefix_cache: bool = True       # continuous: rows in a paged cache sharing prompt prefixes
+    prefix_cache: bool | None = None    # rows in a paged cache sharing prompt prefixes: None
+                                        # wherever exact (``paged_rows.paging_refusal``)
     kv_block_size: int = 16         # positions per block of that cache (``generate.paged_rows``)
     kv_memory: float = 0.0          # its size: a fraction of free memory up to 1, bytes above
 

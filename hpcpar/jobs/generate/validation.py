@@ -24,6 +24,7 @@ from ..inputs.stage import eos_ids, load_tokenizer
 from ..job import Job
 from ..layout import ParallelConfig
 from .decode import check_graphed_layout
+from .paged_rows import check_prefix_cache
 from .program import GenerationSettings
 from .batch_api import is_batch_file, load_requests, screen
 from .results import Logprobs, ResultShape, RowResults, Samples
@@ -128,9 +129,11 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int,
         stops = StopStrings.of(gen.stop, prompts.stops, len(prompts), tokenizer,
                                per_prompt.min_tokens)
         stop_ids = None if stop_ids is None else [i for i in stop_ids for _ in range(width)]
-    return CheckedGeneration(layout, float_dtype(job.model.dtype), settings, prompts,
-                             tokenizer, limits, per_prompt, eos_ids(ckpt), stops, stop_ids,
-                             Samples(counts, width))
+    checked = CheckedGeneration(layout, float_dtype(job.model.dtype), settings, prompts,
+                                tokenizer, limits, per_prompt, eos_ids(ckpt), stops, stop_ids,
+                                Samples(counts, width))
+    check_prefix_cache(settings, checked.results, layout.cp)
+    return checked
 
 
 def _check_each(prompts: Prompts, cfg, settings: GenerationSettings, layout: ParallelConfig,

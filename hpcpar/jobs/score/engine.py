@@ -23,11 +23,11 @@ import numpy as np
 from ...checkpoint.files import (OUTPUT_KIND, AtomicPath, check_output, check_space, write_point,
                                  writing)
 from ...parallel.device.dtypes import float_dtype
+from ...parallel.environment import environment_value
 from ...parallel.errors import HpcparError, Stopped
 from ...parallel.mesh import Mesh
 from ...parallel.pipeline.executor import PipelineExecutor
 from ..inputs.batching import MicroBatch, micro_batches, micro_batches_of, replica_rows
-from ..inputs.schedule import generation
 from ..inputs.stage import load_tokenizer, open_stage
 from ..job import Job
 from ..launch import everyone, phase
@@ -105,12 +105,21 @@ class ScoringRun(JobRun):
             raise HpcparError("scoring needs an output file: --out OUT.h5")
         check_output(job.output.path, {"checkpoint": ckpt.path, "data": source}, kind="scores")
         check_space(job.output.path, output_bytes(len(data), data.width))   # before the work
+        reason = sharing_refusal(layout.cp, None)
+        if job.score.prefix_cache and reason:
+            raise HpcparError(f"--prefix-cache: {reason}")
         return _CheckedScoring(layout, float_dtype(job.model.dtype), data)
 
     def open(self) -> None:
         self.ranks = open_stage(self.comm, self.job, self.checked.layout, self.ckpt,
-                                self.checked.dtype)
+                                self.checked.dtype, self._check_backend)
         self.ranks.board.stops_waits = True
+
+    def _check_backend(self, backend) -> None:
+        """An explicit ``--prefix-cache`` the backend cannot serve, before loading."""
+        reason = sharing_refusal(self.checked.layout.cp, backend.on_device)
+        if self.job.score.prefix_cache and reason:
+            raise HpcparError(f"--prefix-cache: {reason}")
 
     def work(self) -> None:
         layout, ranks, world = self.checked.layout, self.ranks, self.ranks.world
@@ -124,8 +133,8 @@ class ScoringRun(JobRun):
 
         data = self.checked.data
         rows = replica_rows(len(data), layout.dp, mesh.coord("dp"))
-        shares = (self.job.score.prefix_cache and layout.pp == 1 and layout.cp == 1
-                  and not backend.on_device)
+        shares = (self.job.score.prefix_cache is not False
+                  and sharing_refusal(layout.cp, backend.on_device) is None)
         mbs = (_shared_micro_batches(data, rows, layout) if shares
                else micro_batches(data.ids, rows, _micro_batch_count(data, layout)))
         done: dict[int, int] = {}           # rank 0: each replica's tokens scored
@@ -141,8 +150,8 @@ class ScoringRun(JobRun):
                                  progress=lambda: self.program.worked,
                                  heard=heard if self.bar else None)
         self.program = ScoringProgram(ranks.stage, mbs, backend, after_batch=after_batch,
-                                      cp=ranks.cp, prefix_cache=self.job.score.prefix_cache)
-        actions = generation(layout.pp, len(mbs), 1)[mesh.coord("pp")] if mbs else []
+                                      cp=ranks.cp, shares=shares)
+        actions = self.program.schedule(layout.pp)[mesh.coord("pp")] if mbs else []
         executor = PipelineExecutor(ranks.pp, mesh.coord("pp"), self.program, backend,
                                     in_flight=len(mbs), board=ranks.board)
         with phase("checking the pipeline schedule"):
@@ -198,6 +207,18 @@ def run_scoring(comm, job: Job, progress: bool = True) -> ScoreResult | None:
 # [rows, heads, seq, seq]) leave the caches (measured on a 2-core CPU, 48 rows of 8-512
 # tokens, ~100M preset: 1 micro-batch 72 tokens/s, 6: 106, 12: 135, 24: 179)
 SCORE_TOKENS_PER_MICRO_BATCH = 1024
+
+
+def sharing_refusal(cp: int, on_device: bool | None) -> str | None:
+    """Why rows that begin alike cannot compute their beginning once here, or None:
+    ``on_device``, whether the backend is a device's (None: not known yet)."""
+    if cp > 1:
+        return (f"cp {cp} splits every row over its ranks position by position, and a "
+                "shared beginning is a run of positions: run without --cp")
+    if on_device and environment_value("HPCPAR_PAGED_DEVICE") != "1":
+        return ("rows sharing their beginnings have not run on a GPU yet: set "
+                "HPCPAR_PAGED_DEVICE=1 to use it there")
+    return None
 
 
 def _micro_batch_count(data: ScoreData, layout: ParallelConfig) -> int:
