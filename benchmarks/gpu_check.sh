@@ -86,8 +86,14 @@ step gpu-tests "${GPU_CHECK_TESTS_SECONDS:-180}" python3 -m pytest -q -m gpu -p 
 # shellcheck disable=SC2086
 step benchmark "${GPU_CHECK_BENCH_SECONDS:-420}" python3 benchmarks/gpu.py \
   ${GPU_CHECK_BENCH:---models 1b,8b --new-tokens 128 --cuda-graphs --fused-optimizer}
+# the paged KV cache and scoring's shared beginnings on the GPU (behind their switch): tokens
+# and log-probs against the contiguous cache's, and the ratios of benchmarks/prefix.py
+[[ "${GPU_CHECK_PREFIX_SECONDS:-90}" == 0 ]] || step prefix "${GPU_CHECK_PREFIX_SECONDS:-90}" \
+  env HPCPAR_BACKEND=cupy HPCPAR_PAGED_DEVICE=1 python3 benchmarks/prefix.py --no-transformers \
+  --workloads shared,choices --json "benchmarks/results/prefix-gpu-$day.json"
 [[ "${GPU_CHECK_SUITE_SECONDS:-150}" == 0 ]] || step cupy-suite "${GPU_CHECK_SUITE_SECONDS:-150}" env HPCPAR_BACKEND=cupy python3 -m pytest -q -x -m "not mpi" \
   -p no:cacheprovider tests/test_model.py tests/test_generate_cli.py tests/test_logprobs.py \
   tests/test_samples.py
 cp benchmarks/results/nvidia-*-"$day".json "$out/gpu-$day.json" 2>/dev/null
+cp "benchmarks/results/prefix-gpu-$day.json" "$out/" 2>/dev/null
 echo "== summary" && cat "$summary"

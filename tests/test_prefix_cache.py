@@ -108,7 +108,8 @@ def test_a_later_wave_shares_the_prompts_an_earlier_one_cached(tmp_path):
 def test_the_device_path_pages_rows_behind_its_switch(tmp_path, monkeypatch):
     """``HPCPAR_PAGED_DEVICE=1``: on the strict backend (the phase that repeats this test
     there) the paged cache's uploads, gathers and scatters run as a GPU's would, with the
-    same tokens as the contiguous cache."""
+    same tokens as the contiguous cache; so do scoring's shared beginnings, with the whole
+    rows' log-probs."""
     monkeypatch.setenv("HPCPAR_PAGED_DEVICE", "1")
     path, _ = make_checkpoint(tmp_path, GQA)
     prompts = _prompts(GQA["vocab_size"], seed=3)
@@ -116,12 +117,18 @@ def test_the_device_path_pages_rows_behind_its_switch(tmp_path, monkeypatch):
     cached = _generate(MPI.COMM_SELF, path, prompts, **gen)
     _same(cached, _generate(MPI.COMM_SELF, path, prompts, cache=False, **gen), "device path")
     assert cached.report.prefix_hit_rate > 0.3
+    rows = _choices(GQA["vocab_size"])
+    scores = _scored(MPI.COMM_SELF, path, rows, tmp_path)
+    np.testing.assert_allclose(scores.token_logprobs, _scored(
+        MPI.COMM_SELF, path, rows, tmp_path, cache=False).token_logprobs, atol=2e-5)
+    assert scores.shared_positions > 0
 
 
 @pytest.mark.gpu
 def test_the_paged_cache_on_the_gpu_gives_the_contiguous_caches_tokens(tmp_path, monkeypatch):
     """The switch on a GPU: float32 tokens equal the contiguous cache's; bfloat16 runs (its
-    GEMMs over other rows round apart, so only the cache's use is checked)."""
+    GEMMs over other rows round apart, so only the cache's use is checked); scoring's shared
+    beginnings give the whole rows' log-probs."""
     pytest.importorskip("cupy")
     monkeypatch.setenv("HPCPAR_PAGED_DEVICE", "1")
     path, _ = make_checkpoint(tmp_path, GQA)
@@ -134,6 +141,14 @@ def test_the_paged_cache_on_the_gpu_gives_the_contiguous_caches_tokens(tmp_path,
         if dtype == "float32":
             _same(cached, _generate(MPI.COMM_SELF, path, prompts, cache=False, extra=extra,
                                     **gen), "cupy")
+    # scoring's shared beginnings on the GPU: the whole rows' log-probs
+    monkeypatch.setenv("HPCPAR_BACKEND", "cupy")
+    rows = _choices(GQA["vocab_size"])
+    cached_scores = _scored(MPI.COMM_SELF, path, rows, tmp_path)
+    assert cached_scores.shared_positions > 0
+    np.testing.assert_allclose(cached_scores.token_logprobs,
+                               _scored(MPI.COMM_SELF, path, rows, tmp_path,
+                                       cache=False).token_logprobs, atol=2e-5)
 
 
 def _block_bytes(cfg: dict, block: int = 8) -> int:
