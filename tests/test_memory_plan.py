@@ -114,6 +114,19 @@ def test_the_plan_follows_dtype_sampling_batching_and_family(tmp_path, monkeypat
                                       sets, itemsize=itemsize))
 
 
+def test_the_plan_predicts_the_paged_caches_peak_behind_its_switch(tmp_path, monkeypatch):
+    """``HPCPAR_PAGED_DEVICE=1``: the pool of every row's blocks and each micro-batch's rows
+    in position order beside it (``paged_cache_bytes``), 5 prompts over 2 micro-batches."""
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    monkeypatch.setenv("HPCPAR_PAGED_DEVICE", "1")
+    b, plan, peaks = measure_and_plan(MPI.COMM_SELF, tmp_path, shape("1b"), (32, 20, 32, 9, 27),
+                                      ["parallel.micro_batches=2"])
+    check_each_term(b, plan, peaks)
+    contiguous = plan_stages(ModelConfig.from_hf(shape("1b")), ParallelConfig(micro_batches=2),
+                             5, 32, 3, 4, GenerateSection(prefix_cache=False))[0]
+    assert plan.kv_cache_bytes > 2 * contiguous.kv_cache_bytes     # the pool and its views
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("split", ["tp", "pp"])
 def test_the_plan_predicts_each_ranks_peak_under_tp_and_pp(comm, mpi_tmp_path, monkeypatch,

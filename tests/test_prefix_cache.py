@@ -173,6 +173,23 @@ def test_rows_preempted_when_the_blocks_run_out_give_the_same_tokens(tmp_path, g
     assert "rows preempted" in small.report.format()
 
 
+def test_one_kv_memory_holds_more_rows_in_flight_paged_than_contiguous(tmp_path):
+    """``--kv-memory`` bounds both caches: the contiguous one to the rows that fit at the
+    longest row's length (here 3), the paged one to the blocks rows hold as they are (its
+    shared prefixes once, each row's own length), which the run report gives as rows in
+    flight."""
+    path, _ = make_checkpoint(tmp_path, GQA)
+    prompts = _prompts(GQA["vocab_size"], seed=2)
+    longest = max(len(p) + k for p, k in zip(prompts.ids, prompts.max_new_tokens))
+    memory = 3 * longest * _block_bytes(GQA, block=1) + 1
+    contiguous = _generate(MPI.COMM_SELF, path, prompts, cache=False, kv_memory=memory)
+    paged = _generate(MPI.COMM_SELF, path, prompts, kv_memory=memory)
+    _same(paged, contiguous, "one kv memory")
+    assert contiguous.report.rows_in_flight == 3
+    assert paged.report.rows_in_flight >= 5, paged.report.rows_in_flight
+    assert "rows in flight at most" in paged.report.format()
+
+
 def test_a_pool_smaller_than_the_longest_row_is_refused(capfd, tmp_path):
     path, _ = make_checkpoint(tmp_path, GQA)
     prompts = _prompts(GQA["vocab_size"], seed=2)

@@ -187,8 +187,8 @@ def _job_flags(p, required: bool, out_help: str) -> None:
                    help="positions per block of the paged KV cache (a power of two; "
                         "default 16)")
     p.add_argument("--kv-memory", type=float, metavar="X",
-                   help="the paged KV cache's memory per rank: a fraction of the free memory "
-                        "(up to 1) or bytes (default 0.5)")
+                   help="the KV cache's memory per rank: a fraction of the free memory (up "
+                        "to 1) or bytes (default 0.5); it bounds the rows in flight")
     p.add_argument("--wave-size", type=int,
                    help="prompts per wave: the output is saved, and the job can stop, after "
                         "each (default: all at once)")

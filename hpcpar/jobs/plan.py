@@ -22,7 +22,8 @@ from ..parallel.context_parallel.ring_attention import ContextShard
 from ..parallel.pipeline.partition import stage_layers
 from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
 from ..parallel.tensor.splits import expert_block
-from .generate.memory import StageMemory, rank_widths, rows_at_once, stage_memory
+from .generate.memory import (StageMemory, paged_cache_bytes, rank_widths, rows_at_once,
+                              stage_memory)
 from .generate.paged_rows import paging_refusal
 from .job import GenerateSection, TrainSection
 from .layout import ParallelConfig
@@ -70,10 +71,15 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
                 gen: GenerateSection | None = None) -> list[StageEstimate]:
     """Per stage, a rank's bytes and traffic for ``batch`` prompts of up to
     ``prompt_length`` tokens (``gen``: the job's batching and sampling; default: a job's
-    defaults)."""
+    defaults), on the device path: its KV cache paged where ``HPCPAR_PAGED_DEVICE=1`` and
+    paging serves the job (``paged_cache_bytes``: every row at ``prompt_length``, an upper
+    bound where prompts are shorter), else contiguous."""
     gen = gen or GenerateSection()
     rows = rows_at_once(layout, batch, prompt_length, gen)
     w = rank_widths(cfg, layout.tp)
+    # the device path's KV cache: paged behind its switch, where paging serves the job
+    paged = (gen.prefix_cache is not False
+             and paging_refusal(gen, gen.prompt_logprobs is not None, layout.cp, True) is None)
     out = []
     for s in range(layout.pp):
         layers = stage_layers(cfg.num_hidden_layers, layout.pp, s, layout.stage_layers)
@@ -84,8 +90,11 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         weights = sum(sizes.values())
         experts = sum(sizes[spec.name] for spec in specs if spec.expert is not None)
         reduces = (2 * len(layers) + (1 if first else 0)) if layout.tp > 1 else 0
-        kv = kv_cache_bytes(len(layers), rows.cached, w.kv // cfg.head_dim,
-                            prompt_length + max_new_tokens, cfg.head_dim, itemsize)
+        kv_heads = w.kv // cfg.head_dim
+        kv = (paged_cache_bytes(len(layers), kv_heads, cfg.head_dim, rows.cached,
+                                prompt_length + max_new_tokens, itemsize, gen) if paged
+              else kv_cache_bytes(len(layers), rows.cached, kv_heads,
+                                  prompt_length + max_new_tokens, cfg.head_dim, itemsize))
         memory = stage_memory(cfg, layout.tp, rows, prompt_length,
                               StageSpan(layers, first, last), specs, sizes, kv, itemsize, gen)
         out.append(StageEstimate(

@@ -44,7 +44,7 @@ from ..faults import fault_point
 from ..inputs.batching import MicroBatch
 from ..inputs.schedule import generation
 from .decode import decode_steps
-from .paged_rows import KV_SHARE, PagedRows
+from .paged_rows import PagedRows, kv_memory_budget
 from .program import GenerationSettings, ReplicaProgram, RowRules, WaveEvents
 from .sampling import next_tokens
 
@@ -116,6 +116,7 @@ class ContinuousProgram(ReplicaProgram):
         self.step_tokens = [np.full(w, pad_id, np.int64) for w in self.width]  # last sampled
         self.logits_of: dict[int, np.ndarray] = {}                 # prompt -> (L, vocab)
         self.decoded = [0] * len(mbs)                      # decode steps run per micro-batch
+        self.held = 0                                      # the most rows in flight at once
 
     def _every_row_blocks(self, settings: GenerationSettings) -> int:
         """The blocks of every row at its end, none shared: the most a paged cache needs."""
@@ -143,7 +144,7 @@ class ContinuousProgram(ReplicaProgram):
                 at += w
         if self.paged is not None:
             self._make_room()
-        work, steps = False, 1
+        work, steps, in_flight = False, 1, 0
         for s in self.slots:
             free = np.flatnonzero(~s.active(self.done))
             take = self._admit(s.queue[:len(free)])
@@ -153,9 +154,11 @@ class ContinuousProgram(ReplicaProgram):
                 s.prompt[slot] = s.queue.pop(0)
             s.first, s.inverse = self._groups(s.prompt[s.new])
             active = s.active(self.done)
+            in_flight += int(active.sum())
             work = work or bool(active.any())
             held = s.prompt[active]
             steps = max(steps, int((self.limit[held] - self.generated[held]).max(initial=0)))
+        self.held = max(self.held, in_flight)
         if not work:
             return []
         if any(s.queue for s in self.slots):
@@ -363,6 +366,9 @@ class ContinuousProgram(ReplicaProgram):
         stats = self.paged.stats()
         return stats.prompt_tokens, stats.hit_tokens
 
+    def rows_held(self) -> int:
+        return self.held
+
     def pool_stats(self) -> tuple[int, int, int]:
         if self.paged is None:
             return super().pool_stats()
@@ -486,19 +492,20 @@ def rows_in_flight(settings: GenerationSettings, stage, mbs, limits, backend, wo
                    cp=None, paged: bool = False) -> int:
     """Rows in flight per micro-batch: --batch-size, or what fits: in a paged cache every
     row (the blocks bound them), else the rows whose KV cache (for the longest prompt and
-    limit, every micro-batch) takes at most ``KV_SHARE`` of the free memory of the fullest
-    rank (collective over the world)."""
+    limit, every micro-batch) takes at most ``--kv-memory`` (bytes, or a fraction of the
+    free memory; by default ``KV_SHARE`` of it) on the fullest rank (collective over the
+    world)."""
     if settings.batch_size:
         return settings.batch_size
     if paged:
         return max((mb.size for mb in mbs), default=1)
     fit = 2 ** 62
-    free = backend.free_memory_bytes()
-    if free is not None and mbs:
+    budget = kv_memory_budget(settings.kv_memory, backend.free_memory_bytes())
+    if budget is not None and mbs:
         capacity = max(int(n + limits[r]) for mb in mbs for r, n in zip(mb.rows, mb.lengths))
         if cp is not None:                     # a rank holds its part of each row's cache
             capacity = SplitKV.local_capacity(capacity, cp.size)
         per_row = len(mbs) * stage.kv_bytes_per_row(capacity)
-        fit = max(1, int(KV_SHARE * free // max(per_row, 1)))
+        fit = max(1, int(budget // max(per_row, 1)))
     fit = -int(world.all_reduce(np.array([-fit], dtype=np.int64), op="max")[0])
     return min(fit, max((mb.size for mb in mbs), default=1))

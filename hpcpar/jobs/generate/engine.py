@@ -370,7 +370,7 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         kv_cache_bytes=program.kv_cache_bytes(),
         prefix_prompt_tokens=prefix[0], prefix_hit_tokens=prefix[1],
         kv_blocks=pool[0], kv_blocks_peak=pool[1], preemptions=pool[2],
-        weight_bytes=stage.weight_bytes)
+        rows_in_flight=program.rows_held(), weight_bytes=stage.weight_bytes)
 
 
 def _collect_logits(world, layout: ParallelConfig, prompts: Prompts, wave: np.ndarray,

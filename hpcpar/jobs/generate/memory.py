@@ -46,6 +46,8 @@ from dataclasses import dataclass
 
 from ...models.config import ModelConfig
 from ...models.decoder import matrix_stacks
+from ...models.kv_blocks import block_bytes, blocks_for
+from ...models.kv_cache import kv_cache_bytes
 from ...models.sharding import padded_vocab_size, piece_of
 from ...models.tensors import StageSpan, TensorSpec, layer_tensors
 from ...parallel.comm import split_sizes
@@ -151,6 +153,23 @@ def _logit_bytes(w: Widths, rows: int, itemsize: int, gen: GenerateSection) -> i
     if (gen.repetition_penalty, gen.presence_penalty, gen.frequency_penalty) != (1.0, 0.0, 0.0):
         per_row += FLOAT32 * w.vocab
     return rows * per_row
+
+
+def paged_cache_bytes(layers: int, kv_heads: int, head_dim: int, rows: int, row_length: int,
+                      itemsize: int, gen: GenerateSection) -> int:
+    """A stage's paged KV cache (``paged_rows.PagedRows``) for ``rows`` rows of
+    ``row_length`` positions, each micro-batch's rows in flight at once: the pool, every
+    row's blocks at its end or the fewer ``--kv-memory`` bytes hold, and its null block;
+    each micro-batch's rows also in position order (``PagedKVCache.contiguous``), their
+    blocks' positions and one more. The blocks prompts share are not taken out: a bound."""
+    per_block = block_bytes(layers, kv_heads, gen.kv_block_size, head_dim, itemsize)
+    width = blocks_for(row_length, gen.kv_block_size)
+    blocks = rows * width
+    if gen.kv_memory > 1:
+        blocks = min(blocks, int(gen.kv_memory // per_block))
+    views = kv_cache_bytes(layers, rows, kv_heads, width * gen.kv_block_size + 1, head_dim,
+                           itemsize)
+    return (blocks + 1) * per_block + views
 
 
 @dataclass(frozen=True)

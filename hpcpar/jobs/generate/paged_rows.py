@@ -43,6 +43,15 @@ from .results import ResultShape
 KV_SHARE = 0.5             # the share of a rank's free memory the KV cache gets by default
 
 
+def kv_memory_budget(wanted: float, free: float | None) -> float | None:
+    """The KV cache's bytes on a rank, paged or contiguous: ``--kv-memory`` ``wanted``
+    (bytes above 1, else a fraction of the ``free`` memory, 0 for ``KV_SHARE``); None where
+    the free memory is not known and no bytes were given."""
+    if wanted > 1:
+        return wanted
+    return None if free is None else (wanted or KV_SHARE) * free
+
+
 def kv_pool_blocks(settings, stage, mbs, limits, backend, world, comm) -> int:
     """The blocks of each stage's paged KV cache (collective over the world): what
     ``--kv-memory`` gives every rank (a fraction of its free memory up to 1, bytes above it;
@@ -58,8 +67,8 @@ def kv_pool_blocks(settings, stage, mbs, limits, backend, world, comm) -> int:
     if wanted > 1 and free is not None and wanted > free:
         problem = (f"--kv-memory {wanted:.4g} bytes is more than this rank's free memory, "
                    f"{free:.4g} bytes: give less, or a fraction of it (0.5: half)")
-    budget = (wanted if wanted > 1 else (wanted or KV_SHARE) * free if free is not None
-              else 2 ** 62)
+    budget = kv_memory_budget(wanted, free)
+    budget = 2 ** 62 if budget is None else budget
     longest = max((blocks_for(int(n) + int(limits[r]), settings.kv_block_size)
                    for mb in mbs for r, n in zip(mb.rows, mb.lengths)), default=0)
     agreed = world.all_reduce(np.array([-int(budget // max(per, 1)), longest, problem is not None],

@@ -290,6 +290,11 @@ class ReplicaProgram(ABC):
         """(blocks, the most in use at once, rows preempted) of a paged cache: none here."""
         return 0, 0, 0
 
+    def rows_held(self) -> int:
+        """The most rows whose keys the KV caches held at once: static batching holds every
+        row of the replica's micro-batches from their prefill on."""
+        return int(self.offsets[-1])
+
     @abstractmethod
     def prefill_seconds(self, times, start: float) -> float:
         """The run's prefill time, for the report (``times``: the executor's)."""

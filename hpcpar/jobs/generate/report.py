@@ -41,6 +41,7 @@ class RankFigures:
     kv_blocks: float = 0.0               # the blocks of its paged cache
     kv_blocks_peak: float = 0.0          # the most in use at once
     preemptions: float = 0.0             # rows preempted when the blocks ran out
+    rows_in_flight: float = 0.0          # the most rows its KV caches held at once
 
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
@@ -48,7 +49,8 @@ class RankFigures:
     def combine(self, later: "RankFigures") -> "RankFigures":
         """Two waves of one run: times and bytes add up, memory is the larger."""
         peaks = ("peak_host_bytes", "device_bytes", "kv_cache_bytes", "weight_bytes",
-                 "load_seconds", "load_bytes", "expert_bytes", "kv_blocks", "kv_blocks_peak")
+                 "load_seconds", "load_bytes", "expert_bytes", "kv_blocks", "kv_blocks_peak",
+                 "rows_in_flight")
         return RankFigures(**{f.name: (max if f.name in peaks else sum)(
             (getattr(self, f.name), getattr(later, f.name))) for f in fields(self)})
 
@@ -92,6 +94,7 @@ class RunReport:
     kv_blocks: int = 0            # the paged cache's blocks per rank (0: a contiguous cache)
     kv_blocks_peak: int = 0       # the most in use at once, on the fullest rank
     preemptions: int = 0          # rows preempted (their blocks freed, recomputed), all replicas
+    rows_in_flight: int = 0       # the most rows a replica's KV caches held at once
     samples: int = 0                         # rows generated (n per prompt with --n)
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
@@ -140,6 +143,7 @@ class RunReport:
             # every rank of a replica keeps the same books: each preemption counts once
             preemptions=round(sum(f.preemptions for f in ranks)
                               / (layout.pp * layout.tp * layout.cp)),
+            rows_in_flight=int(max(f.rows_in_flight for f in ranks)),
             expert_mb=[f.expert_bytes / 1e6 for f in ranks])
 
     def attrs(self) -> dict:
@@ -171,7 +175,9 @@ class RunReport:
                    if self.expert_mb and max(self.expert_mb) else "")
         memory = (f"peak host memory per rank: {min(self.peak_host_mb):.0f}-"
                   f"{max(self.peak_host_mb):.0f} MB; weights {max(self.weight_mb):.1f} MB"
-                  f"{experts}, KV cache {max(self.kv_cache_mb):.1f} MB on the largest rank")
+                  f"{experts}, KV cache {max(self.kv_cache_mb):.1f} MB on the largest rank"
+                  + (f", {self.rows_in_flight} rows in flight at most" if self.rows_in_flight
+                     else ""))
         if max(self.device_mb) > 0:
             memory += f"; GPU pool {max(self.device_mb):.0f} MB"
         lines.append(memory)
