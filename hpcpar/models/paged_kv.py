@@ -112,16 +112,18 @@ class PagedKVCache:
         return self
 
     def _gather_rows(self, rows: np.ndarray) -> None:
-        """A ``contiguous`` view's ``rows`` copied in from their blocks, every layer."""
+        """A ``contiguous`` view's ``rows`` copied in from their blocks, a layer at a time
+        (its temporaries stay small), straight into the copy's positions seen as blocks."""
         if len(rows):
-            xp, B, W = self.xp, len(rows), self._blocks.shape[1]
+            xp, W, bs = self.xp, self._blocks.shape[1], self.block_size
             index = xp.asarray(rows)
             blocks = self._blocks[index]                               # (n, W)
             for store, rows_store in ((self.k, self.rows_k), (self.v, self.rows_v)):
-                gathered = store[:, blocks]                  # (layers, n, W, kv, bs, hd)
-                rows_store[:, index, :, :W * self.block_size] = gathered.transpose(
-                    0, 1, 3, 2, 4, 5).reshape(store.shape[0], B, self.kv_heads,
-                                              W * self.block_size, self.head_dim)
+                # (layers, B, kv, W, bs, hd): a view of all positions but the last
+                as_blocks = rows_store[:, :, :, :W * bs].reshape(
+                    rows_store.shape[:3] + (W, bs, self.head_dim))
+                for layer in range(store.shape[0]):
+                    as_blocks[layer, index] = store[layer][blocks].transpose(0, 2, 1, 3, 4)
 
     def rows(self, tables: BlockTables, starts=None, lengths=None) -> "PagedKVCache":
         """This cache (the same arrays) bound to other rows' tables, this one's binding kept:
