@@ -131,6 +131,7 @@ class TrainSection(OptimizerSettings):
     steps: int = 10
     global_batch: int = 8
     seq_len: int | None = None          # needed by .bin and .jsonl data
+    long_rows: str = "refuse"           # a fine-tuning row over seq_len + 1 tokens: or "cut"
     recompute: str = "none"
     zero: int = 0                       # 1: optimizer state split over the dp replicas
     loss_scale: float = 65536.0         # float16 compute: the initial dynamic loss scale

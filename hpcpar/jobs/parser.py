@@ -43,10 +43,9 @@ TRAIN_FLAGS = {
     "virtual_stages": ("parallel", "virtual_stages"),
     "fused_optimizer": ("train", "fused"),
     **{k: ("train", k) for k in (
-        "steps", "global_batch", "seq_len", "optimizer", "lr", "min_lr", "lr_schedule",
-        "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad", "recompute",
-        "zero",
-        "save_every", "resume", "shuffle", "peak_tflops", "bucket_mb", "aux_loss_coef")},
+        "steps", "global_batch", "seq_len", "long_rows", "optimizer", "lr", "min_lr",
+        "lr_schedule", "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad",
+        "recompute", "zero", "save_every", "resume", "shuffle", "peak_tflops", "bucket_mb", "aux_loss_coef")},
 }
 # (job section, key) -> the flag that sets it, for the messages
 FLAG_NAMES = {target: "--" + dest.replace("_", "-")
@@ -215,6 +214,9 @@ def _train_flags(p) -> None:
     p.add_argument("--schedule", choices=TRAINING_SCHEDULES, help="pipeline schedule (1f1b)")
     p.add_argument("--virtual-stages", type=int, help="model chunks per stage (interleaved)")
     p.add_argument("--seq-len", type=int, help="tokens per sample for .bin / .jsonl data")
+    p.add_argument("--long-rows", choices=["refuse", "cut"],
+                   help="a fine-tuning row longer than --seq-len + 1 tokens: refused (the "
+                        "default) or cut")
     p.add_argument("--optimizer", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float)
     p.add_argument("--min-lr", type=float)

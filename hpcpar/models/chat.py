@@ -10,6 +10,11 @@ size (``chat_sandbox.py``: ``HPCPAR_TEMPLATE_SECONDS``, ``HPCPAR_TEMPLATE_MB``),
 transformers gives templates (``raise_exception``, ``strftime_now``, a ``tojson`` that keeps
 non-ASCII text) and the tokenizer's special tokens (``bos_token``, ``eos_token``, ...).
 
+For training, a conversation is rendered whole (no generation prompt) and the text of the
+assistant's turns found, as transformers' ``apply_chat_template(...,
+return_assistant_tokens_mask=True)`` finds it: the spans a template marks with
+``{% generation %} ... {% endgeneration %}`` (``render_spans``).
+
 Only conversations need the template: a stored one that is damaged (not UTF-8, not JSON, not
 compiling) is found when a ``messages`` line first asks for it, and reported naming that line
 and the stored file; token ids and text run without it. Whatever rendering raises is one
@@ -19,6 +24,7 @@ error naming the line.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +34,9 @@ from .render_limits import template_limits
 
 if TYPE_CHECKING:
     from .chat_sandbox import LimitedSandbox
+
+# a template that marks the assistant's text for training, as transformers looks for it
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                   "cls_token", "mask_token")
@@ -139,6 +148,7 @@ class ChatTemplate:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             env.limit(*template_limits())
+            env.add_extension(_generation_tracker())
             try:
                 self._template = env.compile_source(self.source)
             except Exception as e:                   # noqa: BLE001 (syntax, recursion, ...)
@@ -149,19 +159,33 @@ class ChatTemplate:
                             "with a good one, or give the prompt as \"text\" or \"ids\"")
         return self._template
 
-    def render(self, messages: list[dict], where: str) -> str:
-        """The conversation as the prompt text, a generation prompt opened after it. Whatever
-        the template raises, and a rendering past the time or size limit, is one error naming
-        ``where``."""
+    @property
+    def marks_generation(self) -> bool:
+        """Whether the template marks the assistant's text with ``{% generation %}``."""
+        return bool(self.source and GENERATION_MARKER.search(self.source))
+
+    def render(self, messages: list[dict], where: str,
+               add_generation_prompt: bool = True) -> str:
+        """The conversation as the prompt text, a generation prompt opened after it (unless
+        ``add_generation_prompt`` is false). Whatever the template raises, and a rendering past
+        the time or size limit, is one error naming ``where``."""
+        return self.render_spans(messages, where, add_generation_prompt)[0]
+
+    def render_spans(self, messages: list[dict], where: str,
+                     add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the [start, end) character spans of it that the
+        template's ``{% generation %}`` blocks wrote (none if it has no such block), as
+        transformers' ``render_jinja_template(return_assistant_tokens_mask=True)``."""
         import jinja2
 
         from .chat_sandbox import RenderLimit
         template = self._compiled(where)
         env = self._env
         env.limit(*template_limits())
-        pieces, size = [], 0
-        stream = template.generate(messages=messages, add_generation_prompt=True,
-                                   **self.special)
+        pieces, size, spans = [], 0, []
+        env.generation_tracking = (pieces, spans)
+        stream = template.generate(messages=messages,
+                                   add_generation_prompt=add_generation_prompt, **self.special)
         try:
             for piece in stream:
                 size += len(piece)
@@ -178,11 +202,47 @@ class ChatTemplate:
                             f"({type(e).__name__}: {one_line(e)})") from None
         finally:
             stream.close()
+            env.generation_tracking = None
         text = "".join(pieces)
         bad = unicode_problem(text)
         if bad:
             raise ChatError(f"{where}: the chat template's text holds invalid Unicode ({bad})")
-        return text
+        return text, spans
+
+
+def _generation_tracker():
+    """The jinja2 extension of ``{% generation %} ... {% endgeneration %}``: the block's text
+    is written as it is, and while a rendering tracks (``environment.generation_tracking``
+    holds the pieces written so far and a list of spans) its [start, end) characters in the
+    whole text are noted, as transformers' ``AssistantTracker`` notes them."""
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTracker(Extension):
+        tags = {"generation"}
+
+        def __init__(self, environment):
+            super().__init__(environment)
+            environment.extend(generation_tracking=None)
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_generation", []), [], [],
+                                   body).set_lineno(lineno)
+
+        @jinja2.pass_eval_context
+        def _generation(self, context, caller):
+            text = caller()
+            tracking = self.environment.generation_tracking
+            if tracking is not None:
+                pieces, spans = tracking
+                start = sum(len(p) for p in pieces)
+                spans.append((start, start + len(text)))
+            return text
+
+    return GenerationTracker
 
 
 def _raise_exception(message):

@@ -9,6 +9,9 @@ A dataset is a list of samples of L + 1 tokens each (inputs ``row[:-1]``, labels
   tokens ``[i L, i L + L + 1)`` with ``--seq-len L``;
 - ``.jsonl`` of ``{"ids": [...]}`` or ``{"text": "..."}`` lines, tokenized, joined (EOS
   between documents when the model has one) and cut like a ``.bin``;
+- ``.jsonl`` of fine-tuning rows (``{"messages"}``, ``{"prompt", "completion"}`` or ``{"ids",
+  "labels"}``, ``chat_data``): one sample per row, left-padded, with the labels that carry
+  the loss beside it (``Dataset.labels``);
 - ``synthetic``: generated sequences a model can learn (each token is followed by a fixed
   successor 90% of the time), for demos and benchmarks without data files.
 
@@ -28,7 +31,9 @@ from ...models.config import ModelConfig
 from ...parallel.context_parallel.ring_attention import ContextShard
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
+from ..inputs.prompts import read_records
 from ..npy import read_npy
+from .chat_data import fine_tuning_rows, is_fine_tuning
 from .model_chunk import Batch
 
 
@@ -40,6 +45,9 @@ class DataError(HpcparError):
 class Dataset:
     samples: np.ndarray          # (n, L + 1) int64 (or a memmap view cut into windows)
     source: str
+    labels: np.ndarray | None = None    # (n, L + 1) aligned with samples, -1: no loss (None:
+                                        # every next token, padding aside)
+    note: str = ""               # what reading it found, for the report (fine-tuning rows)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -85,8 +93,10 @@ def synthetic_samples(vocab_size: int, seq_len: int, rows: int = SYNTHETIC_ROWS,
 
 
 def load_dataset(path: str | Path, cfg: ModelConfig, seq_len: int | None = None,
-                 tokenizer=None) -> Dataset:
-    """Read and check a dataset; every problem is a one-line ``DataError``."""
+                 tokenizer=None, chat=None, long_rows: str = "refuse") -> Dataset:
+    """Read and check a dataset; every problem is a one-line ``DataError``. ``chat``: the
+    checkpoint's ``ChatTemplate`` (None: it has none), for conversations; ``long_rows``:
+    what a fine-tuning row longer than ``seq_len + 1`` tokens meets ("refuse" or "cut")."""
     if str(path) == SYNTHETIC:
         check_positions(seq_len or 64, cfg, SYNTHETIC)
         return Dataset(synthetic_samples(cfg.vocab_size, seq_len or 64), SYNTHETIC)
@@ -100,6 +110,11 @@ def load_dataset(path: str | Path, cfg: ModelConfig, seq_len: int | None = None,
             raise DataError(f"{path}: expected int token ids of shape [rows, L + 1], got "
                             f"{rows.dtype} {rows.shape}")
         samples = rows.astype(np.int64, copy=False)
+    elif suffix == ".jsonl" and is_fine_tuning(records := read_records(path)):
+        rows = fine_tuning_rows(path, records, cfg, seq_len, long_rows, tokenizer, chat)
+        check_positions(rows.samples.shape[1] - 1, cfg, str(path))
+        check_samples(rows.samples, cfg, str(path))
+        return Dataset(rows.samples, str(path), rows.labels, rows.describe(str(path)))
     elif suffix in (".bin", ".jsonl"):
         if not seq_len:
             raise DataError(f"{path}: a {suffix} dataset needs --seq-len (tokens per sample)")
@@ -215,47 +230,58 @@ class HostBatch:
     weights: np.ndarray
 
 
-def label_count(samples: np.ndarray) -> int:
+def label_count(samples: np.ndarray, labels: np.ndarray | None = None) -> int:
     """How many labels count in the loss: per row, L + 1 - pad - 1 (the first real token
-    has no label)."""
+    has no label); with ``labels`` (aligned with the samples), those of them >= 0 after each
+    row's first token."""
+    if labels is not None:
+        return int((labels[:, 1:] >= 0).sum())
     return int((samples.shape[1] - 1 - pad_lengths(samples)).sum())
 
 
 def make_batches(samples: np.ndarray, num_micro_batches: int, total_labels: int,
-                 dtype) -> list[HostBatch]:
-    """Split a replica's samples into micro-batches of inputs, labels and loss weights.
+                 dtype, labels: np.ndarray | None = None) -> list[HostBatch]:
+    """Split a replica's samples into micro-batches of inputs, labels and loss weights
+    (``labels``: aligned with the samples, -1 where no loss; else each next token).
 
     A sample's left padding (negative ids) moves to its end: each row's real tokens come
     first, the layout attention takes (per-row lengths). Positions restart at 0 on the first
     real token either way, so the loss and every gradient are the same."""
     out = []
-    for part in np.array_split(samples, num_micro_batches):
+    parts = np.array_split(np.arange(len(samples)), num_micro_batches)
+    for rows in parts:
+        part = samples[rows]
+        targets = part if labels is None else labels[rows]
         pad = pad_lengths(part)
         B, T = part.shape[0], part.shape[1] - 1
         lengths = T - pad                                           # real inputs per row
         inputs = np.zeros((B, T), dtype=np.int64)
-        labels = np.full((B, T), -1, dtype=np.int64)
+        labels_mb = np.full((B, T), -1, dtype=np.int64)
         for j in range(B):
             inputs[j, :lengths[j]] = part[j, pad[j]:-1]
-            labels[j, :lengths[j]] = part[j, pad[j] + 1:]
-        labels = labels.reshape(-1)
-        weights = np.where(labels < 0, 0.0, 1.0 / total_labels).astype(dtype)
-        out.append(HostBatch(inputs, lengths, labels, weights))
+            labels_mb[j, :lengths[j]] = targets[j, pad[j] + 1:]
+        labels_mb = labels_mb.reshape(-1)
+        weights = np.where(labels_mb < 0, 0.0, 1.0 / total_labels).astype(dtype)
+        out.append(HostBatch(inputs, lengths, labels_mb, weights))
     return out
 
 
 def replica_batches(dataset: Dataset, mesh: Mesh, micro_batches: int, first_sample: int,
-                    train, xp, loss_scale: float = 1.0) -> list[Batch]:
+                    train, xp, loss_scale: float = 1.0) -> tuple[list[Batch], int]:
     """This replica's ``micro_batches`` of the global batch (``train.global_batch`` samples,
     ``train.shuffle``d by ``train.seed``) starting at ``first_sample``, each label weighted
-    by loss_scale / (labels in the whole global batch); under context parallelism, this
-    rank's positions of each row."""
+    by loss_scale / (labels in the whole global batch: the loss is their mean, whatever the
+    layout), and that count; under context parallelism, this rank's positions of each
+    row."""
     B, dp, d = train.global_batch, mesh.size("dp"), mesh.coord("dp")
-    rows = np.asarray(dataset.samples[sample_indices(first_sample, B, len(dataset),
-                                                     train.shuffle, train.seed)], np.int64)
-    mine = rows[d * B // dp:(d + 1) * B // dp]
+    picked = sample_indices(first_sample, B, len(dataset), train.shuffle, train.seed)
+    rows = np.asarray(dataset.samples[picked], np.int64)
+    targets = None if dataset.labels is None else dataset.labels[picked]
+    total = label_count(rows, targets)
+    mine = slice(d * B // dp, (d + 1) * B // dp)
     batches = []
-    for b in make_batches(mine, micro_batches, label_count(rows), np.float32):
+    for b in make_batches(rows[mine], micro_batches, total, np.float32,
+                          None if targets is None else targets[mine]):
         ids, labels, weights = b.ids, b.labels, b.weights * np.float32(loss_scale)
         shard = context_shard(ids.shape[1], mesh) if mesh.size("cp") > 1 else None
         if shard is not None:
@@ -264,7 +290,7 @@ def replica_batches(dataset: Dataset, mesh: Mesh, micro_batches: int, first_samp
             labels, weights = labels.reshape(-1), weights.reshape(-1)
         batches.append(Batch(xp.asarray(ids), xp.asarray(b.lengths.astype(np.int32)),
                              xp.asarray(labels), xp.asarray(weights), shard))
-    return batches
+    return batches, total
 
 
 def context_shard(length: int, mesh: Mesh) -> ContextShard:

@@ -53,6 +53,7 @@ class TrainingRun(JobRun):
     def __init__(self, comm, job: Job, progress: bool = True):
         super().__init__(comm, job)
         self.progress = progress
+        self.loss_tokens = 0                # the last step's labels that carried the loss
 
     def validate(self) -> CheckedTraining:
         return validate(self.job, self.ckpt, self.size)
@@ -191,8 +192,9 @@ class TrainingRun(JobRun):
         # the backward starts each bucket's sum as it completes: one group's buckets only
         overlap = reducers[0].grads_done if len(self.held) == 1 and reducers and not zero \
             else None
-        batches = replica_batches(self.checked.dataset, rt.mesh, self.checked.layout.micro_batches,
-                                  first_sample, self.job.train, self.xp, scale)
+        batches, self.loss_tokens = replica_batches(
+            self.checked.dataset, rt.mesh, self.checked.layout.micro_batches, first_sample,
+            self.job.train, self.xp, scale)
         for span in spans(self.params, "grad"):     # one operation per gradient buffer
             span[...] = 0
         for reducer in reducers:
@@ -282,7 +284,7 @@ class TrainingRun(JobRun):
         record = StepRecord(self.step, loss, norm, lr, tokens, seconds, rate,
                             rate * self.per_token / (self.size * self.peak),
                             self.scaler.scale if self.scaler else None, self.aux_loss,
-                            self._expert_load())
+                            self._expert_load(), self.loss_tokens)
         everyone(self.comm, self.metrics.write, record)
         if self.bar:
             self._show_progress(self.step, loss)
@@ -295,7 +297,7 @@ class TrainingRun(JobRun):
     def _show_progress(self, step: int, loss: float | None = None) -> None:
         detail = f"step {step}/{self.job.train.steps}"
         if loss is not None:
-            detail += f", loss {loss:.4f}"
+            detail += f", loss {loss:.4f} over {self.loss_tokens:,} tokens"
         self.bar.update((step - self.checked.start_step) * self._step_tokens(), detail=detail)
 
     def _save(self, samples: int) -> None:
@@ -368,7 +370,7 @@ class TrainingRun(JobRun):
         checked = self.checked
         return TrainReport.build(table, checked.layout, checked.virtual_stages, checked.start_step,
                                  self.step, self.job.train.global_batch * checked.dataset.seq_len,
-                                 self.metrics)
+                                 self.metrics, checked.dataset.note)
 
 
 def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:

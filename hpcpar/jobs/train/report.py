@@ -58,6 +58,7 @@ class StepRecord:
     aux_loss: float | None = None        # a MoE router's load-balancing loss (mean over
                                          # micro-batches, before its coefficient)
     expert_load: list | None = None      # per MoE layer, [min, max] tokens of an expert
+    loss_tokens: int = 0                 # the global batch's labels that carry the loss
 
     def __post_init__(self):
         self.peak_host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -100,8 +101,8 @@ class Metrics:
         r = self.records[-1]
         norm = (f"grad norm {r.grad_norm:.3f}" if r.grad_norm is not None else
                 f"gradients overflowed: step skipped, loss scale now {r.loss_scale:g}")
-        return (f"step {r.step}: loss {r.loss:.4f}, {norm}, lr {r.lr:.3g}, "
-                f"{r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}, "
+        return (f"step {r.step}: loss {r.loss:.4f} over {r.loss_tokens:,} tokens, {norm}, "
+                f"lr {r.lr:.3g}, {r.tokens_per_s:,.0f} tokens/s, MFU {r.mfu:.1%}, "
                 f"peak host {r.peak_host_mb:.0f} MB")
 
 
@@ -173,11 +174,14 @@ class TrainReport:
     dp_buckets: int                    # gradient buckets reduced, all ranks and steps
     dp_buckets_early: int              # of them, started while the backward still ran
     dp_overlap: str
+    loss_tokens: int = 0               # labels that carried the loss, over the run's steps
+    tokens: int = 0                    # positions computed, over the run's steps
+    data: str = ""                     # what reading fine-tuning rows found
 
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, virtual_stages: int,
               start_step: int, end_step: int, tokens_per_step: int,
-              metrics: Metrics) -> "TrainReport":
+              metrics: Metrics, data: str = "") -> "TrainReport":
         ranks = [TrainFigures(*(float(v) for v in row)) for row in table]
         stages = by_stage(ranks, layout)
 
@@ -209,17 +213,21 @@ class TrainReport:
             dp_bytes=sum(f.dp_bytes for f in ranks),
             dp_buckets=int(sum(f.dp_buckets for f in ranks)),
             dp_buckets_early=int(sum(f.dp_buckets_early for f in ranks)),
-            dp_overlap=_overlap(ranks))
+            dp_overlap=_overlap(ranks),
+            loss_tokens=sum(r.loss_tokens for r in recs),
+            tokens=tokens_per_step * (end_step - start_step), data=data)
 
     def save(self, path: Path) -> None:
         """The report as JSON beside the checkpoints (for scripts and benchmarks)."""
         write_text(path, json.dumps(asdict(self), indent=1) + "\n")
 
     def format(self) -> str:
-        lines = [
+        lines = [f"data: {self.data}"] if self.data else []
+        lines += [
             f"layout: {self.layout}; schedule {self.schedule}",
             f"{self.steps} steps, {self.tokens_per_s:,.0f} tokens/s; loss {self.first_loss:.4f}"
-            f" -> {self.last_loss:.4f}",
+            f" -> {self.last_loss:.4f}; {self.loss_tokens:,} of {self.tokens:,} tokens carried "
+            "the loss",
             f"bubble: {self.bubble_measured:.1%} measured (waiting / (computing + waiting)), "
             f"{self.bubble_formula:.1%} by the schedule's formula",
             "stage  compute s  waiting s  reducing s",

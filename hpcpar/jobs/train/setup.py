@@ -12,6 +12,7 @@ import numpy as np
 
 from ...checkpoint import Checkpoint, load_shard
 from ...checkpoint.files import check_output, check_space
+from ...models.chat import ChatTemplate
 from ...models.tensors import StageSpan, stage_tensors
 from ...parallel.comm import create_communicator
 from ...parallel.device.dtypes import float_dtype
@@ -30,6 +31,7 @@ from ..layout import ParallelConfig
 from ..runtime import experts_held
 from . import checkpoint as tc
 from .model_chunk import AuxLoss, ModelChunk
+from .chat_data import LONG_ROWS
 from .data import Dataset, load_dataset
 from .params import kv_replicas, make_params
 
@@ -72,6 +74,8 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
                         f" = {layout.dp} * {layout.micro_batches} = {replicas_x_mbs}")
     if tr.recompute not in RECOMPUTE:
         problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if tr.long_rows not in LONG_ROWS:
+        problems.append(f"long_rows {tr.long_rows!r} is not one of {', '.join(LONG_ROWS)}")
     if job.model.dtype not in COMPUTE_DTYPES:
         problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
                         f"weights), not {job.model.dtype}")
@@ -85,7 +89,9 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
         problems.append("no output folder: give --out DIR")
     if problems:
         raise HpcparError("invalid training job: " + "; ".join(problems))
-    dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt))
+    dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt),
+                           ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path),
+                           tr.long_rows)
     if dataset.seq_len < layout.cp:
         raise HpcparError(f"cp {layout.cp} splits each sequence over {layout.cp} ranks, but the "
                           f"sequences have {dataset.seq_len} positions: every rank needs at "
