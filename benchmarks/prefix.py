@@ -10,6 +10,7 @@ context, with and without ``score.prefix_cache``, against transformers' forward.
     python benchmarks/prefix.py --requests 256 --new-tokens 64 --layers 30   # the target
     python benchmarks/prefix.py --ranks 2              # hpcpar dp 2, transformers 2 threads
     python benchmarks/prefix.py --workloads choices --repeat 2   # scoring: 16 x 4 choices
+    python benchmarks/prefix.py --workloads lengths --requests 48   # rows in flight
 
 The defaults finish in about 3 minutes on a 2-core CPU (``--repeat 3``: about 10). The target
 setting (256 requests, a 1,000-token system prompt, 100-token questions, 64 new tokens, the
@@ -23,6 +24,12 @@ Workloads:
   unrelated  as many prompts of random ids, of lengths within 10% of system + question,
              nothing in common: the prefix cache has nothing to serve, and cached and uncached
              must take the same time within noise
+  lengths    as many prompts of random ids of 8 to 2,000 tokens (uniform), nothing in
+             common, both hpcpar sides under one ``--kv-memory`` (by default what
+             ``--kv-rows`` rows of 2,000 tokens and the new ones take): the contiguous cache
+             holds the rows that fit at the longest row's length, the paged one the blocks
+             rows hold as they are; the rows in flight at most (the run report's) and
+             tokens/s, no transformers side
   choices    scoring (``python -m hpcpar score``), not generation: a multiple-choice set of
              ``--contexts`` contexts of ``--context`` random ids, each followed by 4
              continuations of 20 (rows of context + continuation, a context's 4 rows
@@ -96,6 +103,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from long import SMOL  # noqa: E402  (the SmolLM-135M shape, shared with long.py)
 
 WORKLOADS = ("shared", "unrelated")       # the default; "choices" is scoring
+LENGTHS = (8, 2000)                        # the lengths workload's prompt lengths, uniform
 CHOICES, CONTINUATION = 4, 20               # choices per context, tokens per continuation
 
 
@@ -106,9 +114,22 @@ def requests(workload: str, n: int, system: int, question: int, vocab: int,
     if workload == "shared":
         head = rng.integers(3, vocab, system)
         return [np.concatenate([head, rng.integers(3, vocab, question)]) for _ in range(n)]
-    total = system + question
-    lengths = rng.integers(int(0.9 * total), int(1.1 * total) + 1, n)
+    if workload == "lengths":
+        lengths = rng.integers(LENGTHS[0], LENGTHS[1] + 1, n)
+    else:
+        total = system + question
+        lengths = rng.integers(int(0.9 * total), int(1.1 * total) + 1, n)
     return [rng.integers(3, vocab, k) for k in lengths]
+
+
+def kv_memory(a, cfg: dict) -> int:
+    """``lengths``: the KV memory both sides get, ``--kv-memory`` or what ``--kv-rows``
+    rows of the longest prompt and its new tokens take (float32, every layer)."""
+    if a.kv_memory:
+        return a.kv_memory
+    per_position = (2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+                    * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4)
+    return a.kv_rows * (LENGTHS[1] + a.new_tokens) * per_position
 
 
 def choices(contexts: int, context: int, vocab: int, seed: int = 0) -> np.ndarray:
@@ -133,10 +154,12 @@ def hpcpar_worker(workload: str, checkpoint: str, cached: bool, ranks: int, a) -
     from hpcpar.jobs.job import load_job
     comm = MPI.COMM_WORLD
     prompts = requests(workload, a.requests, a.system, a.question, SMOL["vocab_size"], a.seed)
-    job = load_job(None, [f"model.checkpoint='{checkpoint}'", f"parallel.dp={ranks}",
-                          f"generate.max_new_tokens={a.new_tokens}",
-                          "generate.stop_at_eos=false",
-                          f"generate.prefix_cache={'true' if cached else 'false'}"])
+    sets = [f"model.checkpoint='{checkpoint}'", f"parallel.dp={ranks}",
+            f"generate.max_new_tokens={a.new_tokens}", "generate.stop_at_eos=false",
+            f"generate.prefix_cache={'true' if cached else 'false'}"]
+    if workload == "lengths":
+        sets.append(f"generate.kv_memory={kv_memory(a, dict(SMOL, num_hidden_layers=a.layers))}")
+    job = load_job(None, sets)
     cpu = time.process_time()
     result = run_generation(comm, job, prompts=Prompts(prompts), progress=False)
     cpu = time.process_time() - cpu
@@ -150,6 +173,7 @@ def hpcpar_worker(workload: str, checkpoint: str, cached: bool, ranks: int, a) -
                           "prompt_tokens": int(r.prompt_tokens),
                           "new_tokens": int(r.new_tokens),
                           "prefix_hit_rate": r.prefix_hit_rate,
+                          "rows_in_flight": r.rows_in_flight,
                           "kv_cache_mb": max(r.kv_cache_mb),
                           "peak_host_mb": max(r.peak_host_mb)}))
 
@@ -273,7 +297,11 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1,
                    help="hpcpar's ranks (dp), transformers' threads")
     p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help="of shared, unrelated (generation) and choices (scoring)")
+                   help="of shared, unrelated, lengths (generation) and choices (scoring)")
+    p.add_argument("--kv-rows", type=int, default=8,
+                   help="lengths: the KV memory of this many rows of the longest prompt")
+    p.add_argument("--kv-memory", type=int, default=0,
+                   help="lengths: the KV memory in bytes (0: from --kv-rows)")
     p.add_argument("--contexts", type=int, default=16, help="choices: contexts")
     p.add_argument("--context", type=int, default=500, help="choices: tokens per context")
     p.add_argument("--score-micro-batches", type=int, default=0,
@@ -314,15 +342,18 @@ def main() -> None:
     me = str(Path(__file__).resolve())
     common = [f"--requests={args.requests}", f"--system={args.system}",
               f"--question={args.question}", f"--new-tokens={args.new_tokens}",
-              f"--seed={args.seed}"]
+              f"--seed={args.seed}", f"--layers={args.layers}", f"--kv-rows={args.kv_rows}",
+              f"--kv-memory={args.kv_memory}"]
     n = args.ranks
     generation = [w for w in args.workloads.split(",") if w != "choices"]
     print(f"SmolLM-135M shape, {args.layers} layers, float32, one thread per rank, "
           f"{os.cpu_count()} cores")
     if generation:
-        print(f"{args.requests} requests, system prompt {args.system} + question "
-              f"{args.question} tokens, {args.new_tokens} new tokens, greedy; hpcpar dp {n}, "
-              f"transformers {n} thread(s), batches of {args.hf_batch}")
+        prompts = (f"system prompt {args.system} + question {args.question} tokens"
+                   if generation != ["lengths"] else
+                   f"prompts of {LENGTHS[0]} to {LENGTHS[1]} tokens")
+        print(f"{args.requests} requests, {prompts}, {args.new_tokens} new tokens, greedy; "
+              f"hpcpar dp {n}, transformers {n} thread(s), batches of {args.hf_batch}")
         print(f"{'workload':<10} {'side':<34} {'seconds':>8} {'cpu s':>6} {'tok/s':>7} "
               f"{'new tok/s':>9} {'vs uncached':>11} {'vs transformers':>15} {'hit rate':>8} "
               f"{'same tokens':>11}")
@@ -338,7 +369,7 @@ def main() -> None:
                 ratios += score_ratios
                 continue
             sides = {CACHED: ["hpcpar", 1, n], UNCACHED: ["hpcpar", 0, n]}
-            if not args.no_transformers:
+            if not args.no_transformers and workload != "lengths":
                 way = "one by one" if args.hf_batch == 1 else f"batches of {args.hf_batch}"
                 sides[f"transformers, {way}"] = ["transformers", n, args.hf_batch, 0]
                 if workload == "shared" and not args.no_hf_reuse:
@@ -377,6 +408,12 @@ def main() -> None:
                              "side": name, **{k: v for k, v in r.items() if k != "tokens"}})
             ratios.append({"workload": workload, "max_new_tokens": args.new_tokens,
                            **workload_ratios(got, hf)})
+            if workload == "lengths":
+                held = {name: got[name]["rows_in_flight"] for name in (CACHED, UNCACHED)}
+                ratios[-1]["rows_in_flight"] = held[CACHED] / max(held[UNCACHED], 1)
+                print(f"lengths    rows in flight at most under --kv-memory "
+                      f"{kv_memory(args, cfg) / 1e6:.1f} MB: paged {held[CACHED]}, "
+                      f"contiguous {held[UNCACHED]}")
             print(f"{workload:<10} " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x"
                                                  for k, v in ratios[-1].items()
                                                  if isinstance(v, float)))
