@@ -312,6 +312,26 @@ HF_CONFIGS = {
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                   head_dim=16, max_position_embeddings=128,
                   hidden_activation="gelu_pytorch_tanh"),
+    # Gemma 2: a window shorter than the prompts on layers 0 and 2, scores and logits
+    # soft-capped where the caps bite, a scale apart from head_dim
+    "gemma2": dict(model_type="gemma2", vocab_size=251, hidden_size=64, intermediate_size=128,
+                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, max_position_embeddings=128, sliding_window=4,
+                   query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0),
+    # Gemma 3: Gemma 2's block with q/k norms, every second layer global (with its linear
+    # rope), the local ones with their own rope base
+    "gemma3_text": dict(model_type="gemma3_text", vocab_size=251, hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                        sliding_window=4, sliding_window_pattern=2, query_pre_attn_scalar=24,
+                        rope_theta=10000.0, rope_local_base_freq=100.0,
+                        rope_scaling={"rope_type": "linear", "factor": 2.0},
+                        tie_word_embeddings=False),
+    # OLMo 2: norms after each block, q/k norms over the whole projection
+    "olmo2": dict(model_type="olmo2", vocab_size=250, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128),
     # mixtures of experts: every layer routed (Mixtral), a dense layer between routed ones
     # and renormalised weights (Qwen3-MoE), a shared expert and raw weights (Qwen2-MoE)
     "mixtral": dict(model_type="mixtral", vocab_size=250, hidden_size=64,

@@ -150,15 +150,12 @@ CONFIG_CASES = [
     ("qwen2-layer_types-length", _set(**QWEN2, layer_types=["full_attention"]),
      "layer_types lists 1 layers, num_hidden_layers is 2"),
     ("qwen2-layer_types-chunked", _set(**QWEN2, layer_types=["chunked_attention"] * 2),
-     "layer_types[0] 'chunked_attention' is not an attention Qwen's models run"),
+     "layer_types[0] 'chunked_attention' is not an attention this family runs"),
     ("qwen2-sliding-without-window", _set(**QWEN2, sliding_window=4,
                                           layer_types=["sliding_attention"] * 2),
      "layer_types[0] is 'sliding_attention' but the model has no window"),
     ("qwen2-layer_types-a-string", _set(**QWEN2, layer_types="full_attention"),
      "layer_types must be a list of layer type names"),
-    ("qwen2-some-layers-windowed", _set(**QWEN2, use_sliding_window=True, sliding_window=4,
-                                        layer_types=["full_attention", "sliding_attention"]),
-     "a sliding window on some layers only"),
     ("qwen2-use_sliding_window-a-string", _set(**QWEN2, use_sliding_window="no"),
      "use_sliding_window must be true or false, got 'no'"),
     ("qwen2-max_window_layers-a-float", _set(**QWEN2, use_sliding_window=True,
@@ -421,7 +418,31 @@ def test_float_weights_of_any_float_type_still_convert(tmp_path):
 def test_the_legacy_name_of_full_attention_is_full_attention():
     cfg = ModelConfig.from_hf(dict(BASE, **QWEN2, use_sliding_window=True, sliding_window=4,
                                    layer_types=["attention", "full_attention"]))
-    assert cfg.sliding_window is None and not cfg.mixed_windows
+    assert cfg.sliding_window is None and cfg.window_layers is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen2_moe", "gemma2"])
+def test_the_layers_with_a_window_are_those_of_transformers_layer_types(model_type):
+    """Without layer_types each family's own default: Qwen2's and Qwen3's from
+    max_window_layers on, Qwen2-MoE's every other one below it, Gemma 2's every other."""
+    _, transformers = _torch()
+    sizes = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                 num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                 sliding_window=5, max_window_layers=4)
+    ours = ModelConfig.from_hf(dict(sizes, model_type=model_type))
+    theirs = transformers.AutoConfig.for_model(model_type, **sizes)
+    assert [ours.window_of(i) for i in range(7)] == [
+        5 if t == "sliding_attention" else None for t in theirs.layer_types]
+
+
+def test_a_window_on_some_layers_is_on_those_layers():
+    """Qwen2's layer_types, or without it every layer from max_window_layers on."""
+    cfg = ModelConfig.from_hf(dict(BASE, **QWEN2, use_sliding_window=True, sliding_window=4,
+                                   layer_types=["full_attention", "sliding_attention"]))
+    assert [cfg.window_of(i) for i in range(2)] == [None, 4]
+    cfg = ModelConfig.from_hf(dict(BASE, **QWEN2, use_sliding_window=True, sliding_window=4,
+                                   max_window_layers=1))
+    assert [cfg.window_of(i) for i in range(2)] == [None, 4]
 
 
 # ---- what is supported runs as transformers computes it ----------------------------------
@@ -430,7 +451,8 @@ def _torch():
     return pytest.importorskip("torch"), pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma",
+                                        "gemma2", "olmo2"])
 def test_fields_left_out_mean_what_transformers_takes(model_type):
     """A config.json with only the sizes: the KV heads, head_dim, eps, window, tied head,
     context length and activation are those transformers' class of the family builds."""
@@ -447,7 +469,8 @@ def test_fields_left_out_mean_what_transformers_takes(model_type):
             ours.tie_word_embeddings, ours.max_position_embeddings, ours.sliding_window) == (
         theirs.num_key_value_heads, head_dim, theirs.rms_norm_eps, theirs.tie_word_embeddings,
         theirs.max_position_embeddings, window)
-    assert ours.activation == GATED_ACTIVATIONS[theirs.hidden_act]
+    act = getattr(theirs, "hidden_act", None) or theirs.hidden_activation     # Gemma 2's
+    assert ours.activation == GATED_ACTIVATIONS[act]
 
 
 @pytest.mark.parametrize("rope", [
@@ -505,8 +528,10 @@ def test_every_accepted_activation_is_transformers_forward_and_backward(name):
                "layer_types": ["sliding_attention"] * 3}),
     ("qwen3", {"hidden_act": "gelu_accurate", "attention_bias": True}),
     ("mistral", {"sliding_window": None, "hidden_act": "gelu_pytorch_tanh"}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 3,     # a window from layer 1 on
+               "max_window_layers": 1}),
 ], ids=["qwen2-gelu_new", "llama-swish-linear-0.5", "qwen2-layer_types-sliding",
-        "qwen3-gelu_accurate-biases", "mistral-no-window-geglu"])
+        "qwen3-gelu_accurate-biases", "mistral-no-window-geglu", "qwen2-max_window_layers"])
 def test_a_supported_non_default_config_matches_transformers(tmp_path, family, changes):
     torch, _ = _torch()
     from mpi4py import MPI

@@ -13,18 +13,23 @@ decoder, the split plan and the programs follow the features and never name a fa
     qwen3    per-head q/k RMSNorm, free head_dim
     phi3     fused qkv_proj and gate_up_proj
     gemma    (1 + w) RMSNorm, embedding scale, GeGLU (tanh), tied head
+    gemma2   Gemma's, with norms of each block's output, soft-capped scores and logits,
+             a window on every other layer
+    gemma3_text  Gemma 2's block with per-head q/k norms; local layers' own rope base
+    olmo2    norms of each block's output only, q/k norms over the whole projection
     mixtral, qwen2_moe, qwen3_moe   a mixture of experts (``moe``)
 """
 
 from __future__ import annotations
 
 from ..parallel.errors import HpcparError
-from . import gemma, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe
+from . import (gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe,
+               qwen3, qwen3_moe)
 from .family import Family
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY
-                               for m in (llama, mistral, qwen2, qwen3, phi3, gemma, mixtral,
-                                         qwen2_moe, qwen3_moe)}
+                               for m in (llama, mistral, qwen2, qwen3, phi3, gemma, gemma2,
+                                         gemma3, olmo2, mixtral, qwen2_moe, qwen3_moe)}
 
 
 def family_of(model_type: str, source: str = "config") -> Family:

@@ -7,7 +7,10 @@ after the column-parallel q/k/v. The math is the ops layer's: rotary on q and k,
 ``attention`` op over per-row lengths. A KV head replicated on several tp ranks gets a
 partial gradient on each, summed over those ranks by the trainer (``Param.kv_replicated``).
 With per-head q/k norms (Qwen3) each rank normalizes its own heads with the shared weights,
-whose gradients are therefore partial too and summed over tp (``Param.tp_partial``).
+whose gradients are therefore partial too and summed over tp (``Param.tp_partial``); OLMo 2's
+span the whole projection, over the tp group (``decoder.SpanNorms``). The scores' scale
+(default 1/sqrt(d)), their soft-capping (Gemma 2: cap tanh(s / cap)) and the sliding window
+are the layer's, passed to the op on its rows (``AttentionRows``).
 """
 
 from __future__ import annotations
@@ -40,21 +43,27 @@ class Attention:
 
     def __init__(self, ops: Ops, heads: int, kv_heads: int, head_dim: int,
                  qkv: ColumnParallelLinear, o: RowParallelLinear, qk_norms=None,
-                 window: int | None = None):
+                 window: int | None = None, scale: float | None = None,
+                 softcap: float | None = None, whole_qk_norms: bool = False):
         self.ops = ops
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim  # per partition
         self.qkv, self.o = qkv, o
         self.qk_norms = qk_norms        # (q's, k's) per-head ``decoder.Norm``s, or None
+        self.whole_qk_norms = whole_qk_norms   # over the projections: ``decoder.SpanNorms``
         self.window = window            # a sliding window over the keys (Mistral), or None
+        self.scale, self.softcap = scale, softcap   # the scores' (Gemma 2), or None
 
     @classmethod
     def of(cls, ops: Ops, w: dict, head_dim: int, tp: Communicator,
-           merge: bool = False, qk_norms=None, window: int | None = None) -> "Attention":
+           merge: bool = False, qk_norms=None, window: int | None = None,
+           scale: float | None = None, softcap: float | None = None,
+           whole_qk_norms: bool = False) -> "Attention":
         """From a layer's weights by role (q, k, v, o and their biases)."""
         heads, kv_heads = (w[r].data.shape[0] // head_dim for r in ("q", "k"))
         return cls(ops, heads, kv_heads, head_dim,
                    column_parallel(ops, w, QKV, tp, merge),
-                   row_parallel(ops, w, "o", tp, merge), qk_norms, window)
+                   row_parallel(ops, w, "o", tp, merge), qk_norms, window, scale, softcap,
+                   whole_qk_norms)
 
     def forward(self, x, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
                 layer: int = 0, train: bool = False, keep=None):
@@ -65,14 +74,16 @@ class Attention:
         (B, 1, hidden), every position's keys and values still computed and cached."""
         B, T, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        if self.window is not None:
-            rows = replace(rows, window=self.window)
+        if self.window is not None or self.scale is not None or self.softcap is not None:
+            rows = replace(rows, window=self.window, scale=self.scale, softcap=self.softcap)
         q, k, v = self.qkv(x)
+        nctx = None
+        if self.qk_norms is not None and self.whole_qk_norms:     # over (B, T, nh hd)
+            (q, k), nctx = self.qk_norms.forward(q, k, train)     # ``decoder.SpanNorms``
         q = q.reshape(B, T, nh, hd)                                   # (B, T, nh, hd)
         k = k.reshape(B, T, nkv, hd)                                  # (B, T, nkv, hd)
         v = v.reshape(B, T, nkv, hd)
-        nctx = None
-        if self.qk_norms is not None:
+        if self.qk_norms is not None and not self.whole_qk_norms:   # per head
             (q, qctx), (k, kctx) = (n.forward(a, train) for n, a in zip(self.qk_norms, (q, k)))
             nctx = (qctx, kctx)
         q, k = self.ops.rotary.forward(q, k, cos, sin)
@@ -97,7 +108,10 @@ class Attention:
         dout = self.o.backward(dy, out, sink)                         # g backward: identity
         dq, dk, dv = self.ops.attention.backward(dout.reshape(B, T, nh, hd), actx)
         dq, dk = self.ops.rotary.backward(dq, dk.transpose(0, 2, 1, 3), cos, sin)
-        if nctx is not None:
+        if self.whole_qk_norms:
+            dq, dk = self.qk_norms.backward(dq.reshape(B, T, nh * hd),
+                                            dk.reshape(B, T, nkv * hd), nctx, sink)
+        elif nctx is not None:
             qn, kn = self.qk_norms
             dq, dk = qn.backward(dq, nctx[0], sink), kn.backward(dk, nctx[1], sink)
         return self.qkv.backward([dq.reshape(B, T, nh * hd), dk.reshape(B, T, nkv * hd),

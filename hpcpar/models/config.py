@@ -17,6 +17,7 @@ from ..parallel.tensor.splits import unit_split_problem
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 ACTIVATIONS = ("silu", "gelu_tanh")          # the gated MLP's: SwiGLU, GeGLU
+BLOCK_NORMS = ("pre", "sandwich", "post")    # norms of each block's input, both, its output
 
 
 class ConfigError(HpcparError):
@@ -81,11 +82,22 @@ class ModelConfig:
     o_bias: bool = False                 # a bias on o (Llama's attention_bias)
     mlp_bias: bool = False
     qk_norm: bool = False                # per-head RMSNorm of q and k before rotary (Qwen3)
+    qk_norm_whole: bool = False          # ... over the whole q and k projections (OLMo 2)
     norm_offset: float = 0.0             # RMSNorm scales by (offset + w) (Gemma: 1)
     embed_scale: float = 1.0             # the embedding's output times this (Gemma: sqrt(h))
     activation: str = "silu"             # the gated MLP's: silu (SwiGLU), gelu_tanh (GeGLU)
     sliding_window: int | None = None    # attention to the last W keys only (Mistral)
-    mixed_windows: bool = False          # a window on some layers only (Qwen2's, refused)
+    window_layers: tuple[int, ...] | None = None   # the layers with that window (None: all;
+                                         # Gemma 2's every other one, Qwen2's from a layer on)
+    # norms around each block: "pre" (Llama: of the block's input), "sandwich" (Gemma 2: of
+    # its input and of its output), "post" (OLMo 2: of its output only)
+    block_norms: str = "pre"
+    attn_scale: float | None = None      # the scores' scale (None: 1/sqrt(head_dim); Gemma 2:
+                                         # query_pre_attn_scalar^-1/2)
+    attn_softcap: float | None = None    # scores through cap tanh(s / cap) (Gemma 2)
+    final_softcap: float | None = None   # the logits through cap tanh(z / cap) (Gemma 2)
+    local_rope_theta: float | None = None  # the windowed layers' own rope base, their rope
+                                         # the default one (Gemma 3's rope_local_base_freq)
     partial_rotary: float = 1.0          # the share of head_dim rotary turns (Phi-3.5/4 < 1)
     # mixture of experts (Mixtral, Qwen-MoE): the layers in ``moe_layers`` route each token to
     # ``experts_per_token`` of ``num_experts`` experts (``hpcpar.parallel.expert_parallel.moe``)
@@ -110,6 +122,12 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``'s attention, or None (all causal keys)."""
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
 
     def is_moe(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is routed experts."""
@@ -154,6 +172,7 @@ class ModelConfig:
 
         full = family.defaults | dict(hf)          # what transformers' class takes for the rest
         try:
+            full = family.prepare(full)
             cfg = cls._build(full, source, family.features(full) | {"model_type": model_type})
         except FieldError as e:
             malformed = "malformed value: " if isinstance(e, MalformedField) else ""
@@ -247,10 +266,12 @@ class ModelConfig:
             out.append(f"partial rotary embeddings (partial_rotary_factor "
                        f"{self.partial_rotary}) are not supported yet; only rotary over the "
                        "whole head runs exactly")
-        if self.mixed_windows:
-            out.append("a sliding window on some layers only (use_sliding_window with "
-                       "max_window_layers) is not supported yet; only full causal attention, "
-                       "or one window on every layer, runs exactly")
+        if self.block_norms not in BLOCK_NORMS:
+            out.append(f"block_norms {self.block_norms!r} is not one of {', '.join(BLOCK_NORMS)}")
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                out.append(f"{name} must be a positive finite number or null, got {value}")
         out += self._moe_problems()
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
             out.append(f"rope type {self.rope_scaling.rope_type!r} is not supported "

@@ -8,7 +8,12 @@ generation and training alike.
         x = x + down_proj(act(gate_proj(h)) * up_proj(h)),  h = rms_norm(x)
     logits = lm_head(rms_norm(x))                     last stage only
 
-rms_norm scales by (norm_offset + w); act is silu (SwiGLU) or the tanh GELU (GeGLU). With
+rms_norm scales by (norm_offset + w); act is silu (SwiGLU) or the tanh GELU (GeGLU). The
+families' variants of the block (``ModelConfig.block_norms``): Gemma 2 also normalizes each
+branch's output before it is added (x + rms_norm(attention(rms_norm(x)))), OLMo 2 that
+output only (x + rms_norm(attention(x))); OLMo 2's q/k norms span the whole projection; the
+attention's scale, soft-capping and window are the config's, per layer
+(``Attention``), and so is the head's soft-capping (``softcap.SoftCappedLMHead``). With
 the config's features at Llama's values this is Hugging Face's ``LlamaForCausalLM``
 exactly, and with each family's, that family's class (``hpcpar.models``). Split by
 ``hpcpar.models.sharding``: two AllReduces per layer over tp (o_proj, down_proj), one for the
@@ -23,10 +28,13 @@ keeping what its ``backward`` needs (``train.model_chunk`` drives them and adds 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..parallel.device import budget
 from ..parallel.device.backend import host_array
+from ..parallel.device.dtypes import at_least_float32
 from ..parallel.comm import Communicator
 from ..parallel.tensor_parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear,
                                                column_parallel, frozen_matrix, product,
@@ -35,11 +43,13 @@ from ..parallel.expert_parallel.moe import ExpertDispatch, Experts, MoE
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
 from ..parallel.expert_parallel.routing import TopKRouter
+from ..parallel.tensor.splits import unit_replicas
 from ..parallel.tensor_parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 from .attention import QKV, Attention
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .kv_cache import KVCache, kv_cache_bytes
 from .rope import RotaryEmbedding
+from .softcap import SoftCappedLMHead
 from .tensors import EXPERT_ROLES, StageSpan, TensorSpec
 
 GATE_UP = ("gate", "up")      # the MLP's projections of x that generation merges
@@ -97,6 +107,58 @@ class Norm:
         dx, dw = self.ops.rms_norm.backward(dy, ctx, self.scale())
         sink.add(self.weight, lambda: dw)
         return dx
+
+
+class SpanNorms:
+    """RMSNorms of q and of k over their whole projections, whose heads are split over tp
+    (OLMo 2's): this rank's slice x_i of each one's features, its slice w_i of the weight,
+    n the whole projection's features, each of this rank's heads held by R ranks (R > 1 for
+    KV heads fewer than tp).
+
+        r = 1 / sqrt(sum_i |x_i|^2 / (R n) + eps)       the sums of every rank (AllReduce)
+        y_i = w_i x_i r
+
+    Backward, x̂ = x r, g_i = dy_i w_i (a replicated head's dy_i: this rank's part of it,
+    the parts summing to the whole gradient): dx_i = r (g_i - x̂_i D / (R n)), D = sum_i
+    <g_i, x̂_i> over every rank (AllReduce); the replicas' dx_i sum to the whole, as the
+    projection's backward sums them; dw_i is this rank's slice (a replicated one summed over
+    its replicas by the trainer, ``Param.kv_replicated``). q's and k's sums travel in one
+    AllReduce of two numbers per token, forward and backward."""
+
+    def __init__(self, q_norm: Norm, k_norm: Norm, tp: Communicator, sizes: tuple[int, int],
+                 replicas: tuple[int, int]):
+        self.norms, self.tp = (q_norm, k_norm), tp
+        self.divisors = tuple(n * r for n, r in zip(sizes, replicas))     # R n of each
+
+    def forward(self, q, k, train: bool = False):
+        """((q's y, k's y), ctx) of q (B, T, q_i) and k (B, T, kv_i)."""
+        xp = self.norms[0].ops.xp
+        xs = (at_least_float32(xp, q), at_least_float32(xp, k))
+        sums = self.tp.all_reduce(xp.stack([xp.einsum("...d,...d->...", x, x) for x in xs],
+                                           axis=-1))                    # (B, T, 2)
+        ys, rs = [], []
+        for i, (norm, x, xf) in enumerate(zip(self.norms, (q, k), xs)):
+            r = 1.0 / xp.sqrt(sums[..., i:i + 1] * (1.0 / self.divisors[i]) + norm.eps)
+            ys.append((xf * r).astype(x.dtype, copy=False) * norm.scale())
+            rs.append(r)
+        return tuple(ys), ((q, k, rs) if train else None)
+
+    def backward(self, dq, dk, ctx, sink):
+        """(dq, dk) of the norms' inputs; adds their weights' gradients."""
+        xp = self.norms[0].ops.xp
+        q, k, rs = ctx
+        parts = []
+        for norm, x, dy, r in zip(self.norms, (q, k), (dq, dk), rs):
+            xhat = at_least_float32(xp, x) * r
+            dyf = at_least_float32(xp, dy)
+            dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
+            sink.add(norm.weight, lambda dw=dw: dw)
+            parts.append((xhat, dyf * norm.scale()))
+        dots = self.tp.all_reduce(xp.stack([(g * xhat).sum(axis=-1) for xhat, g in parts],
+                                           axis=-1))                    # (B, T, 2)
+        return tuple((r * (g - xhat * (dots[..., i:i + 1] * (1.0 / self.divisors[i]))))
+                     .astype(dy.dtype, copy=False)
+                     for i, ((xhat, g), r, dy) in enumerate(zip(parts, rs, (dq, dk))))
 
 
 def norm_backward(ops: Ops, dy, ctx, w, sink):
@@ -207,43 +269,71 @@ class DecoderLayer:
             return Norm(ops, w[role], cfg.rms_norm_eps, cfg.norm_offset)
 
         qk_norms = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else None
+        if cfg.qk_norm and cfg.qk_norm_whole:     # over q's and k's heads on every tp rank
+            qk_norms = SpanNorms(*qk_norms, tp, (cfg.q_size, cfg.kv_size),
+                                 (1, unit_replicas(cfg.num_key_value_heads, tp.size)))
         self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms,
-                                      cfg.sliding_window)
+                                      cfg.window_of(layer), cfg.attn_scale, cfg.attn_softcap,
+                                      cfg.qk_norm_whole)
         self.mlp = (MoeMlp.of(ops, cfg, w, tp, ep, merge) if cfg.is_moe(layer)
                     else Mlp.of(ops, w, tp, merge, cfg.activation))
-        self.input_norm, self.post_norm = norm("input_norm"), norm("post_attention_norm")
+        pre, post = cfg.block_norms != "post", cfg.block_norms != "pre"
+        # norms of the attention's and the MLP's input (Llama), and of their output (Gemma 2
+        # both, OLMo 2 the second only); None where the family has none
+        self.input_norm = norm("input_norm") if pre else None
+        self.post_norm = norm("post_attention_norm") if pre else None
+        self.attn_out_norm = norm("attn_out_norm") if post else None
+        self.mlp_out_norm = norm("mlp_out_norm") if post else None
         self.ops = ops
+        self.rope = None      # a rope of the layer's own (Gemma 3's local layers), else None
 
     def forward(self, x, pending, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
                 layer: int = 0, train: bool = False, keep=None):
         """(x, pending, ctx): ctx is what ``backward`` needs when ``train``, else None. With
         ``keep`` (B,) host positions, x and pending come back at those alone, (B, 1, hidden)
         (``Attention.forward``'s ``keep``)."""
+        if self.rope is not None:       # tables of the layer's own rope, once for the rows
+            T, rope = x.shape[1], self.rope
+            cos, sin = rows.cached(("rope", id(rope), T),
+                                   lambda: rope.tables(rows.positions(self.ops.xp, T)))
         h, x, n1 = self._norm(pending, x, self.input_norm, train)
         a, actx = self.attention.forward(h, cos, sin, rows, cache, layer, train, keep)
         if keep is not None:
             x = at_positions(self.ops.xp, x, keep)
+        a, o1 = self._out(a, self.attn_out_norm, train)
         h, x, n2 = self._norm(a, x, self.post_norm, train)
         m, mctx = self.mlp.forward(h, train)
-        return x, m, ((n1, actx, n2, mctx) if train else None)
+        m, o2 = self._out(m, self.mlp_out_norm, train)
+        return x, m, ((n1, actx, n2, mctx, o1, o2) if train else None)
 
     @staticmethod
-    def _norm(branch, x, norm: Norm, train: bool):
-        """(rms_norm(x + branch), x + branch, ctx); no add when ``branch`` is None."""
+    def _norm(branch, x, norm: Norm | None, train: bool):
+        """(rms_norm(x + branch), x + branch, ctx); no add when ``branch`` is None; no norm
+        (x + branch itself) when ``norm`` is None."""
+        if norm is None:
+            x = x if branch is None else x + branch
+            return x, x, None
         if branch is None:
             h, ctx = norm.forward(x, train)
             return h, x, ctx
         return norm.add_forward(branch, x, train)
 
+    @staticmethod
+    def _out(y, norm: Norm | None, train: bool):
+        """(rms_norm(y), ctx) of a block's output ``y``; y itself without such a norm."""
+        return (y, None) if norm is None else norm.forward(y, train)
+
     def backward(self, dy, ctx, sink, dprobs=None):
         """The gradient of the layer's input residual (x + pending) from that of its output
         (x + pending after it); ``dprobs`` as ``MoeMlp.backward``'s (a MoE layer)."""
-        n1, actx, n2, mctx = ctx
-        dmlp = (self.mlp.backward(dy, mctx, sink) if dprobs is None
-                else self.mlp.backward(dy, mctx, sink, dprobs))
-        dx1 = dy + self.post_norm.backward(dmlp, n2, sink)
-        return dx1 + self.input_norm.backward(self.attention.backward(dx1, actx, sink), n1,
-                                              sink)
+        n1, actx, n2, mctx, o1, o2 = ctx
+        dm = dy if o2 is None else self.mlp_out_norm.backward(dy, o2, sink)
+        dmlp = (self.mlp.backward(dm, mctx, sink) if dprobs is None
+                else self.mlp.backward(dm, mctx, sink, dprobs))
+        dx1 = dy + (dmlp if n2 is None else self.post_norm.backward(dmlp, n2, sink))
+        da = dx1 if o1 is None else self.attn_out_norm.backward(dx1, o1, sink)
+        dh = self.attention.backward(da, actx, sink)
+        return dx1 + (dh if n1 is None else self.input_norm.backward(dh, n1, sink))
 
 
 class DecoderStage:
@@ -274,8 +364,16 @@ class DecoderStage:
             if merge and not (first and cfg.tie_word_embeddings):
                 # in the products' layout; a tied head beside its embedding reads that table
                 head = frozen_matrix(xp, [head])
-            self.head = ParallelLMHead(ops, head, cfg.vocab_size, tp)
+            self.head = (ParallelLMHead(ops, head, cfg.vocab_size, tp)
+                         if cfg.final_softcap is None
+                         else SoftCappedLMHead(ops, head, cfg.vocab_size, tp, cfg.final_softcap))
         self.rope = RotaryEmbedding(cfg, xp, dtype)
+        if cfg.local_rope_theta is not None:          # the windowed layers' own rope base
+            local = RotaryEmbedding(replace(cfg, rope_theta=cfg.local_rope_theta,
+                                            rope_scaling=RopeScaling()), xp, dtype)
+            for i, layer in zip(layers, self.decoder):
+                if cfg.window_of(i) is not None:
+                    layer.rope = local
         self._embed_scales: dict = {}     # the embedding's scale on the device, by dtype
         self.hidden_size = cfg.hidden_size
         self.weight_bytes = self.expert_bytes = 0        # set by the constructors

@@ -90,6 +90,9 @@ class Family:
     # a config (Qwen2-MoE's shared expert of width 0), role -> shape: a converted checkpoint
     # keeps them aside, so that export gives them back
     inert: Callable[[Any], dict[str, tuple[int, ...]]] = lambda cfg: {}
+    # the config.json (its defaults filled in) as the shared parsing reads it: Gemma 3's rope
+    # per layer type becomes the full-attention layers' rope and the local layers' base
+    prepare: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda hf: hf
 
     def layer_name(self, role: str, layer: int, expert: int | None = None) -> str:
         """A layer's tensor of ``role`` (an expert's: of expert ``expert``)."""

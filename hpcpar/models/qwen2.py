@@ -1,4 +1,6 @@
-"""Qwen2 / Qwen2.5: Llama with biases on q, k and v (none on o), split with their heads."""
+"""Qwen2 / Qwen2.5: Llama with biases on q, k and v (none on o), split with their heads, and
+a sliding window on the layers ``layer_types`` names (``use_sliding_window`` from
+``max_window_layers`` without it), each layer's own in every job."""
 
 from .family import Family, FieldError, MalformedField, activation, flag
 
@@ -19,13 +21,14 @@ def _features(hf) -> dict:
             "activation": activation(hf), **windows(hf)}
 
 
-def windows(hf) -> dict:
+def windows(hf, windowed=lambda i, first: i >= first) -> dict:
     """Qwen's sliding windows, as transformers 5 reads them: the window is
     ``sliding_window`` when ``use_sliding_window`` is true, else none; the layers that use it
-    are ``layer_types``' sliding_attention ones, or without that list every layer from
-    ``max_window_layers`` on. None, one window on every layer, or some layers only (refused
-    by the config's checks). A list transformers refuses (an unknown type, the wrong length)
-    or cannot run (another attention, a sliding layer with no window) is refused here."""
+    are ``layer_types``' sliding_attention ones, or without that list those ``windowed(i,
+    max_window_layers)`` picks (Qwen2's and Qwen3's: every layer from max_window_layers on).
+    None, one window on every layer, or some layers only (``window_layers``). A list
+    transformers refuses (an unknown type, the wrong length) or cannot run (another
+    attention, a sliding layer with no window) is refused here."""
     layers = hf["num_hidden_layers"]
     window = hf.get("sliding_window") if flag(hf, "use_sliding_window") else None
     types = hf.get("layer_types")
@@ -33,34 +36,40 @@ def windows(hf) -> dict:
         first = hf.get("max_window_layers")
         if not isinstance(first, int) or isinstance(first, bool):
             raise MalformedField(f"max_window_layers must be an integer, got {first!r}")
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
-                 for i in range(layers)]
+        types = ["sliding_attention" if window is not None and windowed(i, first)
+                 else "full_attention" for i in range(layers)]
     else:
-        types = _layer_types(types, layers)
+        types = layer_types(types, layers)
         if window is None and "sliding_attention" in types:
             i = types.index("sliding_attention")
             raise FieldError(f"layer_types[{i}] is 'sliding_attention' but the model has no "
                              "window (use_sliding_window false or sliding_window null): "
                              "transformers cannot run it; set both, or make the layer "
                              "full_attention")
-    sliding = [t == "sliding_attention" for t in types]
-    if not any(sliding):
+    return layer_windows(types, window)
+
+
+def layer_windows(types: list[str], window) -> dict:
+    """The config's features of a list of layer types: no window, one window on every layer,
+    or a window on the sliding_attention layers only."""
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not sliding:
         return {}
-    if all(sliding):
+    if len(sliding) == len(types):
         return {"sliding_window": window}
-    return {"mixed_windows": True}
+    return {"sliding_window": window, "window_layers": sliding}
 
 
-def _layer_types(types, layers) -> list[str]:
+def layer_types(types, layers) -> list[str]:
     if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
         raise MalformedField(f"layer_types must be a list of layer type names, got {types!r:.80}")
     types = [LEGACY_LAYER_TYPES.get(t, t) for t in types]
     for i, t in enumerate(types):
         if t not in LAYER_TYPES:
             raise FieldError(f"layer_types[{i}] {t!r} is not a layer type transformers "
-                             f"accepts; Qwen's layers are {' or '.join(QWEN_LAYER_TYPES)}")
+                             f"accepts; these layers are {' or '.join(QWEN_LAYER_TYPES)}")
         if t not in QWEN_LAYER_TYPES:
-            raise FieldError(f"layer_types[{i}] {t!r} is not an attention Qwen's models run "
+            raise FieldError(f"layer_types[{i}] {t!r} is not an attention this family runs "
                              f"(transformers cannot run it either); they are "
                              f"{' or '.join(QWEN_LAYER_TYPES)}")
     if isinstance(layers, int) and len(types) != layers:
@@ -74,4 +83,6 @@ QWEN_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embed
                  "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 
 FAMILY = Family("qwen2", "Qwen2ForCausalLM", "q, k, v biases (column-parallel with their "
-                "heads), no o bias", features=_features, defaults=QWEN_DEFAULTS)
+                "heads), no o bias; a window on the layers layer_types (or "
+                "use_sliding_window from max_window_layers) names", features=_features,
+                defaults=QWEN_DEFAULTS)

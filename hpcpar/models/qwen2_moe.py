@@ -14,9 +14,15 @@ def _features(hf) -> dict:
         raise MalformedField(f"shared_expert_intermediate_size must be an integer, got "
                              f"{shared!r}")
     return {"qkv_bias": flag(hf, "qkv_bias", True), "o_bias": False, "mlp_bias": False,
-            "activation": activation(hf), **windows(hf), "shared_expert_size": shared,
+            "activation": activation(hf), **windows(hf, _windowed), "shared_expert_size": shared,
             **moe_features(hf, experts, hf.get("moe_intermediate_size"), routed,
                            flag(hf, "norm_topk_prob"))}
+
+
+def _windowed(i: int, first: int) -> bool:
+    """transformers' Qwen2-MoE's default layer types: a window on every other layer from the
+    first, below max_window_layers (not Qwen2's rule)."""
+    return (i + 1) % 2 == 1 and i < first
 
 
 def _inert(cfg) -> dict[str, tuple[int, ...]]:

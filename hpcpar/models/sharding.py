@@ -5,7 +5,8 @@ Megatron's plan, on Hugging Face ``[out, in]`` weights:
 
     q, k, v, gate, up   column-parallel, ``Shard(0)``: output features; q by whole heads,
                         k/v by whole KV heads (``unit=head_dim``), each KV head replicated on
-                        tp/kv_heads ranks when kv_heads < tp
+                        tp/kv_heads ranks when kv_heads < tp; q/k norms over the whole
+                        projection (OLMo 2) as q and k
     o, down             row-parallel, ``Shard(1)``: input features; o by whole heads
     embed, lm_head      vocab-parallel, ``Shard(0, padded=True)``: the vocabulary in blocks of
                         ceil(V / tp), padded with zero rows so every rank holds the same shape
@@ -38,7 +39,9 @@ PLACEMENT_OF_ROLE = {
     "o": ROW, "down": ROW,
     "o_bias": REPLICATED, "down_bias": REPLICATED,
     "input_norm": REPLICATED, "post_attention_norm": REPLICATED,
-    "q_norm": REPLICATED, "k_norm": REPLICATED,      # one weight for every head
+    "attn_out_norm": REPLICATED, "mlp_out_norm": REPLICATED,     # norms of a block's output
+    "q_norm": REPLICATED, "k_norm": REPLICATED,      # one weight for every head (over the
+                                                     # whole projection: ``WHOLE_NORMS``)
     # a mixture of experts: every expert split as the dense MLP is, the router replicated
     "router": REPLICATED, "shared_expert_gate": REPLICATED,
     "expert_gate": COLUMN, "expert_up": COLUMN, "expert_down": ROW,
@@ -49,11 +52,20 @@ PLACEMENT_OF_ROLE = {
 
 HEADS = ("q", "q_bias", "o")                  # whole attention heads, never replicated
 KV_HEADS = ("k", "v", "k_bias", "v_bias")     # whole KV heads, replicated when kv_heads < tp
+WHOLE_NORMS = ("q_norm", "k_norm")            # over the whole projection: cut as q and k are
+
+
+def kv_head_role(spec: TensorSpec, cfg: ModelConfig) -> bool:
+    """Whether ``spec`` is cut by KV heads (replicated when kv_heads < tp): k, v, their
+    biases, and a k norm over the whole projection (OLMo 2's)."""
+    return spec.role in KV_HEADS or (cfg.qk_norm_whole and spec.role == "k_norm")
 
 
 def placement_of(spec: TensorSpec, cfg: ModelConfig) -> Shard | Replicate:
     """How ``spec`` lies over tp: its role's placement, cut by whole heads for attention's
-    projections."""
+    projections (and for q/k norms over the whole projection, which are split as q and k)."""
+    if cfg.qk_norm_whole and spec.role in WHOLE_NORMS:
+        return Shard(0, unit=cfg.head_dim)
     placement = PLACEMENT_OF_ROLE[spec.role]
     if spec.role in HEADS or spec.role in KV_HEADS:
         return Shard(placement.dim, unit=cfg.head_dim)
@@ -67,7 +79,7 @@ def piece_of(spec: TensorSpec, cfg: ModelConfig, tp_rank: int, tp_size: int) -> 
     placement = placement_of(spec, cfg)
     if tp_size > 1 and isinstance(placement, Shard) and not placement.padded:
         units = spec.shape[placement.dim] // placement.unit
-        if unit_split_problem(units, tp_size, spec.role in KV_HEADS) is not None:
+        if unit_split_problem(units, tp_size, kv_head_role(spec, cfg)) is not None:
             what = ("heads" if placement.unit > 1
                     else "rows" if placement.dim == 0 else "columns")
             raise ShardingError(

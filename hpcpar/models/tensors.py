@@ -92,6 +92,10 @@ def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]
                            cfg.head_dim)
     out = {"input_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q),
            "post_attention_norm": (h,)}
+    if cfg.block_norms == "post":                  # norms of the blocks' outputs only
+        del out["input_norm"], out["post_attention_norm"]
+    if cfg.block_norms != "pre":
+        out |= {"attn_out_norm": (h,), "mlp_out_norm": (h,)}
     if cfg.is_moe(layer):
         e, s = cfg.moe_intermediate_size, cfg.shared_expert_size
         out |= {"router": (cfg.num_experts, h), "expert_gate": (e, h), "expert_up": (e, h),
@@ -105,8 +109,9 @@ def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]
         out |= {"q_bias": (q,), "k_bias": (kv,), "v_bias": (kv,)}
     if cfg.o_bias:
         out["o_bias"] = (h,)
-    if cfg.qk_norm:
-        out |= {"q_norm": (hd,), "k_norm": (hd,)}
+    if cfg.qk_norm:           # per head, or over the whole projection (qk_norm_whole)
+        out |= ({"q_norm": (q,), "k_norm": (kv,)} if cfg.qk_norm_whole
+                else {"q_norm": (hd,), "k_norm": (hd,)})
     if cfg.mlp_bias:
         out |= {"gate_bias": (inter,), "up_bias": (inter,), "down_bias": (h,)}
     return out

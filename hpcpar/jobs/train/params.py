@@ -18,7 +18,7 @@ elements decides the global gradient norm, so it is decided here, once:
 from __future__ import annotations
 
 from ...models.config import ModelConfig
-from ...models.sharding import placement_of
+from ...models.sharding import kv_head_role, placement_of
 from ...models.tensors import EMBED, TensorSpec
 from ...parallel.params import GradSink, Parameter
 from ...parallel.tensor.placement import Replicate
@@ -51,7 +51,7 @@ def make_param(spec: TensorSpec, master, xp, cfg: ModelConfig, tp_rank: int, tp_
                last_stage_tied_copy: bool = False, dtype=None) -> Param:
     """A param of float32 ``master`` weights, computing in ``dtype`` (default: float32)."""
     replicated = isinstance(placement_of(spec, cfg), Replicate)
-    replicas = kv_replicas(cfg, tp_size) if spec.role in ("k", "v", "k_bias", "v_bias") else 1
+    replicas = kv_replicas(cfg, tp_size) if kv_head_role(spec, cfg) else 1
     if replicated:
         counted = tp_rank == 0
     else:
@@ -60,7 +60,8 @@ def make_param(spec: TensorSpec, master, xp, cfg: ModelConfig, tp_rank: int, tp_
         counted = False
     data = master if dtype is None or master.dtype == dtype else master.astype(dtype)
     return Param(spec, data, xp.zeros_like(master), counted, len(spec.shape) == 2,
-                 replicas > 1, master, spec.role in PER_HEAD_NORMS and tp_size > 1)
+                 replicas > 1, master,
+                 spec.role in PER_HEAD_NORMS and tp_size > 1 and not cfg.qk_norm_whole)
 
 
 def make_params(cfg: ModelConfig, specs: list[TensorSpec], shards: dict, xp, tp_rank: int,

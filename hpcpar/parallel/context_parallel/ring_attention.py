@@ -32,7 +32,6 @@ Any attention written over ``AttentionRows`` gets the ring by swapping the op: t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -40,7 +39,7 @@ import numpy as np
 
 from ..device.dtypes import accumulator
 from ..errors import HpcparError
-from ..ops.attention import AttentionRows, at_positions, check_layouts
+from ..ops.attention import AttentionRows, at_positions, check_layouts, score_scale
 from ..ops.tiled_attention import TiledAttention, grouped_heads, merge
 
 if TYPE_CHECKING:       # the split is pure (``plan`` reads it without MPI); the ring is not
@@ -338,7 +337,7 @@ class RingAttention:
         for request in sends:
             request.wait()
         mine = incoming[0][:, :, :, :T].astype(dtype, copy=False)
-        dq = (dq * (1.0 / math.sqrt(hd))).astype(dtype, copy=False)
+        dq = (dq * score_scale(rows, hd)).astype(dtype, copy=False)
         return dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd), mine[0], mine[1]
 
 

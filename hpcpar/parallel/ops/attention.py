@@ -1,6 +1,9 @@
 """Causal grouped-query softmax attention over rows described by their lengths.
 
-    out[b, t, h] = sum_s p[b, h, t, s] v[b, h / g, s],   p = softmax_s(q k^T / sqrt(d) + mask)
+    out[b, t, h] = sum_s p[b, h, t, s] v[b, h / g, s],   p = softmax_s(c(q k^T / sqrt(d)) + mask)
+
+c is the identity, or with a soft cap (Gemma 2) c(s) = cap tanh(s / cap); the scale 1/sqrt(d)
+may be another (``AttentionRows.scale``: Gemma 2's query_pre_attn_scalar^-1/2).
 
 Each row's valid tokens come first (no left padding): row b has ``q_lengths[b]`` queries and
 ``kv_lengths[b]`` keys, and query t sits at position kv_lengths[b] - q_lengths[b] + t, seeing
@@ -18,6 +21,7 @@ Queries past a row's length (padding) get a finite output that is never used.
 Backward (training): with P the probabilities and dO the output gradient,
     dV = P^T dO,  dP = dO V^T,  dS = P (dP - rowsum(dP P)),  dQ = dS K / sqrt(d),
     dK = dS^T Q / sqrt(d)     (summed over the g query heads of each KV head)
+and through a soft cap dS times c'(s) = 1 - (c(s) / cap)^2.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class AttentionRows:
     max_kv: int                # keys to read: max(kv_lengths), host int
     from_start: bool           # every row's queries start at position 0 (q_lengths = kv_lengths)
     window: int | None = None  # a query sees its last ``window`` keys only (sliding window)
+    scale: float | None = None   # the scores' scale, s = scale q.k (None: 1/sqrt(d))
+    softcap: float | None = None   # scores soft-capped, cap tanh(s / cap), before the softmax
     context: object = None     # a ``ContextShard`` (``parallel.context_parallel``): this rank
                                # holds a part of each sequence (context parallelism)
 
@@ -58,6 +64,14 @@ class AttentionRows:
         if starts is None:
             starts = self.__dict__["_starts"] = self.kv_lengths - self.q_lengths
         return starts
+
+    def cached(self, key, make):
+        """``make()``, computed once for these rows and ``key`` (the rotary tables of a layer
+        type with its own rope: every such layer reads them)."""
+        cache = self.__dict__.setdefault("_cached", {})
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
 
     def cache_slots(self):
         """(B,) the KV-cache slot of each row's first query's key: its position, or where a
@@ -102,8 +116,31 @@ def grouped(q, keys, values, rows: AttentionRows):
     B, T, nh, hd = q.shape
     keys, values = keys[:, :, :rows.max_kv], values[:, :, :rows.max_kv]
     nkv = keys.shape[1]
-    qs = (q * (1.0 / math.sqrt(hd))).transpose(0, 2, 1, 3).reshape(B, nkv, nh // nkv * T, hd)
+    qs = (q * score_scale(rows, hd)).transpose(0, 2, 1, 3).reshape(B, nkv, nh // nkv * T, hd)
     return qs, keys, values
+
+
+def score_scale(rows: AttentionRows, hd: int) -> float:
+    """The scores' scale: the rows' (Gemma 2's), else 1/sqrt(d)."""
+    return 1.0 / math.sqrt(hd) if rows.scale is None else rows.scale
+
+
+def soft_cap(xp, scores, cap: float | None):
+    """cap tanh(scores / cap), in place (float scores); the scores themselves without a cap."""
+    if cap is not None:
+        scores /= cap
+        xp.tanh(scores, out=scores)
+        scores *= cap
+    return scores
+
+
+def soft_cap_grad(xp, ds, capped, cap: float | None):
+    """dS through the cap, in place: ds (1 - (c / cap)^2) for the capped scores c (-inf where
+    masked, where ds is 0 already)."""
+    if cap is not None:
+        t = xp.where(xp.isfinite(capped), capped, 0.0) / cap
+        ds *= 1.0 - t * t
+    return ds
 
 
 def check_layouts(q, keys, values, rows: AttentionRows) -> None:
@@ -139,6 +176,9 @@ class Attention:
         g = nh // nkv
         scores = qs @ keys.transpose(0, 1, 3, 2)                            # (B, nkv, g*T, S)
         scores = at_least_float32(xp, scores).reshape(B, nkv, g, T, S)
+        if rows.softcap is not None:
+            scores = soft_cap(xp, scores.copy(), rows.softcap)
+        capped = scores.reshape(B, nkv, g * T, S) if rows.softcap is not None else None
         scores = xp.where(attention_mask(xp, rows, T, S), scores, -xp.inf)
         scores -= scores.max(axis=-1, keepdims=True)
         probs = xp.exp(scores)
@@ -146,12 +186,12 @@ class Attention:
         probs = probs.astype(q.dtype, copy=False).reshape(B, nkv, g * T, S)
         out = (probs @ values).reshape(B, nkv, g, T, hd)                    # (B, nkv, g, T, d)
         out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)            # (B, T, heads, d)
-        return out, (qs, keys, values, probs)
+        return out, (qs, keys, values, probs, capped, rows)
 
     def backward(self, dout, ctx):
         """(dq (B, T, heads, d), dk, dv (B, kv_heads, S, d)) from dout (B, T, heads, d)."""
         xp = self.xp
-        qs, keys, values, probs = ctx
+        qs, keys, values, probs, capped, rows = ctx
         B, T, nh, hd = dout.shape
         nkv = keys.shape[1]
         g = nh // nkv
@@ -161,9 +201,9 @@ class Attention:
         dv = (probs.transpose(0, 1, 3, 2) @ dout).astype(dtype, copy=False)
         dprobs = at_least_float32(xp, dout @ values.transpose(0, 1, 3, 2))             # (B, nkv, g*T, S)
         pf = at_least_float32(xp, probs)
-        dscores = (pf * (dprobs - (dprobs * pf).sum(axis=-1, keepdims=True))).astype(
-            dtype, copy=False)
-        scale = 1.0 / math.sqrt(hd)
+        dscores = pf * (dprobs - (dprobs * pf).sum(axis=-1, keepdims=True))
+        dscores = soft_cap_grad(xp, dscores, capped, rows.softcap).astype(dtype, copy=False)
+        scale = score_scale(rows, hd)
         dq = (dscores @ keys).astype(dtype, copy=False) * scale             # (B, nkv, g*T, d)
         dq = dq.reshape(B, nh, T, hd).transpose(0, 2, 1, 3)                 # (B, T, heads, d)
         dk = (dscores.transpose(0, 1, 3, 2) @ qs).astype(dtype, copy=False)  # (B, nkv, S, d)

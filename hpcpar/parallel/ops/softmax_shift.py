@@ -60,8 +60,8 @@ class KnownShift:
         where it does not apply."""
         B, nkv, g, T, hd = qs.shape
         exact = qs.dtype == keys.dtype == values.dtype == accumulator(xp, keys.dtype)
-        if q_at or k_at or partial or T < block or not exact:
-            return None
+        if q_at or k_at or partial or T < block or not exact or rows.softcap is not None:
+            return None           # (soft-capped scores are no GEMM's: the online softmax)
         S, dtype = keys.shape[2], qs.dtype
         norms = xp.zeros((B, nkv, -(-S // block) * block), dtype=dtype)
         norms[..., :S] = xp.sqrt(xp.einsum("bksd,bksd->bks", keys, keys))

@@ -12,6 +12,10 @@ probabilities: it recomputes each block's from the saved log-sum-exp, lse = m + 
     P = exp(S - lse),  dV += P^T dO,  dP = dO V^T,  dS = P (dP - D),  D = rowsum(dO * O),
     dQ += dS K / sqrt(d),  dK += dS^T Q / sqrt(d)
 
+With a soft cap (Gemma 2) each block's scores go through cap tanh(S / cap) before the
+softmax, and dS through its derivative, 1 - (capped / cap)^2 (``_scores`` is the one place
+scores are made, forward and backward); the shift known up front does not apply then.
+
 A whole sequence in float32 or float64 (prefill, scoring, training's forward) needs no
 running maximum: each query's shift is known before its keys are read (``KnownShift``), so
 a span of keys costs two GEMMs and an exp2, the shift and the sum folded into the GEMMs.
@@ -28,11 +32,10 @@ one segment of each; ring attention (``parallel.context_parallel.ring_attention`
 
 from __future__ import annotations
 
-import math
-
 from ..device.backend import host_array
 from ..device.dtypes import accumulator, at_least_float32
-from .attention import Attention, AttentionRows, attention_mask, grouped
+from .attention import (Attention, AttentionRows, attention_mask, grouped, score_scale,
+                        soft_cap, soft_cap_grad)
 from .softmax_shift import LN2, KnownShift, spans
 
 BLOCK = 128                    # queries and keys per tile
@@ -215,7 +218,7 @@ class TiledAttention(Attention):
         (t0, t1), (s0, s1) = queries, block
         B, nkv = qb.shape[:2]
         scores = at_least_float32(xp, qb @ keys[:, :, s0:s1].transpose(0, 1, 3, 2))
-        scores = scores.reshape(B, nkv, -1, t1 - t0, s1 - s0)
+        scores = soft_cap(xp, scores.reshape(B, nkv, -1, t1 - t0, s1 - s0), rows.softcap)
         if masked:
             scores = xp.where(self._block_mask(rows, t0, t1, k_at + s0, k_at + s1), scores,
                               -xp.inf)
@@ -256,13 +259,13 @@ class TiledAttention(Attention):
         do = dout.reshape(B, T, nkv, nh // nkv, hd).transpose(0, 2, 3, 1, 4)  # (B, kv, g, T, d)
         D = (at_least_float32(xp, do) * at_least_float32(xp, out)).sum(axis=-1)  # (B, kv, g, T)
         dq, dk, dv = self.attend_backward(do, qs, keys, values, lse, D, rows)
-        dq = (dq * (1.0 / math.sqrt(hd))).astype(dtype, copy=False)
+        dq = (dq * score_scale(rows, hd)).astype(dtype, copy=False)
         dq = dq.transpose(0, 3, 1, 2, 4).reshape(B, T, nh, hd)
         return dq, dk.astype(dtype, copy=False), dv.astype(dtype, copy=False)
 
     def attend_backward(self, do, qs, keys, values, lse, D, rows: AttentionRows,
                         q_at: int = 0, k_at: int = 0):
-        """(dq (B, kv, g, T, d) before the 1/sqrt(d), dk, dv (B, kv, S, d)) in the accumulator
+        """(dq (B, kv, g, T, d) before the scale, dk, dv (B, kv, S, d)) in the accumulator
         dtype: one segment pair's part of the gradients, from the output gradient ``do``
         (B, kv, g, T, d), the final lse and D = rowsum(dO * O) of the whole attention."""
         xp, (B, nkv, g, T, hd) = self.xp, qs.shape
@@ -285,7 +288,8 @@ class TiledAttention(Attention):
                 dv[:, :, s0:s1] += at_least_float32(xp, p16.transpose(0, 1, 3, 2) @ dob)
                 dp = at_least_float32(xp, dob @ vb.transpose(0, 1, 3, 2)).reshape(
                     B, nkv, g, tq, s1 - s0)
-                ds = (p * (dp - D[:, :, :, t0:t1, None])).astype(dtype, copy=False)
+                ds = soft_cap_grad(xp, p * (dp - D[:, :, :, t0:t1, None]), scores,
+                                   rows.softcap).astype(dtype, copy=False)
                 ds = ds.reshape(B, nkv, g * tq, s1 - s0)
                 dq[:, :, :, t0:t1] += at_least_float32(xp, ds @ kb).reshape(B, nkv, g, tq, hd)
                 dk[:, :, s0:s1] += at_least_float32(xp, ds.transpose(0, 1, 3, 2) @ qb)

@@ -151,8 +151,9 @@ class CudnnAttention(Attention):
         one query per row or queries from position 0; anything else runs the reference."""
         if q.dtype.name not in _CUDNN_DTYPES:
             return False
-        if rows is not None and rows.window is not None:   # no sliding-window graph yet
-            return False
+        if rows is not None and (rows.window is not None or rows.softcap is not None
+                                 or rows.scale is not None):
+            return False      # no sliding-window, soft-capped or rescaled graph yet
         return rows is None or q.shape[1] == 1 or rows.from_start
 
     def forward(self, q, keys, values, rows: AttentionRows):
