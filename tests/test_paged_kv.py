@@ -4,7 +4,8 @@ admission, statistics; a property test of random admissions and frees), and atte
 ``PagedKVCache`` against attention through the contiguous ``KVCache`` holding the same keys:
 a prefill from position 0, a prefill of rows that share a cached prefix and compute the rest
 only, decode steps, rows of different lengths, exactly equal (float32, float64), through the
-model's attention op and through tiles small enough to have edges."""
+model's attention op and through tiles small enough to have edges; and cascade attention, rows
+grouped by the blocks they share, against the attention over their whole rows."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from hpcpar.models.paged_kv import PagedKVCache, paged_kv_cache_bytes
 from hpcpar.parallel.device.backend import select_backend
 from hpcpar.parallel.errors import HpcparError
 from hpcpar.parallel.ops import AttentionRows, native_ops
+from hpcpar.parallel.ops.cascade_attention import CascadeAttention, PrefixGroups
 from hpcpar.parallel.ops.tiled_attention import TiledAttention
 
 LAYERS, KV, HEADS, HD, BS = 2, 2, 4, 8, 4
@@ -458,3 +460,42 @@ def test_a_step_needs_tables_of_its_rows_and_positions():
         cache.write(0, k, k, starts, False, 5)
     with pytest.raises(ValueError, match="block tables"):
         cache.bind(BlockTables(np.array([[4]], np.int32), np.zeros(1, np.int64), BS))
+
+
+# ---- cascade attention: a group's shared keys read once -------------------------------------
+
+def test_rows_whose_tables_begin_alike_are_grouped_by_their_common_run():
+    blocks = np.array([[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 1, 2], [3, 4, -1, -1],
+                       [-1, -1, -1, -1], [3, 4, 0, -1]])
+    groups = PrefixGroups.of_tables(blocks, 16, min_shared=32)
+    assert [g.tolist() for g in groups.members] == [[3, 5], [0, 1, 2]]
+    assert groups.prefix == (32, 32) and groups.alone.tolist() == [4]
+    assert PrefixGroups.of_tables(blocks, 16, min_shared=48) is None
+    assert PrefixGroups.of_tables(blocks[:2], 16, min_shared=48).prefix == (48,)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "soft-capped"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_cascade_attention_is_the_attention_over_the_whole_rows(dtype, softcap):
+    """Rows 0-3 share 96 positions (in order: a view), rows 4 and 6 share 64 (apart: an
+    index), row 5 is alone; a decode step's output against the reference's over every row's
+    whole keys, with the scores' own scale and soft cap."""
+    backend = the_backend()
+    xp = backend.xp
+    rng = np.random.default_rng(3)
+    B, C = 7, 200
+    keys, values = (rng.standard_normal((B, KV, C, HD)).astype(dtype) for _ in range(2))
+    for source, copies, shared in ((0, [1, 2, 3], 96), (4, [6], 64)):
+        keys[copies, :, :shared] = keys[source, :, :shared]
+        values[copies, :, :shared] = values[source, :, :shared]
+    q = rng.standard_normal((B, 1, HEADS, HD)).astype(dtype)
+    lengths = np.array([150, 97, 130, 180, 70, 33, 65])
+    rows = AttentionRows.build(xp, np.ones(B), lengths, from_start=False)
+    rows = AttentionRows(rows.q_lengths, rows.kv_lengths, rows.max_kv, False, scale=0.3,
+                         softcap=softcap)
+    groups = PrefixGroups((np.array([0, 1, 2, 3]), np.array([4, 6])), (96, 64), np.array([5]))
+    q_, keys_, values_ = (xp.asarray(a) for a in (q, keys, values))
+    got = backend.to_host(CascadeAttention(xp).forward(q_, keys_, values_, rows, groups))
+    want = backend.to_host(native_ops(xp).attention.forward(q_, keys_, values_, rows))
+    np.testing.assert_allclose(got, want, atol=1e-6 if dtype == np.float32 else 1e-12)

@@ -10,6 +10,7 @@ alike compute their beginning once, with every row's log-probabilities those of 
 row."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,6 +210,25 @@ def test_kv_memory_beyond_the_free_memory_is_refused(capfd, tmp_path):
     assert "give less, or a fraction of it (0.5: half)" in message
 
 
+def test_decode_reads_a_shared_system_prompts_keys_once_per_group(tmp_path, monkeypatch):
+    """Requests of one 64-token system prompt (8 blocks of 8, ``MIN_SHARED`` positions):
+    their decode steps attend the shared blocks as one group (cascade attention), with the
+    contiguous cache's tokens and log-probs."""
+    from hpcpar.parallel.ops import cascade_attention
+    calls = []
+    forward = cascade_attention.CascadeAttention.forward
+    monkeypatch.setattr(cascade_attention.CascadeAttention, "forward",
+                        lambda self, *a: calls.append(len(a[-1].members)) or forward(self, *a))
+    path, _ = make_checkpoint(tmp_path, GQA)
+    rng = np.random.default_rng(5)
+    system = rng.integers(3, GQA["vocab_size"], cascade_attention.MIN_SHARED)
+    prompts = Prompts([np.concatenate([system, rng.integers(3, GQA["vocab_size"], k)])
+                       for k in (3, 9, 1, 12, 6)] + [rng.integers(3, GQA["vocab_size"], 20)])
+    cached = _generate(MPI.COMM_SELF, path, prompts, logprobs=2)
+    assert calls and max(calls) == 1            # one group: the system prompt's requests
+    _same(cached, _generate(MPI.COMM_SELF, path, prompts, cache=False, logprobs=2), "cascade")
+
+
 @pytest.mark.parametrize("option, why", [
     ({"batching": "static"}, "static batching runs each micro-batch in a KV cache of its own"),
     ({"prompt_logprobs": 1}, "prompt logits and prompt log-probabilities are computed at every "
@@ -267,9 +287,10 @@ def _scored(comm, path, rows: list, folder, layout=(1, 1, 1, 1), cache=True):
         data.write_text("".join(json.dumps({"ids": [int(t) for t in r]}) + "\n" for r in rows))
     comm.Barrier()
     sets = [f"model.checkpoint='{path}'", f"score.data='{data}'",
-            f"output.path='{folder}/{'cached' if cache else 'whole'}-{dp}{pp}{tp}{mbs}.h5'",
+            f"output.path='{folder}/{cache}-{dp}{pp}{tp}{mbs}.h5'",
             f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}",
-            f"parallel.micro_batches={mbs}", f"score.prefix_cache={str(cache).lower()}"]
+            f"parallel.micro_batches={mbs}",
+            *([] if cache is None else [f"score.prefix_cache={str(cache).lower()}"])]
     return run_scoring(comm, load_job(None, sets), progress=False)
 
 
@@ -306,6 +327,20 @@ def test_scored_rows_that_begin_alike_are_the_rows_scored_alone(family, tmp_path
     assert whole.shared_positions == 0
 
 
+def test_scoring_asked_to_share_beginnings_where_it_cannot_is_refused(capfd, tmp_path,
+                                                                     monkeypatch):
+    """On a device before it has run on one (the strict backend), by default every row is
+    scored whole; ``--prefix-cache`` is one line, after choosing the backend and before
+    loading."""
+    monkeypatch.setenv("HPCPAR_BACKEND", "strict")
+    path, _ = make_checkpoint(tmp_path, GQA)
+    rows = _choices(GQA["vocab_size"])
+    assert _scored(MPI.COMM_SELF, path, rows, tmp_path, cache=None).shared_positions == 0
+    message = refused(capfd, lambda: _scored(MPI.COMM_SELF, path, rows, tmp_path))
+    assert message.startswith("2 hpcpar: error: --prefix-cache: rows sharing their "
+                              "beginnings have not run on a GPU yet"), message
+
+
 @pytest.mark.mpi(ranks=(2,))
 def test_scoring_with_shared_beginnings_under_tp_pp_and_dp(tmp_path_factory):
     """Under pp a micro-batch whose rows share beginnings takes two passes through the
@@ -340,6 +375,28 @@ def test_mixtures_of_experts_share_prefixes_exactly(name, tmp_path):
     np.testing.assert_allclose(_scored(MPI.COMM_SELF, path, rows, tmp_path).token_logprobs,
                                _scored(MPI.COMM_SELF, path, rows, tmp_path,
                                        cache=False).token_logprobs, atol=2e-5)
+
+
+@pytest.mark.mpi(ranks=(2,))
+def test_a_mixture_of_experts_under_ep_shares_prefixes_exactly(tmp_path_factory):
+    """dp 2 x ep 2: each replica's pool on its own rank, the experts split over the two,
+    which meet in every MoE layer whatever their refills: the single rank's tokens."""
+    pytest.importorskip("transformers")
+    from helpers import build_hf_model
+    comm = MPI.COMM_WORLD
+    folder = None
+    if comm.Get_rank() == 0:
+        folder = tmp_path_factory.mktemp("prefix-ep")
+        build_hf_model("mixtral", folder)
+    path = Path(comm.bcast(str(folder) if folder else None, root=0)) / "model.h5"
+    prompts = _prompts(250, seed=4)
+    gen = dict(SAMPLED, n=2, batch_size=3)
+    single = (_generate(MPI.COMM_SELF, path, prompts, cache=False, **gen)
+              if comm.Get_rank() == 0 else None)
+    result = _generate(comm, path, prompts, (2, 1, 1, 1), extra=["parallel.ep=2"], **gen)
+    if comm.Get_rank() == 0:
+        _same(result, single, "dp 2 x ep 2")
+        assert result.report.prefix_hit_rate > 0.3
 
 
 def test_a_batch_api_file_of_one_system_message_shares_its_keys(tmp_path):

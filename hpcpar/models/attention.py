@@ -21,6 +21,7 @@ from ..parallel.comm import Communicator
 from ..parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                column_parallel, row_parallel)
 from ..parallel.ops import AttentionRows, Ops
+from ..parallel.ops import cascade_attention as cascade
 from ..parallel.ops.attention import at_positions
 from .kv_cache import KVCache
 
@@ -94,8 +95,12 @@ class Attention:
                                        rows.max_kv)
         if keep is not None:
             q, rows = kept_queries(self.ops.xp, q, rows, keep)
+        groups = getattr(cache, "prefix_groups", None)      # rows that share cached keys
         if train:
             out, actx = self.ops.attention.forward_train(q, keys, values, rows)
+        elif groups is not None and keep is None and cascade.applies(rows, T):
+            out, actx = cascade.CascadeAttention(self.ops.xp).forward(q, keys, values, rows,
+                                                                      groups), None
         else:
             out, actx = self.ops.attention.forward(q, keys, values, rows), None
         out = out.reshape(B, q.shape[1], nh * hd)

@@ -18,6 +18,7 @@ import copy
 
 import numpy as np
 
+from ..parallel.ops.cascade_attention import PrefixGroups
 from .kv_blocks import NO_BLOCK, BlockTables, block_bytes, check_block_size
 
 
@@ -45,6 +46,7 @@ class PagedKVCache:
         self.tables: BlockTables | None = None
         self._blocks = self._frozen = None            # the bound tables on the device
         self.rows_k = self.rows_v = None              # ``contiguous``: the bound rows' keys
+        self.prefix_groups: PrefixGroups | None = None   # ``contiguous``: rows that share keys
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +62,9 @@ class PagedKVCache:
         kv, W block_size, hd), so that a step reads them without gathering its blocks (a
         decode step's attention reads every row's keys, the gather would copy them all each
         step): ``write`` stores a step's keys in both, and ``bind`` copies in the rows whose
-        blocks changed, or ``refresh`` names (written through another view)."""
+        blocks changed, or ``refresh`` names (written through another view), and finds the
+        rows whose tables begin alike (``prefix_groups``: a decode step's attention reads
+        their shared keys once, ``ops.cascade_attention``)."""
         B, W = self._blocks.shape
         # one position more, where the writes the pool sends to its null block go
         shape = (self.k.shape[0], B, self.kv_heads, W * self.block_size + 1, self.head_dim)
@@ -109,6 +113,7 @@ class PagedKVCache:
             changed = ((before != blocks) & (before >= 0)).any(axis=1)
             changed[np.asarray(refresh, dtype=np.int64)] = True
             self._gather_rows(np.flatnonzero(changed))
+            self.prefix_groups = PrefixGroups.of_tables(blocks, self.block_size)
         return self
 
     def _gather_rows(self, rows: np.ndarray) -> None:
@@ -131,6 +136,7 @@ class PagedKVCache:
         ``CacheRows`` is of a ``KVCache``."""
         view = copy.copy(self)
         view.tables = view._blocks = view._frozen = view.rows_k = view.rows_v = None
+        view.prefix_groups = None
         return view.bind(tables, starts, lengths)
 
     def slots(self, starts, T: int):
