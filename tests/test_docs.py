@@ -1,7 +1,8 @@
 """The documentation site: ``mkdocs build --strict`` builds docs/ with no broken link or
 anchor, every page under docs/ is in mkdocs.yml's nav, the flags page is the parser's own
-``--help`` of every command, the benchmarks page lists every recorded run, and the API page
-holds the docstrings it names."""
+``--help`` of every command, the benchmarks page lists every recorded run, the models table
+(the site's and README's) is the families' declarations, and the API page holds the
+docstrings it names."""
 
 import subprocess
 import sys
@@ -64,3 +65,19 @@ def test_the_site_builds_strictly(tmp_path):
                            flags=re.M):
         section = api.split(f'id="{name}"', 1)
         assert len(section) == 2 and "doc-contents" in section[1][:4000], f"{name}: no docstring"
+
+
+def test_the_readme_models_table_is_the_families_own_declarations():
+    """README.md's table of families is what docs/hooks/generated.py writes into the models
+    page from each family's ``Family.differs``: a family's differences are written once, in
+    its module."""
+    sys.path.insert(0, str(REPO / "docs" / "hooks"))
+    try:
+        from generated import models_table
+    finally:
+        sys.path.pop(0)
+    table = models_table()
+    assert table in (REPO / "README.md").read_text(), (
+        "README.md's models table is not the families' declarations; paste this in:\n" + table)
+    assert "<!-- the families' table: docs/hooks/generated.py -->" in (
+        REPO / "docs" / "models.md").read_text()

@@ -1,7 +1,7 @@
 """MkDocs hook: the parts of pages written from the code when the site is built, so they cannot
 fall behind it. A page holds a marker comment; the hook replaces it with what its function
 writes: every command's ``--help`` from the parser, the recorded benchmark runs from the files
-in ``benchmarks/results/``."""
+in ``benchmarks/results/``, the model families' table from their declarations."""
 
 from __future__ import annotations
 
@@ -50,10 +50,23 @@ def results_table() -> str:
     return "\n".join(lines)
 
 
+def models_table() -> str:
+    """The model families, each one's transformers class and what it declares it does
+    differently from Llama (``hpcpar.models.FAMILIES``, ``Family.differs``): written once, in
+    the family's module. README.md holds the same table (``tests/test_docs.py`` checks it)."""
+    from hpcpar.models import FAMILIES
+
+    lines = ["| `model_type` | transformers class | what differs from Llama |", "|---|---|---|"]
+    lines += [f"| `{f.model_type}` | `{f.architecture}` | {_cell(f.differs)} |"
+              for f in FAMILIES.values()]
+    return "\n".join(lines)
+
+
 # page -> (its marker, the function that writes what replaces it)
 GENERATED = {
     "reference/flags.md": ("<!-- every command's --help: docs/hooks/generated.py -->", every_help),
     "benchmarks.md": ("<!-- the recorded runs: docs/hooks/generated.py -->", results_table),
+    "models.md": ("<!-- the families' table: docs/hooks/generated.py -->", models_table),
 }
 
 

@@ -33,8 +33,9 @@ def _sqrt(hidden) -> float:
     return math.sqrt(hidden) if isinstance(hidden, int) and hidden > 0 else 1.0
 
 
-FAMILY = Family("gemma", "GemmaForCausalLM", "RMSNorm by (1 + w), embedding scaled by "
-                "sqrt(hidden), GeGLU (tanh GELU), tied head", features=_features,
+FAMILY = Family("gemma", "GemmaForCausalLM", "RMSNorm by (1 + w), the embedding scaled by "
+                                             "sqrt(hidden), GeGLU with the tanh GELU, tied head",
+                features=_features,
                 defaults={"hidden_act": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
                           "max_position_embeddings": 8192, "tie_word_embeddings": True,
                           "num_key_value_heads": 16, "head_dim": 256})

@@ -67,9 +67,13 @@ GEMMA2_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-
                    "sliding_window": 4096, "final_logit_softcapping": 30.0,
                    "attn_logit_softcapping": 50.0}
 
-FAMILY = Family("gemma2", "Gemma2ForCausalLM", "Gemma's norms, embedding scale, GeGLU and "
-                "tied head; norms of each block's output too (four a layer), scores scaled by "
-                "query_pre_attn_scalar^-1/2 and soft-capped, cap tanh(s / cap), in prefill, "
-                "decode and training; the logits soft-capped (under vocab-parallel tp too); a "
-                "sliding window on the layers layer_types names (every other one)",
+FAMILY = Family("gemma2", "Gemma2ForCausalLM", "Gemma's norms, embedding scale, GeGLU and tied "
+                                               "head; norms of each block's output too (four a "
+                                               "layer); scores scaled by "
+                                               "`query_pre_attn_scalar`^-1/2 and soft-capped, cap "
+                                               "tanh(s / cap) (`attn_logit_softcapping`), in "
+                                               "prefill, decode and training; the logits "
+                                               "soft-capped (`final_logit_softcapping`, under "
+                                               "vocab-parallel tp too); a sliding window on the "
+                                               "layers `layer_types` names (every other one)",
                 features=_features, names=GEMMA2_NAMES, defaults=GEMMA2_DEFAULTS)

@@ -11,8 +11,10 @@ def _features(hf) -> dict:
             "activation": activation(hf), "sliding_window": hf.get("sliding_window")}
 
 
-FAMILY = Family("mistral", "MistralForCausalLM", "sliding-window attention: each query sees "
-                "its last sliding_window keys (the KV cache keeps them all)",
+FAMILY = Family("mistral", "MistralForCausalLM", "sliding-window attention: each query sees its "
+                                                 "last `sliding_window` keys, in prefill, decode "
+                                                 "over the KV cache (which keeps them all), "
+                                                 "continuous batching and training",
                 features=_features,
                 defaults={"hidden_act": "silu", "rms_norm_eps": 1e-6,
                           "max_position_embeddings": 4096 * 32, "tie_word_embeddings": False,

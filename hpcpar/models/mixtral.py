@@ -16,7 +16,10 @@ def _features(hf) -> dict:
 
 
 FAMILY = Family("mixtral", "MixtralForCausalLM", "Mistral's attention; every MLP a mixture of "
-                "experts (softmax top-k, the k weights renormalised)", features=_features,
+                                                 "experts (`block_sparse_moe`: router `gate`, "
+                                                 "experts `w1`/`w3`/`w2`): softmax over all "
+                                                 "experts in float32, top-k, the k weights "
+                                                 "renormalised", features=_features,
                 names=MIXTRAL_NAMES,
                 defaults={"hidden_act": "silu", "rms_norm_eps": 1e-5,
                           "max_position_embeddings": 4096 * 32, "tie_word_embeddings": False,

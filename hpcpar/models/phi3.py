@@ -12,8 +12,11 @@ def _features(hf) -> dict:
             "activation": activation(hf), "sliding_window": hf.get("sliding_window")}
 
 
-FAMILY = Family("phi3", "Phi3ForCausalLM", "q, k, v fused in qkv_proj and gate, up in "
-                "gate_up_proj (each tp rank reads only its slices of each part)",
+FAMILY = Family("phi3", "Phi3ForCausalLM", "q, k, v fused in `qkv_proj` and gate, up in "
+                                           "`gate_up_proj`: they stay fused in the checkpoint, "
+                                           "each part a tensor of its own in the computation, and "
+                                           "each tp rank reads (and training writes) only its "
+                                           "slices of each part",
                 features=_features,
                 fused={"self_attn.qkv_proj.weight": ("q", "k", "v"),
                        "mlp.gate_up_proj.weight": ("gate", "up")},

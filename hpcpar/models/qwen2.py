@@ -82,7 +82,8 @@ QWEN_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embed
                  "tie_word_embeddings": False, "num_key_value_heads": 32, "head_dim": None,
                  "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}
 
-FAMILY = Family("qwen2", "Qwen2ForCausalLM", "q, k, v biases (column-parallel with their "
-                "heads), no o bias; a window on the layers layer_types (or "
-                "use_sliding_window from max_window_layers) names", features=_features,
+FAMILY = Family("qwen2", "Qwen2ForCausalLM", "biases on q, k, v (split with their heads), none on "
+                                             "o; a window on the layers `layer_types` (or "
+                                             "`use_sliding_window` from `max_window_layers`) names",
+                features=_features,
                 defaults=QWEN_DEFAULTS)

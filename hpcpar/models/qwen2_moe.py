@@ -35,9 +35,12 @@ def _inert(cfg) -> dict[str, tuple[int, ...]]:
             "shared_expert_gate": (1, h)}
 
 
-FAMILY = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2's attention; routed experts (top-k "
-                "weights as they are unless norm_topk_prob) and a shared expert through a "
-                "sigmoid gate", features=_features, names=QWEN_MOE_NAMES,
+FAMILY = Family("qwen2_moe", "Qwen2MoeForCausalLM", "Qwen2's attention (q/k/v biases); routed "
+                                                    "experts, top-k weights as they are unless "
+                                                    "`norm_topk_prob`, plus a shared expert every "
+                                                    "token runs, added through a sigmoid "
+                                                    "`shared_expert_gate`",
+                features=_features, names=QWEN_MOE_NAMES,
                 defaults=dict(QWEN_DEFAULTS, num_key_value_heads=16, decoder_sparse_step=1,
                               moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
                               num_experts_per_tok=4, norm_topk_prob=False,

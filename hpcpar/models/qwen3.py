@@ -11,7 +11,8 @@ def _features(hf) -> dict:
             "activation": activation(hf), **windows(hf)}
 
 
-FAMILY = Family("qwen3", "Qwen3ForCausalLM", "per-head RMSNorm of q and k before rotary "
-                "(weights shared by the heads, gradients summed over tp); head_dim set "
-                "apart from hidden / heads", features=_features,
+FAMILY = Family("qwen3", "Qwen3ForCausalLM", "a per-head RMSNorm of q and k before rotary (weights"
+                                             " shared by the heads; their gradients summed over "
+                                             "tp); `head_dim` apart from hidden / heads",
+                features=_features,
                 defaults=dict(QWEN_DEFAULTS, head_dim=128))

@@ -16,9 +16,12 @@ def _features(hf) -> dict:
                            flag(hf, "norm_topk_prob"))}
 
 
-FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3's attention; routed experts on the "
-                "layers decoder_sparse_step and mlp_only_layers pick (softmax top-k, "
-                "norm_topk_prob)", features=_features, names=QWEN_MOE_NAMES,
+FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3's attention; routed experts "
+                                                    "(`mlp.gate`, `mlp.experts.N.*_proj`) on the "
+                                                    "layers `decoder_sparse_step` and "
+                                                    "`mlp_only_layers` pick, dense MLPs between "
+                                                    "them; `norm_topk_prob`",
+                features=_features, names=QWEN_MOE_NAMES,
                 defaults={"hidden_act": "silu", "rms_norm_eps": 1e-6,
                           "max_position_embeddings": 32768, "tie_word_embeddings": False,
                           "num_key_value_heads": 4, "head_dim": None, "use_sliding_window": False,
