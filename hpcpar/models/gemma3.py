@@ -68,15 +68,15 @@ def _features(hf) -> dict:
                                  if win.get("sliding_window") is not None else None), **win}
 
 
-FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 2's block (norms of each block's output"
-                                                    " too, `query_pre_attn_scalar`, soft-capping "
-                                                    "where the config sets it) with per-head q/k "
-                                                    "RMSNorms by (1 + w); local layers (a sliding "
-                                                    "window, their own rope base "
-                                                    "`rope_local_base_freq`, or 5.x's "
+FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 2's block (norms of each block's "
+                                                    "output too, `query_pre_attn_scalar`, "
+                                                    "soft-capping where the config sets it) with "
+                                                    "per-head q/k RMSNorms by (1 + w); local "
+                                                    "layers (a sliding window, their own rope "
+                                                    "base `rope_local_base_freq`, or 5.x's "
                                                     "`rope_parameters.sliding_attention`) and "
-                                                    "global ones (`rope_theta` and the scaling) by"
-                                                    " `layer_types` or `sliding_window_pattern`",
+                                                    "global ones (`rope_theta` and the scaling) "
+                                                    "by `layer_types` or `sliding_window_pattern`",
                 features=_features, names=GEMMA2_NAMES,
                 prepare=_prepare,
                 defaults={"hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,

@@ -20,10 +20,10 @@ def _features(hf) -> dict:
 
 
 FAMILY = Family("olmo2", "Olmo2ForCausalLM", "a norm of each block's output, not its input; "
-                                             "RMSNorms of q and k over the whole projection before"
-                                             " rotary (under tp their weights split as q and k "
-                                             "are, each token's sum of squares AllReduced over the"
-                                             " tp group)", features=_features,
+                                             "RMSNorms of q and k over the whole projection "
+                                             "before rotary (under tp their weights split as q "
+                                             "and k are, each token's sum of squares AllReduced "
+                                             "over the tp group)", features=_features,
                 names=OLMO2_NAMES,
                 defaults={"hidden_act": "silu", "rms_norm_eps": 1e-5,
                           "max_position_embeddings": 2048, "tie_word_embeddings": False,

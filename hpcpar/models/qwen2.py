@@ -84,6 +84,7 @@ QWEN_DEFAULTS = {"hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embed
 
 FAMILY = Family("qwen2", "Qwen2ForCausalLM", "biases on q, k, v (split with their heads), none on "
                                              "o; a window on the layers `layer_types` (or "
-                                             "`use_sliding_window` from `max_window_layers`) names",
+                                             "`use_sliding_window` from `max_window_layers`) "
+                                             "names",
                 features=_features,
                 defaults=QWEN_DEFAULTS)

@@ -11,8 +11,9 @@ def _features(hf) -> dict:
             "activation": activation(hf), **windows(hf)}
 
 
-FAMILY = Family("qwen3", "Qwen3ForCausalLM", "a per-head RMSNorm of q and k before rotary (weights"
-                                             " shared by the heads; their gradients summed over "
-                                             "tp); `head_dim` apart from hidden / heads",
+FAMILY = Family("qwen3", "Qwen3ForCausalLM", "a per-head RMSNorm of q and k before rotary "
+                                             "(weights shared by the heads; their gradients "
+                                             "summed over tp); `head_dim` apart from hidden / "
+                                             "heads",
                 features=_features,
                 defaults=dict(QWEN_DEFAULTS, head_dim=128))
