@@ -5,6 +5,7 @@ prefill ~20x slower here, which no torch user would do).
 
     python benchmarks/generate.py                        # ~100M preset, 1, 2 and 4 ranks
     python benchmarks/generate.py --batch 8 --prompt-length 32 --new-tokens 8 --ranks 1,2
+    python benchmarks/generate.py --families --repeats 3   # each dense family against Llama
 
 Each layout runs as 'mpiexec -n N python -m hpcpar run' (one BLAS thread per rank) and its
 figures are read back from the output file's report. transformers runs as its users run it
@@ -34,9 +35,32 @@ LAYOUTS = {1: [(1, 1)], 2: [(1, 2), (2, 1)], 4: [(1, 4), (4, 1), (2, 2)],
            8: [(1, 8), (2, 4), (4, 2)]}        # (pp, tp)
 
 
-def run_hpcpar(mpiexec, n, pp, tp, micro_batches_per_stage, work: Path) -> dict:
-    out = work / f"bench-{n}-{pp}-{tp}.h5"
-    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "hpcpar", "run", str(work / "job.toml"),
+# --families: each family with the preset's shape (head_dim hidden / heads, its KV heads) and
+# its own features at the values its published models use; the mixtures of experts have
+# shapes of their own and are left out
+FAMILY_CONFIGS = {
+    "llama": {},
+    "mistral": {"sliding_window": 4096},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {},
+    "gemma": {"hidden_act": "gelu_pytorch_tanh"},
+    "gemma2": {"hidden_act": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0,
+               "final_logit_softcapping": 30.0, "sliding_window": 4096},
+    "gemma3_text": {"hidden_act": "gelu_pytorch_tanh", "sliding_window": 512},
+    "olmo2": {},
+}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM"}
+
+
+def run_hpcpar(mpiexec, n, pp, tp, micro_batches_per_stage, work: Path,
+               job: str = "job.toml") -> dict:
+    out = work / f"bench-{n}-{pp}-{tp}-{Path(job).stem}.h5"
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "hpcpar", "run", str(work / job),
            "--pp", str(pp), "--tp", str(tp), "--dp", "1",
            "--micro-batches", str(pp * micro_batches_per_stage), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
@@ -88,7 +112,12 @@ def main():
                    help="micro-batches per pipeline stage (decode reads every weight once per "
                         "micro-batch, so more costs memory traffic there)")
     p.add_argument("--repeats", type=int, default=2, help="transformers runs (best is kept)")
+    p.add_argument("--families", action="store_true",
+                   help="instead: one rank, each dense family at the preset's shape against "
+                        "Llama's, --repeats runs each, alternating (best kept)")
     args = p.parse_args()
+    if args.families:
+        return compare_families(args)
     mpiexec = (os.environ.get("MPIEXEC") or shutil.which("mpiexec")
                or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -135,6 +164,45 @@ def main():
               f"{vs_hf_d:>6} {same:>11}")
     if not any(hf.values()):
         print("transformers not installed: pip install torch==2.13.0 transformers")
+
+
+def compare_families(args) -> None:
+    """Prefill and decode tokens/s of each dense family at the preset's shape on one rank,
+    and each one's ratio to Llama's, measured in the same run."""
+    from hpcpar.checkpoint import init_checkpoint, preset_config
+    mpiexec = (os.environ.get("MPIEXEC") or shutil.which("mpiexec")
+               or os.path.join(sysconfig.get_path("scripts"), "mpiexec"))
+    base = preset_config(args.preset)
+    shape = {"head_dim": base["hidden_size"] // base["num_attention_heads"],
+             "num_key_value_heads": base["num_key_value_heads"], "query_pre_attn_scalar":
+             base["hidden_size"] // base["num_attention_heads"], "tie_word_embeddings": False}
+    L = args.prompt_length
+    print(f"preset {args.preset}'s shape, every dense family, batch {args.batch} x {L} prompt "
+          f"tokens, {args.new_tokens} new tokens, float32, one rank, one thread, best of "
+          f"{args.repeats}")
+    runs: dict[str, list[dict]] = {name: [] for name in FAMILY_CONFIGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name, changes in FAMILY_CONFIGS.items():
+            cfg = dict(base, **shape, **changes, model_type=name,
+                       architectures=[ARCHITECTURES[name]])
+            init_checkpoint(work / f"{name}.h5", cfg)
+            (work / f"{name}.toml").write_text(
+                f'[model]\ncheckpoint = "{work / name}.h5"\n'
+                f'[data]\nprompts = "random"\nrandom_count = {args.batch}\n'
+                f'random_lengths = [{L}, {L}]\n'
+                f'[generate]\nmax_new_tokens = {args.new_tokens}\nstop_at_eos = false\n')
+        for _ in range(args.repeats):              # alternating: every family sees one drift
+            for name in FAMILY_CONFIGS:
+                runs[name].append(run_hpcpar(mpiexec, 1, 1, 1, 1, work, f"{name}.toml"))
+    best = {name: {k: max(r[k] for r in rs) for k in ("prefill", "decode")}
+            for name, rs in runs.items()}
+    llama = best["llama"]
+    print(f"{'family':<12} {'prefill tok/s':>13} {'vs llama':>8} {'decode tok/s':>12} "
+          f"{'vs llama':>8}")
+    for name, r in best.items():
+        print(f"{name:<12} {r['prefill']:>13,.0f} {r['prefill'] / llama['prefill']:>8.2f} "
+              f"{r['decode']:>12,.1f} {r['decode'] / llama['decode']:>8.2f}")
 
 
 if __name__ == "__main__":
