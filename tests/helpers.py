@@ -4,6 +4,7 @@ written out independently from the Megatron rules."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -299,15 +300,24 @@ HF_CONFIGS = {
                     intermediate_size=176, num_hidden_layers=3, num_attention_heads=8,
                     num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                     sliding_window=6),
+    # Qwen2 with YaRN (Qwen2.5's long-context rope): the ramp between the interpolated and
+    # the original frequencies within the head's 4 frequencies, and its attention factor
     "qwen2": dict(model_type="qwen2", vocab_size=250, hidden_size=64, intermediate_size=176,
                   num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                  max_position_embeddings=128, rope_theta=1000000.0),
+                  max_position_embeddings=128, rope_theta=1000000.0,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 32}),
     "qwen3": dict(model_type="qwen3", vocab_size=250, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=24, max_position_embeddings=128, tie_word_embeddings=True),
+    # Phi-3 with LongRoPE's short factors over the first 3/4 of each head (Phi-4-mini's
+    # partial rotary), the attention factor of 128 positions over an original 64
     "phi3": dict(model_type="phi3", vocab_size=250, hidden_size=64, intermediate_size=176,
                  num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
-                 max_position_embeddings=128, rope_theta=10000.0),
+                 max_position_embeddings=128, rope_theta=10000.0, partial_rotary_factor=0.75,
+                 original_max_position_embeddings=64,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 3.0],
+                               "long_factor": [2.0, 4.0, 8.0]}),
     "gemma": dict(model_type="gemma", vocab_size=251, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                   head_dim=16, max_position_embeddings=128,
@@ -360,7 +370,8 @@ def build_hf_model(name: str, folder, **changes):
     import transformers
     from hpcpar.checkpoint import convert
     torch.manual_seed(0)
-    settings = dict(HF_CONFIGS[name], **changes)
+    # a copy all the way down: transformers' config fills its rope dict in place
+    settings = copy.deepcopy(dict(HF_CONFIGS[name], **changes))
     cfg = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings,
                                             eos_token_id=None, bos_token_id=None,
                                             pad_token_id=None)

@@ -33,7 +33,10 @@ def test_defaults_follow_transformers():
     ({"model_type": "gpt_neox"}, "not supported; hpcpar runs gemma, gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"),
     ({"architectures": ["GPT2LMHeadModel"]}, "LlamaForCausalLM"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 0.0}},
+     "rope_scaling factor must be a positive finite number, got 0.0"),
+    ({"partial_rotary_factor": 0.5}, "LlamaForCausalLM turns every dimension of a head"),
     ({"hidden_size": 0}, "hidden_size must be a positive integer"),
 ])
 def test_bad_model_configs_are_refused_with_the_numbers(change, words):

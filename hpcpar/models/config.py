@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from ..parallel.errors import HpcparError
 from ..parallel.tensor.splits import unit_split_problem
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ACTIVATIONS = ("silu", "gelu_tanh")          # the gated MLP's: SwiGLU, GeGLU
 BLOCK_NORMS = ("pre", "sandwich", "post")    # norms of each block's input, both, its output
 
@@ -30,14 +30,25 @@ class ConfigError(HpcparError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``llama3`` is the Llama 3.1/3.2 piecewise rule. ``where``
-    names the config.json field the parameters came from (for messages)."""
+    """RoPE frequency scaling (``models.rope``): ``llama3`` is the Llama 3.1/3.2 piecewise
+    rule, ``yarn`` YaRN's ramp between interpolated and original frequencies (Qwen's,
+    DeepSeek's), ``longrope`` Phi-3's per-frequency short factors; the last two also scale
+    cos and sin (``attention_factor``). ``where`` names the config.json field the parameters
+    came from (for messages)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0             # yarn: the ramp's bounds, in rotations
+    beta_slow: float = 1.0
+    mscale: float | None = None         # yarn: attention_factor's terms (DeepSeek's)
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None   # cos and sin times it (None: the type's rule)
+    truncate: bool = True               # yarn: the ramp's bounds rounded outwards
+    short_factor: tuple[float, ...] = ()    # longrope: each frequency's divisor
+    long_factor: tuple[float, ...] = ()     # longrope: past original_max_position_embeddings
     where: str = field(default="rope_parameters", compare=False)
 
     def problems(self) -> list[str]:
@@ -45,15 +56,21 @@ class RopeScaling:
         frequency by zero or flips it; high = low divides by zero)."""
         out = []
         used = {"linear": ("factor",),
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                "yarn": ("factor", "beta_fast", "beta_slow"), "longrope": ("factor",)}
         for name in used.get(self.rope_type, ()):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 out.append(f"{self.where} {name} must be a positive finite number, got {value}")
-        if self.rope_type == "llama3":
-            if self.high_freq_factor == self.low_freq_factor:
-                out.append(f"{self.where} high_freq_factor {self.high_freq_factor} equals "
-                           "low_freq_factor: llama3 rope divides by their difference")
+        for value in self.short_factor + self.long_factor:
+            if not (math.isfinite(value) and value > 0):
+                out.append(f"{self.where} short_factor and long_factor must be positive "
+                           f"finite numbers, got {value}")
+                break
+        if self.rope_type == "llama3" and self.high_freq_factor == self.low_freq_factor:
+            out.append(f"{self.where} high_freq_factor {self.high_freq_factor} equals "
+                       "low_freq_factor: llama3 rope divides by their difference")
+        if self.rope_type in ("llama3", "yarn", "longrope"):
             old = self.original_max_position_embeddings
             if not isinstance(old, int) or isinstance(old, bool) or old < 1:
                 out.append(f"{self.where} original_max_position_embeddings must be a positive "
@@ -114,6 +131,27 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
+
+    @property
+    def positions(self) -> tuple[int, str]:
+        """The positions a row may hold, and the field that sets them: max_position_embeddings,
+        or with longrope its original_max_position_embeddings, past which transformers turns
+        to the long factors in the middle of a sequence (for the whole batch), which hpcpar
+        does not."""
+        s = self.rope_scaling
+        if s.rope_type == "longrope" and s.original_max_position_embeddings < (
+                self.max_position_embeddings):
+            return (s.original_max_position_embeddings, f"longrope's "
+                    f"original_max_position_embeddings {s.original_max_position_embeddings} "
+                    f"(past it transformers turns to the long factors within a sequence, "
+                    f"which hpcpar does not run)")
+        return self.max_position_embeddings, (f"max_position_embeddings "
+                                              f"{self.max_position_embeddings}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head rotary turns (``partial_rotary_factor``): the first."""
+        return int(self.head_dim * self.partial_rotary)
 
     @property
     def q_size(self) -> int:
@@ -181,6 +219,9 @@ class ModelConfig:
             raise ConfigError(source, [f"malformed value ({type(e).__name__}: {e}); fields must "
                                        "be numbers as transformers writes them"]) from None
         problems = cfg.problems()
+        if cfg.partial_rotary != 1.0 and not family.partial_rotary:
+            problems.append(f"partial_rotary_factor {cfg.partial_rotary}: "
+                            f"{family.architecture} turns every dimension of a head")
         rope_type = cfg.rope_scaling.rope_type
         if family.rope_types is not None and rope_type not in family.rope_types:
             problems.append(f"rope type {rope_type!r} is not one {family.architecture} runs "
@@ -262,10 +303,16 @@ class ModelConfig:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool)
                                    or window < 1):
             out.append(f"sliding_window must be a positive integer or null, got {window!r}")
-        if self.partial_rotary != 1.0:
-            out.append(f"partial rotary embeddings (partial_rotary_factor "
-                       f"{self.partial_rotary}) are not supported yet; only rotary over the "
-                       "whole head runs exactly")
+        rotated = int(self.head_dim * self.partial_rotary)
+        if not 0 < self.partial_rotary <= 1 or rotated % 2:
+            out.append(f"partial_rotary_factor {self.partial_rotary} must be in (0, 1] and "
+                       f"turn an even number of each head's {self.head_dim} dimensions "
+                       f"(it turns {rotated})")
+        elif (self.rope_scaling.rope_type == "longrope"
+              and len(self.rope_scaling.short_factor) != rotated // 2):
+            out.append(f"{self.rope_scaling.where} short_factor holds "
+                       f"{len(self.rope_scaling.short_factor)} numbers, and rotary turns "
+                       f"{rotated // 2} frequencies")
         if self.block_norms not in BLOCK_NORMS:
             out.append(f"block_norms {self.block_norms!r} is not one of {', '.join(BLOCK_NORMS)}")
         for name in ("attn_scale", "attn_softcap", "final_softcap", "local_rope_theta"):
@@ -308,7 +355,8 @@ class ModelConfig:
 
 # the parameters each rope type needs, which transformers refuses a config without
 ROPE_REQUIRED = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                 "yarn": ("factor",), "longrope": ("short_factor", "long_factor")}
 
 
 def _parse_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling, float]:
@@ -342,15 +390,35 @@ def _parse_rope(hf: Mapping[str, Any]) -> tuple[float, RopeScaling, float]:
                       "partial_rotary_factor")
     old = hf.get("original_max_position_embeddings",
                  rope.get("original_max_position_embeddings", hf.get("max_position_embeddings")))
-    if rope_type != "llama3":
+    if rope_type not in ("llama3", "yarn", "longrope"):
         old = 8192                                          # unused
+    factor = rope.get("factor")
+    if factor is None and rope_type == "longrope":          # Phi-3: the context's growth
+        factor = hf.get("max_position_embeddings", 2048) / old
+    optional = {name: _number(rope[name], f"{where} {name}")
+                for name in ("mscale", "mscale_all_dim", "attention_factor")
+                if rope.get(name) is not None}
     return theta, RopeScaling(
         rope_type=rope_type,
-        factor=_number(rope.get("factor", 1.0), f"{where} factor"),
+        factor=_number(1.0 if factor is None else factor, f"{where} factor"),
         low_freq_factor=_number(rope.get("low_freq_factor", 1.0), f"{where} low_freq_factor"),
         high_freq_factor=_number(rope.get("high_freq_factor", 4.0),
                                  f"{where} high_freq_factor"),
-        original_max_position_embeddings=old, where=where), partial
+        original_max_position_embeddings=old,
+        beta_fast=_number(rope.get("beta_fast") or 32, f"{where} beta_fast"),
+        beta_slow=_number(rope.get("beta_slow") or 1, f"{where} beta_slow"),
+        truncate=bool(rope.get("truncate", True)),
+        short_factor=_numbers(rope.get("short_factor", ()), f"{where} short_factor"),
+        long_factor=_numbers(rope.get("long_factor", ()), f"{where} long_factor"),
+        where=where, **optional), partial
+
+
+def _numbers(value, name: str) -> tuple[float, ...]:
+    """A JSON list of numbers as floats, or a ``FieldError``."""
+    from .family import MalformedField
+    if not isinstance(value, (list, tuple)):
+        raise MalformedField(f"{name} must be a list of numbers, got {value!r:.60}")
+    return tuple(_number(v, name) for v in value)
 
 
 def _number(value, name: str) -> float:

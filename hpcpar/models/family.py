@@ -86,6 +86,9 @@ class Family:
     defaults: dict[str, Any] = field(default_factory=dict)
     # the rope types transformers' class accepts (None: every type transformers has)
     rope_types: tuple[str, ...] | None = None
+    # whether transformers' class turns only the first partial_rotary_factor of each head
+    # (Phi-3's); the others turn the whole head and refuse a factor below 1
+    partial_rotary: bool = False
     # tensors of each routed layer that transformers' model has and that compute nothing for
     # a config (Qwen2-MoE's shared expert of width 0), role -> shape: a converted checkpoint
     # keeps them aside, so that export gives them back

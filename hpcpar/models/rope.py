@@ -5,6 +5,10 @@
     rope(x, p) = x * cos(angle(p)) + rotate_half(x) * sin(angle(p)),
     rotate_half([x1, x2]) = [-x2, x1]
 
+d is the head's dimension, or with ``partial_rotary_factor`` the first part of it that turns
+(the rest passes unturned); yarn and longrope also multiply cos and sin by an attention
+factor (``attention_factor``).
+
 Angles are computed in float64 and rounded once to the compute dtype, so long positions lose
 no precision. Positions are per row, so rows of one batch may sit at different positions.
 Applying the rotation to q and k is the ``rotary`` op (``hpcpar.parallel.ops.rotary``).
@@ -20,8 +24,9 @@ from .config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """The d/2 rotary frequencies of ``cfg`` after its ``rope_scaling`` (float64)."""
-    d = cfg.head_dim
+    """The d/2 rotary frequencies of ``cfg`` after its ``rope_scaling`` (float64), d the
+    dimensions rotary turns (``cfg.rotary_dim``: the whole head, or its first part)."""
+    d = cfg.rotary_dim
     inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     s = cfg.rope_scaling
     if s.rope_type == "linear":
@@ -29,7 +34,52 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     if s.rope_type == "llama3":
         return _llama3(inv_freq, s.factor, s.low_freq_factor, s.high_freq_factor,
                        s.original_max_position_embeddings)
+    if s.rope_type == "yarn":
+        return _yarn(inv_freq, cfg.rope_theta, d, s)
+    if s.rope_type == "longrope":            # rows within original_max: the short factors
+        return inv_freq / np.asarray(s.short_factor, dtype=np.float64)
     return inv_freq
+
+
+def attention_factor(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by (so each score by its square): the config's
+    ``attention_factor``, else YaRN's 0.1 ln(factor) + 1 (DeepSeek's ratio of two such with
+    ``mscale`` and ``mscale_all_dim``) or LongRoPE's sqrt(1 + ln(factor) / ln(original)),
+    as transformers computes them; 1 for the other types."""
+    s = cfg.rope_scaling
+    if s.rope_type not in ("yarn", "longrope"):
+        return 1.0
+    if s.attention_factor is not None:
+        return s.attention_factor
+    if s.rope_type == "longrope":
+        old = s.original_max_position_embeddings
+        return 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(old))
+
+    def yarn_scale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if s.mscale and s.mscale_all_dim:
+        return yarn_scale(s.factor, s.mscale) / yarn_scale(s.factor, s.mscale_all_dim)
+    return yarn_scale(s.factor)
+
+
+def _yarn(inv_freq, theta: float, d: int, s) -> np.ndarray:
+    """YaRN: the frequencies that turn fewer than ``beta_slow`` times over the original
+    context divided by ``factor`` (interpolated), those that turn more than ``beta_fast``
+    times kept (extrapolated), a linear ramp over the dimensions between."""
+    def dimension(rotations: float) -> float:     # where a frequency turns that many times
+        return (d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001                             # (transformers': no division by zero)
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    kept = 1 - ramp                               # the share of each frequency extrapolated
+    return inv_freq / s.factor * (1 - kept) + inv_freq * kept
 
 
 def _llama3(inv_freq, factor, low_freq_factor, high_freq_factor, old_context):
@@ -52,6 +102,7 @@ class RotaryEmbedding:
         self.xp = xp
         self.dtype = dtype
         self.inv_freq = xp.asarray(inverse_frequencies(cfg))        # (d/2,) float64
+        self.scale = attention_factor(cfg)
 
     def tables(self, positions):
         """cos, sin of shape (B, T, 1, d) for int positions (B, T); the 1 broadcasts over the
@@ -59,4 +110,7 @@ class RotaryEmbedding:
         xp = self.xp
         angles = positions.astype(xp.float64)[:, :, None] * self.inv_freq   # (B, T, d/2)
         angles = xp.concatenate([angles, angles], axis=-1)[:, :, None]       # (B, T, 1, d)
-        return xp.cos(angles).astype(self.dtype), xp.sin(angles).astype(self.dtype)
+        cos, sin = xp.cos(angles), xp.sin(angles)
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.astype(self.dtype), sin.astype(self.dtype)

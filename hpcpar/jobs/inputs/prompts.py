@@ -376,13 +376,12 @@ def check_prompts(prompts: Prompts, cfg: ModelConfig, max_new_tokens: int,
         if bad.size:
             raise PromptError(f"{source}: prompt {n} holds token id {int(bad[0])}, outside the "
                               f"model's vocabulary [0, {cfg.vocab_size})")
-        positions = cfg.max_position_embeddings
+        positions, field = cfg.positions
         if len(row) >= positions:
             raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, and the model "
-                              f"holds {positions} positions in all; shorten it to at most "
-                              f"{positions - 1} tokens to leave room for a new one")
+                              f"holds {positions} positions in all ({field}); shorten it to at "
+                              f"most {positions - 1} tokens to leave room for a new one")
         if len(row) + limits[n] > positions:
             raise PromptError(f"{source}: prompt {n} has {len(row)} tokens, which plus "
-                              f"{limits[n]} new tokens exceeds the model's "
-                              f"max_position_embeddings {positions}; lower max_new_tokens to "
-                              f"{positions - len(row)} or shorten the prompt")
+                              f"{limits[n]} new tokens exceeds the model's {field}; lower "
+                              f"max_new_tokens to {positions - len(row)} or shorten the prompt")

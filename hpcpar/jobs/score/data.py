@@ -71,7 +71,7 @@ def check_score_data(data: ScoreData, cfg: ModelConfig, source: str) -> None:
         if bad.size:
             raise HpcparError(f"{source}: row {n} holds token id {int(bad[0])}, outside the "
                               f"model's vocabulary [0, {cfg.vocab_size})")
-        if len(row) > cfg.max_position_embeddings:
+        positions, field = cfg.positions
+        if len(row) > positions:
             raise HpcparError(f"{source}: row {n} has {len(row)} tokens, more than the model's "
-                              f"max_position_embeddings {cfg.max_position_embeddings}; split "
-                              "it into shorter rows")
+                              f"{field}; split it into shorter rows")

@@ -153,10 +153,10 @@ def _token_file(path: Path, dtype: np.dtype) -> np.ndarray:
 
 def check_positions(seq_len: int, cfg: ModelConfig, source: str) -> None:
     """A sample's inputs fit the model's positions, as a generated sequence must."""
-    if seq_len > cfg.max_position_embeddings:
+    positions, field = cfg.positions
+    if seq_len > positions:
         raise DataError(f"{source}: samples of {seq_len} input tokens exceed the model's "
-                        f"max_position_embeddings {cfg.max_position_embeddings}; lower "
-                        f"--seq-len to at most {cfg.max_position_embeddings}")
+                        f"{field}; lower --seq-len to at most {positions}")
 
 
 def _jsonl_tokens(path: Path, cfg: ModelConfig, tokenizer) -> np.ndarray:

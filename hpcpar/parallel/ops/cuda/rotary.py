@@ -29,8 +29,8 @@ class RotaryCuda(Rotary):
               cupy.float32(sign), out[..., :half], out[..., half:])
         return out
 
-    def apply(self, x, cos, sin):
+    def _turn(self, x, cos, sin):
         return self._run(x, cos, sin, 1.0)
 
-    def backward_one(self, dy, cos, sin):
+    def _turn_back(self, dy, cos, sin):
         return self._run(dy, cos, sin, -1.0)
