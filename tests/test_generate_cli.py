@@ -96,7 +96,8 @@ def test_each_prompt_stops_at_its_own_max_new_tokens(workdir):
 
 @pytest.mark.parametrize("prompts, words", [
     ('{"ids": [' + ",".join(["5"] * 95) + "]}", "has 95 tokens, which plus 5 new tokens exceeds"),
-    ('{"ids": [' + ",".join(["5"] * 97) + "]}", "has 97 tokens, and the model holds 96 positions in all; shorten it to at most 95"),
+    ('{"ids": [' + ",".join(["5"] * 97) + "]}", "has 97 tokens, and the model holds 96 "
+     "positions in all (max_position_embeddings 96); shorten it to at most 95"),
     ('{"ids": [5, 250, 7]}', "token id 250, outside the model's vocabulary [0, 250)"),
     ("", "the prompt file is empty"),
     ('{"ids": []}', "the prompt is empty"),
