@@ -289,7 +289,8 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(work):
     _assert_one_error(proc, "step-2.h5: No space left on device")
     out = work / "ckpt-full"
     assert (out / "latest").read_text().strip() == "step-1.h5"
-    assert sorted(p.name for p in out.iterdir()) == ["latest", "metrics.jsonl", "step-1.h5"]
+    assert sorted(p.name for p in out.iterdir()) == ["latest", "metrics.jsonl", "step-1.h5",
+                                                     "step-1.parts"]
     proc, _ = mpirun(2, args + ["--resume", "auto"], work, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert (out / "latest").read_text().strip() == "step-3.h5"

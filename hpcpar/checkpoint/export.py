@@ -69,10 +69,13 @@ class _Entry:
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None,
            shard_size: int = DEFAULT_SHARD_SIZE,
-           check_stop: Callable[[], None] = lambda: None) -> list[Path]:
+           check_stop: Callable[[], None] = lambda: None,
+           add: dict[str, Callable[[], np.ndarray]] | None = None) -> list[Path]:
     """Write ``checkpoint``'s weights as a Hugging Face folder ``out_dir`` (in ``dtype``,
     default the stored one); returns the files written. ``check_stop`` is called before
-    each tensor and raises to end the export (the command's, on a stop request)."""
+    each tensor and raises to end the export (the command's, on a stop request). ``add``:
+    by tensor name, what to add to it in float32 before the cast (a LoRA adapter merged:
+    ``peft.merged_deltas``)."""
     if dtype is not None and dtype not in SAFETENSORS_DTYPES:
         raise HpcparError(f"--dtype {dtype!r} is not one of {', '.join(SAFETENSORS_DTYPES)}")
     ckpt = open_checkpoint(checkpoint)
@@ -90,7 +93,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str | None = None
         _remove_dead_temporaries(out_dir)
         check_space(out_dir, sum(e.nbytes for e in entries) + sum(map(len, extra.values())))
         written = _write_in_place(out_dir, lambda tmp: _write_folder(
-            ckpt, tmp, shards, target, extra, check_stop))
+            ckpt, tmp, shards, target, extra, check_stop, add or {}))
     return [out_dir / p.name for p in written]
 
 
@@ -161,10 +164,10 @@ def _shards(entries: list[_Entry], shard_size: int) -> list[list[_Entry]]:
 
 def _write_folder(ckpt: Checkpoint, folder: Path, shards: list[list[_Entry]],
                   dtype: np.dtype, extra: dict[str, bytes],
-                  check_stop: Callable[[], None]) -> list[Path]:
+                  check_stop: Callable[[], None], add: dict) -> list[Path]:
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
-    written = [_write_safetensors(folder / name, ckpt, shard, dtype, check_stop)
+    written = [_write_safetensors(folder / name, ckpt, shard, dtype, check_stop, add)
                for name, shard in zip(names, shards)]
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for s in shards for e in s)},
@@ -180,7 +183,7 @@ def _write_folder(ckpt: Checkpoint, folder: Path, shards: list[list[_Entry]],
 
 
 def _write_safetensors(path: Path, ckpt: Checkpoint, entries: list[_Entry], dtype: np.dtype,
-                       check_stop: Callable[[], None]) -> Path:
+                       check_stop: Callable[[], None], add: dict) -> Path:
     """One safetensors file, tensor by tensor (the format: little-endian u64 header length,
     a JSON header of dtype, shape and [begin, end) offsets, padded to 8 bytes, the data).
     Each tensor is read as a job loads it, NaN or inf (stored, or from the cast to
@@ -199,8 +202,12 @@ def _write_safetensors(path: Path, ckpt: Checkpoint, entries: list[_Entry], dtyp
         out.write(text)
         for e in entries:
             check_stop()
-            values = (e.values.astype(dtype) if e.values is not None
-                      else load_shard(ckpt, [e.spec], dtype=dtype).tensors[e.spec.name])
+            if e.spec.name in add:
+                values = load_shard(ckpt, [e.spec], dtype=np.float32).tensors[e.spec.name]
+                values = (values + add[e.spec.name]()).astype(dtype)
+            else:
+                values = (e.values.astype(dtype) if e.values is not None
+                          else load_shard(ckpt, [e.spec], dtype=dtype).tensors[e.spec.name])
             out.write(values.tobytes())
     return path
 

@@ -25,6 +25,7 @@ from ..parallel.device.backend import NUMPY, ArrayBackend
 from ..parallel.device.dtypes import FLOAT_DTYPES, any_nonfinite, dtype_name, nonfinite
 from ..parallel.errors import HpcparError
 from ..parallel.tensor_parallel.layers import stored_matrix
+from .parts import check_parts
 from .format import (ATTR_CONFIG, ATTR_VERSION, FORMAT_VERSION, INERT_GROUP, TOKENIZER_GROUP,
                      logical_dtype, storage_dtype)
 
@@ -131,11 +132,20 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                                   f"({_first_line(e)})") from None
         except ConfigError as e:
             raise CheckpointError(str(e)) from None
+        missing_part = check_parts(path, f)     # a checkpoint every rank wrote a part of
+        if missing_part:
+            raise CheckpointError(missing_part)
         specs = {s.name: s for s in stored_tensors(config)}
         dtypes = set()
         for name, spec in specs.items():
             dset = f.get(name)
             if not isinstance(dset, h5py.Dataset):
+                train = f.get("train")                      # a LoRA run's: no base
+                if isinstance(train, h5py.Group) and "lora_rank" in train.attrs:
+                    raise CheckpointError(
+                        f"{path}: a LoRA run's checkpoint, which holds its adapter only; give "
+                        "the base model as the checkpoint and this as --lora, or export it "
+                        "with --lora or --merge-lora")
                 raise CheckpointError(f"{path}: tensor {name} is missing")
             if dset.shape != spec.shape:
                 raise CheckpointError(f"{path}: tensor {name} has shape {dset.shape}, the "

@@ -11,7 +11,7 @@
                  --out DIR [...]
     python -m hpcpar plan [JOB.toml] [--checkpoint C.h5 | --preset NAME] [--world N] [...]
     python -m hpcpar convert HF_DIR OUT.h5 [--dtype float32|float16|bfloat16]
-    python -m hpcpar export CKPT.h5 DIR [--dtype ...] [--shard-size 5GB]
+    python -m hpcpar export CKPT.h5 DIR [--dtype ...] [--shard-size 5GB] [--lora | --merge-lora]
     python -m hpcpar show OUT [--json] [--page K] [--per-page N] [--plot OUT.png]
     python -m hpcpar init --preset NAME OUT.h5 [--seed N] [--dtype ...]
     python -m hpcpar submit JOB.toml [--nodes N --ranks-per-node R ...]
@@ -132,8 +132,8 @@ def _export(args) -> None:
                 raise Stopped(stop.signal_name, 0)
 
         try:
-            files = export(args.checkpoint, args.out, args.dtype, parse_size(args.shard_size),
-                           check_stop)
+            files = _export_lora(args, check_stop) or export(
+                args.checkpoint, args.out, args.dtype, parse_size(args.shard_size), check_stop)
         except Stopped as e:
             print(f"hpcpar: stopped on request ({e}) while exporting: nothing was written; "
                   "run it again to export", file=sys.stderr, flush=True)
@@ -141,6 +141,26 @@ def _export(args) -> None:
     size = sum(f.stat().st_size for f in files)
     print(f"wrote {args.out} ({len(files)} files, {size / 1e6:.1f} MB) in "
           f"{time.perf_counter() - start:.1f} s")
+
+
+def _export_lora(args, check_stop) -> list | None:
+    """``export --lora`` (a peft folder) and ``--merge-lora`` (the base, merged) of a LoRA
+    run's checkpoint, which holds its adapter only (so a plain export of it is refused)."""
+    from ..checkpoint.export import export, parse_size
+    from ..checkpoint import peft
+    if args.lora:
+        if args.dtype is not None:
+            raise HpcparError("--lora writes the adapter in float32, as peft saves it; leave "
+                              "--dtype out")
+        return peft.export_adapter(args.checkpoint, args.out)
+    if args.merge_lora:
+        base, add = peft.merged_export_args(args.checkpoint)
+        return export(base, args.out, args.dtype, parse_size(args.shard_size), check_stop, add)
+    if peft.run_settings(args.checkpoint):
+        raise HpcparError(f"{args.checkpoint} is a LoRA run's checkpoint: it holds the adapter "
+                          "only; export it with --lora (a peft folder) or --merge-lora (the "
+                          "base with the adapter merged)")
+    return None
 
 
 def _show(args) -> None:

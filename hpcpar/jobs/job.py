@@ -58,6 +58,7 @@ class JobError(HpcparError):
 class ModelSection:
     checkpoint: str = PRESET_PREFIX + "tiny"
     dtype: str = "float32"
+    lora: str | None = None     # generate/score: a LoRA adapter (peft folder or hpcpar run)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,8 @@ class TrainSection(OptimizerSettings):
     loss_scale: float = 65536.0         # float16 compute: the initial dynamic loss scale
     loss_scale_window: int = 2000       # good steps in a row before the scale doubles
     save_every: int = 0                 # 0: only at the end
+    async_save: bool = False            # checkpoints written by a thread as training goes on
+    serial_save: bool = False           # one file, the ranks' slices written one at a time
     resume: str | None = None           # a checkpoint path, or "auto"
     seed: int = 0
     shuffle: bool = False
@@ -144,6 +147,10 @@ class TrainSection(OptimizerSettings):
     bucket_mb: float = 25.0             # dp gradient bucket size in MiB (PyTorch DDP's)
     aux_loss_coef: float | None = None  # a MoE router's load-balancing loss; None: the
                                         # config's (when it sets output_router_logits)
+    lora_rank: int | None = None        # LoRA: train adapters of this rank, the base frozen
+    lora_alpha: float | None = None     # their scale is alpha / rank (None: the rank)
+    lora_targets: tuple[str, ...] | None = None   # q,k,v,o,gate,up,down (None: q,v)
+    lora_from: str | None = None        # a peft adapter folder to start from
 
 
 @dataclass(frozen=True)

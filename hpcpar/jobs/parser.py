@@ -14,7 +14,7 @@ from .launch import world
 
 # flag dest -> (job section, key)
 JOB_FLAGS = {
-    "checkpoint": ("model", "checkpoint"), "dtype": ("model", "dtype"),
+    "checkpoint": ("model", "checkpoint"), "dtype": ("model", "dtype"), "lora": ("model", "lora"),
     "prompts": ("data", "prompts"),
     "dp": ("parallel", "dp"), "pp": ("parallel", "pp"), "tp": ("parallel", "tp"),
     "cp": ("parallel", "cp"), "ep": ("parallel", "ep"),
@@ -45,7 +45,8 @@ TRAIN_FLAGS = {
     **{k: ("train", k) for k in (
         "steps", "global_batch", "seq_len", "long_rows", "optimizer", "lr", "min_lr",
         "lr_schedule", "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad",
-        "recompute", "zero", "save_every", "resume", "shuffle", "peak_tflops", "bucket_mb", "aux_loss_coef")},
+        "recompute", "zero", "save_every", "async_save", "serial_save", "resume", "shuffle", "peak_tflops", "bucket_mb", "aux_loss_coef",
+        "lora_rank", "lora_alpha", "lora_targets", "lora_from")},
 }
 # (job section, key) -> the flag that sets it, for the messages
 FLAG_NAMES = {target: "--" + dest.replace("_", "-")
@@ -108,6 +109,12 @@ def _layout_flags(p, stage_layers: bool = True) -> None:
 
 
 
+def _lora_flag(p) -> None:
+    p.add_argument("--lora", metavar="DIR",
+                   help="a LoRA adapter merged into the weights at load: a peft folder, or an "
+                        "hpcpar LoRA run's checkpoint or folder")
+
+
 def _timeout_flag(p) -> None:
     p.add_argument("--timeout", type=float,
                    help="seconds a receive or collective may wait before the job is ended "
@@ -126,6 +133,7 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     from ..parallel.comm import COMM_KINDS
     need = {"required": required}
     p.add_argument("--checkpoint", **need, help="HDF5 checkpoint, or preset:NAME")
+    _lora_flag(p)
     p.add_argument("--prompts", **need,
                    help=".npy of ids [batch, seq]; .jsonl of {ids}, {text} or {messages} lines "
                         "or of OpenAI Batch API requests; "
@@ -197,6 +205,10 @@ def _job_flags(p, required: bool, out_help: str) -> None:
     p.add_argument("--comm", choices=COMM_KINDS, help="tensor-parallel communicator")
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
 def _float_pair(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(v) for v in text.split(","))
@@ -233,6 +245,12 @@ def _train_flags(p) -> None:
     p.add_argument("--fused-optimizer", action="store_const", const=True,
                    help="on a GPU, the optimizer step as one kernel (not run on a GPU yet)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps (and at the end)")
+    p.add_argument("--async-save", action="store_const", const=True,
+                   help="write checkpoints from a snapshot in host memory while training goes "
+                        "on (latest names one once every rank's part is written)")
+    p.add_argument("--serial-save", action="store_const", const=True,
+                   help="write each checkpoint as one self-contained file, the ranks one at a "
+                        "time (default: every rank its part file at once)")
     p.add_argument("--resume", help="a training checkpoint, or auto (DIR/latest)")
     p.add_argument("--shuffle", action="store_const", const=True,
                    help="permute the samples of each epoch")
@@ -242,6 +260,14 @@ def _train_flags(p) -> None:
     p.add_argument("--aux-loss-coef", type=float,
                    help="a mixture of experts' load-balancing loss coefficient (default: the "
                         "config's router_aux_loss_coef when output_router_logits, else 0)")
+    p.add_argument("--lora-rank", type=int, metavar="R",
+                   help="train LoRA adapters of rank R, the base model frozen")
+    p.add_argument("--lora-alpha", type=float, help="the adapters' scale is alpha / R "
+                                                    "(default: R)")
+    p.add_argument("--lora-targets", type=_name_list, metavar="q,k,v,o,gate,up,down",
+                   help="the projections adapted (default q,v)")
+    p.add_argument("--lora-from", metavar="DIR",
+                   help="start from a peft LoRA adapter folder (its rank, alpha, targets)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,6 +327,7 @@ def _score_command(sub) -> None:
     score = sub.add_parser("score", help="log-probabilities of given token sequences")
     score.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     score.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
+    _lora_flag(score)
     score.add_argument("--data", required=True,
                        help=".npy of ids [rows, seq] (left padding: negative ids), or .jsonl "
                             "of {ids} or {text}")
@@ -400,6 +427,11 @@ def _export_command(sub) -> None:
                         help="the weights' dtype (default: the checkpoint's own)")
     export.add_argument("--shard-size", default="5GB",
                         help="largest safetensors file, as transformers' max_shard_size")
+    lora = export.add_mutually_exclusive_group()
+    lora.add_argument("--lora", action="store_true",
+                      help="a LoRA run's checkpoint: write its adapter as a peft folder")
+    lora.add_argument("--merge-lora", action="store_true",
+                      help="a LoRA run's checkpoint: write its base with the adapter merged")
 
 
 def _show_command(sub) -> None:

@@ -97,6 +97,10 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
         # is on the device once, and merging q/k/v and gate/up copies nothing
         shard = everyone(comm, load_shard, ckpt, specs, mesh.coord("tp"), layout.tp, dtype=dtype,
                          backend=backend, stacks=matrix_stacks(specs, span))
+        if job.model.lora:        # --lora: the adapter merged into the weights, as loaded
+            from ...checkpoint.peft import apply_adapter
+            everyone(comm, apply_adapter, job.model.lora, cfg, shard.tensors, mesh.coord("tp"),
+                     layout.tp, backend)
         stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, span, tp,
                                           ops_for(backend, rt.cp), dtype, rt.ep, shard.placed)
     backend.release_unused_device_memory()

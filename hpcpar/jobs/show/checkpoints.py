@@ -12,6 +12,7 @@ from .reading import plain
 
 def checkpoint(path: Path) -> dict:
     from ...checkpoint import open_checkpoint
+    from ...checkpoint.parts import stored_bytes
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
     params = sum(int(np.prod(s.shape)) for s in ckpt.tensors.values())
@@ -19,7 +20,7 @@ def checkpoint(path: Path) -> dict:
            "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
            "vocab_size": cfg.vocab_size, "parameters": params, "dtype": str(ckpt.dtype),
-           "bytes": path.stat().st_size,
+           "bytes": stored_bytes(path),           # with the part files of a parallel save
            "tokenizer": "tokenizer.json" in ckpt.tokenizer_files(), "notes": []}
     if cfg.moe_layers:
         out["experts"] = {"experts": cfg.num_experts, "top_k": cfg.experts_per_token,

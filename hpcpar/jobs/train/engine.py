@@ -17,6 +17,7 @@ from time import perf_counter
 import numpy as np
 
 from ...parallel.device import budget
+from ...parallel.errors import HpcparError
 from ...parallel import trace
 from ...parallel.data_parallel.reducer import local_sq_norm
 from ...parallel.data_parallel.flat_buffers import spans
@@ -37,6 +38,8 @@ from .data import context_shard, replica_batches
 from .grads import sum_replicated
 from .weight_holders import holders
 from .program import TrainingProgram
+from .lora import AdapterSource
+from .saver import CheckpointSaver
 from .report import Metrics, StepRecord, TrainFigures, TrainReport, flops_per_token, peak_flops
 from .setup import CheckedTraining, kv_group, load_chunks, validate
 
@@ -56,6 +59,9 @@ class TrainingRun(JobRun):
         self.loss_tokens = 0                # the last step's labels that carried the loss
 
     def validate(self) -> CheckedTraining:
+        if self.job.train.async_save and self.job.train.serial_save:
+            raise HpcparError("--async-save writes every rank's part file in the background; "
+                              "--serial-save writes one file, one rank at a time: choose one")
         return validate(self.job, self.ckpt, self.size)
 
     def has_work(self) -> bool:
@@ -85,6 +91,13 @@ class TrainingRun(JobRun):
                 self.comm, rt.mesh, checked, self.ckpt, rt.tp, rt.backend,
                 recompute=tr.recompute == "full", cp=rt.cp, ep=rt.ep)
         self._open_optimizer(states)
+        lora = checked.lora           # a LoRA run's checkpoints hold its adapters only
+        source = (self.ckpt if lora is None
+                  else AdapterSource(self.ckpt, lora.specs(self.ckpt.config)))
+        self.saver = CheckpointSaver(self.comm, rt.world, source, self.ckpt.config,
+                                     rt.mesh.coord("tp"), rt.mesh.size("tp"), rt.backend.to_host,
+                                     serial=tr.serial_save, background=tr.async_save)
+        self.saver.check_memory(self.held, self.optimizer.state_names)
         self._open_schedule()
         self.metrics = everyone(self.comm, Metrics, checked.out_dir / "metrics.jsonl",
                                 self.rank == 0, checked.start_step)
@@ -102,7 +115,8 @@ class TrainingRun(JobRun):
         checked, tr, rt, mesh = self.checked, self.job.train, self.rt, self.rt.mesh
         self.tied_peer = None
         holds_embedding = mesh.is_first("pp") or mesh.is_last("pp")
-        if self.ckpt.config.tie_word_embeddings and checked.layout.pp > 1 and holds_embedding:
+        if (self.ckpt.config.tie_word_embeddings and checked.layout.pp > 1 and holds_embedding
+                and checked.lora is None):                      # LoRA: frozen embedding
             self.tied_peer = (rt.pp, checked.layout.pp - 1 if mesh.is_first("pp") else 0)
         groups = [g for chunk in reversed(self.chunks) for g in chunk.groups]
         # gradients are summed over every rank that holds the same weights: dp x cp, and
@@ -169,15 +183,17 @@ class TrainingRun(JobRun):
         # float16 gradients that overflowed: skip the step and lower the loss scale
         overflow = self.scaler is not None and math.isfinite(loss) and not math.isfinite(norm)
         if not overflow and not (math.isfinite(loss) and math.isfinite(norm)):
+            self.saver.wait()                   # a good checkpoint still being written
             if self.rank == 0:                                  # the same on every rank
                 print_error(_diverged(step, loss, norm, checked.out_dir, self.saved_at))
             raise JobFailed(EXIT_INVALID)
         lr = learning_rate(checked.optimizer, step, tr.steps)
         self._update(lr, norm, scale, overflow)
         self._record(program, start, loss, None if overflow else norm, lr)
+        self.saver.poll()                   # a background save all ranks finished: committed
         if stopping or step == tr.steps or (tr.save_every and step % tr.save_every == 0):
             with phase(f"saving the checkpoint of step {step}"):
-                self._save(first_sample + B)
+                self._save(first_sample + B, final=stopping or step == tr.steps)
             self.saved_at = step
         if stopping and step < tr.steps:
             self.preempted(f"{self.stop.describe(f'at step {step}')}; saved "
@@ -300,48 +316,12 @@ class TrainingRun(JobRun):
             detail += f", loss {loss:.4f} over {self.loss_tokens:,} tokens"
         self.bar.update((step - self.checked.start_step) * self._step_tokens(), detail=detail)
 
-    def _save(self, samples: int) -> None:
-        """Every rank writes its counted slices in turn into one file (see
-        ``train.checkpoint``); with ZeRO each replica writes the optimizer state of its own
-        segments. Each step agreed: a write that fails on any rank (a full disk) ends the
-        job on all, with one line, the temporary file removed and ``latest`` at the previous
-        checkpoint."""
-        checked, optimizer, mesh = self.checked, self.optimizer, self.rt.mesh
-        path = checked.out_dir / tc.checkpoint_name(self.step)
-        rank, cfg = self.rank, self.ckpt.config
-
-        def create():
-            if rank == 0:
-                checked.out_dir.mkdir(exist_ok=True)
-                tc.create_file(path, self.ckpt, optimizer.state_names, self._save_attrs(samples))
-
-        states = {name: {k: st[k] for k in optimizer.state_names}     # the step is an attribute
-                  for name, st in optimizer.state_dict().items()}
-        to_host, tp_rank, tp_size = self.rt.backend.to_host, mesh.coord("tp"), mesh.size("tp")
-
-        def write_mine():
-            for group in self.held:
-                if group.first:
-                    tc.write_slices(path, group.params, {} if group.zero else states, cfg,
-                                    tp_rank, tp_size, to_host)
-                if group.zero:
-                    tc.write_segments(path, group.zero.segments, group.zero.offset, states, cfg,
-                                      tp_rank,
-                                  tp_size, to_host)
-
-        def commit():
-            if rank == 0:
-                tc.commit(path)
-
-        try:
-            everyone(self.comm, create)
-            for r in range(self.size):
-                everyone(self.comm, write_mine if r == rank else lambda: None)
-            everyone(self.comm, commit)
-        except JobFailed:
-            if rank == 0:
-                tc.discard(path)
-            raise
+    def _save(self, samples: int, final: bool = False) -> None:
+        """Every writer its own slices at once (``train.saver``; in the background with
+        ``--async-save`` unless ``final``). A write that fails on any rank ends the job on
+        all, with one line, ``latest`` at the previous checkpoint."""
+        path = self.checked.out_dir / tc.checkpoint_name(self.step)
+        self.saver.save(path, self.held, self.optimizer, self._save_attrs(samples), final)
 
     def _save_attrs(self, samples: int) -> dict:
         checked, tr = self.checked, self.job.train
@@ -353,9 +333,16 @@ class TrainingRun(JobRun):
                  "optimizer_steps": self.optimizer.steps, "compute_dtype": self.job.model.dtype}
         if self.scaler is not None:
             attrs |= {"loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
+        if checked.lora is not None:
+            attrs |= checked.lora.attrs(self.ckpt.path)
         return attrs
 
     # ---- finish: the report ------------------------------------------------------------
+
+    def release(self) -> None:
+        if getattr(self, "saver", None) is not None:
+            self.saver.close()              # a background write a failure left in flight
+        super().release()
 
     def finish(self) -> TrainReport | None:
         self.close_bar()

@@ -72,15 +72,19 @@ class ModelChunk:
 
     def __init__(self, cfg: ModelConfig, params: dict[str, Param], span: StageSpan,
                  tp: Communicator, ops: Ops, recompute: bool = False,
-                 ep: Communicator | None = None, aux: AuxLoss | None = None):
+                 ep: Communicator | None = None, aux: AuxLoss | None = None,
+                 trainable: list[Param] | None = None):
+        """``trainable``: what is trained, when not ``params`` themselves (a LoRA run:
+        ``params`` are its frozen base, ``trainable`` its adapters)."""
         layers, first, last = span.layers, span.first, span.last
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
         self.stage = DecoderStage.from_params(cfg, params, span, tp, ops, ep)
         if last:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
-        self.params = list(params.values())
-        self.groups = self._backward_groups(params)
+        self.params = list(params.values()) if trainable is None else list(trainable)
+        self.groups = (self._backward_groups(params) if trainable is None
+                       else self._adapter_groups(trainable))
         self.aux = aux if aux is not None and aux.coef and first and last else None
         self.aux_sum = 0.0                   # this step's micro-batches' aux losses
         # per MoE layer, the real tokens' top-k choices of each expert this step (on device)
@@ -113,6 +117,15 @@ class ModelChunk:
         if self.first:
             groups.append([stage.embedding.weight])
         return groups
+
+    def _adapter_groups(self, adapters: list[Param]) -> list[list[Param]]:
+        """``_backward_groups`` of a LoRA run: each layer's adapters (nothing for the head
+        and the embedding, which are frozen)."""
+        by_layer: dict[int, list[Param]] = {}
+        for p in adapters:
+            by_layer.setdefault(p.spec.layer, []).append(p)
+        return (([[]] if self.last else []) + [by_layer.get(i, []) for i in reversed(self.layers)]
+                + ([[]] if self.first else []))
 
     def forward(self, x, batch: Batch):
         """``x``: activations (B, T, hidden), or ignored on the first chunk (it embeds the

@@ -17,16 +17,21 @@ elements decides the global gradient norm, so it is decided here, once:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ...models.config import ModelConfig
+from ...models.lora import REPLICATED, AdapterSpec
 from ...models.sharding import kv_head_role, placement_of
 from ...models.tensors import EMBED, TensorSpec
 from ...parallel.params import GradSink, Parameter
+from ...parallel.tensor_parallel.layers import Frozen
 from ...parallel.tensor.placement import Replicate
 from ...parallel.tensor.splits import unit_replicas
 
 PER_HEAD_NORMS = ("q_norm", "k_norm")       # one weight every head reads, heads split over tp
 
-__all__ = ["GradSink", "Param", "kv_replicas", "make_param", "make_params"]
+__all__ = ["FrozenParam", "GradSink", "Param", "kv_replicas", "make_adapter_param",
+           "make_param", "make_params"]
 
 
 class Param(Parameter):
@@ -40,6 +45,32 @@ class Param(Parameter):
         self.spec = spec
         self.kv_replicated = kv_replicated
         self.tp_partial = tp_partial     # a per-head norm's weight: summed over tp
+
+
+@dataclass(eq=False)
+class FrozenParam(Frozen):
+    """A LoRA run's base tensor: this rank's shard in the compute dtype, no gradient, no
+    optimizer state, no float32 copy; ``lora`` the adapter the layers add to it."""
+
+    spec: TensorSpec | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def make_adapter_param(spec: AdapterSpec, master, xp, cfg: ModelConfig, tp_rank: int,
+                       tp_size: int, dtype=None) -> Param:
+    """A LoRA adapter's half as a param (float32 ``master``): the replicated half (A of a
+    column-parallel base, B of a row-parallel one) counted on tp rank 0, its gradient a
+    partial sum over tp (summed as a per-head norm's); B of a KV projection held by
+    several tp ranks (kv_heads < tp) summed over them, as its base would be."""
+    replicated = spec.role == REPLICATED
+    replicas = kv_replicas(cfg, tp_size) if spec.role in ("k", "v") else 1
+    counted = tp_rank == 0 if replicated else tp_rank % replicas == 0
+    data = master if dtype is None or master.dtype == dtype else master.astype(dtype)
+    return Param(spec, data, xp.zeros_like(master), counted, True, replicas > 1, master,
+                 replicated and tp_size > 1)
 
 
 def kv_replicas(cfg: ModelConfig, tp_size: int) -> int:

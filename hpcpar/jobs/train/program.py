@@ -18,7 +18,20 @@ import numpy as np
 
 from ...parallel.pipeline.schedule import Action, Op
 from .model_chunk import Batch, ModelChunk, held_bytes
-from .params import GradSink, Param
+from .params import GradSink, Param, Parameter
+
+
+class TrainSink(GradSink):
+    """A ``GradSink`` that passes over weights without a gradient (a LoRA run's frozen
+    base: norms, embedding, head, experts); what would compute theirs is never called."""
+
+    def add(self, param, grad) -> None:
+        if isinstance(param, Parameter):
+            super().add(param, grad)
+
+    def scatter_rows(self, param, rows, values) -> None:
+        if isinstance(param, Parameter):
+            super().scatter_rows(param, rows, values)
 
 
 class TrainingProgram:
@@ -78,7 +91,7 @@ class TrainingProgram:
         elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
             ctx, nbytes, full = self.ctxs.pop(key)
             split = a.op is Op.BACKWARD_INPUT
-            sink = GradSink(self.xp, defer=split)
+            sink = TrainSink(self.xp, defer=split)
             last_pass = not split and self.backwards_done[a.chunk] == len(self.batches) - 1
             notify = self._notifier(chunk) if last_pass else None
             dx = chunk.backward(ctx, self.out_grads.pop(key, None), sink, notify)

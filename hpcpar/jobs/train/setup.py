@@ -22,6 +22,7 @@ from ...parallel.ops import ops_for
 from ...parallel.optim.optimizers import STATE_NAMES
 from ...parallel.optim.settings import OptimizerSettings
 from ...parallel.pipeline.partition import stage_layers
+from ...parallel.tensor_parallel.layers import LoraAdapter
 from ...parallel.pipeline.training_schedules import micro_batch_problems
 from ..faults import fault_point
 from ..inputs.stage import load_tokenizer
@@ -33,7 +34,9 @@ from . import checkpoint as tc
 from .model_chunk import AuxLoss, ModelChunk
 from .chat_data import LONG_ROWS
 from .data import Dataset, load_dataset
-from .params import kv_replicas, make_params
+from .lora import LoraRun, adapter_bytes, adapter_pieces, lora_run
+from .lora import open_resume as lora_open_resume
+from .params import FrozenParam, kv_replicas, make_adapter_param, make_params
 
 RECOMPUTE = ("none", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -52,6 +55,7 @@ class CheckedTraining:
     start_step: int
     samples_start: int
     aux_coef: float = 0.0              # the router's load-balancing loss (MoE)
+    lora: LoraRun | None = None        # a LoRA run: the base frozen, its adapters trained
 
 
 def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
@@ -83,6 +87,9 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     problems += _router_problems(cfg, aux, layout.pp)
     settings = OptimizerSettings.of(tr)
     problems += settings.problems()
+    if job.model.lora:
+        problems.append(f"model.lora {job.model.lora!r} applies an adapter in generate and "
+                        "score; to train one give --lora-rank, or --lora-from a peft folder")
     if not job.data.dataset:
         problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
     if not job.output.path:
@@ -99,13 +106,16 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
                           "sequences (--seq-len)")
     out_dir = Path(job.output.path)
     check_output(out_dir, {"checkpoint": ckpt.path, "data": dataset.source}, folder=True)
-    # room for a checkpoint now, not after every step has run (each save checks again)
-    check_space(out_dir / "step-1.h5", tc.checkpoint_bytes(ckpt, STATE_NAMES[settings.optimizer]))
-    resume = None
-    start_step = samples_start = 0
     resume_path = tc.resolve_resume(tr.resume, out_dir)
-    if resume_path is not None:
-        resume = tc.open_resume(resume_path, ckpt)
+    resume = None if resume_path is None else (lora_open_resume(resume_path, ckpt)
+                                                or tc.open_resume(resume_path, ckpt))
+    lora = lora_run(tr, cfg, resume[1] if resume else None)
+    # room for a checkpoint now, not after every step has run (each save checks again)
+    states = STATE_NAMES[settings.optimizer]
+    check_space(out_dir / "step-1.h5", tc.checkpoint_bytes(ckpt, states) if lora is None
+                else adapter_bytes(cfg, lora, len(states)))
+    start_step = samples_start = 0
+    if resume is not None:
         attrs = resume[1]
         if attrs.get("optimizer") != settings.optimizer:
             raise HpcparError(f"{resume_path}: trained with optimizer {attrs.get('optimizer')!r}"
@@ -113,7 +123,7 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
                               "resume")
         start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
     return CheckedTraining(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir,
-                           resume, start_step, samples_start, float(aux or 0.0))
+                           resume, start_step, samples_start, float(aux or 0.0), lora)
 
 
 def _router_problems(cfg, aux: float, pp: int) -> list[str]:
@@ -161,6 +171,14 @@ def load_chunks(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, tp
         first, last = v == 0, v == layout.pp * V - 1
         specs = stage_tensors(cfg, layers, first, last, experts_held(cfg, ep))
         fault_point("load")
+        if checked.lora is not None:
+            base, adapters, aspecs = _lora_chunk(comm, mesh, checked, ckpt, specs, layers,
+                                                 backend)
+            chunks.append(ModelChunk(cfg, base, StageSpan(layers, first, last), tp, ops,
+                                     recompute, ep, aux, trainable=list(adapters.values())))
+            params += adapters.values()
+            all_specs += aspecs
+            continue
         shard = everyone(comm, load_shard, source, specs, mesh.coord("tp"), layout.tp, np.float32,
                          backend)
         chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
@@ -176,6 +194,28 @@ def load_chunks(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, tp
                           backend)
     backend.release_unused_device_memory()
     return chunks, params, states
+
+
+def _lora_chunk(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, specs,
+                layers: range, backend):
+    """A LoRA run's chunk: the base's tensors ``specs`` frozen, read from --checkpoint in the
+    compute dtype, and their adapters (from the checkpoint resumed, --lora-from, or new),
+    each attached to its base. Returns (base by name, adapters by name, adapter specs)."""
+    cfg, tp_rank, tp_size = ckpt.config, mesh.coord("tp"), mesh.size("tp")
+    run = checked.lora
+    shard = everyone(comm, load_shard, ckpt, specs, tp_rank, tp_size, checked.dtype, backend)
+    base = {s.name: FrozenParam(shard.tensors.pop(s.name), spec=s) for s in specs}
+    aspecs = run.specs(cfg, layers)
+    if checked.resume:
+        values = everyone(comm, load_shard, checked.resume[0], aspecs, tp_rank, tp_size,
+                          np.float32, backend).tensors
+    else:
+        values = everyone(comm, adapter_pieces, run, aspecs, cfg, tp_rank, tp_size, backend)
+    adapters = {s.name: make_adapter_param(s, values[s.name], backend.xp, cfg, tp_rank, tp_size,
+                                           checked.dtype) for s in aspecs}
+    for a, b in zip(aspecs[::2], aspecs[1::2]):
+        base[a.base].lora = LoraAdapter(adapters[a.name], adapters[b.name], run.settings.scale)
+    return base, adapters, aspecs
 
 
 def kv_group(mesh: Mesh, cfg, backend, stats, timeout: float):

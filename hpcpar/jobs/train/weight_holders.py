@@ -61,4 +61,6 @@ def holders(params: list[Param], dp: Communicator | None, edp: Communicator | No
         return [Holders(list(params), dp, first)]
     dense = [p for p in params if p.spec.expert is None]
     experts = [p for p in params if p.spec.expert is not None]
+    if not experts:                       # a LoRA run's: the experts are frozen
+        return [Holders(dense, dp, first)]
     return [Holders(dense, dp, first), Holders(experts, edp, edp.rank == 0)]

@@ -20,6 +20,15 @@ keeping its slice; the constructors take this rank's shards.
 
 The products, lookups and the cross-entropy's local pieces are ``hpcpar.parallel.ops`` (a NumPy
 reference, or a device kernel chosen once per backend); ``ops`` defaults to the references.
+
+A weight may carry a LoRA adapter (``LoraAdapter``, in its ``lora``): the layer then adds
+s (X A^T) B^T to that weight's product, with A [r, in] and B [out, r] split as the base
+(Hu et al. 2021, peft's ``LoraLayer``). Column-parallel base: A replicated, B_i the rows of
+the base's A_i; row-parallel base: A_i the base's columns, B replicated. No communication
+of its own: the column layer's dX AllReduce and the row layer's output AllReduce carry the
+adapter's share, and the replicated half's gradient is a partial sum over tp (A of a
+column-parallel base, B of a row-parallel one), which its owner sums as it sums other
+tp-partial gradients.
 """
 
 from __future__ import annotations
@@ -37,14 +46,27 @@ from ..params import GradSink, Parameter, join
 
 
 @dataclass(eq=False)
+class LoraAdapter:
+    """A low-rank update of a weight W [out, in]: W x + s B A x, ``A`` [r, in] and ``B``
+    [out, r] (this rank's pieces: ``Parameter``s, or ``Frozen``), s = ``scale`` (peft's
+    lora_alpha / r)."""
+
+    A: object
+    B: object
+    scale: float
+
+
+@dataclass(eq=False)
 class Frozen:
-    """A weight without a gradient (generation): ``data`` in Hugging Face's orientation.
-    Loading may have placed it in ``stack`` (the [rows, in] view of a ``stored_matrix`` it
-    shares with the projections merged with it) at row ``start``: merging it is then free."""
+    """A weight without a gradient (generation, or a LoRA run's base): ``data`` in Hugging
+    Face's orientation. Loading may have placed it in ``stack`` (the [rows, in] view of a
+    ``stored_matrix`` it shares with the projections merged with it) at row ``start``:
+    merging it is then free. ``lora``: an adapter the layers add (unmerged layers only)."""
 
     data: object
     stack: object = None
     start: int = 0
+    lora: LoraAdapter | None = None
 
 
 def stored_matrix(xp, rows: int, cols: int, dtype):
@@ -104,12 +126,31 @@ def product(ops: Ops, x, w):
 
 
 def weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
-    """dW = dY^T X, db = sum of dY over rows; returns dX = dY W."""
+    """dW = dY^T X, db = sum of dY over rows (of ``Parameter``s: a ``Frozen`` weight takes
+    none); returns dX = dY W."""
     dy2 = _rows(dy)
-    sink.outer(w, dy2, _rows(x))
-    if b is not None:
+    if isinstance(w, Parameter):
+        sink.outer(w, dy2, _rows(x))
+    if isinstance(b, Parameter):
         sink.add(b, lambda: dy2.sum(axis=0))
     return ops.linear.input_grad(dy, w.data.T).astype(x.dtype, copy=False)
+
+
+def lora_delta(ops: Ops, x, lora: LoraAdapter):
+    """s (X A^T) B^T: the adapter's share of the product (peft's lora_B(lora_A(x)) *
+    scaling), in B's dtype; a partial sum over tp when A is split (row-parallel base)."""
+    y = product(ops, product(ops, x, lora.A), lora.B)
+    y *= y.dtype.type(lora.scale)
+    return y
+
+
+def lora_grads(ops: Ops, dy, x, lora: LoraAdapter, sink):
+    """The adapter's backward: with U = X A^T (recomputed, N x r) and dZ = s dY,
+    dB = dZ^T U, dU = dZ B, dA = dU^T X; returns its share of dX, dU A."""
+    u = product(ops, x, lora.A)
+    dz = dy * dy.dtype.type(lora.scale)
+    du = weight_grads(ops, dz, u, lora.B, None, sink)
+    return weight_grads(ops, du, x, lora.A, None, sink)
 
 
 def keep_slice(tp: Communicator, piece, name: str, replicas: Communicator | None = None,
@@ -243,6 +284,8 @@ class ColumnParallelLinear:
             y = product(self.ops, x, w)
             if self.biases and self.biases[k] is not None:
                 y += self.biases[k].data
+            if getattr(w, "lora", None) is not None:
+                y += lora_delta(self.ops, x, w.lora)
             ys.append(y)
         return self.ops.xp.split(ys[0], self.bounds, axis=-1) if self.bounds else ys
 
@@ -255,6 +298,8 @@ class ColumnParallelLinear:
         dx = None
         for dy, w, b in zip(dys, self.weights, biases):
             d = weight_grads(self.ops, dy, x, w, b, sink)
+            if getattr(w, "lora", None) is not None:     # a partial sum: the AllReduce below
+                d += lora_grads(self.ops, dy, x, w.lora, sink)
             if dx is None:
                 dx = d
             else:
@@ -321,11 +366,18 @@ class RowParallelLinear:
     def __call__(self, x):
         _check_input(self, x, self.weight.data.shape[1], "this rank's slice of the input "
                      "features, as a column-parallel layer leaves it")
-        y = ReduceFromGroup.forward(product(self.ops, x, self.weight), self.tp)
+        partial = product(self.ops, x, self.weight)
+        if getattr(self.weight, "lora", None) is not None:   # partial too: one AllReduce
+            partial += lora_delta(self.ops, x, self.weight.lora)
+        y = ReduceFromGroup.forward(partial, self.tp)
         if self.bias is not None:
             y += self.bias.data
         return y
 
     def backward(self, dy, x, sink=None):
         """dX_i = dY A_i (g's backward: no communication); weight gradients to ``sink``."""
-        return weight_grads(self.ops, dy, x, self.weight, self.bias, sink_or_new(sink, self.ops.xp))
+        sink = sink_or_new(sink, self.ops.xp)
+        dx = weight_grads(self.ops, dy, x, self.weight, self.bias, sink)
+        if getattr(self.weight, "lora", None) is not None:
+            dx += lora_grads(self.ops, dy, x, self.weight.lora, sink)
+        return dx

@@ -1,0 +1,327 @@
+"""LoRA adapters as peft's folders (``PeftModel.from_pretrained`` loads them, and
+``save_pretrained`` writes them):
+
+    DIR/adapter_config.json          LoraConfig's fields: peft_type LORA, task_type
+                                     CAUSAL_LM, r, lora_alpha, target_modules (module names:
+                                     q_proj, ...), base_model_name_or_path, ...
+    DIR/adapter_model.safetensors    base_model.model.<module>.lora_A.weight [r, in] and
+                                     ...lora_B.weight [out, r], float32
+
+hpcpar's adapter tensors are named ``<module>.lora_A.weight`` (``models.lora``): the file's
+names less ``base_model.model.``. Reading refuses, in one line each, what hpcpar's LoRA is
+not: rslora, DoRA, per-module ranks or alphas, biases or extra modules trained, a subset of
+layers, a target_modules pattern (a string) or module hpcpar does not adapt.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ..models.config import ModelConfig
+from ..models.lora import TARGETS, LoraSettings, module_leaf
+from ..parallel.errors import HpcparError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+
+
+def peft_config(cfg: ModelConfig, settings: LoraSettings, base: str) -> dict:
+    """adapter_config.json as peft's ``LoraConfig.save_pretrained`` writes it."""
+    return {
+        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base,
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "layer_replication": None, "layers_pattern": None,
+        "layers_to_transform": None, "loftq_config": {},
+        "lora_alpha": int(settings.alpha) if float(settings.alpha).is_integer() else settings.alpha,
+        "lora_dropout": 0.0, "megatron_config": None, "megatron_core": "megatron.core",
+        "modules_to_save": None, "peft_type": "LORA", "r": settings.rank,
+        "rank_pattern": {}, "revision": None,
+        "target_modules": sorted(module_leaf(cfg, t) for t in settings.targets),
+        "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False,
+    }
+
+
+def write_adapter(folder: Path, cfg: ModelConfig, settings: LoraSettings, base: str,
+                  tensors: dict[str, np.ndarray]) -> list[Path]:
+    """The two files into ``folder`` (which exists); ``tensors`` by hpcpar's names."""
+    config = folder / CONFIG
+    config.write_text(json.dumps(peft_config(cfg, settings, base), indent=2) + "\n")
+    weights = folder / WEIGHTS
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name], dtype=np.float32)
+        header[PREFIX + name] = {"dtype": "F32", "shape": list(a.shape),
+                                 "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        blobs.append(a.tobytes())
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(weights, "wb") as out:
+        out.write(len(text).to_bytes(8, "little"))
+        out.write(text)
+        for blob in blobs:
+            out.write(blob)
+    return [config, weights]
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file (float32, float16 or float64), as float32."""
+    data = path.read_bytes()
+    try:
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        out = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise HpcparError(f"{path}: tensor {name} is {entry['dtype']}; adapters are "
+                                  "read in F32, F16 or F64")
+            a, b = entry["data_offsets"]
+            out[name] = np.frombuffer(data[8 + n + a:8 + n + b], dtype=dtype).reshape(
+                entry["shape"]).astype(np.float32)
+        return out
+    except (ValueError, KeyError, TypeError) as e:
+        raise HpcparError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def read_adapter(folder: Path, cfg: ModelConfig) -> tuple[LoraSettings, dict[str, np.ndarray]]:
+    """A peft LoRA folder for ``cfg``'s model: its settings and its tensors by hpcpar's
+    names (checked against the model's shapes by the caller)."""
+    folder = Path(folder)
+    where = f"--lora-from {folder}"
+    if not folder.is_dir():
+        raise HpcparError(f"{where}: not a folder; give a peft adapter folder (with {CONFIG} "
+                          f"and {WEIGHTS})")
+    for name in (CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            raise HpcparError(f"{where}: no {name}; a peft LoRA adapter folder holds "
+                              f"{CONFIG} and {WEIGHTS} (PeftModel.save_pretrained)")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HpcparError(f"{where}: {CONFIG} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise HpcparError(f"{where}: {CONFIG} is not a JSON object")
+    problems = []
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {config.get('peft_type')!r} (LORA only)")
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if config.get(key):
+            problems.append(f"{key} true")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            problems.append(f"a {key} (one rank and alpha for every module)")
+    for key in ("layers_to_transform", "modules_to_save", "layer_replication"):
+        if config.get(key):
+            problems.append(f"{key} {config.get(key)!r}")
+    if config.get("bias", "none") != "none":
+        problems.append(f"bias {config.get('bias')!r} (none only)")
+    modules = config.get("target_modules")
+    by_leaf = {module_leaf(cfg, t): t for t in TARGETS}
+    if not isinstance(modules, list):
+        problems.append(f"target_modules {modules!r} (a list of module names: "
+                        f"{', '.join(by_leaf)})")
+        modules = []
+    unknown = [m for m in modules if m not in by_leaf]
+    if unknown:
+        problems.append(f"target_modules {', '.join(unknown)} (hpcpar adapts "
+                        f"{', '.join(by_leaf)})")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        problems.append(f"r {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        problems.append(f"lora_alpha {alpha!r}")
+    if problems:
+        raise HpcparError(f"{where}: {CONFIG} has {'; '.join(problems)}, which hpcpar's LoRA "
+                          "does not train")
+    targets = tuple(t for t in TARGETS if module_leaf(cfg, t) in modules)
+    tensors = read_safetensors(folder / WEIGHTS)
+    mine = {}
+    for name, a in tensors.items():
+        if not name.startswith(PREFIX):
+            raise HpcparError(f"{where}: tensor {name} of {WEIGHTS} is not named "
+                              f"{PREFIX}<module>.lora_A/B.weight as peft names them")
+        mine[name[len(PREFIX):]] = a
+    return LoraSettings(rank, float(alpha), targets), mine
+
+
+# ---- a LoRA run's checkpoint out: a peft folder, or its base with the adapter merged ---------
+
+def run_settings(path) -> tuple[LoraSettings, str] | None:
+    """The LoRA settings and base checkpoint a training checkpoint's ``train`` attributes
+    name (None: not a LoRA run's checkpoint, or no checkpoint)."""
+    import h5py
+    path = Path(path)
+    if not path.is_file() or not h5py.is_hdf5(path):
+        return None
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            group = f.get("train")
+            attrs = dict(group.attrs) if isinstance(group, h5py.Group) else {}
+    except OSError:
+        return None
+    if "lora_rank" not in attrs:
+        return None
+    return (LoraSettings(int(attrs["lora_rank"]), float(attrs["lora_alpha"]),
+                         tuple(json.loads(attrs["lora_targets"]))), str(attrs["lora_base"]))
+
+
+def open_run_checkpoint(path):
+    """A LoRA run's checkpoint (its adapters and their optimizer state, no base) as a
+    ``Checkpoint`` whose tensors are the adapters; None when ``path`` is not one."""
+    import h5py
+    from ..models.lora import adapter_specs
+    from .format import ATTR_CONFIG, ATTR_VERSION
+    from .parts import check_parts
+    from .reader import Checkpoint, CheckpointError
+    found = run_settings(path)
+    if found is None:
+        return None
+    path = Path(path)
+    with h5py.File(path, "r", locking=False) as f:
+        problem = check_parts(path, f)
+        if problem:
+            raise CheckpointError(problem)
+        hf_config = json.loads(f.attrs[ATTR_CONFIG])
+        version = int(f.attrs[ATTR_VERSION])
+        config = ModelConfig.from_hf(hf_config, source=f"{path} config")
+        specs = {s.name: s for s in adapter_specs(config, range(config.num_hidden_layers),
+                                                   found[0])}
+        for name, spec in specs.items():
+            dset = f.get(name)
+            if not isinstance(dset, h5py.Dataset) or dset.shape != spec.shape:
+                raise CheckpointError(f"{path}: the LoRA run's tensor {name} is missing or "
+                                      f"not of shape {spec.shape}")
+    return Checkpoint(path, config, hf_config, np.dtype(np.float32), version, specs)
+
+
+def _adapters(ckpt, settings: LoraSettings) -> dict[str, np.ndarray]:
+    from ..models.lora import adapter_specs
+    from .reader import load_shard
+    specs = adapter_specs(ckpt.config, range(ckpt.config.num_hidden_layers), settings)
+    return load_shard(ckpt, specs, dtype=np.float32).tensors
+
+
+def export_adapter(checkpoint, out_dir) -> list[Path]:
+    """A LoRA run's checkpoint as a peft adapter folder ``out_dir``, written beside it and
+    renamed into place, as ``export`` writes its folders."""
+    from .export import _check_target, _remove_dead_temporaries, _write_in_place
+    from .files import OutputLock
+    ckpt = open_run_checkpoint(checkpoint)
+    found = run_settings(checkpoint)
+    if found is None:
+        raise HpcparError(f"--lora: {checkpoint} is not a LoRA run's checkpoint (its train "
+                          "attributes name no LoRA rank); export it without --lora")
+    settings, base = found
+    name = ckpt.hf_config.get("_name_or_path") or base
+    tensors = _adapters(ckpt, settings)
+    _check_target(Path(out_dir))
+    out_dir = Path(out_dir).resolve()
+    with OutputLock(out_dir, beside=True):
+        _check_target(out_dir)
+        _remove_dead_temporaries(out_dir)
+        written = _write_in_place(out_dir, lambda tmp: write_adapter(
+            tmp, ckpt.config, settings, name, tensors))
+    return [out_dir / p.name for p in written]
+
+
+def merged_export_args(checkpoint) -> tuple[Path, dict]:
+    """For ``export --merge-lora``: the base checkpoint a LoRA run's checkpoint names, and
+    by base tensor name what merging adds to it, s B A (float32)."""
+    from ..models.lora import adapter_specs
+    ckpt = open_run_checkpoint(checkpoint)
+    found = run_settings(checkpoint)
+    if found is None:
+        raise HpcparError(f"--merge-lora: {checkpoint} is not a LoRA run's checkpoint (its "
+                          "train attributes name no LoRA rank); export it without --merge-lora")
+    settings, base = found
+    if not Path(base).is_file():
+        raise HpcparError(f"--merge-lora: the run's base checkpoint {base} is not there; put "
+                          "it back at that path to merge the adapter into it")
+    tensors = _adapters(ckpt, settings)
+    specs = adapter_specs(ckpt.config, range(ckpt.config.num_hidden_layers), settings)
+    add = {}
+    for a, b in zip(specs[::2], specs[1::2]):
+        A, B = tensors[a.name], tensors[b.name]
+        add[a.base] = (lambda A=A, B=B: np.float32(settings.scale) * (B @ A))
+    return Path(base), add
+
+
+# ---- an adapter applied at load (generate, score --lora) ----------------------------------
+
+def check_adapter(cfg: ModelConfig, settings: LoraSettings, tensors: dict, where: str) -> None:
+    """``tensors`` (by hpcpar's names) are exactly the adapters ``settings`` give ``cfg``'s
+    model, each of its shape: one error naming what is not."""
+    from ..models.lora import adapter_specs, target_problems
+    problems = target_problems(cfg, settings.targets, settings.rank)
+    if problems:
+        raise HpcparError(f"{where}: {'; '.join(problems)}")
+    want = {s.name: s.shape for s in adapter_specs(cfg, range(cfg.num_hidden_layers), settings)}
+    missing = [n for n in want if n not in tensors]
+    extra = [n for n in tensors if n not in want]
+    wrong = [f"{n} {tuple(tensors[n].shape)} (the model's: {want[n]})" for n in want
+             if n in tensors and tuple(tensors[n].shape) != want[n]]
+    for what, names in (("lacks", missing), ("has tensors this model has no place for:",
+                                              extra), ("has shapes of another model:", wrong)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise HpcparError(f"{where}: the adapter {what} {', '.join(names[:3])}{more}; is "
+                              f"it an adapter of this checkpoint's model ({cfg.model_type})?")
+
+
+def load_adapter(source, cfg: ModelConfig) -> tuple[LoraSettings, dict[str, np.ndarray]]:
+    """An adapter for ``cfg``'s model from ``source``: a peft folder, an hpcpar LoRA run's
+    checkpoint, or its run folder (its ``latest``); whole float32 tensors by hpcpar's names,
+    checked against the model."""
+    source, where = Path(source), f"--lora {source}"
+    if source.is_dir() and (source / "latest").is_file():
+        source = source / (source / "latest").read_text().strip()
+    if source.is_dir():
+        settings, tensors = read_adapter(source, cfg)
+    else:
+        ckpt = open_run_checkpoint(source)
+        if ckpt is None:
+            raise HpcparError(f"{where}: neither a peft adapter folder ({CONFIG}, {WEIGHTS}) "
+                              "nor an hpcpar LoRA run's checkpoint or folder")
+        settings = run_settings(source)[0]
+        tensors = _adapters(ckpt, settings)
+    check_adapter(cfg, settings, tensors, where)
+    return settings, tensors
+
+
+def merge_adapter(tensors: dict, cfg: ModelConfig, settings: LoraSettings, adapters: dict,
+                  tp_rank: int, tp_size: int, backend) -> None:
+    """Merge the adapter into this rank's loaded slices ``tensors`` (by name, in place):
+    W_i += s B_i A_i, the pieces of A and B this rank's slice of W takes (``models.lora``'s
+    split), in float32, then rounded to W's dtype. Exactly the model with the adapter, up to
+    that rounding: generation and scoring need no adapter code of their own."""
+    from ..models.lora import adapter_specs
+    from ..models.sharding import piece_of
+    specs = adapter_specs(cfg, range(cfg.num_hidden_layers), settings)
+    for a, b in zip(specs[::2], specs[1::2]):
+        if a.base not in tensors:
+            continue
+        pieces = []
+        for spec in (a, b):
+            piece = piece_of(spec, cfg, tp_rank, tp_size)
+            local = np.zeros(piece.shape, np.float32)
+            local[piece.dest] = adapters[spec.name][piece.source]
+            pieces.append(local)
+        w = tensors[a.base]
+        delta = backend.asarray(np.float32(settings.scale) * (pieces[1] @ pieces[0]))
+        w[...] = (w.astype(np.float32) + delta).astype(w.dtype)
+
+
+def apply_adapter(source, cfg: ModelConfig, tensors: dict, tp_rank: int, tp_size: int,
+                  backend) -> None:
+    """``load_adapter(source)`` merged into this rank's slices (``merge_adapter``)."""
+    settings, adapters = load_adapter(source, cfg)
+    merge_adapter(tensors, cfg, settings, adapters, tp_rank, tp_size, backend)
