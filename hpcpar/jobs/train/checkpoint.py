@@ -52,6 +52,21 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step}.h5"
 
 
+def _write_header(f, source, train_attrs: dict, tokenizer: dict) -> None:
+    """What a checkpoint file holds beside its tensors: the format, the model's config, the
+    dtype, the training state (``train`` group) and the tokenizer files."""
+    f.attrs[ATTR_VERSION] = FORMAT_VERSION
+    f.attrs[ATTR_CONFIG] = json.dumps(source.hf_config, sort_keys=True)
+    f.attrs[ATTR_DTYPE] = "float32"
+    f.attrs["source"] = f"hpcpar train, step {train_attrs['step']}"
+    group = f.create_group(TRAIN_GROUP)
+    for k, v in train_attrs.items():
+        group.attrs[k] = v
+    for name, data in tokenizer.items():
+        f.require_group(TOKENIZER_GROUP).create_dataset(
+            name, data=np.frombuffer(data, dtype=np.uint8))
+
+
 def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
@@ -89,10 +104,7 @@ def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
     early.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     early.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     with writing(path), h5py.File(_tmp(path), "w") as f:
-        f.attrs[ATTR_VERSION] = FORMAT_VERSION
-        f.attrs[ATTR_CONFIG] = json.dumps(source.hf_config, sort_keys=True)
-        f.attrs[ATTR_DTYPE] = "float32"
-        f.attrs["source"] = f"hpcpar train, step {train_attrs['step']}"
+        _write_header(f, source, train_attrs, tokenizer)
         for spec in _stored(source):            # the weights, fused tensors whole
             f.create_dataset(spec.name, spec.shape, dtype=np.float32,
                              chunks=chunk_shape(spec, cfg, 4), dcpl=early.copy())
@@ -101,12 +113,6 @@ def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
                 f.create_dataset(f"{OPTIMIZER_GROUP}/{spec.name}/{state}", spec.shape,
                                  dtype=np.float32, chunks=chunk_shape(spec, cfg, 4),
                                  dcpl=early.copy())
-        group = f.create_group(TRAIN_GROUP)
-        for k, v in train_attrs.items():
-            group.attrs[k] = v
-        for name, data in tokenizer.items():
-            f.require_group(TOKENIZER_GROUP).create_dataset(
-                name, data=np.frombuffer(data, dtype=np.uint8))
         write_point(path)
     reserve(_tmp(path))
 
@@ -292,16 +298,7 @@ def commit_parts(path: Path, source: Checkpoint, state_names: tuple[str, ...],
     tokenizer = source.tokenizer_files()
 
     def fill(f):
-        f.attrs[ATTR_VERSION] = FORMAT_VERSION
-        f.attrs[ATTR_CONFIG] = json.dumps(source.hf_config, sort_keys=True)
-        f.attrs[ATTR_DTYPE] = "float32"
-        f.attrs["source"] = f"hpcpar train, step {train_attrs['step']}"
-        group = f.create_group(TRAIN_GROUP)
-        for k, v in train_attrs.items():
-            group.attrs[k] = v
-        for name, data in tokenizer.items():
-            f.require_group(TOKENIZER_GROUP).create_dataset(
-                name, data=np.frombuffer(data, dtype=np.uint8))
+        _write_header(f, source, train_attrs, tokenizer)
 
     parts = sorted(p.name for p in tmp_folder.glob("rank-*.h5"))
     write_top(_tmp(path), tmp_folder, folder.name, parts, tensors | states, set(states), fill)
