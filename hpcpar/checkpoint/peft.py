@@ -210,17 +210,23 @@ def _adapters(ckpt, settings: LoraSettings) -> dict[str, np.ndarray]:
     return load_shard(ckpt, specs, dtype=np.float32).tensors
 
 
+def _lora_run(checkpoint, flag: str):
+    """(the checkpoint, its LoRA settings, its base's path) of a LoRA run's checkpoint, or
+    one line saying it is not one."""
+    ckpt = open_run_checkpoint(checkpoint)
+    found = run_settings(checkpoint)
+    if found is None:
+        raise HpcparError(f"{flag}: {checkpoint} is not a LoRA run's checkpoint (its train "
+                          f"attributes name no LoRA rank); export it without {flag}")
+    return (ckpt, *found)
+
+
 def export_adapter(checkpoint, out_dir) -> list[Path]:
     """A LoRA run's checkpoint as a peft adapter folder ``out_dir``, written beside it and
     renamed into place, as ``export`` writes its folders."""
     from .export import _check_target, _remove_dead_temporaries, _write_in_place
     from .files import OutputLock
-    ckpt = open_run_checkpoint(checkpoint)
-    found = run_settings(checkpoint)
-    if found is None:
-        raise HpcparError(f"--lora: {checkpoint} is not a LoRA run's checkpoint (its train "
-                          "attributes name no LoRA rank); export it without --lora")
-    settings, base = found
+    ckpt, settings, base = _lora_run(checkpoint, "--lora")
     name = ckpt.hf_config.get("_name_or_path") or base
     tensors = _adapters(ckpt, settings)
     _check_target(Path(out_dir))
@@ -237,12 +243,7 @@ def merged_export_args(checkpoint) -> tuple[Path, dict]:
     """For ``export --merge-lora``: the base checkpoint a LoRA run's checkpoint names, and
     by base tensor name what merging adds to it, s B A (float32)."""
     from ..models.lora import adapter_specs
-    ckpt = open_run_checkpoint(checkpoint)
-    found = run_settings(checkpoint)
-    if found is None:
-        raise HpcparError(f"--merge-lora: {checkpoint} is not a LoRA run's checkpoint (its "
-                          "train attributes name no LoRA rank); export it without --merge-lora")
-    settings, base = found
+    ckpt, settings, base = _lora_run(checkpoint, "--merge-lora")
     if not Path(base).is_file():
         raise HpcparError(f"--merge-lora: the run's base checkpoint {base} is not there; put "
                           "it back at that path to merge the adapter into it")
