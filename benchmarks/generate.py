@@ -112,6 +112,7 @@ def main():
                    help="micro-batches per pipeline stage (decode reads every weight once per "
                         "micro-batch, so more costs memory traffic there)")
     p.add_argument("--repeats", type=int, default=2, help="transformers runs (best is kept)")
+    p.add_argument("--json", type=Path, help="--families: also write the settings and rows")
     p.add_argument("--families", action="store_true",
                    help="instead: one rank, each dense family at the preset's shape against "
                         "Llama's, --repeats runs each, alternating (best kept)")
@@ -203,6 +204,21 @@ def compare_families(args) -> None:
     for name, r in best.items():
         print(f"{name:<12} {r['prefill']:>13,.0f} {r['prefill'] / llama['prefill']:>8.2f} "
               f"{r['decode']:>12,.1f} {r['decode'] / llama['decode']:>8.2f}")
+    if args.json:
+        import json
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        rows = [{"family": name, "prefill_tokens_per_s": r["prefill"],
+                 "decode_tokens_per_s": r["decode"],
+                 "prefill_vs_llama": r["prefill"] / llama["prefill"],
+                 "decode_vs_llama": r["decode"] / llama["decode"],
+                 "all_prefill": [x["prefill"] for x in runs[name]],
+                 "all_decode": [x["decode"] for x in runs[name]]} for name, r in best.items()]
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                capture_output=True, text=True).stdout.strip() or None
+        args.json.write_text(json.dumps({
+            "machine": f"{os.cpu_count()}-core CPU, float32, one rank, one BLAS thread",
+            "command": "python benchmarks/generate.py " + " ".join(sys.argv[1:]),
+            "commit": commit, "settings": settings, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
