@@ -194,3 +194,25 @@ def test_plan_gives_the_paged_caches_blocks_and_the_rows_kv_memory_holds():
     assert f"blocks of 16 positions, {per_block / 1e6:.2f} MB each" in text
     assert f"a row of 1064 tokens takes {row}, the replica's 64 rows {64 * row}" in text
     assert f"holds {int(4e9 // per_block)}: {int(4e9 // per_block) // row} rows" in text
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_lora_plan_counts_the_frozen_base_and_the_adapters_state(tp):
+    """Rank r on q and v: per layer and tp rank, A [r, hidden] whole and B [its rank's rows,
+    r] of each (column-parallel bases: q's heads split over tp, the one KV head held whole
+    by both ranks at tp 2), AdamW's two moments for them; the base's weights alone."""
+    from hpcpar.jobs.job import TrainSection
+    from hpcpar.jobs.plan import _size, format_train_plan
+    from hpcpar.models.sharding import piece_of as piece
+    cfg = ModelConfig.from_hf(shape("8b"))
+    r = 8
+    kv_rows = max(cfg.num_key_value_heads // tp, 1) * cfg.head_dim
+    adapters = cfg.num_hidden_layers * sum(r * cfg.hidden_size + rows * r
+                                           for rows in (cfg.q_size // tp, kv_rows))
+    base = sum(int(np.prod(piece(spec, cfg, 0, tp).shape)) for spec in stage_tensors(
+        cfg, range(cfg.num_hidden_layers), True, True))
+    plan = format_train_plan(cfg, ParallelConfig(tp=tp), 1, TrainSection(lora_rank=r), "8b")
+    assert "LoRA: rank 8, alpha 8, on q,v" in plan
+    row = next(line.split() for line in plan.splitlines() if line.split()[:1] == ["0"])
+    assert " ".join(row[3:5]) == _size(4 * base + 2 * 4 * adapters), (row, base, adapters)
+    assert " ".join(row[5:7]) == _size(2 * 4 * adapters), (row, adapters)

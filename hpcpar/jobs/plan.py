@@ -222,6 +222,12 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
         f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
     ]
+    lora = lora_settings(train)
+    if lora is not None:
+        lines.insert(2, f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, on "
+                     f"{','.join(lora.targets)}: the base frozen (its weights alone), the "
+                     "adapters trained (weights, gradients, optimizer state); params/rank "
+                     "counts both")
     if cfg.moe_layers:
         lines.insert(2, f"experts: {cfg.num_experts} per MoE layer, top-{cfg.experts_per_token}"
                      f", {cfg.num_experts // max(1, layout.ep)} per rank (ep {layout.ep}); "
@@ -239,6 +245,23 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         draw(training_schedule(kind, p, M, V)),
     ]
     return "\n".join(lines)
+
+
+def lora_settings(train: TrainSection):
+    """The run's LoRA settings (``models.lora.LoraSettings``), or None without LoRA."""
+    from ..models.lora import DEFAULT_TARGETS, LoraSettings
+    if not train.lora_rank:
+        return None
+    return LoraSettings(train.lora_rank, train.lora_alpha or train.lora_rank,
+                        tuple(train.lora_targets or DEFAULT_TARGETS))
+
+
+def adapter_count(cfg: ModelConfig, chunks, train: TrainSection, tp: int) -> int:
+    """The adapter parameters a rank of tp ``tp`` holds for the layers of ``chunks``."""
+    from ..models.lora import adapter_specs
+    settings = lora_settings(train)
+    return sum(int(np.prod(piece_of(spec, cfg, 0, tp).shape))
+               for layers in chunks for spec in adapter_specs(cfg, layers, settings))
 
 
 def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
@@ -261,7 +284,11 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
                                 train.recompute == "full")
     per_mb = act // len(chunks)
     peak = peak_activations_formula(kind, p, M, s, V) * per_mb
+    base = 0
+    if train.lora_rank:          # the base frozen (its weights alone), the adapters trained
+        base, count, experts = count, adapter_count(cfg, chunks, train, layout.tp), 0
     st = state_bytes(count, train.optimizer)
+    st["weights"] += base * FLOAT
     if train.zero:      # dense state over dp x cp, an expert's over the dp / ep holding it,
         # each rank's piece with its own float32 weights (the copy its optimizer updates)
         def sharded(n: int) -> int:
@@ -270,7 +297,7 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
         st["optimizer"] = (-(-dense // (layout.dp * layout.cp))
                            + -(-moe // (layout.dp // layout.ep * layout.cp)))
     span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
-    return (f"{s:>5} {span:>10} {count / 1e6:>11.2f}M "
+    return (f"{s:>5} {span:>10} {(base + count) / 1e6:>11.2f}M "
             f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "
             f"{_size(per_mb):>17} {_size(peak):>10} "
             f"{_size(sum(st.values()) + peak):>10}")
