@@ -16,6 +16,7 @@ are the layer's, passed to the op on its rows (``AttentionRows``).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cached_property
 
 from ..parallel.comm import Communicator
 from ..parallel.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
@@ -53,6 +54,11 @@ class Attention:
         self.whole_qk_norms = whole_qk_norms   # over the projections: ``decoder.SpanNorms``
         self.window = window            # a sliding window over the keys (Mistral), or None
         self.scale, self.softcap = scale, softcap   # the scores' (Gemma 2), or None
+
+    @cached_property
+    def cascade_op(self) -> cascade.CascadeAttention:
+        """Decode attention over rows that share cached keys (made once, on first use)."""
+        return cascade.CascadeAttention(self.ops.xp)
 
     @classmethod
     def of(cls, ops: Ops, w: dict, head_dim: int, tp: Communicator,
@@ -99,8 +105,7 @@ class Attention:
         if train:
             out, actx = self.ops.attention.forward_train(q, keys, values, rows)
         elif groups is not None and keep is None and cascade.applies(rows, T):
-            out, actx = cascade.CascadeAttention(self.ops.xp).forward(q, keys, values, rows,
-                                                                      groups), None
+            out, actx = self.cascade_op.forward(q, keys, values, rows, groups), None
         else:
             out, actx = self.ops.attention.forward(q, keys, values, rows), None
         out = out.reshape(B, q.shape[1], nh * hd)

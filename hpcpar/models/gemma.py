@@ -19,13 +19,21 @@ def _features(hf) -> dict:
         raise FieldError(f"hidden_activation {legacy!r} and hidden_act {act!r} name different "
                          "functions (transformers 4.x runs the first, 5.x the second); "
                          "remove the one the model was not trained with")
-    if hf.get("use_bidirectional_attention"):
+    return gemma_features(hf)
+
+
+def gemma_features(hf, activation_key: str = "hidden_act") -> dict:
+    """What every Gemma shares: causal attention only, q/k/v/o biases by
+    ``attention_bias``, (1 + w) norms, the embedding scaled by sqrt(hidden), the gated MLP's
+    activation from ``activation_key``."""
+    if hf.get("use_bidirectional_attention") is not None and flag(
+            hf, "use_bidirectional_attention"):       # (transformers writes null for none)
         raise FieldError("use_bidirectional_attention true (attention to every token) is not "
                          "supported; hpcpar runs causal attention")
     bias = flag(hf, "attention_bias")
     return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False,
             "norm_offset": 1.0, "embed_scale": _sqrt(hf["hidden_size"]),
-            "activation": activation(hf)}
+            "activation": activation(hf, activation_key)}
 
 
 def _sqrt(hidden) -> float:

@@ -7,8 +7,8 @@ way (``final_logit_softcapping``), and a sliding window on the layers ``layer_ty
 
 The activation is ``hidden_activation``, the field ``Gemma2MLP`` reads."""
 
-from .family import LLAMA_NAMES, Family, FieldError, MalformedField, activation, flag
-from .gemma import _sqrt
+from .family import LLAMA_NAMES, Family, FieldError, MalformedField
+from .gemma import gemma_features
 from .qwen2 import layer_types, layer_windows
 
 GEMMA2_NAMES = dict(LLAMA_NAMES, post_attention_norm="pre_feedforward_layernorm.weight",
@@ -16,18 +16,19 @@ GEMMA2_NAMES = dict(LLAMA_NAMES, post_attention_norm="pre_feedforward_layernorm.
                     mlp_out_norm="post_feedforward_layernorm.weight")
 
 
+def sandwich_features(hf) -> dict:
+    """Gemma 2's block, which Gemma 3 keeps: Gemma's features, norms of each block's output
+    too, the scores' own scale and the soft caps."""
+    return gemma_features(hf, "hidden_activation") | {
+        "block_norms": "sandwich",
+        "attn_scale": _positive(hf, "query_pre_attn_scalar") ** -0.5,
+        "attn_softcap": _cap(hf, "attn_logit_softcapping"),
+        "final_softcap": _cap(hf, "final_logit_softcapping")}
+
+
 def _features(hf) -> dict:
-    if hf.get("use_bidirectional_attention"):
-        raise FieldError("use_bidirectional_attention true (attention to every token) is not "
-                         "supported; hpcpar runs causal attention")
-    bias = flag(hf, "attention_bias")
-    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False,
-            "norm_offset": 1.0, "embed_scale": _sqrt(hf["hidden_size"]),
-            "activation": activation(hf, "hidden_activation"), "block_norms": "sandwich",
-            "attn_scale": _positive(hf, "query_pre_attn_scalar") ** -0.5,
-            "attn_softcap": _cap(hf, "attn_logit_softcapping"),
-            "final_softcap": _cap(hf, "final_logit_softcapping"),
-            **windows(hf, lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")}
+    return sandwich_features(hf) | windows(
+        hf, lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
 
 
 def windows(hf, default_type) -> dict:

@@ -8,9 +8,8 @@ default one, while the global layers take ``rope_theta`` and the scaling."""
 
 from typing import Any, Mapping
 
-from .family import FieldError, Family, MalformedField, activation, flag
-from .gemma import _sqrt
-from .gemma2 import GEMMA2_NAMES, _cap, _positive, windows
+from .family import Family, FieldError, MalformedField
+from .gemma2 import GEMMA2_NAMES, _positive, sandwich_features, windows
 
 LAYER_ROPES = ("full_attention", "sliding_attention")
 
@@ -49,23 +48,16 @@ def _prepare(hf: Mapping[str, Any]) -> dict:
 
 
 def _features(hf) -> dict:
-    if flag(hf, "use_bidirectional_attention"):
-        raise FieldError("use_bidirectional_attention true (attention to every token) is not "
-                         "supported; hpcpar runs causal attention")
+    block = sandwich_features(hf)
     pattern = hf.get("sliding_window_pattern")
     if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
         raise MalformedField(f"sliding_window_pattern must be a positive integer, got "
                              f"{pattern!r}")
-    bias = flag(hf, "attention_bias")
     win = windows(hf, lambda i: "sliding_attention" if (i + 1) % pattern else "full_attention")
-    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True,
-            "norm_offset": 1.0, "embed_scale": _sqrt(hf["hidden_size"]),
-            "activation": activation(hf, "hidden_activation"), "block_norms": "sandwich",
-            "attn_scale": _positive(hf, "query_pre_attn_scalar") ** -0.5,
-            "attn_softcap": _cap(hf, "attn_logit_softcapping"),
-            "final_softcap": _cap(hf, "final_logit_softcapping"),
-            "local_rope_theta": (_positive(hf, "rope_local_base_freq")
-                                 if win.get("sliding_window") is not None else None), **win}
+    return block | {"qk_norm": True,
+                    "local_rope_theta": (_positive(hf, "rope_local_base_freq")
+                                         if win.get("sliding_window") is not None else None),
+                    **win}
 
 
 FAMILY = Family("gemma3_text", "Gemma3ForCausalLM", "Gemma 2's block (norms of each block's "
