@@ -72,13 +72,14 @@ def _shared_dir(tmp_path_factory, name):
 
 @pytest.mark.mpi(ranks=(4,))
 @pytest.mark.parametrize("layout, zero, threads", [((1, 2, 2), 0, "multiple"),
-                                                   ((2, 1, 2), 1, "serialized")])
+                                                   ((2, 1, 2), 3, "serialized")])
 def test_every_rank_writes_at_once_the_checkpoint_one_rank_at_a_time_writes(
         tmp_path_factory, monkeypatch, layout, zero, threads):
-    """tp 2 x pp 2, and dp 2 x tp 2 with ZeRO-1 (optimizer state in flat segments): the
-    parallel and the background saves equal the serial one bit for bit, losses too; each
-    reads back by one rank and by tp 4 slices as the serial file; export gives the same
-    folder; a resume under another layout ends on the same files as from the serial one.
+    """tp 2 x pp 2, and dp 2 x tp 2 with ZeRO-3 (weights and optimizer state in flat
+    segments, every replica writing its own): the parallel and the background saves equal
+    the serial one bit for bit, losses too; each reads back by one rank and by tp 4 slices
+    as the serial file; export gives the same folder; a resume under another layout ends on
+    the same files as from the serial one.
     The background writes agree in their threads (MPI thread-multiple), or, as where MPI
     is not, at the next step on the main thread."""
     comm = MPI.COMM_WORLD

@@ -275,14 +275,14 @@ def _shared(tmp_path_factory, name, build):
     return folder, model
 
 
-# (dp, pp, tp, ep, micro_batches, schedule, zero), by world size. The load-balancing loss is
+# (dp, pp, tp, ep, micro_batches, schedule, zero stage), by world size. The load-balancing loss is
 # each micro-batch's (transformers' on it), so where it is on (pp 1) the step's dp x
 # micro_batches is the single rank's 4: the same micro-batches of the same rows.
 TRAIN_EP = {
-    2: [(2, 1, 1, 2, 2, "1f1b", 0), (2, 1, 1, 2, 2, "1f1b", 1)],
-    4: [(4, 1, 1, 2, 1, "1f1b", 1), (2, 2, 1, 2, 2, "1f1b", 0), (2, 1, 2, 2, 2, "gpipe", 0),
+    2: [(2, 1, 1, 2, 2, "1f1b", 0), (2, 1, 1, 2, 2, "1f1b", 3)],
+    4: [(4, 1, 1, 2, 1, "1f1b", 1), (2, 2, 1, 2, 2, "1f1b", 3), (2, 1, 2, 2, 2, "gpipe", 2),
         (4, 1, 1, 4, 1, "1f1b", 0)],
-    8: [(2, 2, 2, 2, 2, "1f1b", 0), (4, 2, 1, 4, 2, "zb-h1", 0), (4, 1, 2, 4, 1, "1f1b", 1)],
+    8: [(2, 2, 2, 2, 2, "1f1b", 0), (4, 2, 1, 4, 2, "zb-h1", 3), (4, 1, 2, 4, 1, "1f1b", 1)],
 }
 SINGLE_MICRO_BATCHES = 4
 AUX = 0.02

@@ -134,7 +134,7 @@ class TrainSection(OptimizerSettings):
     seq_len: int | None = None          # needed by .bin and .jsonl data
     long_rows: str = "refuse"           # a fine-tuning row over seq_len + 1 tokens: or "cut"
     recompute: str = "none"
-    zero: int = 0                       # 1: optimizer state split over the dp replicas
+    zero: int = 0                       # split over dp: 1 optimizer state, 2 + grads, 3 + weights
     loss_scale: float = 65536.0         # float16 compute: the initial dynamic loss scale
     loss_scale_window: int = 2000       # good steps in a row before the scale doubles
     save_every: int = 0                 # 0: only at the end

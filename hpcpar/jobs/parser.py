@@ -240,8 +240,9 @@ def _train_flags(p) -> None:
     p.add_argument("--eps", type=float)
     p.add_argument("--clip-grad", type=float, help="max gradient norm (0: off)")
     p.add_argument("--recompute", choices=["none", "full"])
-    p.add_argument("--zero", type=int, choices=[0, 1],
-                   help="1: split the optimizer state over the dp replicas (ZeRO-1)")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3],
+                   help="split over the dp replicas: 1 the optimizer state (ZeRO-1), 2 also "
+                        "the gradients, 3 also the weights (gathered layer by layer)")
     p.add_argument("--fused-optimizer", action="store_const", const=True,
                    help="on a GPU, the optimizer step as one kernel (not run on a GPU yet)")
     p.add_argument("--save-every", type=int, help="checkpoint every K steps (and at the end)")
@@ -406,7 +407,7 @@ def _plan_command(sub) -> None:
     plan.add_argument("--seq-len", type=int)
     plan.add_argument("--optimizer", choices=["adamw", "sgd"])
     plan.add_argument("--recompute", choices=["none", "full"])
-    plan.add_argument("--zero", type=int, choices=[0, 1])
+    plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
 
 
 def _convert_command(sub) -> None:

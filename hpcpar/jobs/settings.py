@@ -55,7 +55,8 @@ RULES: dict[str, Range] = {
     "generate.wave_size": Range(0, note="0: all prompts in one wave"),
     "train.steps": POSITIVE, "train.global_batch": POSITIVE,
     "train.seq_len": Range(2, note="a sample needs an input and a next token"),
-    "train.zero": Range(0, 1, note="0 off, 1 optimizer state split over dp"),
+    "train.zero": Range(0, 3, note="0 off; split over dp: 1 the optimizer state, 2 and the "
+                        "gradients, 3 and the weights"),
     "train.loss_scale": Range(0, low_open=True), "train.loss_scale_window": POSITIVE,
     "train.save_every": Range(
         0, note="0: only at the end"),

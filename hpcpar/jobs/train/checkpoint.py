@@ -12,12 +12,12 @@ training state, written from every rank's own slices and read back under any lay
 
 Exactly one rank writes each element: the rank that counts a slice (``Param.counted``) on
 the first rank of its holders (dp and cp replicas write nothing twice); with ZeRO each
-replica writes the optimizer state of its own segments.
+replica writes the optimizer state of its own segments (ZeRO 2 and 3: their weights too).
 
 Writing, by default (``my_regions``, ``commit_parts``): every writer puts its slices into
 its part file in ``DIR/.step-S.parts.tmp/``, all at once; once all are complete, rank 0
 writes the top file under a temporary name, renames the folder and the file into place and
-then updates ``latest``. ``train.serial_save`` (``create_file``, ``write_slices``,
+then updates ``latest``. ``train.serial_save`` (``create_file``, ``write_regions``,
 ``commit``): rank 0 creates every dataset of one self-contained file, the ranks write their
 slices into it one at a time, rank 0 renames it into place. Either way a crash or a failed
 write leaves the previous checkpoint and ``latest`` as they were.
@@ -41,7 +41,6 @@ from ...checkpoint.parts import Region, parts_folder, write_top
 from ...models.sharding import piece_of
 from ...models.tensors import model_tensors, stored_tensors
 from ...parallel.errors import HpcparError
-from .params import Param
 
 TRAIN_GROUP = "train"
 OPTIMIZER_GROUP = "optimizer"
@@ -117,43 +116,12 @@ def create_file(path: Path, source: Checkpoint, state_names: tuple[str, ...],
     reserve(_tmp(path))
 
 
-def write_slices(path: Path, params: list[Param], states: dict[str, dict], cfg, tp_rank: int,
-                 tp_size: int, to_host) -> None:
-    """This rank's counted slices of every param and of its optimizer state (``states``
-    may leave params out: ZeRO writes their state by segments)."""
+def write_regions(path: Path, regions: list[Region]) -> None:
+    """This rank's regions (``my_regions``) into the one file of a serial save."""
     with writing(path), h5py.File(_tmp(path), "r+") as f:
         write_point(path)
-        for p in params:
-            if not p.counted:
-                continue
-            piece = piece_of(p.spec, cfg, tp_rank, tp_size)
-            f[p.spec.file_name][p.spec.file_region(piece.source)] = to_host(p.master)[piece.dest]
-            for state, value in states.get(p.name, {}).items():
-                f[f"{OPTIMIZER_GROUP}/{p.name}/{state}"][piece.source] = \
-                    to_host(value)[piece.dest]
-
-
-def write_segments(path: Path, segments: list[Param], offsets: dict[str, int],
-                   states: dict[str, dict], cfg, tp_rank: int, tp_size: int, to_host) -> None:
-    """ZeRO: the optimizer state of this rank's segments. A segment is elements
-    [a, a + n) of a param's local piece, flattened; it is written as the rectangles of the
-    full tensor those elements cover."""
-    with writing(path), h5py.File(_tmp(path), "r+") as f:
-        write_point(path)
-        for seg in segments:
-            if not seg.counted:
-                continue
-            piece = piece_of(seg.spec, cfg, tp_rank, tp_size)
-            for state, value in states.get(seg.name, {}).items():
-                dset = f[f"{OPTIMIZER_GROUP}/{seg.name}/{state}"]
-                _write_flat(dset, piece, offsets[seg.name], to_host(value))
-
-
-def _write_flat(dset, piece, a: int, values: np.ndarray) -> None:
-    """Elements [a, a + len(values)) of the local piece (C order) into the full tensor,
-    skipping vocabulary padding rows (outside ``piece.dest``)."""
-    for src, block in _flat_regions(piece, a, values):
-        dset[src] = block
+        for r in regions:
+            f[r.target][r.region] = r.data
 
 
 def _flat_regions(piece, a: int, values: np.ndarray):
@@ -240,12 +208,13 @@ def my_regions(held, states: dict[str, dict], cfg, tp_rank: int, tp_size: int, t
                copy: bool) -> list[Region]:
     """What this rank writes: its counted slices of every weight and optimizer state it
     holds first among its replicas (``held``: ``weight_holders.Holders``), and with ZeRO the
-    optimizer state of its segments. ``copy``: the values are copies (a snapshot the next
-    steps do not change), else views where they can be."""
+    optimizer state of its segments (with ZeRO 2 and 3 their weights too: every rank its
+    own). ``copy``: the values are copies (a snapshot the next steps do not change), else
+    views where they can be."""
     take = (lambda a: np.array(a, copy=True)) if copy else (lambda a: a)
     out: list[Region] = []
     for group in held:
-        if group.first:
+        if group.first and not group.sharded:
             for p in group.params:
                 if not p.counted:
                     continue
@@ -262,9 +231,13 @@ def my_regions(held, states: dict[str, dict], cfg, tp_rank: int, tp_size: int, t
                 if not seg.counted:
                     continue
                 piece = piece_of(seg.spec, cfg, tp_rank, tp_size)
+                a = group.zero.offset[seg.name]
+                if group.sharded:
+                    for region, block in _flat_regions(piece, a, to_host(seg.master)):
+                        out.append(Region(seg.spec.file_name, seg.spec.file_region(region),
+                                          take(block)))
                 for state, value in states.get(seg.name, {}).items():
-                    for region, block in _flat_regions(piece, group.zero.offset[seg.name],
-                                                       to_host(value).reshape(-1)):
+                    for region, block in _flat_regions(piece, a, to_host(value).reshape(-1)):
                         out.append(Region(f"{OPTIMIZER_GROUP}/{seg.name}/{state}", region,
                                           take(block)))
     return out
@@ -275,7 +248,7 @@ def snapshot_bytes(held, cfg, tp_rank: int, tp_size: int, states: int) -> int:
     states each), from the shapes alone."""
     total = 0
     for group in held:
-        if group.first:
+        if group.first and not group.sharded:
             for p in group.params:
                 if p.counted:
                     dest = piece_of(p.spec, cfg, tp_rank, tp_size).dest
@@ -283,7 +256,7 @@ def snapshot_bytes(held, cfg, tp_rank: int, tp_size: int, states: int) -> int:
                     total += n * (1 if group.zero else 1 + states)
         if group.zero:
             total += sum(seg.master.size for seg in group.zero.segments if seg.counted) * 4 \
-                * states
+                * (states + (1 if group.sharded else 0))
     return total
 
 

@@ -37,6 +37,8 @@ from .model_chunk import Batch
 from .data import context_shard, replica_batches
 from .grads import sum_replicated
 from .weight_holders import holders
+from .sharded_units import Pool, ZeroHooks, check_alike
+from .zero import ZeroShards
 from .program import TrainingProgram
 from .lora import AdapterSource
 from .saver import CheckpointSaver
@@ -122,9 +124,17 @@ class TrainingRun(JobRun):
         # gradients are summed over every rank that holds the same weights: dp x cp, and
         # with ep the experts over their own replicas (``holders``)
         self.held = holders(self.params, rt.dp, rt.edp, grad_rank(mesh) == 0)
+        pool = Pool(self.xp)                  # ZeRO 2/3's transient buffers, shared
         for group in self.held:
-            group.open(groups, self.xp, int(tr.bucket_mb * (1 << 20)), tr.zero)
+            group.open(groups, self.xp, int(tr.bucket_mb * (1 << 20)), tr.zero,
+                       checked.dtype, pool)
         self.zero = any(group.zero for group in self.held)
+        sharded = [group.sharded for group in self.held if group.sharded]
+        self.hooks = ZeroHooks(sharded) if sharded else None
+        if self.hooks is not None:
+            check_alike(sharded, rt.tp)
+            for chunk in self.chunks:
+                chunk.zero = self.hooks
         self.updated = [p for group in self.held for p in group.updated]   # what is stepped
         self.optimizer = Optimizer(checked.optimizer, self.updated, self.xp)
         self.scaler = (LossScaler(tr.loss_scale, growth_interval=tr.loss_scale_window)
@@ -155,7 +165,8 @@ class TrainingRun(JobRun):
     def _program(self, batches, overlap=None) -> TrainingProgram:
         cfg, layout = self.ckpt.config, self.checked.layout
         return TrainingProgram(self.chunks, batches, layout.pp, self.rt.mesh.coord("pp"),
-                               cfg.hidden_size, self.checked.dtype, self.xp, overlap)
+                               cfg.hidden_size, self.checked.dtype, self.xp, overlap,
+                               self.hooks)
 
     # ---- work: the steps ---------------------------------------------------------------
 
@@ -211,8 +222,11 @@ class TrainingRun(JobRun):
         batches, self.loss_tokens = replica_batches(
             self.checked.dataset, rt.mesh, self.checked.layout.micro_batches, first_sample,
             self.job.train, self.xp, scale)
-        for span in spans(self.params, "grad"):     # one operation per gradient buffer
+        for span in spans(self._whole(), "grad"):   # one operation per gradient buffer
             span[...] = 0
+        for group in self.held:
+            if group.sharded:
+                group.sharded.zero_grad()
         for reducer in reducers:
             reducer.start_step()
         program = self._program(batches, overlap)
@@ -220,7 +234,11 @@ class TrainingRun(JobRun):
         with self._overflow_is_expected():
             self.executor.run(self.actions, step=self.step)
         t_reduce = perf_counter()
-        if zero:                              # replicated sums first, then each rank its piece
+        if self.hooks is not None:            # each micro-batch's pieces summed already:
+            self.hooks.finish()               # what is left, then the replicated sums
+            summed = self._whole() + [s for g in self.held if g.sharded for s in g.updated]
+            sum_replicated(summed, self.kv_comm, self.tied_peer, self.xp, rt.tp)
+        elif zero:                            # replicated sums first, then each rank its piece
             sum_replicated(self.params, self.kv_comm, self.tied_peer, self.xp, rt.tp)
             for group in self.held:
                 if group.zero:
@@ -234,6 +252,10 @@ class TrainingRun(JobRun):
         rt.backend.synchronize()
         self.figures.reduce += perf_counter() - t_reduce
         return program
+
+    def _whole(self) -> list:
+        """The params whose gradients this rank holds whole (not ZeRO 2/3's)."""
+        return [p for group in self.held if not group.sharded for p in group.params]
 
     def _overflow_is_expected(self):
         """float16 gradients may overflow on purpose (the scaler then skips the step):
@@ -280,12 +302,12 @@ class TrainingRun(JobRun):
             coef = clip_coefficient(norm, self.checked.optimizer.clip_grad)
             with trace.span("optimizer step", "compute"), budget.phase("optimizer"):
                 self.optimizer.step(lr, coef / scale)     # refreshes 16-bit copies
-            if self.zero:                             # the updated pieces gathered, then copied
-                for group in self.held:
-                    if group.zero:
-                        group.zero.all_gather()
-                for p in self.params:
-                    p.refresh()
+            for group in self.held:                   # the updated pieces gathered
+                if group.zero:
+                    group.zero.all_gather()
+                if isinstance(group.zero, ZeroShards):    # ... into masters: then copied
+                    for p in group.params:
+                        p.refresh()
         self.rt.backend.synchronize()
 
     def _record(self, program: TrainingProgram, start: float, loss: float,

@@ -28,6 +28,7 @@ from ...parallel.expert_parallel.routing import load_balancing_loss
 from ...parallel.tensor_parallel.vocab import VocabParallelCrossEntropy
 from .memory import activation_bytes
 from .params import GradSink, Param
+from .sharded_units import NO_HOOKS
 
 
 @dataclass
@@ -83,6 +84,12 @@ class ModelChunk:
         if last:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values()) if trainable is None else list(trainable)
+        by_layer: dict[int | None, list] = {}
+        for p in params.values():
+            by_layer.setdefault(p.spec.layer, []).append(p)
+        self.layer_params = [by_layer.get(i, []) for i in layers]   # each layer's weights
+        # ZeRO-3 gathers each layer's weights around its use (``sharded_units.ZeroHooks``)
+        self.zero = NO_HOOKS
         self.groups = (self._backward_groups(params) if trainable is None
                        else self._adapter_groups(trainable))
         self.aux = aux if aux is not None and aux.coef and first and last else None
@@ -106,17 +113,19 @@ class ModelChunk:
         pass: the head and final norm, then each layer from the last, then the embedding
         (a tied head is the embedding: complete only at the end)."""
         stage = self.stage
-        by_layer: dict[int | None, list[Param]] = {}
-        for p in params.values():
-            by_layer.setdefault(p.spec.layer, []).append(p)
         groups = []
         if self.last:
             tied_here = self.first and stage.head.weight is stage.embedding.weight
             groups.append([stage.final_norm] + ([] if tied_here else [stage.head.weight]))
-        groups += [by_layer[i] for i in reversed(self.layers)]
+        groups += self.layer_params[::-1]
         if self.first:
             groups.append([stage.embedding.weight])
         return groups
+
+    @property
+    def head_params(self) -> list:
+        """The last chunk's final norm and head weights (the embedding's, when tied)."""
+        return [self.stage.final_norm, self.stage.head.weight]
 
     def _adapter_groups(self, adapters: list[Param]) -> list[list[Param]]:
         """``_backward_groups`` of a LoRA run: each layer's adapters (nothing for the head
@@ -135,16 +144,19 @@ class ModelChunk:
         B, T = batch.shape
         ctx: dict = {}
         if self.first:
-            x, ctx["embed"] = stage.embedding.forward(batch.ids)
+            with self.zero.use([stage.embedding.weight]):
+                x, ctx["embed"] = stage.embedding.forward(batch.ids)
             x = stage.scale_embedding(x)
         rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True,
                              context=batch.shard)
         cos, sin = stage.rope.tables(rows.positions(xp, T))                    # (B, T)
         ctx["rope"] = (cos, sin, rows)
         saved, routings = [], []
-        for i, layer in zip(self.layers, stage.decoder):
+        for k, (i, layer) in enumerate(zip(self.layers, stage.decoder)):
             saved.append(x if self.recompute else None)
-            with budget.phase("layer"):            # a device budget counts each layer
+            if k + 1 < len(self.layers):
+                self.zero.prefetch(self.layer_params[k + 1])
+            with budget.phase("layer"), self.zero.use(self.layer_params[k]):
                 x, m, lctx = layer.forward(x, None, cos, sin, rows, train=True)
                 x = x + m
             if not self.recompute:
@@ -161,8 +173,9 @@ class ModelChunk:
                 aux = self._aux_loss([routing for _, routing in routings], real, ctx)
         if not self.last:
             return x, ctx
-        h, ctx["final_norm"] = stage.norm.forward(x, train=True)
-        logits = stage.head.local_logits(h).reshape(B * T, -1)                # (N, V/p)
+        with self.zero.use(self.head_params):
+            h, ctx["final_norm"] = stage.norm.forward(x, train=True)
+            logits = stage.head.local_logits(h).reshape(B * T, -1)            # (N, V/p)
         loss, ctx["loss"] = self.loss.forward(logits, batch.labels, batch.weights)
         ctx["h"] = h
         if aux and self.aux.counted:
@@ -213,18 +226,24 @@ class ModelChunk:
 
         if self.last:
             dz = self.loss.backward(ctx.pop("loss"))                           # (N, V/p)
-            dh = stage.head.backward(dz, ctx.pop("h"), sink)
-            dy = stage.norm.backward(dh, ctx.pop("final_norm"), sink)
+            if self.layers:
+                self.zero.prefetch(self.layer_params[-1])
+            with self.zero.use(self.head_params):
+                dh = stage.head.backward(dz, ctx.pop("h"), sink)
+                dy = stage.norm.backward(dh, ctx.pop("final_norm"), sink)
             finished_group()
         cos, sin, rows = ctx["rope"]
         saved, dprobs = ctx.pop("layers"), ctx.pop("aux", None)
-        for layer in reversed(stage.decoder):
-            lctx = saved.pop()
-            if self.recompute:
-                _, _, lctx = layer.forward(lctx, None, cos, sin, rows, train=True)
+        for k in reversed(range(len(stage.decoder))):
+            layer, lctx = stage.decoder[k], saved.pop()
+            if k > 0:
+                self.zero.prefetch(self.layer_params[k - 1])
             moe = dprobs is not None and isinstance(layer.mlp, MoeMlp)
-            with budget.phase("layer"):            # a device budget counts each layer
-                dy = layer.backward(dy, lctx, sink, dprobs if moe else None)
+            with self.zero.use(self.layer_params[k]):
+                if self.recompute:
+                    _, _, lctx = layer.forward(lctx, None, cos, sin, rows, train=True)
+                with budget.phase("layer"):        # a device budget counts each layer
+                    dy = layer.backward(dy, lctx, sink, dprobs if moe else None)
             finished_group()
         if self.first:
             stage.embedding.backward(stage.scale_embedding(dy), ctx.pop("embed"), sink)

@@ -23,22 +23,55 @@ from .params import GradSink, Param, Parameter
 
 class TrainSink(GradSink):
     """A ``GradSink`` that passes over weights without a gradient (a LoRA run's frozen
-    base: norms, embedding, head, experts); what would compute theirs is never called."""
+    base: norms, embedding, head, experts); what would compute theirs is never called.
+    ``hooks`` (ZeRO 2 and 3) open a weight's gradient buffer just before it is added to."""
+
+    def __init__(self, xp, defer: bool = False, hooks=None):
+        super().__init__(xp, defer)
+        self.hooks = hooks
 
     def add(self, param, grad) -> None:
-        if isinstance(param, Parameter):
-            super().add(param, grad)
+        if not isinstance(param, Parameter):
+            return
+        if self.defer:
+            self.pending.append((param, grad))
+            return
+        if self.hooks is not None:
+            self.hooks.adding(param)
+        param.grad += grad()
 
     def scatter_rows(self, param, rows, values) -> None:
-        if isinstance(param, Parameter):
+        if not isinstance(param, Parameter):
+            return
+        if self.hooks is None:
             super().scatter_rows(param, rows, values)
+            return
+        sink = GradSink(self.xp)
+        if self.defer:
+            self.pending.append((None, lambda: self.add_rows(sink, param, rows, values)))
+        else:
+            self.add_rows(sink, param, rows, values)
+
+    def add_rows(self, sink: GradSink, param, rows, values) -> None:
+        self.hooks.adding(param)
+        sink.scatter_rows(param, rows, values)
+
+    def flush(self) -> None:
+        if self.hooks is not None:
+            for param, _ in self.pending:
+                if param is not None:
+                    self.hooks.adding(param)
+        super().flush()
 
 
 class TrainingProgram:
     def __init__(self, chunks: list[ModelChunk], batches: list[Batch], pp_size: int,
                  stage: int, hidden_size: int, dtype, xp,
-                 grad_done: Callable[[list[Param]], None] | None = None):
+                 grad_done: Callable[[list[Param]], None] | None = None, hooks=None):
+        """``hooks``: ZeRO 2 and 3's (``sharded_units.ZeroHooks``), told of every gradient
+        added and of every group complete in each micro-batch."""
         self.chunks, self.batches = chunks, batches
+        self.hooks = hooks
         self.p, self.stage, self.hidden, self.dtype, self.xp = (pp_size, stage, hidden_size,
                                                                 np.dtype(dtype), xp)
         self.grad_done = grad_done
@@ -91,9 +124,9 @@ class TrainingProgram:
         elif a.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
             ctx, nbytes, full = self.ctxs.pop(key)
             split = a.op is Op.BACKWARD_INPUT
-            sink = TrainSink(self.xp, defer=split)
+            sink = TrainSink(self.xp, defer=split, hooks=self.hooks)
             last_pass = not split and self.backwards_done[a.chunk] == len(self.batches) - 1
-            notify = self._notifier(chunk) if last_pass else None
+            notify = self._notifier(chunk, last_pass)
             dx = chunk.backward(ctx, self.out_grads.pop(key, None), sink, notify)
             self.held -= nbytes
             self.held_full -= full
@@ -105,14 +138,26 @@ class TrainingProgram:
                 self._weight_pass_done(a.chunk, None)
         elif a.op is Op.BACKWARD_WEIGHT:
             self.sinks.pop(key).flush()
+            if self.hooks is not None:
+                for group in chunk.groups:
+                    self.hooks.done(group)
             self._weight_pass_done(a.chunk, chunk)
         else:
             raise ValueError(f"not a compute action: {a}")
 
-    def _notifier(self, chunk: ModelChunk):
-        if self.grad_done is None:
+    def _notifier(self, chunk: ModelChunk, last_pass: bool):
+        """What hears that group k of ``chunk`` has its gradients: ZeRO's hooks every
+        micro-batch, the overlapped reduction in the last."""
+        hooks, grad_done = self.hooks, self.grad_done if last_pass else None
+        if hooks is None and grad_done is None:
             return None
-        return lambda k: self.grad_done(chunk.groups[k])
+
+        def notify(k: int) -> None:
+            if hooks is not None:
+                hooks.done(chunk.groups[k])
+            if grad_done is not None:
+                grad_done(chunk.groups[k])
+        return notify
 
     def _weight_pass_done(self, index: int, flushed: ModelChunk | None) -> None:
         """Count a finished weight-gradient pass; after a chunk's last W every group of it

@@ -163,13 +163,8 @@ class CheckpointSaver:
                 tc.create_file(path, self.source, names, attrs)
 
         def write_mine():
-            for group in held:
-                if group.first:
-                    tc.write_slices(path, group.params, {} if group.zero else states, cfg,
-                                    self.tp_rank, self.tp_size, to_host)
-                if group.zero:
-                    tc.write_segments(path, group.zero.segments, group.zero.offset, states,
-                                      cfg, self.tp_rank, self.tp_size, to_host)
+            tc.write_regions(path, tc.my_regions(held, states, cfg, self.tp_rank, self.tp_size,
+                                                 to_host, copy=False))
 
         try:
             everyone(self.comm, create)

@@ -110,6 +110,10 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     resume = None if resume_path is None else (lora_open_resume(resume_path, ckpt)
                                                 or tc.open_resume(resume_path, ckpt))
     lora = lora_run(tr, cfg, resume[1] if resume else None)
+    if lora is not None and tr.zero >= 2:
+        raise HpcparError(f"--zero {tr.zero} splits what the optimizer trains over dp, and a "
+                          "LoRA run trains only its small adapters (the base is frozen, not "
+                          "split): use --zero 1 or 0 with --lora-rank")
     # room for a checkpoint now, not after every step has run (each save checks again)
     states = STATE_NAMES[settings.optimizer]
     check_space(out_dir / "step-1.h5", tc.checkpoint_bytes(ckpt, states) if lora is None

@@ -6,16 +6,21 @@ one group. With ep, a MoE layer's experts are split over each ep group of dp rep
 expert is held by the dp / ep replicas with the same ep rank (times cp): the ``edp`` group.
 Dense weights (attention, norms, the router, the embedding) stay with dp x cp, as in
 Megatron-Core. Each group has its own gradient buckets and, with ZeRO, its own optimizer
-shards; its first rank counts its gradients in the norm and writes its weights.
+shards (stage 1: ``zero.ZeroShards``; stages 2 and 3, its units: ``sharded_units``); its
+first rank counts its gradients in the norm and writes its weights (with stages 2 and 3 every
+rank writes its pieces).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...parallel.comm import Communicator
 from ...parallel.data_parallel.reducer import GradientReducer
 from .params import Param
+from .sharded_units import Pool, ShardedUnits
 from .zero import ZeroShards
 
 
@@ -28,21 +33,29 @@ class Holders:
     comm: Communicator | None
     first: bool
     reducer: GradientReducer | None = None
-    zero: ZeroShards | None = None
+    zero: ZeroShards | ShardedUnits | None = None
 
     @property
     def updated(self) -> list[Param]:
         """What the optimizer steps: the params, or with ZeRO this rank's segments of them."""
         return self.zero.segments if self.zero else self.params
 
-    def open(self, backward_groups: list[list[Param]], xp, bucket_bytes: int,
-             zero: bool) -> None:
+    @property
+    def sharded(self) -> ShardedUnits | None:
+        """Stage 2 or 3's units, if the group has them."""
+        return self.zero if isinstance(self.zero, ShardedUnits) else None
+
+    def open(self, backward_groups: list[list[Param]], xp, bucket_bytes: int, zero: int,
+             dtype=np.float32, pool: Pool | None = None) -> None:
         """Buckets over the group (``backward_groups``: all params in the order their
-        gradients complete, filtered to these) and ZeRO's shards."""
+        gradients complete, filtered to these) and ZeRO's shards of ``zero``'s stage."""
         if self.comm is None or self.comm.size == 1:
             return
         mine = {id(p) for p in self.params}
         groups = [kept for g in backward_groups if (kept := [p for p in g if id(p) in mine])]
+        if zero >= 2:
+            self.zero = ShardedUnits(self.comm, groups, xp, dtype, zero, pool or Pool(xp))
+            return
         self.reducer = GradientReducer(self.comm, groups, xp, bucket_bytes=bucket_bytes)
         self.zero = ZeroShards(self.comm, self.reducer, xp) if zero else None
 

@@ -16,7 +16,7 @@ from as it is), so the update is one run over them, whatever the number of tenso
 the norm count (``Param.counted``) works unchanged. The pieces' weights cost 4 bytes per
 parameter over dp, as Megatron's distributed optimizer's float32 shard does. Checkpoints
 stay layout-free: every replica writes its own segments' optimizer state
-(``train.checkpoint.write_segments``).
+(``train.checkpoint.my_regions``).
 """
 
 from __future__ import annotations

@@ -163,6 +163,30 @@ class Communicator(ABC):
         return gather(x, out)
 
     @fails_together
+    def iall_gather(self, x, sizes: Sequence[int], out) -> Request:
+        """Start gathering every rank's ``x`` (1-D: ``sizes[r]`` elements on rank r) into
+        ``out`` (1-D, contiguous, ``sum(sizes)`` elements) in rank order; complete once the
+        returned request's ``wait()`` returns. Touch neither before that (ZeRO-3 gathers the
+        next layer's weights while this one computes)."""
+        sizes = [int(n) for n in sizes]
+        error = None
+        if (x.ndim != 1 or out.ndim != 1 or len(sizes) != self.size
+                or sizes[self.rank] != x.size or sum(sizes) != out.size or x.dtype != out.dtype):
+            error = HpcparError(
+                f"iall_gather on {self.name}: x {tuple(x.shape)} {x.dtype} and out "
+                f"{tuple(out.shape)} {out.dtype} must be 1-D of one dtype, x of sizes[rank] and "
+                f"out of sum(sizes) elements ({sizes} over {self.size} ranks)")
+        else:
+            _require_contiguous(out, "iall_gather")
+        self._agree("iall_gather", lambda: (("sizes", tuple(sizes)),
+                                            ("dtype", dtype_name(x.dtype))), error)
+        if self.size == 1:
+            out[...] = x
+            return Request(lambda: None)
+        return self._run("all_gather", out.nbytes, self._iall_gather,
+                         self.xp.ascontiguousarray(x), out, sizes)
+
+    @fails_together
     def reduce_scatter(self, x, axis: int = 0, out=None, sizes: Sequence[int] | None = None):
         """Sum ``x`` over the group and keep this rank's block along ``axis``: blocks of
         ``sizes`` (every rank's length), by default split like ``numpy.array_split``;
@@ -607,6 +631,10 @@ class Communicator(ABC):
     @abstractmethod
     def _all_gather(self, send, recv, sizes: list[int]) -> None:
         """recv (n_total, *rest) <- every rank's send (sizes[r], *rest), in rank order."""
+
+    @abstractmethod
+    def _iall_gather(self, send, recv, sizes: list[int]) -> Request:
+        """Start ``_all_gather`` of flat buffers; the request completes it."""
 
     @abstractmethod
     def _reduce_scatter(self, send, recv, sizes: list[int]) -> None:

@@ -217,6 +217,17 @@ class MpiCommunicator(Communicator):
         self._finish(hsend, send, copy_back=False)
         self._finish(hrecv, recv, copy_back=True)
 
+    def _iall_gather(self, send, recv, sizes) -> Request:
+        hsend, hrecv = self._stage_in(send), self._stage_out(recv)
+        counts, displs = _counts_and_displs(sizes, send)
+        req = self.mpi_comm.Iallgatherv(self._msg(hsend), self._msg(hrecv, counts, displs))
+
+        def finish():
+            self._finish(hsend, send, copy_back=False)
+            self._finish(hrecv, recv, copy_back=True)
+        return Request(lambda: self._complete(req, "all_gather"), finish, (hsend, hrecv, send),
+                       test=req.Test)
+
     def _reduce_scatter(self, send, recv, sizes) -> None:
         hsend, hrecv = self._stage_in(send), self._stage_out(recv)
         _, op, _ = _types(np.dtype(send.dtype))

@@ -139,6 +139,10 @@ class NcclCommunicator(Communicator):
             recv[offset: offset + n] = gathered[r, :n]
             offset += n
 
+    def _iall_gather(self, send, recv, sizes) -> Request:
+        self._all_gather(send, recv, sizes)   # enqueued on the stream: already asynchronous
+        return self._event_request(send, recv)
+
     def _reduce_scatter(self, send, recv, sizes) -> None:
         longest = max(sizes)
         if len(set(sizes)) == 1:
