@@ -39,26 +39,32 @@ def transformers_llama(checkpoint: Path, threads: int):
     return model
 
 
-def torch_adamw_steps(model, samples: np.ndarray, batch: int, steps: int):
-    """(seconds, loss) of each of ``steps`` training steps of ``model`` on consecutive
+def torch_adamw_steps(model, samples: np.ndarray, batch: int, steps: int, params=None,
+                      cpu_times: list | None = None):
+    """(the seconds, the loss) of each of ``steps`` training steps of ``model`` on consecutive
     batches of ``samples`` (rows of L + 1 tokens: the first L are the inputs, as hpcpar
     runs them, the last L the labels), as torch users run them: loss.backward(), then
-    torch.optim.AdamW(fused=True), torch's fastest AdamW on the CPU (one fused kernel)."""
+    torch.optim.AdamW(fused=True), torch's fastest AdamW on the CPU (one fused kernel), over
+    ``params`` (default: all), and the optimizer (its state's bytes); ``cpu_times`` gets each
+    step's CPU seconds."""
     import torch
     model.train()
+    params = list(model.parameters()) if params is None else params
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=True)
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=True)
     except (RuntimeError, TypeError):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
     times, losses = [], []
     for s in range(steps):
         ids = torch.from_numpy(samples[s * batch:(s + 1) * batch])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         logits = model(ids[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
+        if cpu_times is not None:
+            cpu_times.append(time.process_time() - c0)
         losses.append(loss.item())
-    return times, losses
+    return times, losses, opt

@@ -6,6 +6,7 @@ prefill ~20x slower here, which no torch user would do).
     python benchmarks/generate.py                        # ~100M preset, 1, 2 and 4 ranks
     python benchmarks/generate.py --batch 8 --prompt-length 32 --new-tokens 8 --ranks 1,2
     python benchmarks/generate.py --families --repeats 3   # each dense family against Llama
+    python benchmarks/generate.py --families --only deepseek_v2,deepseek_v3   # and Llama
 
 Each layout runs as 'mpiexec -n N python -m hpcpar run' (one BLAS thread per rank) and its
 figures are read back from the output file's report. transformers runs as its users run it
@@ -49,12 +50,29 @@ FAMILY_CONFIGS = {
                "final_logit_softcapping": 30.0, "sliding_window": 4096},
     "gemma3_text": {"hidden_act": "gelu_pytorch_tanh", "sliding_window": 512},
     "olmo2": {},
+    # DeepSeek's latent attention with every layer dense (its experts are a shape of their
+    # own): the heads' q/k of head_dim as nope + rope (2:1, V3's 128 + 64), v of head_dim,
+    # a latent of 4 x nope (V3's 512 = 4 x 128); V2-Lite's plain q_proj, V3's q latent
+    "deepseek_v2": {"q_lora_rank": None, "mla": True},
+    "deepseek_v3": {"q_lora_rank": 384, "mla": True},
 }
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "olmo2": "Olmo2ForCausalLM"}
+                 "olmo2": "Olmo2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                 "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def latent_shape(base: dict, changes: dict) -> dict:
+    """A DeepSeek family's fields at the shape of ``base`` (see FAMILY_CONFIGS)."""
+    changes = {k: v for k, v in changes.items() if k != "mla"}
+    head = base["hidden_size"] // base["num_attention_heads"]
+    nope = 2 * head // 3
+    return dict(changes, num_key_value_heads=base["num_attention_heads"],
+                qk_nope_head_dim=nope, qk_rope_head_dim=head - nope, v_head_dim=head,
+                kv_lora_rank=4 * nope, first_k_dense_replace=base["num_hidden_layers"],
+                n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1)
 
 
 def run_hpcpar(mpiexec, n, pp, tp, micro_batches_per_stage, work: Path,
@@ -113,6 +131,7 @@ def main():
                         "micro-batch, so more costs memory traffic there)")
     p.add_argument("--repeats", type=int, default=2, help="transformers runs (best is kept)")
     p.add_argument("--json", type=Path, help="--families: also write the settings and rows")
+    p.add_argument("--only", help="--families: these families (and llama), comma-separated")
     p.add_argument("--families", action="store_true",
                    help="instead: one rank, each dense family at the preset's shape against "
                         "Llama's, --repeats runs each, alternating (best kept)")
@@ -181,11 +200,15 @@ def compare_families(args) -> None:
     print(f"preset {args.preset}'s shape, every dense family, batch {args.batch} x {L} prompt "
           f"tokens, {args.new_tokens} new tokens, float32, one rank, one thread, best of "
           f"{args.repeats}")
-    runs: dict[str, list[dict]] = {name: [] for name in FAMILY_CONFIGS}
+    chosen = ({"llama", *args.only.split(",")} if args.only else set(FAMILY_CONFIGS))
+    families = {n: c for n, c in FAMILY_CONFIGS.items() if n in chosen}
+    runs: dict[str, list[dict]] = {name: [] for name in families}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for name, changes in FAMILY_CONFIGS.items():
-            cfg = dict(base, **shape, **changes, model_type=name,
+        for name, changes in families.items():
+            if changes.get("mla"):
+                changes = latent_shape(base, changes)
+            cfg = dict(base, **dict(shape, **changes), model_type=name,
                        architectures=[ARCHITECTURES[name]])
             init_checkpoint(work / f"{name}.h5", cfg)
             (work / f"{name}.toml").write_text(
@@ -194,7 +217,7 @@ def compare_families(args) -> None:
                 f'random_lengths = [{L}, {L}]\n'
                 f'[generate]\nmax_new_tokens = {args.new_tokens}\nstop_at_eos = false\n')
         for _ in range(args.repeats):              # alternating: every family sees one drift
-            for name in FAMILY_CONFIGS:
+            for name in families:
                 runs[name].append(run_hpcpar(mpiexec, 1, 1, 1, 1, work, f"{name}.toml"))
     best = {name: {k: max(r[k] for r in rs) for k in ("prefill", "decode")}
             for name, rs in runs.items()}

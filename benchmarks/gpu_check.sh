@@ -83,6 +83,20 @@ step machine 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version
   mpi4py.__version__); print(cupy.cuda.runtime.getDeviceProperties(0)[\"name\"])"'
 step gpu-tests "${GPU_CHECK_TESTS_SECONDS:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests
 [[ "${GPU_CHECK_BUDGET:-1}" == 0 ]] || step budget 120 python3 benchmarks/device_budget.py --shapes 1b
+# packed rows (--pack): cuDNN's ragged graphs against the block-diagonal reference (off in jobs,
+# varlen_attention.RAGGED, until this passes) and packed training steps on CuPy = transformers
+[[ "${GPU_CHECK_PACKING_SECONDS:-120}" == 0 ]] || step packing "${GPU_CHECK_PACKING_SECONDS:-120}" \
+  env HPCPAR_BACKEND=cupy python3 -m pytest -q -p no:cacheprovider -k "cudnn or apart" \
+  tests/test_packing_attention.py tests/test_packing.py
+# latent attention (DeepSeek): a tiny V3 on CuPy against NumPy, its rescaled scores through
+# cuDNN (off in jobs, ops/cuda/attention.SCALED, until this passes)
+[[ "${GPU_CHECK_MLA_SECONDS:-90}" == 0 ]] || step mla "${GPU_CHECK_MLA_SECONDS:-90}" \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -k latent tests/test_ops_gpu.py
+# ZeRO 2 and 3 on CuPy arrays (4 ranks on the one GPU, over MPI: NCCL takes one rank per GPU):
+# every stage's steps and checkpoints against the single rank's
+[[ "${GPU_CHECK_ZERO_SECONDS:-120}" == 0 ]] || step zero "${GPU_CHECK_ZERO_SECONDS:-120}" \
+  env HPCPAR_BACKEND=cupy mpiexec -n 4 python3 -m pytest -q --with-mpi -p no:cacheprovider \
+  -k "every_zero_stage and gqa" tests/test_train_mpi.py
 # shellcheck disable=SC2086
 step benchmark "${GPU_CHECK_BENCH_SECONDS:-420}" python3 benchmarks/gpu.py \
   ${GPU_CHECK_BENCH:---models 1b,8b --new-tokens 128 --cuda-graphs --fused-optimizer}

@@ -110,7 +110,7 @@ def transformers_generate(model, prompts: np.ndarray, args) -> dict:
 
 
 def torch_train(model, samples: np.ndarray, args) -> dict:
-    times, losses = torch_adamw_steps(model, samples, args.batch, args.steps)
+    times, losses, _ = torch_adamw_steps(model, samples, args.batch, args.steps)
     timed = times[1:] or times
     return {"tokens_per_s": args.batch * args.seq_len * len(timed) / sum(timed),
             "loss": losses}

@@ -358,6 +358,29 @@ HF_CONFIGS = {
                       shared_expert_intermediate_size=48, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=128, num_experts=4, num_experts_per_tok=2),
+    # DeepSeek: latent attention (V2-Lite's plain q_proj; V3's q latent, YaRN with its
+    # mscale in the softmax scale), v's head apart from q's, a dense first layer, shared
+    # experts, grouped top-k (V2 by softmax and a group's best, V3 by sigmoid plus a bias
+    # and a group's best two), scaled weights
+    "deepseek_v2": dict(model_type="deepseek_v2", vocab_size=250, hidden_size=64,
+                        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=128, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                        v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1,
+                        topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=1.5),
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=250, hidden_size=64,
+                        intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=4,
+                        max_position_embeddings=128, kv_lora_rank=16, q_lora_rank=24,
+                        qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+                        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
+                        first_k_dense_replace=1, n_group=4, topk_group=2,
+                        routed_scaling_factor=2.5, rope_theta=10000.0,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                      "original_max_position_embeddings": 32}),
 }
 
 
@@ -385,6 +408,9 @@ def build_hf_model(name: str, folder, **changes):
                 p.copy_(torch.randn_like(p))
             elif pname.endswith("bias"):
                 p.copy_(0.02 * torch.randn_like(p))
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):     # DeepSeek-V3's: the choice's
+                b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(folder / "hf", safe_serialization=True)
     convert(folder / "hf", folder / "model.h5")
     return model, folder / "model.h5"

@@ -208,6 +208,11 @@ def test_a_masked_step_under_dp_and_under_pp_and_tp_is_transformers(tmp_path_fac
 
 NO_ASSISTANT = PLAIN.replace("{% if m['role'] == 'assistant' %}",
                              "{% if m['role'] == 'assistant' %}{% continue %}")
+# a template that refuses roles out of order, as many do (Llama 2's, Mistral's)
+ALTERNATING = PLAIN.replace(
+    "{% for m in messages %}",
+    "{% for m in messages %}{% if (m['role'] == 'user') != loop.index0 is even %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}")
 
 
 @pytest.mark.parametrize("line, words, template", [
@@ -223,6 +228,8 @@ NO_ASSISTANT = PLAIN.replace("{% if m['role'] == 'assistant' %}",
                                              'or two lists of messages', None),
     ({"messages": CHATS[0]}, "the chat template renders nothing of the assistant's message",
      NO_ASSISTANT),
+    ({"messages": CHATS[0][::-1]}, "the chat template refused the conversation: Conversation "
+                                   "roles must alternate user/assistant", ALTERNATING),
 ])
 def test_bad_fine_tuning_lines_are_one_error_naming_the_line(tmp_path, line, words, template):
     folder = _model_folder()

@@ -30,7 +30,7 @@ def test_defaults_follow_transformers():
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"model_type": "gpt_neox"}, "not supported; hpcpar runs gemma, gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"),
+    ({"model_type": "gpt_neox"}, "not supported; hpcpar runs deepseek_v2, deepseek_v3, gemma, gemma2, gemma3_text, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe"),
     ({"architectures": ["GPT2LMHeadModel"]}, "LlamaForCausalLM"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "'dynamic' is not supported"),

@@ -5,7 +5,9 @@ their configs refused where they are not run exactly, and a multi-rank layout of
 against transformers (generation, scoring) and the single rank (training): Gemma 2 under
 tp 2 x pp 2 and cp 2 x pp 2 (soft-capped scores in the ring), Gemma 3 under tp 2 x pp 2,
 OLMo 2 under tp 2 x pp 2 and tp 4 (its q/k norms over the whole projection summed over the
-tp group, over KV heads held by two ranks each at tp 4)."""
+tp group, over KV heads held by two ranks each at tp 4), DeepSeek-V2 under tp 2 x pp 2 and
+V3 under tp 2 x pp 2, dp 2 x tp 2 x ep 2 and cp 2 x pp 2 (generation too: the latent cache
+split over cp); DeepSeek's own checks are ``test_deepseek``'s."""
 
 import importlib.util
 
@@ -153,15 +155,20 @@ def test_olmo2s_norms_over_the_whole_projection_split_as_q_and_k():
 
 # ---- every job under a multi-rank layout -------------------------------------------------
 
-# (dp, pp, cp, tp, micro_batches) of each family's multi-rank runs, at 4 ranks
+# (dp, pp, cp, tp, micro_batches[, ep]) of each family's multi-rank runs, at 4 ranks
 LAYOUTS = {"gemma2": [(1, 2, 1, 2, 2), (1, 2, 2, 1, 2)], "gemma3_text": [(1, 2, 1, 2, 2)],
-           "olmo2": [(1, 2, 1, 2, 2), (1, 1, 1, 4, 1)]}
+           "olmo2": [(1, 2, 1, 2, 2), (1, 1, 1, 4, 1)],
+           # latent attention's heads over tp (its latents on every rank), in the ring under
+           # cp, and DeepSeek's routed experts over ep
+           "deepseek_v2": [(1, 2, 1, 2, 2)],
+           "deepseek_v3": [(1, 2, 1, 2, 2), (2, 1, 1, 2, 1, 2), (1, 2, 2, 1, 2)]}
 
 
 def _sets(folder, layout):
-    dp, pp, cp, tp, m = layout
+    dp, pp, cp, tp, m, *ep = layout
     return [f"model.checkpoint='{folder}/model.h5'", f"parallel.dp={dp}", f"parallel.pp={pp}",
-            f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.micro_batches={m}"]
+            f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.micro_batches={m}"] + [
+                f"parallel.ep={e}" for e in ep]
 
 
 def _train(comm, folder, out, layout):
@@ -224,23 +231,26 @@ def test_every_job_under_a_multi_rank_layout_is_transformers_and_the_single_rank
     folder = comm.bcast(str(folder) if folder else None, root=0)
     for layout in LAYOUTS[family]:
         what = f"{family} {layout}"
-        dp, pp, cp, tp, m = layout
-        if cp == 1:                  # a window's cache is not split over cp: generated alone
+        dp, pp, cp, tp, m, *_ = layout
+        # a window's cache is not split over cp: generated alone; a latent's is
+        generates = cp == 1 or family.startswith("deepseek")
+        if generates:
             gen = run_generation(comm, load_job(None, _sets(folder, layout) + [
-                "generate.max_new_tokens=6", "generate.save_logits=true",
+                "generate.max_new_tokens=6", f"generate.save_logits={str(cp == 1).lower()}",
                 "generate.stop_at_eos=false"]), prompts=Prompts(PROMPTS), progress=False)
         scores = run_scoring(comm, load_job(None, _sets(folder, layout) + [
             f"score.data='{folder}/rows.npy'", f"output.path='{folder}/scores-{cp}.h5'"]))
-        out = f"run-{dp}{pp}{cp}{tp}"
+        out = f"run-{''.join(map(str, layout))}"
         _train(comm, folder, out, layout)
         if comm.Get_rank() != 0:
             continue
         logits, tokens, logprobs = refs
         width = max(len(p) for p in PROMPTS)
         for b, p in enumerate(PROMPTS):
-            if cp == 1:
+            if cp == 1:        # prompt logits split over cp are not gathered
                 np.testing.assert_allclose(gen.prompt_logits[b, :len(p)], logits[b], atol=1e-4,
                                            rtol=0, err_msg=what)
+            if generates:
                 assert gen.tokens[b].tolist() == tokens[b], what
             row = scores.token_logprobs[b, width - len(p) + 1:]
             np.testing.assert_allclose(row, logprobs[b], atol=1e-4, rtol=0, err_msg=what)

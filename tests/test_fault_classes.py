@@ -45,7 +45,7 @@ def _snapshot(folder):
     ("train.lr", float("nan"), 1e-3), ("train.lr", float("inf"), 1e-3), ("train.lr", -1.0, 0.0),
     ("generate.wave_size", -1, 0), ("parallel.timeout", -1.0, 0.0),
     ("parallel.timeout", float("inf"), 60.0), ("train.betas", [0.9, 1.0], [0.9, 0.95]),
-    ("generate.top_p", 0.0, 1.0), ("train.seq_len", 1, 2), ("train.zero", 2, 1),
+    ("generate.top_p", 0.0, 1.0), ("train.seq_len", 1, 2), ("train.zero", 4, 3),
     ("train.bucket_mb", 0.0, 0.5)])
 def test_a_setting_outside_its_range_is_refused_from_every_source(tmp_path, name, value,
                                                                    valid):

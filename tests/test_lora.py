@@ -1,10 +1,15 @@
-"""LoRA: adapters trained on a frozen base equal a LoRA written by hand in torch on
-transformers' model (W x + B A x * alpha / r, peft's ``LoraLayer``; peft itself when it is
-installed), step for step from the same peft folder (``--lora-from``): the loss, gradient
-norm and adapter weights of two AdamW steps, on one rank and under pp 2 x tp 2 (and dp 2 x
-tp 2 with ZeRO-1 and recompute); resuming ends where the straight run ends; ``export --lora``
-writes a peft folder whose adapter gives the trained model's logits (and so does ``score
---lora`` with it), ``--merge-lora`` a folder transformers loads with them; bad input is one line, exit 2, before any work."""
+"""LoRA against transformers + peft: adapters trained on a frozen base follow peft's
+``get_peft_model(model, LoraConfig(...))`` step for step from the adapter peft saved
+(``--lora-from``), on three families (Llama with a tied embedding, biases and one KV head;
+Qwen2 with q/k/v biases; Mixtral, its q, v and routed experts adapted): the loss,
+gradient norm and adapter weights of two AdamW steps on masked fine-tuning rows (``{"ids",
+"labels"}`` with -100, rows of different lengths: transformers' loss of the right-padded
+batch), on one rank, under tp 2 x pp 2 and under dp 2 x cp 2 with ZeRO-1 and recompute
+(Mixtral's experts over ep 2 there). The adapter ``export --lora`` writes is a folder
+``PeftModel.from_pretrained`` loads and gives the trained model's logits (and so does
+``score --lora`` with it); ``--merge-lora`` writes exactly the weights of peft's
+``merge_and_unload`` of that adapter; resuming ends where the straight run ends; a resumed
+generation keeps its adapter; bad input is one line, exit 2, before any work."""
 
 import json
 from pathlib import Path
@@ -16,126 +21,115 @@ from mpi4py import MPI
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 from helpers import build_hf_model, hpcpar_here, made_once  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
 from hpcpar.jobs.train.engine import run_training  # noqa: E402
 
 B, L, STEPS = 4, 10, 2
-RANK, ALPHA = 4, 6.0                           # scale 1.5
-MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA = 4, 6                             # scale 1.5
 OPTS = dict(lr=2e-3, weight_decay=0.1, eps=1e-6)      # eps: see test_train_torch
+# family: (tests/helpers' model, changes to its config, peft's target_modules and
+# target_parameters)
+FAMILIES = {
+    "llama": ("mqa-tied-bias", {}, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                    "up_proj", "down_proj"], None),
+    "qwen2": ("qwen2", {"num_hidden_layers": 2}, ["q_proj", "v_proj", "o_proj", "up_proj"],
+              None),
+    # the experts too: transformers' fused gate_up_proj [E, 2I, H] and down_proj; the
+    # router's load-balancing loss off, as peft trains the model's own loss
+    "mixtral": ("mixtral", {"router_aux_loss_coef": 0.0}, ["q_proj", "v_proj"],
+                ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+}
 
 
-def _write_peft(folder: Path, tensors: dict) -> None:
-    """A peft folder as ``PeftModel.save_pretrained`` writes it (its documented files)."""
-    from safetensors.numpy import save_file
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA,
-        "target_modules": MODULES, "lora_dropout": 0.0, "bias": "none",
-        "base_model_name_or_path": "tiny", "use_rslora": False, "use_dora": False}))
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
+def _rows(vocab: int) -> list[dict]:
+    """STEPS * B fine-tuning rows of 6..L+1 tokens, the first 1..4 labels -100 (the first
+    two rows whole, for the logits)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(STEPS * B):
+        n = L + 1 if i < 2 else int(rng.integers(6, L + 2))
+        ids = rng.integers(0, vocab, n).tolist()
+        masked = int(rng.integers(1, 5))
+        out.append({"ids": ids, "labels": [-100] * masked + ids[masked:]})
+    return out
 
 
-class _Lora(torch.nn.Module):
-    """peft's LoRA of one nn.Linear, by hand: base(x) + lora_B(lora_A(x)) * scaling."""
-
-    def __init__(self, base, a, b, scale):
-        super().__init__()
-        self.base, self.scale = base, scale
-        self.lora_A = torch.nn.Parameter(torch.from_numpy(a.copy()))
-        self.lora_B = torch.nn.Parameter(torch.from_numpy(b.copy()))
-
-    def forward(self, x):
-        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T * self.scale
+def _batch(rows: list[dict]):
+    """The rows right-padded into one batch: ids, attention mask, labels (-100 on padding)."""
+    width = max(len(r["ids"]) for r in rows)
+    pad = [width - len(r["ids"]) for r in rows]
+    ids = torch.tensor([r["ids"] + [0] * p for r, p in zip(rows, pad)])
+    mask = torch.tensor([[1] * len(r["ids"]) + [0] * p for r, p in zip(rows, pad)])
+    labels = torch.tensor([r["labels"] + [-100] * p for r, p in zip(rows, pad)])
+    return ids, mask, labels
 
 
-def _with_adapter(hf_dir: Path, adapter: Path):
-    """transformers' model of ``hf_dir`` with the peft folder ``adapter``: by peft when it is
-    installed, else by hand (the folder's documented names); returns it and its adapter
-    parameters by peft's names."""
-    from safetensors.numpy import load_file
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).float()
-    try:
-        import peft
-    except ImportError:
-        peft = None
-    if peft is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
-        return model, {n.replace(".default", ""): p for n, p in model.named_parameters()
-                       if "lora_" in n}
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params = {}
-    for name, module in list(model.named_modules()):
-        if name.rsplit(".", 1)[-1] in config["target_modules"]:
-            key = f"base_model.model.{name}"
-            lora = _Lora(module, tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"],
-                         config["lora_alpha"] / config["r"])
-            parent, leaf = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), leaf, lora)
-            params[f"{key}.lora_A.weight"], params[f"{key}.lora_B.weight"] = lora.lora_A, lora.lora_B
-    assert len(params) == len(tensors)
-    return model, params
+def _adapter_params(model) -> dict:
+    """A peft model's adapter parameters by the names of its saved folder."""
+    return {n.replace(".default", ""): p for n, p in model.named_parameters() if "lora_" in n}
 
 
-def _build(folder: Path) -> None:
-    """The model (tied embedding, biases, one KV head: replicated under tp 2), its data, a
-    peft folder of non-zero adapters, and torch's two AdamW steps from it."""
-    hf, _ = build_hf_model("mqa-tied-bias", folder)
-    rows = np.random.default_rng(0).integers(0, hf.config.vocab_size, (STEPS * B, L + 1))
-    np.save(folder / "data.npy", rows)
-    rng = np.random.default_rng(1)
-    tensors = {}
-    for name, module in hf.named_modules():
-        if name.rsplit(".", 1)[-1] in MODULES:
-            key = f"base_model.model.{name}"
-            tensors[f"{key}.lora_A.weight"] = (0.1 * rng.standard_normal(
-                (RANK, module.in_features))).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (0.1 * rng.standard_normal(
-                (module.out_features, RANK))).astype(np.float32)
-    _write_peft(folder / "start", tensors)
-    model, params = _with_adapter(folder / "hf", folder / "start")
-    model.train()
+def _build(folder: Path, family: str) -> None:
+    """The family's tiny model and its rows; peft's adapter on it (A and B random:
+    ``init_lora_weights=False``, so every path is exercised from the first step) saved as
+    folder/start; peft's two AdamW steps from it (losses, gradient norms, adapters) and the
+    trained model's logits of the first two rows."""
+    name, changes, modules, parameters = FAMILIES[family]
+    hf, _ = build_hf_model(name, folder, **changes)
+    rows = _rows(hf.config.vocab_size)
+    (folder / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    np.save(folder / "whole.npy", np.array([r["ids"] for r in rows[:2]]))
+    torch.manual_seed(1)
+    model = peft.get_peft_model(hf, peft.LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=modules, target_parameters=parameters,
+        lora_dropout=0.0, init_lora_weights=False, task_type="CAUSAL_LM"))
+    model.save_pretrained(folder / "start")
+    params = _adapter_params(model)
     opt = torch.optim.AdamW(params.values(), lr=OPTS["lr"], betas=(0.9, 0.95), eps=OPTS["eps"],
                             weight_decay=OPTS["weight_decay"])
+    model.train()
     losses, norms = [], []
     for s in range(STEPS):
-        ids = torch.from_numpy(rows[s * B:(s + 1) * B])
+        ids, mask, labels = _batch(rows[s * B:(s + 1) * B])
         opt.zero_grad()
-        loss = model(ids, labels=ids).loss
+        loss = model(ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(list(params.values()), float("inf")).item())
         opt.step()
         losses.append(loss.item())
-    model.eval()
     with torch.no_grad():
-        logits = model(torch.from_numpy(rows[:2])).logits.numpy()
-    np.savez(folder / "torch.npz", losses=losses, norms=norms, logits=logits,
+        logits = model.eval()(torch.from_numpy(np.load(folder / "whole.npy"))).logits.numpy()
+    np.savez(folder / "peft.npz", losses=losses, norms=norms, logits=logits,
              **{k: p.detach().numpy() for k, p in params.items()})
 
 
-def _folder() -> Path:
-    return made_once("test_lora model", _build)
+def _folder(family: str) -> Path:
+    return made_once(f"test_lora peft {family}", lambda folder: _build(folder, family))
 
 
 def _train(comm, folder: Path, out: Path, steps: int = STEPS, *extra: str):
     job = load_job(None, [
-        f"model.checkpoint='{folder}/model.h5'", f"data.dataset='{folder}/data.npy'",
+        f"model.checkpoint='{folder}/model.h5'", f"data.dataset='{folder}/rows.jsonl'",
         f"output.path='{out}'", f"train.steps={steps}", f"train.global_batch={B}",
-        "train.optimizer='adamw'", f"train.lr={OPTS['lr']}", "train.betas=[0.9, 0.95]",
-        f"train.eps={OPTS['eps']}", f"train.weight_decay={OPTS['weight_decay']}",
-        f"train.lora_from='{folder}/start'", "train.peak_tflops=1.0", *extra])
+        f"train.seq_len={L}", "train.optimizer='adamw'", f"train.lr={OPTS['lr']}",
+        "train.betas=[0.9, 0.95]", f"train.eps={OPTS['eps']}",
+        f"train.weight_decay={OPTS['weight_decay']}", f"train.lora_from='{folder}/start'",
+        "train.peak_tflops=1.0", *extra])
     return run_training(comm, job, progress=False)
 
 
 def _adapters(path: Path) -> dict:
-    """A LoRA run's checkpoint's adapters, by peft's names."""
+    """A LoRA run's checkpoint's adapters, by peft's names (the experts' stacked per layer
+    as peft stacks them: ``to_peft``, whose folder the export test holds to peft)."""
+    from hpcpar.checkpoint import open_checkpoint
+    from hpcpar.checkpoint.peft import run_settings, to_peft
+    settings, base = run_settings(path)
     with h5py.File(path) as f:
-        return {f"base_model.model.{k}": v[()] for k, v in _datasets(f)}
+        tensors = {k: v[()] for k, v in _datasets(f)}
+    return to_peft(open_checkpoint(base).config, settings, tensors)
 
 
 def _datasets(group, prefix=""):
@@ -146,123 +140,161 @@ def _datasets(group, prefix=""):
             yield from _datasets(v, prefix + k + "/")
 
 
-def _assert_as_torch(folder: Path, out: Path) -> None:
-    ref = np.load(folder / "torch.npz")
+def _safetensors(folder: Path) -> dict:
+    from safetensors.numpy import load_file
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def _assert_as_peft(folder: Path, out: Path) -> None:
+    """The run's losses, gradient norms and adapters are peft's (AdamW compared by the
+    update, normwise per tensor: design.md section 5)."""
+    ref = np.load(folder / "peft.npz")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for key, want in (("loss", ref["losses"]), ("grad_norm", ref["norms"])):
         got = [m[key] for m in metrics]
-        assert got[0] == pytest.approx(want[0], rel=1e-5)
+        assert got[0] == pytest.approx(want[0], rel=1e-5), (key, got, want)
         assert abs(got[1] - want[1]) <= 1e-3 * abs(want[1] - want[0]) + 1e-6, (key, got, want)
-    start = _peft_tensors(folder / "start")
+    start = _safetensors(folder / "start")
     mine = _adapters(out / f"step-{STEPS}.h5")
     assert set(mine) == set(start)
-    for name, w in mine.items():             # AdamW compared by the update (design.md §5)
+    for name, w in mine.items():
         update = np.linalg.norm(ref[name] - start[name])
         assert update > 0 and np.linalg.norm(w - ref[name]) <= 1e-3 * update, name
 
 
-def _peft_tensors(folder: Path) -> dict:
-    from safetensors.numpy import load_file
-    return load_file(str(folder / "adapter_model.safetensors"))
+def _peft_model(folder: Path, adapter: Path):
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").float()
+    return peft.PeftModel.from_pretrained(base, adapter).eval()
 
 
 @pytest.mark.device
-def test_two_adamw_steps_from_a_peft_folder_are_torchs_and_resume_and_export(tmp_path):
-    folder = _folder()
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_two_adamw_steps_from_peft_are_pefts_and_export_and_merge_as_peft(tmp_path, family):
+    folder = _folder(family)
     _train(MPI.COMM_SELF, folder, tmp_path / "run")
-    _assert_as_torch(folder, tmp_path / "run")
+    _assert_as_peft(folder, tmp_path / "run")
+    # the adapter as a peft folder: peft loads it and gives the trained model's logits
+    ckpt = tmp_path / "run" / f"step-{STEPS}.h5"
+    done = hpcpar_here(["export", ckpt, tmp_path / "adapter", "--lora"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    config = peft.PeftConfig.from_pretrained(tmp_path / "adapter")
+    assert (config.peft_type, config.task_type, config.r, config.lora_alpha, config.bias,
+            config.use_rslora, config.use_dora) == ("LORA", "CAUSAL_LM", RANK, ALPHA, "none",
+                                                    False, False)
+    assert sorted(config.target_modules) == sorted(FAMILIES[family][2])
+    assert config.target_parameters == FAMILIES[family][3]
+    ref, start = np.load(folder / "peft.npz"), _safetensors(folder / "start")
+    exported = _safetensors(tmp_path / "adapter")
+    assert set(exported) == set(start)
+    for name, w in exported.items():           # the run's adapters, by peft's names
+        update = np.linalg.norm(ref[name] - start[name])
+        assert np.linalg.norm(w - ref[name]) <= 1e-3 * update, name
+    model = _peft_model(folder, tmp_path / "adapter")
+    ids = torch.from_numpy(np.load(folder / "whole.npy"))
+    with torch.no_grad():
+        logits = model(ids).logits.numpy()
+    np.testing.assert_allclose(logits, np.load(folder / "peft.npz")["logits"], atol=1e-4)
+    # scored with it merged into the weights at load (--lora): the same log-probabilities
+    done = hpcpar_here(["score", "--checkpoint", folder / "model.h5", "--data",
+                        folder / "whole.npy", "--out", tmp_path / "scores.h5", "--lora",
+                        tmp_path / "adapter"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    _assert_scores(folder, tmp_path / "scores.h5")
+    # merged into the base: the weights of peft's merge_and_unload of that adapter
+    done = hpcpar_here(["export", ckpt, tmp_path / "merged", "--merge-lora"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    model.merge_and_unload().save_pretrained(tmp_path / "peft-merged")
+    mine, theirs = _safetensors(tmp_path / "merged"), _safetensors(tmp_path / "peft-merged")
+    assert set(mine) == set(theirs)
+    for name, w in theirs.items():
+        np.testing.assert_allclose(mine[name], w, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.device
+def test_resumed_runs_end_as_the_straight_run_and_score_with_the_adapter(tmp_path):
+    folder = _folder("llama")
+    _train(MPI.COMM_SELF, folder, tmp_path / "run")
     # one step, then the second resumed: the straight run's adapters
     _train(MPI.COMM_SELF, folder, tmp_path / "resumed", 1)
     _train(MPI.COMM_SELF, folder, tmp_path / "resumed", STEPS, "train.resume='auto'")
     straight, resumed = (_adapters(tmp_path / r / f"step-{STEPS}.h5") for r in ("run", "resumed"))
     for name, w in straight.items():
         np.testing.assert_array_equal(resumed[name], w, err_msg=name)
-    # the adapter as a peft folder: its model gives the trained model's logits
-    ckpt = tmp_path / "run" / f"step-{STEPS}.h5"
-    done = hpcpar_here(["export", ckpt, tmp_path / "adapter", "--lora"], tmp_path)
-    assert done.returncode == 0, done.stderr
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert {k: config[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "bias",
-                                   "use_rslora", "use_dora")} == {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA,
-        "bias": "none", "use_rslora": False, "use_dora": False}
-    assert sorted(config["target_modules"]) == sorted(MODULES)
-    exported = _peft_tensors(tmp_path / "adapter")
-    assert set(exported) == set(straight)
-    for name, w in straight.items():
-        np.testing.assert_array_equal(exported[name], w, err_msg=name)
-    ref = np.load(folder / "torch.npz")
-    ids = torch.from_numpy(np.load(folder / "data.npy")[:2])
-    model, _ = _with_adapter(folder / "hf", tmp_path / "adapter")
-    with torch.no_grad():
-        logits = model.eval()(ids).logits.numpy()
-    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4)
-    # scored with the adapter merged at load (--lora): the same log-probabilities
-    np.save(tmp_path / "rows.npy", ids.numpy())
+    # scored with the run's adapter merged at load (--lora): peft's log-probabilities
     done = hpcpar_here(["score", "--checkpoint", folder / "model.h5", "--data",
-                        tmp_path / "rows.npy", "--out", tmp_path / "scores.h5", "--lora",
-                        tmp_path / "adapter"], tmp_path)
+                        folder / "whole.npy", "--out", tmp_path / "scores.h5", "--lora",
+                        tmp_path / "run"], tmp_path)
     assert done.returncode == 0, done.stderr
     _assert_scores(folder, tmp_path / "scores.h5")
-    # merged into the base: transformers loads it and gives the same logits
-    done = hpcpar_here(["export", ckpt, tmp_path / "merged", "--merge-lora"], tmp_path)
-    assert done.returncode == 0, done.stderr
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float()
-    with torch.no_grad():
-        np.testing.assert_allclose(merged.eval()(ids).logits.numpy(), logits, atol=1e-4)
-    done = hpcpar_here(["export", ckpt, tmp_path / "plain"], tmp_path)
+    done = hpcpar_here(["export", tmp_path / "run" / f"step-{STEPS}.h5", tmp_path / "plain"],
+                       tmp_path)
     assert done.returncode == 2 and "--lora" in done.stderr and not (tmp_path / "plain").exists()
 
 
 @pytest.mark.device
-@pytest.mark.mpi(ranks=(4,))             # pp 2 x tp 2; dp 2 x tp 2, ZeRO-1, recompute
-def test_two_adamw_steps_under_pp_and_tp_and_zero_are_torchs(tmp_path_factory):
+@pytest.mark.mpi(ranks=(4,))       # tp 2 x pp 2; dp 2 x cp 2 with ZeRO-1, recompute (and ep 2)
+def test_two_adamw_steps_under_tp_pp_and_dp_cp_are_pefts(tmp_path_factory):
     comm = MPI.COMM_WORLD
-    folder = out = None
+    folders = out = None
     if comm.Get_rank() == 0:
-        folder, out = _folder(), tmp_path_factory.mktemp("lora-mpi")
-    folder, out = (Path(p) for p in comm.bcast((str(folder), str(out)), root=0))
-    tp = ["parallel.tp=2"] if comm.Get_size() == 4 else []  # 2 ranks: the strict backend's
-    for name, layout in (("pp-tp", ["parallel.pp=2", "parallel.micro_batches=2"] + tp),
-                         ("dp-tp", ["parallel.dp=2", "train.zero=1",
-                                    "train.recompute='full'"] + tp)):
-        _train(comm, folder, out / name, STEPS, *layout)
-        if comm.Get_rank() == 0:
-            _assert_as_torch(folder, out / name)
-        comm.Barrier()
-    # the run's adapter merged into each rank's slices at load (score --lora): torch's
-    # log-probabilities of the model it trained
+        folders = [str(_folder(f)) for f in FAMILIES]
+        out = str(tmp_path_factory.mktemp("lora-mpi"))
+    folders, out = comm.bcast((folders, out), root=0)
+    out = Path(out)
+    four = comm.Get_size() == 4        # 2 ranks: the strict backend's phase, pp 2 and dp 2
+    layouts = {"tp-pp": ["parallel.pp=2", "parallel.micro_batches=2"] + four * ["parallel.tp=2"],
+               "dp-cp": ["parallel.dp=2", "train.zero=1", "train.recompute='full'"]
+               + four * ["parallel.cp=2"]}
+    for family, folder in zip(FAMILIES, map(Path, folders)):
+        for name, layout in layouts.items():
+            # Mixtral's experts split over the dp replicas too: ep 2
+            ep = ["parallel.ep=2"] if family == "mixtral" and name == "dp-cp" else []
+            _train(comm, folder, out / f"{family}-{name}", STEPS, *layout, *ep)
+            if comm.Get_rank() == 0:
+                _assert_as_peft(folder, out / f"{family}-{name}")
+            comm.Barrier()
+    # Mixtral's tp 2 x pp 2 run's adapter (its experts' too) merged into each rank's slices
+    # at load (score --lora): peft's log-probabilities of the model it trained
     from hpcpar.jobs.score import run_scoring
-    if comm.Get_rank() == 0:
-        np.save(out / "rows.npy", np.load(folder / "data.npy")[:2])
-    comm.Barrier()
+    folder = Path(folders[2])
     run_scoring(comm, load_job(None, [
-        f"model.checkpoint='{folder}/model.h5'", f"model.lora='{out}/pp-tp'",
-        f"score.data='{out}/rows.npy'", f"output.path='{out}/scores.h5'", "parallel.pp=2",
-        *tp]), progress=False)
+        f"model.checkpoint='{folder}/model.h5'", f"model.lora='{out}/mixtral-tp-pp'",
+        f"score.data='{folder}/whole.npy'", f"output.path='{out}/scores.h5'", "parallel.pp=2",
+        *four * ["parallel.tp=2"]]), progress=False)
     if comm.Get_rank() == 0:
         _assert_scores(folder, out / "scores.h5")
     comm.Barrier()
 
 
 def _assert_scores(folder: Path, path: Path) -> None:
-    """A scoring output of the first two rows gives torch's log-probabilities of them."""
-    ids = np.load(folder / "data.npy")[:2]
-    want = torch.log_softmax(torch.from_numpy(np.load(folder / "torch.npz")["logits"]), -1)
+    """A scoring output of the two whole rows gives peft's log-probabilities of them."""
+    ids = np.load(folder / "whole.npy")
+    want = torch.log_softmax(torch.from_numpy(np.load(folder / "peft.npz")["logits"]), -1)
     want = np.take_along_axis(want.numpy()[:, :-1], ids[:, 1:, None], -1)[..., 0]
     with h5py.File(path) as f:
         np.testing.assert_allclose(f["token_logprobs"][()][:, 1:], want, atol=1e-4)
 
 
 def test_a_new_adapter_starts_as_peft_initialises_it():
-    """A kaiming-uniform (a = sqrt 5: within 1/sqrt(in)), drawn by the seed, layer and
-    target alone; B zero, so the model starts as its base."""
+    """A kaiming-uniform with a = sqrt 5 as peft draws it (within 1/sqrt(in), the spread of
+    peft's own A), by the seed, layer and target alone; B zero, so the model starts as its
+    base."""
     from hpcpar.models.lora import AdapterSpec, initial_adapter
     a = AdapterSpec("x.lora_A.weight", (8, 400), "lora", 3, base="x", target="v", half="A")
     b = AdapterSpec("x.lora_B.weight", (64, 8), "v", 3, base="x", target="v", half="B")
     w = initial_adapter(a, seed=5)
-    assert w.dtype == np.float32 and np.abs(w).max() <= 1 / 20 and np.abs(w).max() > 0.045
-    assert abs(w.mean()) < 3e-3 and w.std() == pytest.approx(1 / 20 / np.sqrt(3), rel=0.05)
+    torch.manual_seed(0)
+    layer = peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(400, 64)),
+                                peft.LoraConfig(r=8, target_modules=["0"]))
+    theirs = layer.base_model.model[0]
+    theirs_a = theirs.lora_A["default"].weight.detach().numpy()
+    assert not theirs.lora_B["default"].weight.detach().numpy().any()
+    assert w.shape == theirs_a.shape and w.dtype == np.float32
+    assert np.abs(w).max() <= 1 / 20 and np.abs(theirs_a).max() <= 1 / 20
+    assert w.std() == pytest.approx(theirs_a.std(), rel=0.05) and abs(w.mean()) < 3e-3
     np.testing.assert_array_equal(initial_adapter(a, seed=5), w)
     assert not np.array_equal(initial_adapter(a, seed=6), w)
     assert not initial_adapter(b, seed=5).any()
@@ -276,16 +308,17 @@ def test_a_new_adapter_trains_from_the_base_and_its_checkpoint_is_no_model(tmp_p
     from hpcpar.models.lora import adapter_specs, initial_adapter
     from hpcpar.checkpoint import open_checkpoint
     from hpcpar.checkpoint.peft import run_settings
-    folder = _folder()
+    folder = _folder("llama")
     job = load_job(None, [
-        f"model.checkpoint='{folder}/model.h5'", f"data.dataset='{folder}/data.npy'",
+        f"model.checkpoint='{folder}/model.h5'", f"data.dataset='{folder}/rows.jsonl'",
         f"output.path='{tmp_path}/run'", "train.steps=1", f"train.global_batch={B}",
         "train.lora_rank=2", "train.seed=3", "train.peak_tflops=1.0"])
     run_training(MPI.COMM_SELF, job, progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder / "hf").float().eval()
-    ids = torch.from_numpy(np.load(folder / "data.npy")[:B])
+    rows = [json.loads(line) for line in (folder / "rows.jsonl").read_text().splitlines()]
+    ids, mask, labels = _batch(rows[:B])
     with torch.no_grad():
-        loss = hf(ids, labels=ids).loss.item()
+        loss = hf(ids, attention_mask=mask, labels=labels).loss.item()
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
     assert metrics["loss"] == pytest.approx(loss, rel=1e-5)
     ckpt = tmp_path / "run" / "step-1.h5"
@@ -312,13 +345,138 @@ def test_a_new_adapter_trains_from_the_base_and_its_checkpoint_is_no_model(tmp_p
     (["--lora-rank", "100"], "LoRA rank 100 is above the smallest dimension"),
     (["--lora-alpha", "8"], "--lora-alpha without --lora-rank"),
     (["--lora-from", "{tmp}"], "no adapter_config.json; a peft LoRA adapter folder holds"),
+    # an adapter of another model (Qwen2's: other layers and shapes)
+    (["--lora-from", "{qwen2}/start"], "is it an adapter of this checkpoint's model"),
+    (["--lora-from", "{llama}/start", "--lora-rank", "8"], "--lora-rank 8 (the folder's: 4)"),
+    (["--lora-rank", "4", "--lora-targets", "q,experts.down"],
+     "LoRA target(s) experts.down: llama has no experts; target gate,up,down"),
+    (["--lora-rank", "4", "--zero", "3"], "a LoRA run trains only its small adapters"),
 ])
 def test_bad_lora_settings_are_one_line_before_any_work(tmp_path, flags, words):
-    folder = _folder()
-    flags = [f.format(tmp=tmp_path) for f in flags]
+    folder = _folder("llama")
+    flags = [f.format(tmp=tmp_path, llama=folder, qwen2=_folder("qwen2") if "{qwen2}" in f
+                      else "") for f in flags]
     done = hpcpar_here(["train", "--checkpoint", folder / "model.h5", "--data",
-                        folder / "data.npy", "--steps", "1", "--global-batch", "2", "--out",
+                        folder / "rows.jsonl", "--steps", "1", "--global-batch", "2", "--out",
                         tmp_path / "out", *flags], tmp_path)
+    errors = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(errors) == 1 and words in errors[0], done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_generation_resumes_only_with_the_same_adapter(tmp_path):
+    """A job applies one adapter, merged into the weights, so its prefix cache (which lives
+    in the job) never holds another's blocks; across a stop and ``--resume`` the adapter is
+    part of the run's settings, by its contents: the same adapter as a peft folder or as the
+    run it came from agrees, another (or none) is named as the setting that differs."""
+    from hpcpar.checkpoint import open_checkpoint
+    from hpcpar.checkpoint.peft import adapter_digest
+    from hpcpar.jobs.generate.output_file import settings_differ
+    folder = _folder("llama")
+    cfg = open_checkpoint(folder / "model.h5").config
+    _train(MPI.COMM_SELF, folder, tmp_path / "run", 1)
+    done = hpcpar_here(["export", tmp_path / "run" / "step-1.h5", tmp_path / "adapter",
+                        "--lora"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    trained = adapter_digest(tmp_path / "run", cfg)
+    assert adapter_digest(tmp_path / "adapter", cfg) == trained
+    start = adapter_digest(folder / "start", cfg)
+    assert start != trained
+    for stopped, now in (({"lora": start}, {"lora": trained}), ({}, {"lora": trained}),
+                         ({"lora": trained}, {})):
+        assert settings_differ(stopped, now) == ["LoRA adapter (--lora)"]
+    assert settings_differ({"lora": trained}, {"lora": trained}) == []
+
+
+@pytest.mark.device
+def test_the_fine_tuning_job_file_runs_as_shipped(tmp_path):
+    """jobs/finetune_lora.toml (ten of its steps): its rows' answers alone carry the loss,
+    which falls; its checkpoint exports as a peft folder."""
+    repo = Path(__file__).resolve().parents[1]
+    job = load_job(repo / "jobs" / "finetune_lora.toml",
+                   [f"output.path='{tmp_path}/run'", "train.steps=10", "train.save_every=0"])
+    report = run_training(MPI.COMM_SELF, job, progress=False)
+    rows = [json.loads(line) for line in
+            (repo / "jobs" / "data" / "finetune_tiny.jsonl").read_text().splitlines()]
+    answers = sum(sum(t != -100 for t in r["labels"][1:]) for r in rows)
+    assert f"{len(rows)} rows of at most 19 tokens, {answers} tokens carrying the loss" \
+        in report.data
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.1
+    done = hpcpar_here(["export", tmp_path / "run" / "step-10.h5", tmp_path / "adapter",
+                        "--lora"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    config = peft.PeftConfig.from_pretrained(tmp_path / "adapter")
+    assert (config.r, config.lora_alpha, len(config.target_modules)) == (8, 16, 7)
+
+
+
+def test_expert_adapters_of_a_model_without_experts_are_refused_in_one_line(tmp_path):
+    """A peft folder adapting experts (``target_parameters``) given to a dense model: one line
+    naming the setting, exit 2, before any work."""
+    folder = _folder("llama")
+    (tmp_path / "experts").mkdir()
+    config = json.loads((folder / "start" / "adapter_config.json").read_text())
+    config["target_parameters"] = ["mlp.experts.gate_up_proj"]
+    (tmp_path / "experts" / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / "experts" / "adapter_model.safetensors").symlink_to(
+        folder / "start" / "adapter_model.safetensors")
+    done = hpcpar_here(["train", "--checkpoint", folder / "model.h5", "--data",
+                        folder / "rows.jsonl", "--steps", "1", "--global-batch", "2", "--out",
+                        tmp_path / "out", "--lora-from", tmp_path / "experts"], tmp_path)
+    errors = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr
+    assert "target_parameters ['mlp.experts.gate_up_proj'] (hpcpar adapts none of this " \
+        "model)" in errors[0], errors
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.device
+def test_a_new_adapter_of_the_experts_down_alone_goes_out_as_peft_names_it(tmp_path):
+    """experts.down alone (peft's target_parameters ["mlp.experts.down_proj"], its tensors
+    ``...mlp.experts.lora_A.weight`` without the inner wrapper's name), new (A drawn by the
+    seed, B zero), one step: peft loads the exported folder and gives the log-probabilities
+    ``score --lora`` gives with the run."""
+    folder = _folder("mixtral")
+    job = load_job(None, [
+        f"model.checkpoint='{folder}/model.h5'", f"data.dataset='{folder}/rows.jsonl'",
+        f"output.path='{tmp_path}/run'", "train.steps=1", f"train.global_batch={B}",
+        "train.lora_rank=2", "train.lora_targets=['experts.down']", "train.lr=0.05",
+        "train.peak_tflops=1.0"])
+    run_training(MPI.COMM_SELF, job, progress=False)
+    done = hpcpar_here(["export", tmp_path / "run" / "step-1.h5", tmp_path / "adapter",
+                        "--lora"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    config = peft.PeftConfig.from_pretrained(tmp_path / "adapter")
+    assert not config.target_modules and config.target_parameters == ["mlp.experts.down_proj"]
+    assert set(_safetensors(tmp_path / "adapter")) == {
+        f"base_model.model.model.layers.{i}.mlp.experts.lora_{h}.weight"
+        for i in range(2) for h in "AB"}
+    ids = np.load(folder / "whole.npy")
+    with torch.no_grad():
+        logits = _peft_model(folder, tmp_path / "adapter")(torch.from_numpy(ids)).logits
+    want = np.take_along_axis(torch.log_softmax(logits, -1).numpy()[:, :-1],
+                              ids[:, 1:, None], -1)[..., 0]
+    done = hpcpar_here(["score", "--checkpoint", folder / "model.h5", "--data",
+                        folder / "whole.npy", "--out", tmp_path / "scores.h5", "--lora",
+                        tmp_path / "run"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    with h5py.File(tmp_path / "scores.h5") as f:
+        np.testing.assert_allclose(f["token_logprobs"][()][:, 1:], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, targets, words", [
+    ("phi3", "q,o", "LoRA target(s) q: phi3 stores them fused"),
+    ("mixtral", "q,gate", "LoRA target(s) gate: mixtral's MLPs are mixtures of experts; "
+                          "target experts.gate_up,experts.down"),
+])
+def test_a_target_the_family_does_not_adapt_is_one_line(tmp_path, family, targets, words):
+    folder = (_folder(family) if family in FAMILIES else
+              made_once(f"test_lora {family}", lambda f: build_hf_model(family, f)))
+    done = hpcpar_here(["train", "--checkpoint", folder / "model.h5", "--data", "synthetic",
+                        "--seq-len", "8", "--steps", "1", "--global-batch", "2", "--out",
+                        tmp_path / "out", "--lora-rank", "2", "--lora-targets", targets],
+                       tmp_path)
     errors = [ln for ln in done.stderr.splitlines() if ln.strip()]
     assert done.returncode == 2 and len(errors) == 1 and words in errors[0], done.stderr
     assert not (tmp_path / "out").exists()

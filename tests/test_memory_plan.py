@@ -3,6 +3,8 @@ plan`` prints) against the device budget's measure on the strict backend with th
 (``HPCPAR_OPS=device``), whose whole-run peak (``Budget.peak``, from loading on) is the
 reference; and loading's matrices, read straight into the layout the products take."""
 
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -216,3 +218,44 @@ def test_a_lora_plan_counts_the_frozen_base_and_the_adapters_state(tp):
     row = next(line.split() for line in plan.splitlines() if line.split()[:1] == ["0"])
     assert " ".join(row[3:5]) == _size(4 * base + 2 * 4 * adapters), (row, base, adapters)
     assert " ".join(row[5:7]) == _size(2 * 4 * adapters), (row, adapters)
+
+
+def _plan_row_bytes(text: str) -> tuple[float, float]:
+    """(weights + gradients, optimizer) in bytes from a one-stage training plan's row."""
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["0"])
+    sizes = re.findall(r"([\d.]+) (GB|MB|kB|B)\b", row)
+    scale = {"GB": 1e9, "MB": 1e6, "kB": 1e3, "B": 1}
+    return tuple(float(n) * scale[u] for n, u in sizes[:2])
+
+
+@pytest.mark.mpi(ranks=(2,))
+@pytest.mark.parametrize("name, dtype", [("1b", "bfloat16"), ("8b", "float32")])
+def test_the_plan_predicts_each_zero_stages_bytes_per_rank(comm, mpi_tmp_path, name, dtype):
+    """ZeRO 1, 2 and 3 over dp 2: each rank's weights, gradients and optimizer state as the
+    run holds them (``TrainReport.state_mb``, every distinct buffer once) are the plan's, and
+    the layers' gathered weights and micro-batch gradients stay within its bound; on the
+    1B shape (tied head) in bfloat16 and the 8B shape (its own head) in float32."""
+    from hpcpar.jobs.plan import format_train_plan, zero_transient_bytes
+    from hpcpar.jobs.train.engine import run_training
+    folder = mpi_tmp_path
+    if comm.Get_rank() == 0:
+        init_checkpoint(folder / "model.h5", shape(name))
+    comm.Barrier()
+    cfg = open_checkpoint(folder / "model.h5").config
+    for zero in (1, 2, 3):
+        job = load_job(None, [f"model.checkpoint='{folder}/model.h5'", f"model.dtype='{dtype}'",
+                              "data.dataset='synthetic'", f"output.path='{folder}/z{zero}'",
+                              "parallel.dp=2", "train.steps=1", "train.global_batch=4",
+                              "train.seq_len=16", f"train.zero={zero}", "train.peak_tflops=1"])
+        report = run_training(comm, job, progress=False)
+        if comm.Get_rank() == 0:
+            layout = ParallelConfig(dp=2)
+            itemsize = np.dtype(dtype).itemsize if dtype == "float32" else 2
+            planned = _plan_row_bytes(format_train_plan(cfg, layout, 1, job.train, name,
+                                                        itemsize=itemsize))
+            for weights, grads, optimizer, transient in report.state_mb:
+                measured = ((weights + grads) * 1e6, optimizer * 1e6)
+                np.testing.assert_allclose(measured, planned, rtol=0.01, err_msg=f"zero {zero}")
+                assert transient * 1e6 <= zero_transient_bytes(cfg, layout, zero, itemsize)
+                assert (transient > 0) == (zero >= 2)
+        comm.Barrier()

@@ -469,6 +469,8 @@ def _one_error(proc, words):
      "aux_loss_coef 0.01 with pp 2"),
     (1, "gqa-llama3", ["train", "--aux-loss-coef", "0.01"],
      "the router's load-balancing loss belongs to a mixture of experts"),
+    (1, "deepseek_v3", ["train", "--aux-loss-coef", "0.01"],
+     "transformers' deepseek_v3 has none for its router"),
 ])
 def test_a_layout_or_setting_moe_cannot_run_is_one_error_before_any_work(
         tmp_path, ranks, family, args, words):

@@ -210,13 +210,12 @@ def _generate(path, prompts, backend, dtype, tokens=6, *extra):
                           progress=False)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_generation_on_the_gpu_matches_the_cpu(tmp_path, dtype):
-    from helpers import GQA, PROMPTS, make_checkpoint
-    path, _ = make_checkpoint(tmp_path, dict(GQA, head_dim=16))
-    cpu = _generate(path, PROMPTS, "numpy", "float32")
-    gpu = _generate(path, PROMPTS, "cupy", dtype)
-    for b, prompt in enumerate(PROMPTS):
+def _gpu_matches_cpu(path, prompts, dtype) -> None:
+    """The prompts' logits on CuPy in ``dtype`` against NumPy's in float32 (and in float32 the
+    same greedy tokens)."""
+    cpu = _generate(path, prompts, "numpy", "float32")
+    gpu = _generate(path, prompts, "cupy", dtype)
+    for b, prompt in enumerate(prompts):
         n = len(prompt)
         ref, got = cpu.prompt_logits[b, :n], gpu.prompt_logits[b, :n]
         if dtype == "float32":
@@ -225,6 +224,27 @@ def test_generation_on_the_gpu_matches_the_cpu(tmp_path, dtype):
             close(got, ref, dtype, MODEL_NORMWISE)
     if dtype == "float32":
         assert gpu.tokens.tolist() == cpu.tokens.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_generation_on_the_gpu_matches_the_cpu(tmp_path, dtype):
+    from helpers import GQA, PROMPTS, make_checkpoint
+    path, _ = make_checkpoint(tmp_path, dict(GQA, head_dim=16))
+    _gpu_matches_cpu(path, PROMPTS, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_attention_on_the_gpu_matches_the_cpu(tmp_path, monkeypatch, dtype):
+    """DeepSeek-V3's tiny model (latent attention: one key head of latent and rope key, 24
+    wide, its values the keys, the scores rescaled) generates on CuPy as on NumPy, its
+    half-precision attention through cuDNN's rescaled graphs (``SCALED``, off in jobs until
+    this passes) and its cache written without the fused write (no values)."""
+    pytest.importorskip("transformers")
+    from helpers import PROMPTS, build_hf_model
+    from hpcpar.parallel.ops.cuda import attention
+    monkeypatch.setattr(attention, "SCALED", True)
+    _, path = build_hf_model("deepseek_v3", tmp_path)
+    _gpu_matches_cpu(path, PROMPTS, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -245,7 +245,8 @@ def test_tp2_stage_gradients_pass_finite_differences_and_equal_tp1():
 def test_every_zero_stage_steps_and_saves_as_the_single_rank_run(setup):
     """ZeRO-1 over every rank as dp; ZeRO-3 (weights gathered layer by layer, recomputed in
     the backward) and ZeRO-2 over dp 2 beside tp or pp, under other schedules; a ZeRO-3 run
-    resumed under ZeRO-1 on another layout ends where the straight run ends. For the tied
+    resumed under ZeRO-1 on another layout, and the other way round (ZeRO-3 reading its
+    pieces of the weights and state alone), ends where the straight run ends. For the tied
     model also in bfloat16, whose gathers move the 16-bit copy of the float32 pieces."""
     comm = MPI.COMM_WORLD
     cfg, folder = setup
@@ -261,20 +262,22 @@ def test_every_zero_stage_steps_and_saves_as_the_single_rank_run(setup):
         if comm.Get_rank() == 0:
             assert_matches_single(folder, out, f"{layout} {extra}")
         comm.Barrier()
-    out = f"zero-resume{n}"
-    run_training(comm, _job(folder, out, mixed[0], "train.zero=3", "train.steps=1"),
-                 progress=False)
-    run_training(comm, _job(folder, out, (n, 1, 1, 1, "gpipe", 1), "train.zero=1",
-                            "train.resume='auto'"), progress=False)
-    if comm.Get_rank() == 0:
-        assert_matches_single(folder, out)
-    comm.Barrier()
+    for first, then in ((3, 1), (1, 3)):
+        out = f"zero-resume{n}-{first}"
+        run_training(comm, _job(folder, out, mixed[0], f"train.zero={first}", "train.steps=1"),
+                     progress=False)
+        run_training(comm, _job(folder, out, (n, 1, 1, 1, "gpipe", 1), f"train.zero={then}",
+                                "train.resume='auto'"), progress=False)
+        if comm.Get_rank() == 0:
+            assert_matches_single(folder, out, f"zero {first} then {then}")
+        comm.Barrier()
     if cfg is TIED:
         _bfloat16_under_zero3(comm, folder)
 
 
 def _bfloat16_under_zero3(comm, folder):
-    """dp 2 x pp 2 under ZeRO-3 in bfloat16 against the single rank in bfloat16, with SGD:
+    """dp 2 x pp 2 (on 4 ranks) under ZeRO-3 in bfloat16 against the single rank in
+    bfloat16, with SGD:
     AdamW's normalised step would turn the rounding noise of a gradient that is zero in exact
     arithmetic (a key bias: softmax ignores it) into whole steps."""
     bf16 = "model.dtype='bfloat16'"
@@ -282,8 +285,9 @@ def _bfloat16_under_zero3(comm, folder):
         run_training(MPI.COMM_SELF, _job(folder, "single-bf16", (1, 1, 1, 1, "1f1b", 1), bf16,
                                          optimizer="sgd"), progress=False)
     comm.Barrier()
-    run_training(comm, _job(folder, "zero3-bf16", (2, 2, 1, 2, "1f1b", 1), "train.zero=3", bf16,
-                            optimizer="sgd"), progress=False)
+    layout = (2, comm.Get_size() // 2, 1, 2, "1f1b", 1)
+    run_training(comm, _job(folder, "zero3-bf16", layout, "train.zero=3", bf16, optimizer="sgd"),
+                 progress=False)
     if comm.Get_rank() == 0:
         np.testing.assert_allclose(losses(f"{folder}/zero3-bf16"),
                                    losses(f"{folder}/single-bf16"), rtol=1e-3)

@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from ..models import family_of
 from ..models.config import ModelConfig
 from ..models.tensors import inert_tensors, stored_tensors
 from ..parallel.device.dtypes import FLOAT_DTYPES, float_dtype
@@ -181,8 +182,9 @@ def convert(hf_dir: str | Path, out: str | Path, dtype: str | None = None) -> Mo
         raise HpcparError(f"{hf_dir}: {len(missing)} tensor(s) the config needs are missing, "
                           f"first {missing[0]}")
     inert = {n: shape for n, shape in inert_tensors(cfg).items() if n in files}
+    family = family_of(cfg.model_type)
     unexpected = [n for n in files if n not in expected and n not in inert
-                  and not n.endswith(_IGNORED_SUFFIXES)
+                  and not n.endswith(_IGNORED_SUFFIXES) and not family.ignores(n)
                   and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if unexpected:
         raise HpcparError(f"{hf_dir}: tensor {unexpected[0]} (and {len(unexpected) - 1} more) "

@@ -8,9 +8,16 @@
                                      ...lora_B.weight [out, r], float32
 
 hpcpar's adapter tensors are named ``<module>.lora_A.weight`` (``models.lora``): the file's
-names less ``base_model.model.``. Reading refuses, in one line each, what hpcpar's LoRA is
-not: rslora, DoRA, per-module ranks or alphas, biases or extra modules trained, a subset of
-layers, a target_modules pattern (a string) or module hpcpar does not adapt.
+names less ``base_model.model.``. A mixture's experts are peft's ``target_parameters``
+(``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``): per layer one A [r E, in] and one
+B [out, r E] of all its experts (expert e's A the rows e r .. e r + r - 1, its B the columns
+e, e + E, ...), named ``...mlp.experts.lora_A.weight``; with both targeted, gate_up's is
+the inner wrapper's, ``...mlp.experts.base_layer.lora_A.weight``.
+
+Reading refuses, in one line each, what hpcpar's LoRA is not: rslora, DoRA, per-module ranks
+or alphas, biases, extra modules or embedding rows trained, parameters other than a
+mixture's experts, a subset of layers, a target_modules pattern (a string) or module hpcpar
+does not adapt.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from ..models.config import ModelConfig
-from ..models.lora import TARGETS, LoraSettings, module_leaf
+from ..models.lora import (EXPERT_MODULES, EXPERT_TARGETS, TARGETS, LoraSettings, module_leaf,
+                           target_problems)
 from ..parallel.errors import HpcparError
 
 CONFIG = "adapter_config.json"
@@ -41,9 +49,83 @@ def peft_config(cfg: ModelConfig, settings: LoraSettings, base: str) -> dict:
         "lora_dropout": 0.0, "megatron_config": None, "megatron_core": "megatron.core",
         "modules_to_save": None, "peft_type": "LORA", "r": settings.rank,
         "rank_pattern": {}, "revision": None,
-        "target_modules": sorted(module_leaf(cfg, t) for t in settings.targets),
+        "target_modules": sorted(module_leaf(cfg, t) for t in settings.targets
+                                 if t not in EXPERT_TARGETS),
+        "target_parameters": [EXPERT_MODULES[t] for t in EXPERT_TARGETS
+                              if t in settings.targets] or None,
         "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": False,
     }
+
+
+def _stacked_names(settings: LoraSettings, layer: int) -> dict[str, str]:
+    """Each expert target's name prefix in peft's file for ``layer`` (less ``.lora_A.weight``):
+    ``model.layers.{i}.mlp.experts``, gate_up's ``...experts.base_layer`` when down is
+    targeted too (peft wraps gate_up first, down around it)."""
+    module = f"model.layers.{layer}.mlp.experts"
+    both = all(t in settings.targets for t in EXPERT_TARGETS)
+    return {"experts.gate_up": f"{module}.base_layer" if both else module,
+            "experts.down": module}
+
+
+def to_peft(cfg: ModelConfig, settings: LoraSettings, tensors: dict) -> dict[str, np.ndarray]:
+    """hpcpar's adapter tensors (by its names, every expert's) as peft's file holds them:
+    the experts' stacked per layer and target."""
+    from ..models.lora import adapter_specs
+    specs = adapter_specs(cfg, range(cfg.num_hidden_layers), settings)
+    out = {PREFIX + s.name: tensors[s.name] for s in specs if s.expert is None}
+    r, E = settings.rank, cfg.num_experts
+    for i in cfg.moe_layers:
+        for t, prefix in _stacked_names(settings, i).items():
+            if t not in settings.targets:
+                continue
+            mine = [s for s in specs if s.layer == i and s.target == t]
+            a = np.concatenate([tensors[s.name] for s in mine if s.half == "A"])
+            b_parts = [np.concatenate([tensors[s.name] for s in mine
+                                       if s.half == "B" and s.expert == e]) for e in range(E)]
+            b = np.stack(b_parts, axis=-1).reshape(b_parts[0].shape[0], r * E)  # [out, r, E]
+            out[f"{PREFIX}{prefix}.lora_A.weight"] = a
+            out[f"{PREFIX}{prefix}.lora_B.weight"] = b
+    return out
+
+
+def from_peft(cfg: ModelConfig, settings: LoraSettings, tensors: dict, where: str) -> dict:
+    """peft's file's tensors (by its names) as hpcpar's: each expert's cut from its layer's
+    stacked ones, whose shapes are checked here (one error naming a tensor of another shape);
+    the rest is checked against the model by ``check_adapter``."""
+    from ..models.lora import adapter_specs
+    out = {}
+    for name, a in tensors.items():
+        if not name.startswith(PREFIX):
+            raise HpcparError(f"{where}: tensor {name} of {WEIGHTS} is not named "
+                              f"{PREFIX}<module>.lora_A/B.weight as peft names them")
+        out[name[len(PREFIX):]] = a
+    r, E = settings.rank, cfg.num_experts
+    specs = adapter_specs(cfg, range(cfg.num_hidden_layers), settings)
+    for i in cfg.moe_layers:
+        for t, prefix in _stacked_names(settings, i).items():
+            if t not in settings.targets:
+                continue
+            mine = [s for s in specs if s.layer == i and s.target == t]
+            a_in = next(s for s in mine if s.half == "A").shape[1]
+            b_out = sum(s.shape[0] for s in mine if s.half == "B" and s.expert == 0)
+            a, b = (out.pop(f"{prefix}.lora_{h}.weight", None) for h in "AB")
+            for half, got, want in (("A", a, (r * E, a_in)), ("B", b, (b_out, r * E))):
+                if got is None or tuple(got.shape) != want:
+                    raise HpcparError(
+                        f"{where}: the adapter's {PREFIX}{prefix}.lora_{half}.weight is "
+                        f"{'missing' if got is None else tuple(got.shape)} (the model's: "
+                        f"{want}, {EXPERT_MODULES[t]} of {E} experts at rank {r}); is it an "
+                        f"adapter of this checkpoint's model ({cfg.model_type})?")
+            a, b = a.reshape(E, r, a_in), b.reshape(b_out, r, E)
+            for s in mine:
+                e = s.expert
+                if s.half == "A":
+                    out[s.name] = np.ascontiguousarray(a[e])
+                else:                    # the gate's rows of B_e, then the up's
+                    rows = [x for x in mine if x.half == "B" and x.expert == e]
+                    start = sum(x.shape[0] for x in rows[:rows.index(s)])
+                    out[s.name] = np.ascontiguousarray(b[start:start + s.shape[0], :, e])
+    return out
 
 
 def write_adapter(folder: Path, cfg: ModelConfig, settings: LoraSettings, base: str,
@@ -53,10 +135,11 @@ def write_adapter(folder: Path, cfg: ModelConfig, settings: LoraSettings, base: 
     config.write_text(json.dumps(peft_config(cfg, settings, base), indent=2) + "\n")
     weights = folder / WEIGHTS
     header, offset, blobs = {}, 0, []
+    tensors = to_peft(cfg, settings, tensors)
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name], dtype=np.float32)
-        header[PREFIX + name] = {"dtype": "F32", "shape": list(a.shape),
-                                 "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": "F32", "shape": list(a.shape),
+                        "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
         blobs.append(a.tobytes())
     header["__metadata__"] = {"format": "pt"}
@@ -124,8 +207,23 @@ def read_adapter(folder: Path, cfg: ModelConfig) -> tuple[LoraSettings, dict[str
             problems.append(f"{key} {config.get(key)!r}")
     if config.get("bias", "none") != "none":
         problems.append(f"bias {config.get('bias')!r} (none only)")
+    if config.get("lora_bias"):
+        problems.append("lora_bias true")
+    parameters = config.get("target_parameters") or []
+    by_parameter = {m: t for t, m in EXPERT_MODULES.items()} if cfg.moe_layers else {}
+    if not isinstance(parameters, list) or any(p not in by_parameter for p in parameters):
+        problems.append(f"target_parameters {parameters!r} (hpcpar adapts "
+                        f"{', '.join(by_parameter) or 'none of this model'})")
+        parameters = []
+    if config.get("trainable_token_indices"):
+        problems.append("trainable_token_indices (embedding rows trained)")
     modules = config.get("target_modules")
-    by_leaf = {module_leaf(cfg, t): t for t in TARGETS}
+    from ..models import family_of
+    named = family_of(cfg.model_type).names           # DeepSeek's latent attention: no q, k, v
+    by_leaf = {module_leaf(cfg, t): t for t in TARGETS if t not in EXPERT_TARGETS
+               and t in named}
+    if modules is None and parameters:
+        modules = []
     if not isinstance(modules, list):
         problems.append(f"target_modules {modules!r} (a list of module names: "
                         f"{', '.join(by_leaf)})")
@@ -142,15 +240,13 @@ def read_adapter(folder: Path, cfg: ModelConfig) -> tuple[LoraSettings, dict[str
     if problems:
         raise HpcparError(f"{where}: {CONFIG} has {'; '.join(problems)}, which hpcpar's LoRA "
                           "does not train")
-    targets = tuple(t for t in TARGETS if module_leaf(cfg, t) in modules)
-    tensors = read_safetensors(folder / WEIGHTS)
-    mine = {}
-    for name, a in tensors.items():
-        if not name.startswith(PREFIX):
-            raise HpcparError(f"{where}: tensor {name} of {WEIGHTS} is not named "
-                              f"{PREFIX}<module>.lora_A/B.weight as peft names them")
-        mine[name[len(PREFIX):]] = a
-    return LoraSettings(rank, float(alpha), targets), mine
+    targets = tuple(t for t in TARGETS if t in EXPERT_TARGETS and EXPERT_MODULES[t] in
+                    parameters or t in by_leaf.values() and module_leaf(cfg, t) in modules)
+    settings = LoraSettings(rank, float(alpha), targets)
+    problems = target_problems(cfg, targets, rank)
+    if problems:
+        raise HpcparError(f"{where}: {'; '.join(problems)}")
+    return settings, from_peft(cfg, settings, read_safetensors(folder / WEIGHTS), where)
 
 
 # ---- a LoRA run's checkpoint out: a peft folder, or its base with the adapter merged ---------
@@ -242,7 +338,7 @@ def export_adapter(checkpoint, out_dir) -> list[Path]:
 def merged_export_args(checkpoint) -> tuple[Path, dict]:
     """For ``export --merge-lora``: the base checkpoint a LoRA run's checkpoint names, and
     by base tensor name what merging adds to it, s B A (float32)."""
-    from ..models.lora import adapter_specs
+    from ..models.lora import adapter_pairs, adapter_specs
     ckpt, settings, base = _lora_run(checkpoint, "--merge-lora")
     if not Path(base).is_file():
         raise HpcparError(f"--merge-lora: the run's base checkpoint {base} is not there; put "
@@ -250,9 +346,9 @@ def merged_export_args(checkpoint) -> tuple[Path, dict]:
     tensors = _adapters(ckpt, settings)
     specs = adapter_specs(ckpt.config, range(ckpt.config.num_hidden_layers), settings)
     add = {}
-    for a, b in zip(specs[::2], specs[1::2]):
+    for a, b in adapter_pairs(specs):
         A, B = tensors[a.name], tensors[b.name]
-        add[a.base] = (lambda A=A, B=B: np.float32(settings.scale) * (B @ A))
+        add[b.base] = (lambda A=A, B=B: np.float32(settings.scale) * (B @ A))
     return Path(base), add
 
 
@@ -298,17 +394,31 @@ def load_adapter(source, cfg: ModelConfig) -> tuple[LoraSettings, dict[str, np.n
     return settings, tensors
 
 
+def adapter_digest(source, cfg: ModelConfig) -> str:
+    """The sha256 of the adapter ``source`` as generate and score apply it (its rank, alpha,
+    targets and tensors): what a resumed generation must share with the stopped run, so
+    that no output holds rows of two adapters."""
+    import hashlib
+    settings, tensors = load_adapter(source, cfg)
+    digest = hashlib.sha256(json.dumps([settings.rank, settings.alpha,
+                                        list(settings.targets)]).encode())
+    for name in sorted(tensors):
+        digest.update(name.encode() + b"|")
+        digest.update(np.ascontiguousarray(tensors[name], dtype=np.float32).tobytes())
+    return digest.hexdigest()
+
+
 def merge_adapter(tensors: dict, cfg: ModelConfig, settings: LoraSettings, adapters: dict,
                   tp_rank: int, tp_size: int, backend) -> None:
     """Merge the adapter into this rank's loaded slices ``tensors`` (by name, in place):
     W_i += s B_i A_i, the pieces of A and B this rank's slice of W takes (``models.lora``'s
     split), in float32, then rounded to W's dtype. Exactly the model with the adapter, up to
     that rounding: generation and scoring need no adapter code of their own."""
-    from ..models.lora import adapter_specs
+    from ..models.lora import adapter_pairs, adapter_specs
     from ..models.sharding import piece_of
     specs = adapter_specs(cfg, range(cfg.num_hidden_layers), settings)
-    for a, b in zip(specs[::2], specs[1::2]):
-        if a.base not in tensors:
+    for a, b in adapter_pairs(specs):
+        if b.base not in tensors:
             continue
         pieces = []
         for spec in (a, b):
@@ -316,7 +426,7 @@ def merge_adapter(tensors: dict, cfg: ModelConfig, settings: LoraSettings, adapt
             local = np.zeros(piece.shape, np.float32)
             local[piece.dest] = adapters[spec.name][piece.source]
             pieces.append(local)
-        w = tensors[a.base]
+        w = tensors[b.base]
         delta = backend.asarray(np.float32(settings.scale) * (pieces[1] @ pieces[0]))
         w[...] = (w.astype(np.float32) + delta).astype(w.dtype)
 

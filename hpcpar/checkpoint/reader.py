@@ -229,6 +229,49 @@ def load_shard(ckpt: Checkpoint, specs: list[TensorSpec], tp_rank: int = 0, tp_s
     return out
 
 
+class PieceReader:
+    """Elements [a, b) of a rank's slice of a tensor (flattened), read alone, as float32
+    on the host: ZeRO-3 loads each rank's pieces of the weights and of the optimizer state
+    and never the whole slice. Use it as a context (the file stays open between reads)."""
+
+    def __init__(self, ckpt: Checkpoint, tp_rank: int, tp_size: int):
+        self.ckpt, self.tp_rank, self.tp_size = ckpt, tp_rank, tp_size
+        self.file: h5py.File | None = None
+
+    def __enter__(self) -> "PieceReader":
+        self.file = self.ckpt.open()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+        self.file = None
+
+    def read(self, spec: TensorSpec, a: int, b: int, dataset: str = "{}") -> np.ndarray:
+        """Elements [a, b) of this rank's slice of ``spec`` (of the dataset ``dataset`` names,
+        as ``load_shard``'s); padding is zero; NaN or inf refused as loading refuses them."""
+        piece = piece_of(spec, self.ckpt.config, self.tp_rank, self.tp_size)
+        stored = storage_dtype(self.ckpt.dtype)
+        weights = dataset == "{}"
+        name = spec.file_name if weights else dataset.format(spec.name)
+        out = np.zeros(b - a, dtype=stored)
+        for src, start, extents, sub in piece.flat_regions(a, b):
+            block = np.zeros(extents, dtype=stored)
+            try:
+                self.file[name].read_direct(block, source_sel=spec.file_region(src)
+                                            if weights else src, dest_sel=sub)
+            except (OSError, KeyError) as e:
+                raise CheckpointError(f"{self.ckpt.path}: reading {name} failed, the file is "
+                                      f"truncated or corrupt ({_first_line(e)})") from None
+            out[start - a:start - a + block.size] = block.reshape(-1)
+        values = (out.view(self.ckpt.dtype) if stored != self.ckpt.dtype else out
+                  ).astype(np.float32)
+        if not np.isfinite(values).all():
+            raise CheckpointError(f"{self.ckpt.path}: {name} holds NaN or inf values; the "
+                                  "file is damaged or came from a diverged training; convert "
+                                  "it again or use an earlier checkpoint")
+        return values
+
+
 def _places(stacks: list[tuple[str, ...]], pieces: dict) -> dict[str, tuple[int, int, tuple]]:
     """Each stacked tensor's (group, first row, the group's matrix shape), from the slices
     this rank reads (``pieces``); the tensors of a group take its rows in order."""

@@ -245,7 +245,7 @@ def _plan_text(args) -> str:
 
     flags = {("parallel", k): getattr(args, k) for k in
              ("dp", "pp", "tp", "cp", "ep", "micro_batches", "stage_layers", "schedule",
-              "virtual_stages")}
+              "virtual_stages", "sequence_parallel")}
     flags.update({("train", k): getattr(args, k) for k in
                   ("global_batch", "seq_len", "optimizer", "recompute", "zero")})
     flags[("model", "dtype")] = args.dtype
@@ -267,7 +267,9 @@ def _plan_text(args) -> str:
     layout.check(cfg, world_size)
     if training:
         from .plan import format_train_plan
-        return format_train_plan(cfg, layout, par.virtual_stages, job.train, name)
+        return format_train_plan(cfg, layout, par.virtual_stages, job.train, name,
+                                 bool(par.sequence_parallel),
+                                 float_dtype(job.model.dtype).itemsize)
     if layout.cp > 1:
         raise HpcparError(f"cp {layout.cp}: plan counts a cp split for training (--train); "
                           "its generation plan (weights, KV cache) does not split over cp yet")

@@ -75,6 +75,7 @@ class ParallelSection:
     backend: str = "auto"
     comm: str = "auto"
     timeout: float = 600.0             # seconds a receive or collective may wait (0: forever)
+    sequence_parallel: bool = False    # under tp: norms and residuals split along the sequence
 
     def layout(self, world_size: int, default_schedule: str = "gpipe") -> ParallelConfig:
         """The layout on ``world_size`` ranks, absent factors inferred (not yet checked)."""
@@ -133,6 +134,7 @@ class TrainSection(OptimizerSettings):
     global_batch: int = 8
     seq_len: int | None = None          # needed by .bin and .jsonl data
     long_rows: str = "refuse"           # a fine-tuning row over seq_len + 1 tokens: or "cut"
+    pack: bool = False                  # samples packed several to a row, each its own document
     recompute: str = "none"
     zero: int = 0                       # split over dp: 1 optimizer state, 2 + grads, 3 + weights
     loss_scale: float = 65536.0         # float16 compute: the initial dynamic loss scale

@@ -21,6 +21,7 @@ JOB_FLAGS = {
     "micro_batches": ("parallel", "micro_batches"), "stage_layers": ("parallel", "stage_layers"),
     "backend": ("parallel", "backend"), "comm": ("parallel", "comm"),
     "timeout": ("parallel", "timeout"),
+    "sequence_parallel": ("parallel", "sequence_parallel"),
     "max_new_tokens": ("generate", "max_new_tokens"),
     "temperature": ("generate", "temperature"), "top_k": ("generate", "top_k"),
     "top_p": ("generate", "top_p"), "seed": ("generate", "seed"),
@@ -43,7 +44,7 @@ TRAIN_FLAGS = {
     "virtual_stages": ("parallel", "virtual_stages"),
     "fused_optimizer": ("train", "fused"),
     **{k: ("train", k) for k in (
-        "steps", "global_batch", "seq_len", "long_rows", "optimizer", "lr", "min_lr",
+        "steps", "global_batch", "seq_len", "long_rows", "pack", "optimizer", "lr", "min_lr",
         "lr_schedule", "warmup_steps", "weight_decay", "momentum", "betas", "eps", "clip_grad",
         "recompute", "zero", "save_every", "async_save", "serial_save", "resume", "shuffle", "peak_tflops", "bucket_mb", "aux_loss_coef",
         "lora_rank", "lora_alpha", "lora_targets", "lora_from")},
@@ -107,6 +108,13 @@ def _layout_flags(p, stage_layers: bool = True) -> None:
         p.add_argument("--stage-layers", type=_int_list, metavar="N,N,...",
                        help="layers per pipeline stage (default: even, remainder first)")
 
+
+
+def _sequence_parallel_flag(p) -> None:
+    p.add_argument("--sequence-parallel", action="store_const", const=True,
+                   help="under tp, split the norms' and residuals' activations along the "
+                        "sequence over the tp ranks (Megatron's sequence parallelism; in "
+                        "generation and scoring, a prefill's whose positions tp divides)")
 
 
 def _lora_flag(p) -> None:
@@ -229,6 +237,9 @@ def _train_flags(p) -> None:
     p.add_argument("--long-rows", choices=["refuse", "cut"],
                    help="a fine-tuning row longer than --seq-len + 1 tokens: refused (the "
                         "default) or cut")
+    p.add_argument("--pack", action="store_const", const=True,
+                   help="pack several samples (documents) into each row of --seq-len, "
+                        "attention confined to each and positions restarting at each")
     p.add_argument("--optimizer", choices=OPTIMIZERS)
     p.add_argument("--lr", type=float)
     p.add_argument("--min-lr", type=float)
@@ -266,7 +277,8 @@ def _train_flags(p) -> None:
     p.add_argument("--lora-alpha", type=float, help="the adapters' scale is alpha / R "
                                                     "(default: R)")
     p.add_argument("--lora-targets", type=_name_list, metavar="q,k,v,o,gate,up,down",
-                   help="the projections adapted (default q,v)")
+                   help="the projections adapted (default q,v); a mixture's experts: "
+                        "experts.gate_up,experts.down")
     p.add_argument("--lora-from", metavar="DIR",
                    help="start from a peft LoRA adapter folder (its rank, alpha, targets)")
 
@@ -311,6 +323,7 @@ def _run_command(sub) -> None:
     _job_flags(run, required=False, out_help=(
         "output: OUT.h5 or OUT.jsonl (generation), OUT.h5 (scoring), a folder (training)"))
     _train_flags(run)
+    _sequence_parallel_flag(run)
 
 
 def _generate_command(sub) -> None:
@@ -318,6 +331,7 @@ def _generate_command(sub) -> None:
     gen.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     _job_flags(gen, required=True, out_help=(
         "OUT.h5 (or .hdf5): HDF5; OUT.jsonl: one JSON line per prompt, in input order"))
+    _sequence_parallel_flag(gen)
     gen.add_argument("--resume", choices=["auto"],
                      help="keep the prompts a stopped run with the same settings finished")
 
@@ -334,6 +348,7 @@ def _score_command(sub) -> None:
                             "of {ids} or {text}")
     score.add_argument("--out", required=True, help="output HDF5 file")
     _layout_flags(score)
+    _sequence_parallel_flag(score)
     _timeout_flag(score)
     score.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"],
                        help="compute dtype (default float32)")
@@ -355,6 +370,7 @@ def _train_command(sub) -> None:
     train.add_argument("--checkpoint", required=True, help="HDF5 checkpoint, or preset:NAME")
     train.add_argument("--out", required=True, help="folder for checkpoints and metrics")
     _layout_flags(train)
+    _sequence_parallel_flag(train)
     _timeout_flag(train)
     _train_flags(train)
     train.add_argument("--seed", type=int, help="shuffle seed")
@@ -394,6 +410,7 @@ def _plan_command(sub) -> None:
     source.add_argument("--preset", choices=sorted(PRESETS), help="plan a preset model")
     plan.add_argument("--world", type=_at_least_one, help="number of ranks (default: dp*pp*tp)")
     _layout_flags(plan)
+    _sequence_parallel_flag(plan)
     plan.add_argument("--batch", type=int, help="prompts in the batch")
     plan.add_argument("--prompt-length", type=int, help="longest prompt, in tokens")
     plan.add_argument("--max-new-tokens", type=int)

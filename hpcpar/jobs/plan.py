@@ -15,14 +15,14 @@ import numpy as np
 from ..models.config import ModelConfig, ep_problems
 from ..models.decoder import PREFILL_CHUNK
 from ..models.kv_blocks import block_bytes, blocks_for
-from ..models.kv_cache import kv_cache_bytes
-from ..models.sharding import piece_of
+from ..models.kv_cache import kv_cache_bytes, kv_entry
+from ..models.sharding import padded_vocab_size, piece_of
 from ..models.tensors import StageSpan, stage_tensors
 from ..parallel.context_parallel.ring_attention import ContextShard
 from ..parallel.pipeline.partition import stage_layers
 from ..parallel.pipeline.schedule import bubble_fraction, draw, gpipe_forward
 from ..parallel.tensor.splits import expert_block
-from .generate.memory import (StageMemory, paged_cache_bytes, rank_widths, rows_at_once,
+from .generate.memory import (StageMemory, paged_cache_bytes, rows_at_once,
                               stage_memory)
 from .generate.paged_rows import paging_refusal
 from .job import GenerateSection, TrainSection
@@ -76,7 +76,6 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
     bound where prompts are shorter), else contiguous."""
     gen = gen or GenerateSection()
     rows = rows_at_once(layout, batch, prompt_length, gen)
-    w = rank_widths(cfg, layout.tp)
     # the device path's KV cache: paged behind its switch, where paging serves the job
     paged = (gen.prefix_cache is not False
              and paging_refusal(gen, gen.prompt_logprobs is not None, layout.cp, True) is None)
@@ -90,11 +89,11 @@ def plan_stages(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         weights = sum(sizes.values())
         experts = sum(sizes[spec.name] for spec in specs if spec.expert is not None)
         reduces = (2 * len(layers) + (1 if first else 0)) if layout.tp > 1 else 0
-        kv_heads = w.kv // cfg.head_dim
-        kv = (paged_cache_bytes(len(layers), kv_heads, cfg.head_dim, rows.cached,
-                                prompt_length + max_new_tokens, itemsize, gen) if paged
+        kv_heads, k_dim, v_dim = kv_entry(cfg, layout.tp)
+        kv = (paged_cache_bytes(len(layers), kv_heads, k_dim, rows.cached,
+                                prompt_length + max_new_tokens, itemsize, gen, v_dim) if paged
               else kv_cache_bytes(len(layers), rows.cached, kv_heads,
-                                  prompt_length + max_new_tokens, cfg.head_dim, itemsize))
+                                  prompt_length + max_new_tokens, k_dim, itemsize, v_dim))
         memory = stage_memory(cfg, layout.tp, rows, prompt_length,
                               StageSpan(layers, first, last), specs, sizes, kv, itemsize, gen)
         out.append(StageEstimate(
@@ -150,6 +149,7 @@ def format_plan(cfg: ModelConfig, layout: ParallelConfig, batch: int, prompt_len
         f"of {rows.decode}; on the CPU (NumPy) a prefill runs {PREFILL_CHUNK} positions at "
         "a time",
         paged_cache_line(cfg, layout, top, batch, prompt_length + max_new_tokens, itemsize, gen),
+    ] + ([mla_cache_line(cfg, layout.tp, itemsize)] if cfg.mla else []) + [
         f"pipeline bubble with {M} micro-batch(es): (S-1)/(S+M-1) = "
         f"{bubble_fraction(layout.pp, M):.1%}",
         "prefill schedule (GPipe forward; F<m> = micro-batch m computing, . = idle):",
@@ -169,9 +169,9 @@ def paged_cache_line(cfg: ModelConfig, layout: ParallelConfig, top: StageEstimat
     reason = paging_refusal(gen, gen.prompt_logprobs is not None, layout.cp, False)
     if reason:
         return f"KV cache: contiguous, no prefix cache: {reason}"
-    kv_heads = max(cfg.num_key_value_heads // layout.tp, 1)
-    per_block = block_bytes(len(top.layers), kv_heads, gen.kv_block_size, cfg.head_dim,
-                            itemsize)
+    kv_heads, k_dim, v_dim = kv_entry(cfg, layout.tp)
+    per_block = block_bytes(len(top.layers), kv_heads, gen.kv_block_size, k_dim, itemsize,
+                            v_dim)
     per_row = blocks_for(row_length, gen.kv_block_size)
     rows = -(-batch // layout.dp)
     text = (f"paged KV cache (continuous batching on host arrays): blocks of "
@@ -185,6 +185,21 @@ def paged_cache_line(cfg: ModelConfig, layout: ParallelConfig, top: StageEstimat
     return text
 
 
+def mla_cache_line(cfg: ModelConfig, tp: int, itemsize: int) -> str:
+    """What latent attention's cache holds per token, against the same model's with
+    ordinary attention (every head's keys and values, split over tp)."""
+    layers, nh = cfg.num_hidden_layers, cfg.num_attention_heads
+    latent = (cfg.kv_lora_rank + cfg.head_dim) * itemsize
+    ordinary = nh * (cfg.qk_head_dim + cfg.v_head_dim) * itemsize
+    return (f"KV cache per token: latent attention holds the latent ({cfg.kv_lora_rank}) and "
+            f"the rope key ({cfg.head_dim}) once for every head, {latent} B a layer, "
+            f"{_size(latent * layers)} over {layers} layers, on every tp rank (replicated); "
+            f"the same model with ordinary attention would hold {nh} heads' keys "
+            f"({cfg.qk_head_dim}) and values ({cfg.v_head_dim}), {_size(ordinary * layers)} "
+            f"({_size(ordinary * layers // tp)} per rank at tp {tp}): "
+            f"{ordinary / latent:.1f}x the latent's")
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -196,10 +211,12 @@ PLAN_SEQ_LEN = 64          # the tokens per sample a training plan assumes when 
 
 
 def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: int,
-                      train: TrainSection, model_name: str) -> str:
+                      train: TrainSection, model_name: str,
+                      sequence_parallel: bool = False, itemsize: int = 4) -> str:
     """Training: per stage, parameters, weights + gradients + optimizer state (split over dp
-    with ZeRO-1), activations of one micro-batch and at the schedule's peak; the bubble and
-    the drawn schedule."""
+    x cp by ZeRO's stage), activations of one micro-batch and at the schedule's peak (the
+    norms' and residuals' split over tp with ``sequence_parallel``); the bubble and the
+    drawn schedule. ``itemsize``: the compute dtype's (float32 masters either way)."""
     from ..parallel.pipeline.training_schedules import (bubble_formula, micro_batch_problems,
                                                         training_schedule)
     p, M, V = layout.pp, layout.micro_batches, virtual_stages
@@ -217,7 +234,9 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         + (f" ({here} positions per rank of cp {layout.cp})" if layout.cp > 1 else "")
         + (f", {V} chunks per stage" if V > 1 else "")
         + f"; {train.optimizer}; recompute {'full' if train.recompute == 'full' else 'none'}"
-        + (f"; ZeRO-1 over dp x cp {holders}" if train.zero and holders > 1 else ""),
+        + (f"; ZeRO-{train.zero} over dp x cp {holders}" if train.zero and holders > 1 else "")
+        + (f"; sequence parallel over tp {layout.tp}" if sequence_parallel and layout.tp > 1
+           else ""),
         "",
         f"{'stage':>5} {'layers':>10} {'params/rank':>12} {'weights+grads':>14} "
         f"{'optimizer':>10} {'act./micro-batch':>17} {'peak act.':>10} {'total':>10}",
@@ -232,7 +251,10 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         lines.insert(2, f"experts: {cfg.num_experts} per MoE layer, top-{cfg.experts_per_token}"
                      f", {cfg.num_experts // max(1, layout.ep)} per rank (ep {layout.ep}); "
                      "expert gradients summed over the dp / ep replicas holding them")
-    lines += [_train_stage_row(cfg, layout, V, s, train, rows, here) for s in range(p)]
+    if train.zero >= 2 and holders > 1:
+        lines.insert(2, _zero_units_line(cfg, layout, train.zero, itemsize))
+    lines += [_train_stage_row(cfg, layout, V, s, train, rows, here, sequence_parallel,
+                               itemsize) for s in range(p)]
     problems = micro_batch_problems(kind, p, M, V)
     if problems:
         return "\n".join(lines + ["", "cannot run: " + "; ".join(problems)])
@@ -247,6 +269,38 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
     return "\n".join(lines)
 
 
+def _largest_layer(cfg: ModelConfig, layout: ParallelConfig) -> int:
+    """The parameters of the largest decoder layer on one rank."""
+    experts = rank0_experts(cfg, layout.ep)
+    return max(sum(int(np.prod(piece_of(spec, cfg, 0, layout.tp).shape))
+                   for spec in stage_tensors(cfg, range(i, i + 1), False, False, experts))
+               for i in range(cfg.num_hidden_layers))
+
+
+def zero_transient_bytes(cfg: ModelConfig, layout: ParallelConfig, zero: int,
+                         itemsize: int) -> int:
+    """What ZeRO 2 and 3 hold whole at once, at most: float32 gradients of a layer and of
+    the head and final norm (a tied embedding's through the whole backward), and with stage 3
+    the weights of two layers (one gathered ahead) and of the head and final norm."""
+    if zero < 2 or layout.dp * layout.cp == 1:
+        return 0
+    layer = _largest_layer(cfg, layout)
+    vocab = (padded_vocab_size(cfg.vocab_size, layout.tp) // layout.tp + 1) * cfg.hidden_size
+    return (layer + vocab) * 4 + ((2 * layer + vocab) * itemsize if zero == 3 else 0)
+
+
+def _zero_units_line(cfg: ModelConfig, layout: ParallelConfig, zero: int,
+                     itemsize: int) -> str:
+    layer = _largest_layer(cfg, layout)
+    text = (f"ZeRO-{zero}: each layer's gradients whole while its backward runs (the largest "
+            f"layer: {_size(layer * 4)} per rank), summed into each rank's piece every "
+            "micro-batch")
+    if zero == 3:
+        text += (f"; its weights gathered before its forward and its backward, the next "
+                 f"layer's ahead ({_size(2 * layer * itemsize)} for two layers)")
+    return text + "; counted in each stage's total"
+
+
 def lora_settings(train: TrainSection):
     """The run's LoRA settings (``models.lora.LoraSettings``), or None without LoRA."""
     from ..models.lora import DEFAULT_TARGETS, LoraSettings
@@ -256,19 +310,23 @@ def lora_settings(train: TrainSection):
                         tuple(train.lora_targets or DEFAULT_TARGETS))
 
 
-def adapter_count(cfg: ModelConfig, chunks, train: TrainSection, tp: int) -> int:
-    """The adapter parameters a rank of tp ``tp`` holds for the layers of ``chunks``."""
+def adapter_count(cfg: ModelConfig, chunks, train: TrainSection, tp: int,
+                  experts: range | None = None) -> tuple[int, int]:
+    """The adapter parameters a rank of tp ``tp`` holds for the layers of ``chunks`` (of the
+    experts ``experts`` only: its ep block), and how many of them are the experts'."""
     from ..models.lora import adapter_specs
     settings = lora_settings(train)
-    return sum(int(np.prod(piece_of(spec, cfg, 0, tp).shape))
-               for layers in chunks for spec in adapter_specs(cfg, layers, settings))
+    sizes = [(int(np.prod(piece_of(spec, cfg, 0, tp).shape)), spec.expert is not None)
+             for layers in chunks for spec in adapter_specs(cfg, layers, settings, experts)]
+    return sum(n for n, _ in sizes), sum(n for n, expert in sizes if expert)
 
 
 def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
-                     train: TrainSection, rows: int, here: int) -> str:
+                     train: TrainSection, rows: int, here: int,
+                     sequence_parallel: bool = False, itemsize: int = 4) -> str:
     """Stage ``s``'s line of the training plan."""
     from ..parallel.pipeline.training_schedules import peak_activations_formula
-    from .train.memory import FLOAT, activation_bytes, state_bytes
+    from .train.memory import activation_bytes, parameter_state_bytes
     from .train.setup import chunk_layers
     p, M, kind = layout.pp, layout.micro_batches, layout.schedule
     chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
@@ -281,25 +339,25 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
             count += n
             experts += n if spec.expert is not None else 0
         act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
-                                train.recompute == "full")
+                                train.recompute == "full",
+                                sequence_parallel=sequence_parallel and layout.tp > 1)
     per_mb = act // len(chunks)
     peak = peak_activations_formula(kind, p, M, s, V) * per_mb
     base = 0
     if train.lora_rank:          # the base frozen (its weights alone), the adapters trained
-        base, count, experts = count, adapter_count(cfg, chunks, train, layout.tp), 0
-    st = state_bytes(count, train.optimizer)
-    st["weights"] += base * FLOAT
-    if train.zero:      # dense state over dp x cp, an expert's over the dp / ep holding it,
-        # each rank's piece with its own float32 weights (the copy its optimizer updates)
-        def sharded(n: int) -> int:
-            return state_bytes(n, train.optimizer)["optimizer"] + n * FLOAT
-        dense, moe = sharded(count - experts), sharded(experts)
-        st["optimizer"] = (-(-dense // (layout.dp * layout.cp))
-                           + -(-moe // (layout.dp // layout.ep * layout.cp)))
+        base = count
+        count, experts = adapter_count(cfg, chunks, train, layout.tp,
+                                       rank0_experts(cfg, layout.ep))
+    # dense weights held by dp x cp, an expert's by the dp / ep replicas holding it (x cp)
+    st = parameter_state_bytes(count, experts, layout.dp * layout.cp,
+                               layout.dp // layout.ep * layout.cp, train.zero, train.optimizer,
+                               itemsize)
+    st["weights"] += base * itemsize
+    transient = zero_transient_bytes(cfg, layout, train.zero, itemsize)
     span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
     return (f"{s:>5} {span:>10} {(base + count) / 1e6:>11.2f}M "
             f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "
             f"{_size(per_mb):>17} {_size(peak):>10} "
-            f"{_size(sum(st.values()) + peak):>10}")
+            f"{_size(sum(st.values()) + peak + transient):>10}")
 
 

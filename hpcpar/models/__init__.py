@@ -18,18 +18,20 @@ decoder, the split plan and the programs follow the features and never name a fa
     gemma3_text  Gemma 2's block with per-head q/k norms; local layers' own rope base
     olmo2    norms of each block's output only, q/k norms over the whole projection
     mixtral, qwen2_moe, qwen3_moe   a mixture of experts (``moe``)
+    deepseek_v2, deepseek_v3   latent attention (``latent_attention``), DeepSeek's routers
 """
 
 from __future__ import annotations
 
 from ..parallel.errors import HpcparError
-from . import (gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen2_moe,
-               qwen3, qwen3_moe)
+from . import (deepseek_v2, deepseek_v3, gemma, gemma2, gemma3, llama, mistral, mixtral, olmo2,
+               phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)
 from .family import Family
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY
                                for m in (llama, mistral, qwen2, qwen3, phi3, gemma, gemma2,
-                                         gemma3, olmo2, mixtral, qwen2_moe, qwen3_moe)}
+                                         gemma3, olmo2, mixtral, qwen2_moe, qwen3_moe,
+                                         deepseek_v2, deepseek_v3)}
 
 
 def family_of(model_type: str, source: str = "config") -> Family:

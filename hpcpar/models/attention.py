@@ -79,11 +79,11 @@ class Attention:
         reads every cached one; without (training) the keys are this step's own. With
         ``keep`` (B,) host indices into T (inference), the output at those queries alone,
         (B, 1, hidden), every position's keys and values still computed and cached."""
-        B, T, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         if self.window is not None or self.scale is not None or self.softcap is not None:
             rows = replace(rows, window=self.window, scale=self.scale, softcap=self.softcap)
         q, k, v = self.qkv(x)
+        B, T = q.shape[:2]      # every position, x split along them or not (sequence parallel)
         nctx = None
         if self.qk_norms is not None and self.whole_qk_norms:     # over (B, T, nh hd)
             (q, k), nctx = self.qk_norms.forward(q, k, train)     # ``decoder.SpanNorms``
@@ -113,9 +113,9 @@ class Attention:
 
     def backward(self, dy, ctx, sink):
         x, cos, sin, actx, out, nctx = ctx
-        B, T, _ = x.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         dout = self.o.backward(dy, out, sink)                         # g backward: identity
+        B, T = dout.shape[:2]                                         # every position
         dq, dk, dv = self.ops.attention.backward(dout.reshape(B, T, nh, hd), actx)
         dq, dk = self.ops.rotary.backward(dq, dk.transpose(0, 2, 1, 3), cos, sin)
         if self.whole_qk_norms:

@@ -127,6 +127,27 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0    # training's load-balancing loss (when the config
                                          # sets output_router_logits), else 0
     router_jitter_noise: float = 0.0     # Mixtral's training-time input jitter
+    # DeepSeek's routers (``parallel.expert_parallel.routing``): scores by softmax or sigmoid,
+    # a bias added for the choice only, the choice limited to the best ``topk_groups`` of
+    # ``expert_groups`` groups (a group's score its best expert's, "max", or its best two's
+    # sum, "top2"), the weights times ``routed_scaling``; a shared expert without a gate
+    router_scoring: str = "softmax"
+    router_bias: bool = False            # e_score_correction_bias (DeepSeek-V3)
+    expert_groups: int = 1               # n_group
+    topk_groups: int = 1                 # topk_group
+    group_score: str = "max"
+    routed_scaling: float = 1.0          # routed_scaling_factor
+    shared_expert_gated: bool = True     # Qwen2-MoE's sigmoid gate; DeepSeek's none
+    # multi-head latent attention (DeepSeek-V2/V3, ``models.latent_attention``): keys and
+    # values from a latent of ``kv_lora_rank`` per token (0: ordinary attention), queries
+    # through a latent of ``q_lora_rank`` (0: one q_proj); head_dim is the rope part's
+    # (qk_rope_head_dim), each head's q and k (qk_nope_head_dim + head_dim) and v
+    # (v_head_dim) apart from it
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False        # the rope part's pairs (x0, x1), (x2, x3), ...
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -154,8 +175,18 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary)
 
     @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek's)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """A head's dimensions in q and k: head_dim, or MLA's unturned and turned parts."""
+        return self.qk_nope_head_dim + self.head_dim if self.mla else self.head_dim
+
+    @property
     def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
+        return self.num_attention_heads * self.qk_head_dim
 
     @property
     def kv_size(self) -> int:
@@ -208,6 +239,13 @@ class ModelConfig:
         if missing:
             raise ConfigError(source, [f"missing required field(s) {', '.join(missing)}"])
 
+        quantized = hf.get("quantization_config")
+        if quantized is not None:               # e.g. DeepSeek-V3's released fp8 weights
+            method = quantized.get("quant_method") if isinstance(quantized, Mapping) else None
+            raise ConfigError(source, [
+                f"quantization_config ({method if method else repr(quantized)}): hpcpar reads "
+                "float weights (float32, float16, bfloat16) only; dequantize the checkpoint "
+                "first (DeepSeek-V3's: its fp8_cast_bf16.py) and drop quantization_config"])
         full = family.defaults | dict(hf)          # what transformers' class takes for the rest
         try:
             full = family.prepare(full)
@@ -319,7 +357,7 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 out.append(f"{name} must be a positive finite number or null, got {value}")
-        out += self._moe_problems()
+        out += self._moe_problems() + self._mla_problems()
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
             out.append(f"rope type {self.rope_scaling.rope_type!r} is not supported "
                        f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -346,6 +384,40 @@ class ModelConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 out.append(f"{name} must be a finite number >= 0, got {value}")
+        return out + self._router_problems()
+
+    def _mla_problems(self) -> list[str]:
+        if not self.mla:
+            return []
+        out = [f"{name} must be a positive integer in latent attention, got {value!r}"
+               for name, value in (("qk_nope_head_dim", self.qk_nope_head_dim),
+                                   ("v_head_dim", self.v_head_dim))
+               if not isinstance(value, int) or isinstance(value, bool) or value < 1]
+        if self.num_key_value_heads != self.num_attention_heads:
+            out.append(f"num_key_value_heads {self.num_key_value_heads} is not "
+                       f"num_attention_heads {self.num_attention_heads}: latent attention "
+                       "expands one latent into every head's keys and values")
+        return out
+
+    def _router_problems(self) -> list[str]:
+        out = []
+        groups, best = self.expert_groups, self.topk_groups
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            out.append(f"scoring_func {self.router_scoring!r} is not softmax or sigmoid")
+        if not (isinstance(groups, int) and isinstance(best, int) and 1 <= best <= groups
+                and self.num_experts % groups == 0):
+            out.append(f"n_group {groups} and topk_group {best}: the groups must divide the "
+                       f"{self.num_experts} experts and 1 <= topk_group <= n_group")
+        elif self.experts_per_token > best * (self.num_experts // groups):
+            out.append(f"num_experts_per_tok {self.experts_per_token} is more than the "
+                       f"{best * (self.num_experts // groups)} experts of the topk_group "
+                       f"{best} groups a token may choose from")
+        elif self.group_score == "top2" and self.num_experts // groups < 2:
+            out.append(f"n_group {groups}: a group's score is its best two experts' sum, and "
+                       f"each group holds {self.num_experts // groups}")
+        if not (math.isfinite(self.routed_scaling) and self.routed_scaling > 0):
+            out.append(f"routed_scaling_factor must be a positive finite number, got "
+                       f"{self.routed_scaling}")
         return out
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:

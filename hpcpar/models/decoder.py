@@ -18,7 +18,9 @@ the config's features at Llama's values this is Hugging Face's ``LlamaForCausalL
 exactly, and with each family's, that family's class (``hpcpar.models``). Split by
 ``hpcpar.models.sharding``: two AllReduces per layer over tp (o_proj, down_proj), one for the
 embedding, none for the head. With tied embeddings the last stage's head is the embedding's
-weight.
+weight. Under sequence parallelism (``split_sequence``; a generation's prefill:
+``prefill_sequence_parallel``) the residual stream and the norms hold T / tp positions per tp
+rank, and each AllReduce is an AllGather before the pair and a ReduceScatter after it.
 
 Generation builds a stage from loaded tensors (``DecoderStage.from_tensors``: frozen weights,
 projections merged) and runs ``forward`` over a KV cache. Training builds it from its
@@ -37,26 +39,36 @@ from ..parallel.device.backend import host_array
 from ..parallel.device.dtypes import at_least_float32
 from ..parallel.comm import Communicator
 from ..parallel.tensor_parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear,
-                                               column_parallel, frozen_matrix, product,
-                                               row_parallel, weight_grads)
+                                               column_parallel, frozen_matrix, gathered,
+                                               product, row_parallel, weight_grads)
+from ..parallel.tensor_parallel.mappings import ScatterToGroup
 from ..parallel.expert_parallel.moe import ExpertDispatch, Experts, MoE
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
-from ..parallel.expert_parallel.routing import TopKRouter
+from ..parallel.expert_parallel.routing import Choice, TopKRouter
 from ..parallel.tensor.splits import unit_replicas
 from ..parallel.tensor_parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 from .attention import QKV, Attention
 from .config import ModelConfig, RopeScaling
-from .kv_cache import KVCache, kv_cache_bytes
+from .kv_cache import KVCache, kv_cache_bytes, kv_dims
+from .latent_attention import LatentAttention
 from .rope import RotaryEmbedding
 from .softcap import SoftCappedLMHead
 from .tensors import EXPERT_ROLES, StageSpan, TensorSpec
 
 GATE_UP = ("gate", "up")      # the MLP's projections of x that generation merges
+# the replicated weights that read sequence-split activations under sequence parallelism:
+# each tp rank's gradient is its positions' part, summed over tp (``split_sequence``)
+SEQUENCE_SPLIT_ROLES = ("input_norm", "post_attention_norm", "attn_out_norm", "mlp_out_norm",
+                        "final_norm", "shared_expert_gate")
 # the matrices generation multiplies as one GEMM (in this order) and those it multiplies
 # alone: what loading reads straight into their place (``matrix_stacks``)
-MERGED = (QKV, GATE_UP, tuple("shared_" + r for r in GATE_UP), EXPERT_ROLES[:2])
-ALONE = ("o", "down", "router", "shared_down", "shared_expert_gate", EXPERT_ROLES[2], "head")
+MERGED = (QKV, GATE_UP, tuple("shared_" + r for r in GATE_UP), EXPERT_ROLES[:2],
+          ("q_a", "kv_a"))                     # latent attention's two latents of x
+ALONE = ("o", "down", "router", "shared_down", "shared_expert_gate", EXPERT_ROLES[2], "head",
+         "q_b", "kv_b")
+
+LATENT_NORM_EPS = 1e-6       # DeepSeek's q_a_layernorm and kv_a_layernorm (their class's)
 
 # Positions per pass of a long prefill: one chunk's activations stay in a CPU's caches (the
 # MLP's of 8192 positions are 150 MB), and GEMMs of 1024 rows still run at the BLAS's peak.
@@ -223,20 +235,26 @@ class MoeMlp:
         else:
             experts = Experts(ops, [[g, u] for g, u in zip(gates, ups)], downs, cfg.activation)
         router = frozen_matrix(xp, [w["router"]]) if merge else w["router"]
-        moe = MoE(ops, TopKRouter(ops, router, cfg.experts_per_token, cfg.norm_topk_prob),
+        moe = MoE(ops, TopKRouter(ops, router, cfg.experts_per_token, cfg.norm_topk_prob,
+                                  router_choice(cfg), w.get("router_bias")),
                   experts, dispatch, tp)
         if not cfg.shared_expert_size:
             return cls(ops, moe)
         roles = {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]}
+        shared = Mlp.of(ops, roles, tp, merge, cfg.activation)
+        if not cfg.shared_expert_gated:                   # DeepSeek's: added as it is
+            return cls(ops, moe, shared)
         gate = w["shared_expert_gate"]
-        return cls(ops, moe, Mlp.of(ops, roles, tp, merge, cfg.activation),
-                   frozen_matrix(xp, [gate]) if merge else gate)
+        return cls(ops, moe, shared, frozen_matrix(xp, [gate]) if merge else gate)
 
     def forward(self, x, train: bool = False):
         y, ctx = self.moe.forward(x, train)
         if self.shared is None:
             return y, ctx
         s, shared_ctx = self.shared.forward(x, train)
+        if self.shared_gate is None:
+            y += s
+            return y, ((ctx, shared_ctx) if train else None)
         z = product(self.ops, x, self.shared_gate)
         gate = 1.0 / (1.0 + self.ops.xp.exp(-z))
         y += gate * s
@@ -246,12 +264,23 @@ class MoeMlp:
         """``dprobs``: an auxiliary loss's gradient of the router's probabilities."""
         if self.shared is None:
             return self.moe.backward(dy, ctx, sink, dprobs)
+        if self.shared_gate is None:
+            ctx, shared_ctx = ctx
+            dx = self.moe.backward(dy, ctx, sink, dprobs)
+            dx += self.shared.backward(dy, shared_ctx, sink)
+            return dx
         ctx, shared_ctx, x, s, gate = ctx
         dx = self.moe.backward(dy, ctx, sink, dprobs)
         dx += self.shared.backward(dy * gate, shared_ctx, sink)
         dz = (dy * s).sum(axis=-1, keepdims=True) * gate * (1.0 - gate)
         dx += weight_grads(self.ops, dz, x, self.shared_gate, None, sink)
         return dx
+
+
+def router_choice(cfg: ModelConfig) -> Choice:
+    """The config's way of choosing experts (DeepSeek's scores, groups and scaling)."""
+    return Choice(cfg.router_scoring, cfg.expert_groups, cfg.topk_groups, cfg.group_score,
+                  cfg.routed_scaling)
 
 
 class DecoderLayer:
@@ -272,9 +301,15 @@ class DecoderLayer:
         if cfg.qk_norm and cfg.qk_norm_whole:     # over q's and k's heads on every tp rank
             qk_norms = SpanNorms(*qk_norms, tp, (cfg.q_size, cfg.kv_size),
                                  (1, unit_replicas(cfg.num_key_value_heads, tp.size)))
-        self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms,
-                                      cfg.window_of(layer), cfg.attn_scale, cfg.attn_softcap,
-                                      cfg.qk_norm_whole)
+        if cfg.mla:     # its latents' norms: transformers' default eps, not the config's
+            self.attention = LatentAttention(
+                ops, cfg, w, tp, merge,
+                Norm(ops, w["q_a_norm"], LATENT_NORM_EPS) if cfg.q_lora_rank else None,
+                Norm(ops, w["kv_a_norm"], LATENT_NORM_EPS))
+        else:
+            self.attention = Attention.of(ops, w, cfg.head_dim, tp, merge, qk_norms,
+                                          cfg.window_of(layer), cfg.attn_scale,
+                                          cfg.attn_softcap, cfg.qk_norm_whole)
         self.mlp = (MoeMlp.of(ops, cfg, w, tp, ep, merge) if cfg.is_moe(layer)
                     else Mlp.of(ops, w, tp, merge, cfg.activation))
         pre, post = cfg.block_norms != "post", cfg.block_norms != "pre"
@@ -287,13 +322,27 @@ class DecoderLayer:
         self.ops = ops
         self.rope = None      # a rope of the layer's own (Gemma 3's local layers), else None
 
+    def split_sequence(self, axis: int | None) -> None:
+        """The layer's pairs (attention's, the MLP's or the MoE's) take and give activations
+        split along ``axis`` over tp (sequence parallelism), or whole (None)."""
+        if not isinstance(self.attention, Attention):
+            raise ValueError("sequence parallelism splits the standard attention's pair "
+                             f"only, not {type(self.attention).__name__}")
+        self.attention.qkv.sequence_axis = self.attention.o.sequence_axis = axis
+        mlp = self.mlp
+        if isinstance(mlp, MoeMlp):
+            mlp.moe.sequence_axis = axis
+            mlp = mlp.shared            # Qwen2-MoE's shared expert: a pair of its own
+        if mlp is not None:
+            mlp.gate_up.sequence_axis = mlp.down.sequence_axis = axis
+
     def forward(self, x, pending, cos, sin, rows: AttentionRows, cache: KVCache | None = None,
                 layer: int = 0, train: bool = False, keep=None):
         """(x, pending, ctx): ctx is what ``backward`` needs when ``train``, else None. With
         ``keep`` (B,) host positions, x and pending come back at those alone, (B, 1, hidden)
         (``Attention.forward``'s ``keep``)."""
         if self.rope is not None:       # tables of the layer's own rope, once for the rows
-            T, rope = x.shape[1], self.rope
+            T, rope = cos.shape[1], self.rope     # every position (x may be split)
             cos, sin = rows.cached(("rope", id(rope), T),
                                    lambda: rope.tables(rows.positions(self.ops.xp, T)))
         h, x, n1 = self._norm(pending, x, self.input_norm, train)
@@ -377,6 +426,9 @@ class DecoderStage:
         self._embed_scales: dict = {}     # the embedding's scale on the device, by dtype
         self.hidden_size = cfg.hidden_size
         self.weight_bytes = self.expert_bytes = 0        # set by the constructors
+        self.sequence_split = 1        # tp under sequence parallelism (``split_sequence``)
+        # generation: a prefill's residual stream and norms split over tp (``_forward``)
+        self.prefill_sequence_parallel = False
         # chunked prefill has not run on a GPU yet: there a prompt goes whole
         self.prefill_chunk = None if ops.device else PREFILL_CHUNK
 
@@ -421,15 +473,23 @@ class DecoderStage:
         """The KV heads this rank holds (per layer)."""
         return self.decoder[0].attention.kv_heads if self.decoder else 0
 
+    @property
+    def kv_dims(self) -> tuple[int, int]:
+        """(key, value) dimensions of each cached head: head_dim both, or latent attention's
+        latent and rope key as keys, no values (``latent_attention``)."""
+        return kv_dims(self.cfg)
+
     def kv_bytes_per_row(self, capacity: int) -> int:
         """KV-cache bytes one row of ``capacity`` tokens takes on this stage."""
-        return kv_cache_bytes(len(self.decoder), 1, self.kv_heads, capacity, self.cfg.head_dim,
-                              np.dtype(self.dtype).itemsize)
+        k, v = self.kv_dims
+        return kv_cache_bytes(len(self.decoder), 1, self.kv_heads, capacity, k,
+                              np.dtype(self.dtype).itemsize, v)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """This stage's KV cache for a micro-batch of ``batch`` rows and ``capacity`` slots."""
-        return KVCache(self.ops, len(self.decoder), batch, self.kv_heads, capacity,
-                       self.cfg.head_dim, self.dtype)
+        k, v = self.kv_dims
+        return KVCache(self.ops, len(self.decoder), batch, self.kv_heads, capacity, k,
+                       self.dtype, v)
 
     def embed(self, ids):
         """(B, T) token ids -> (B, T, hidden) (first stage)."""
@@ -496,20 +556,54 @@ class DecoderStage:
         return out
 
     def _forward(self, x, rows: AttentionRows, cache: KVCache | None, keep=None):
+        if self._prefill_splits(x, rows):
+            return self._split_forward(x, rows, cache, keep)
         cos, sin = self.positions(rows, x.shape[1])
         pending = None
         last = len(self.decoder) - 1
         for i, layer in enumerate(self.decoder):
-            if budget._current is None:
-                x, pending, _ = layer.forward(x, pending, cos, sin, rows, cache, i,
-                                              keep=keep if i == last else None)
-                continue
-            with budget.phase("layer"):           # a device budget counts each layer
-                x, pending, _ = layer.forward(x, pending, cos, sin, rows, cache, i,
-                                              keep=keep if i == last else None)
+            x, pending = self._layer(layer, i, x, pending, cos, sin, rows, cache,
+                                     keep if i == last else None)
         if keep is not None and last < 0:
             x = at_positions(self.xp, x, keep)
         return x + pending if pending is not None else x
+
+    @staticmethod
+    def _layer(layer, i, x, pending, cos, sin, rows, cache, keep):
+        if budget._current is None:
+            return layer.forward(x, pending, cos, sin, rows, cache, i, keep=keep)[:2]
+        with budget.phase("layer"):               # a device budget counts each layer
+            return layer.forward(x, pending, cos, sin, rows, cache, i, keep=keep)[:2]
+
+    def _prefill_splits(self, x, rows: AttentionRows) -> bool:
+        """Whether this pass runs sequence-parallel (``prefill_sequence_parallel``): a
+        prefill of several positions per row that tp divides, without cp."""
+        T, p = x.shape[1], self.tp.size
+        return (self.prefill_sequence_parallel and p > 1 and T > 1 and T % p == 0
+                and rows.context is None and bool(self.decoder))
+
+    def _split_forward(self, x, rows: AttentionRows, cache, keep):
+        """``_forward`` with the residual stream and the norms on this tp rank's T / tp
+        positions (sequence parallelism: each pair gathers its input and reduce-scatters its
+        output), gathered at the end, or before a last layer that keeps some queries only
+        (they read every position's state)."""
+        cos, sin = self.positions(rows, x.shape[1])
+        x, pending, last = ScatterToGroup.forward(x, self.tp, 1), None, len(self.decoder) - 1
+        split = True
+        try:
+            for i, layer in enumerate(self.decoder):
+                if keep is not None and i == last:
+                    x, pending = (None if a is None else gathered(a, self.tp, 1)
+                                  for a in (x, pending))
+                    split = False
+                layer.split_sequence(1 if split else None)
+                x, pending = self._layer(layer, i, x, pending, cos, sin, rows, cache,
+                                         keep if i == last else None)
+        finally:
+            for layer in self.decoder:
+                layer.split_sequence(None)
+        x = x + pending
+        return gathered(x, self.tp, 1) if split else x
 
     def serve_experts(self) -> None:
         """What a replica whose work is done runs while the others of its ep group still
@@ -526,6 +620,22 @@ class DecoderStage:
     def final_hidden(self, x):
         """The final norm of x (B, T, hidden): what the head reads (last stage)."""
         return self.norm.forward(x)[0]
+
+    def split_sequence(self, axis: int = 1) -> None:
+        """Megatron's sequence parallelism over this stage's tp group: the activations
+        between the column/row pairs (the embedding's output, the norms, the residual
+        stream, what goes to the next stage) split along ``axis`` into tp equal parts,
+        each rank its own positions. Each pair's input is AllGathered and its output
+        ReduceScattered (layers.py), the embedding's sum a ReduceScatter, the head's input
+        gathered; a MoE layer gathers its input and routes every token on every tp rank.
+        The weights in ``SEQUENCE_SPLIT_ROLES`` then get partial gradients, summed over tp
+        by the trainer."""
+        for layer in self.decoder:
+            layer.split_sequence(axis)
+        for part in (self.embedding, getattr(self, "head", None)):
+            if part is not None:
+                part.sequence_axis = axis
+        self.sequence_split = self.tp.size if axis is not None else 1
 
     def logits(self, x):
         """(B, T, hidden) -> this rank's (B, T, vocab_per_partition) float32 logits (last)."""

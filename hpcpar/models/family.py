@@ -5,6 +5,7 @@ follow a ``TransformerConfig``."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -96,6 +97,15 @@ class Family:
     # the config.json (its defaults filled in) as the shared parsing reads it: Gemma 3's rope
     # per layer type becomes the full-attention layers' rope and the local layers' base
     prepare: Callable[[Mapping[str, Any]], Mapping[str, Any]] = lambda hf: hf
+
+    # tensors of a checkpoint transformers' class skips on load (its
+    # ``_keys_to_ignore_on_load_unexpected``: DeepSeek-V3's multi-token-prediction layer),
+    # as regular expressions that convert skips too
+    ignored: tuple[str, ...] = ()
+
+    def ignores(self, name: str) -> bool:
+        """Whether transformers' class skips the checkpoint's tensor ``name`` on load."""
+        return any(re.match(pattern, name) for pattern in self.ignored)
 
     def layer_name(self, role: str, layer: int, expert: int | None = None) -> str:
         """A layer's tensor of ``role`` (an expert's: of expert ``expert``)."""

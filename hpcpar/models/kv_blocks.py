@@ -54,9 +54,11 @@ def blocks_for(length: int, block_size: int) -> int:
 
 
 def block_bytes(num_layers: int, kv_heads: int, block_size: int, head_dim: int,
-                itemsize: int) -> int:
-    """The bytes one block takes on a stage: its keys and values in every layer."""
-    return 2 * num_layers * kv_heads * block_size * head_dim * itemsize
+                itemsize: int, v_dim: int | None = None) -> int:
+    """The bytes one block takes on a stage: its keys and values in every layer (values of
+    ``v_dim`` where given: latent attention's 0)."""
+    dims = head_dim + (head_dim if v_dim is None else v_dim)
+    return num_layers * kv_heads * block_size * dims * itemsize
 
 
 def blocks_within(nbytes: int, per_block: int) -> int:

@@ -10,14 +10,33 @@ zero probability).
 from __future__ import annotations
 
 
+def kv_dims(cfg) -> tuple[int, int]:
+    """(key, value) dimensions of a cached head of ``cfg``: head_dim both, or latent
+    attention's one head of latent and rope key, held as keys, with no values (they are
+    the keys: ``models.latent_attention``)."""
+    if cfg.mla:
+        return cfg.kv_lora_rank + cfg.head_dim, 0
+    return cfg.head_dim, cfg.head_dim
+
+
+def kv_entry(cfg, tp: int) -> tuple[int, int, int]:
+    """(heads, key dims, value dims) a tp rank caches per token and layer: its KV heads (a
+    KV head held by several ranks counts on each), or latent attention's one latent head,
+    the same on every tp rank (replicated, not split)."""
+    k, v = kv_dims(cfg)
+    return (1 if cfg.mla else max(cfg.num_key_value_heads // tp, 1)), k, v
+
+
 class KVCache:
-    """k and v of shape (layers, batch, kv_heads_per_partition, capacity, head_dim)."""
+    """k and v of shape (layers, batch, kv_heads_per_partition, capacity, head_dim) (v's last
+    dimension ``v_dim`` where given: 0 for latent attention)."""
 
     def __init__(self, ops, num_layers: int, batch: int, kv_heads: int, capacity: int,
-                 head_dim: int, dtype):
+                 head_dim: int, dtype, v_dim: int | None = None):
         shape = (num_layers, batch, kv_heads, capacity, head_dim)
         self.k = ops.xp.zeros(shape, dtype=dtype)
-        self.v = ops.xp.zeros(shape, dtype=dtype)
+        self.v = ops.xp.zeros(shape[:-1] + (head_dim if v_dim is None else v_dim,),
+                              dtype=dtype)
         self.capacity = capacity
         self.kv_write = ops.kv_write
 
@@ -68,6 +87,7 @@ class CacheRows:
 
 
 def kv_cache_bytes(num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                   itemsize: int) -> int:
+                   itemsize: int, v_dim: int | None = None) -> int:
     """What ``KVCache`` allocates, for planning without allocating."""
-    return 2 * num_layers * batch * kv_heads * capacity * head_dim * itemsize
+    dims = head_dim + (head_dim if v_dim is None else v_dim)
+    return num_layers * batch * kv_heads * capacity * dims * itemsize

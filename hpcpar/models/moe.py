@@ -23,8 +23,9 @@ MIXTRAL_NAMES = dict(
     expert_up="block_sparse_moe.experts.{e}.w3.weight",
     expert_down="block_sparse_moe.experts.{e}.w2.weight")
 
-# fields of routers hpcpar does not compute (DeepSeek-V3's grouped and biased top-k, sigmoid
-# scores, scaled weights) and the value at which each would be the plain softmax top-k
+# fields of routers the softmax top-k families do not compute (DeepSeek's grouped and biased
+# top-k, sigmoid scores, scaled weights: ``deepseek_v2``) and the value at which each would
+# be the plain softmax top-k
 OTHER_ROUTERS = {"n_group": (None, 1), "topk_group": (None, 1), "topk_method": (None, "greedy"),
                  "scoring_func": (None, "softmax"), "routed_scaling_factor": (None, 1, 1.0),
                  "e_score_correction_bias": (None,), "moe_router_enable_expert_bias": (None,
@@ -52,8 +53,9 @@ def moe_features(hf: Mapping[str, Any], experts: int, intermediate: int, routed:
     for key, plain in OTHER_ROUTERS.items():
         if hf.get(key) not in plain:
             raise FieldError(f"{key} {hf.get(key)!r}: a router with grouped, biased or scaled "
-                             "top-k (DeepSeek-V3's) is not supported; hpcpar routes by softmax "
-                             "top-k over all experts (Mixtral, Qwen2-MoE, Qwen3-MoE)")
+                             f"top-k is not {hf.get('model_type')}'s, whose transformers class "
+                             "routes by softmax top-k over all experts (DeepSeek's families "
+                             "run such routers: deepseek_v2, deepseek_v3)")
     coef = _number(hf, "router_aux_loss_coef")
     return {"num_experts": experts, "experts_per_token": _count(hf, "num_experts_per_tok"),
             "moe_intermediate_size": intermediate, "moe_layers": tuple(routed),

@@ -23,24 +23,27 @@ from .kv_blocks import NO_BLOCK, BlockTables, block_bytes, check_block_size
 
 
 def paged_kv_cache_bytes(num_layers: int, num_blocks: int, kv_heads: int, block_size: int,
-                         head_dim: int, itemsize: int) -> int:
+                         head_dim: int, itemsize: int, v_dim: int | None = None) -> int:
     """What ``PagedKVCache`` allocates (its null block too), for planning without
     allocating."""
-    return (num_blocks + 1) * block_bytes(num_layers, kv_heads, block_size, head_dim, itemsize)
+    return (num_blocks + 1) * block_bytes(num_layers, kv_heads, block_size, head_dim, itemsize,
+                                          v_dim)
 
 
 class PagedKVCache:
     """k and v of shape (layers, num_blocks + 1, kv_heads_per_partition, block_size,
-    head_dim), the last block the null block; a step's rows read and write through the
-    block tables it is bound to (``bind``)."""
+    head_dim), the last block the null block (v's last dimension ``v_dim`` where given: 0
+    for latent attention); a step's rows read and write through the block tables it is
+    bound to (``bind``)."""
 
     def __init__(self, ops, num_layers: int, num_blocks: int, kv_heads: int, block_size: int,
-                 head_dim: int, dtype):
+                 head_dim: int, dtype, v_dim: int | None = None):
         self.block_size = check_block_size(block_size)
         shape = (num_layers, num_blocks + 1, kv_heads, block_size, head_dim)
         self.xp = ops.xp
+        self.v_dim = head_dim if v_dim is None else v_dim
         self.k = self.xp.zeros(shape, dtype=dtype)
-        self.v = self.xp.zeros(shape, dtype=dtype)
+        self.v = self.xp.zeros(shape[:-1] + (self.v_dim,), dtype=dtype)
         self.num_blocks, self.kv_heads, self.head_dim = num_blocks, kv_heads, head_dim
         self.null_block = num_blocks
         self.tables: BlockTables | None = None
@@ -69,7 +72,7 @@ class PagedKVCache:
         # one position more, where the writes the pool sends to its null block go
         shape = (self.k.shape[0], B, self.kv_heads, W * self.block_size + 1, self.head_dim)
         self.rows_k = self.xp.zeros(shape, dtype=self.k.dtype)
-        self.rows_v = self.xp.zeros(shape, dtype=self.v.dtype)
+        self.rows_v = self.xp.zeros(shape[:-1] + (self.v_dim,), dtype=self.v.dtype)
         self._gather_rows(np.arange(B))
         return self
 
@@ -126,7 +129,7 @@ class PagedKVCache:
             for store, rows_store in ((self.k, self.rows_k), (self.v, self.rows_v)):
                 # (layers, B, kv, W, bs, hd): a view of all positions but the last
                 as_blocks = rows_store[:, :, :, :W * bs].reshape(
-                    rows_store.shape[:3] + (W, bs, self.head_dim))
+                    rows_store.shape[:3] + (W, bs, rows_store.shape[-1]))
                 for layer in range(store.shape[0]):
                     as_blocks[layer, index] = store[layer][blocks].transpose(0, 2, 1, 3, 4)
 
@@ -194,9 +197,10 @@ class PagedKVCache:
         of their blocks in position order."""
         B, W = self._blocks.shape
         heads = self.xp.arange(self.kv_heads)[None, :, None]
-        shape = (B, self.kv_heads, W * self.block_size, self.head_dim)
+        shape = (B, self.kv_heads, W * self.block_size)
         index = (self._blocks[:, None, :], heads)                # -> (B, kv, W, bs, hd)
-        return self.k[layer][index].reshape(shape), self.v[layer][index].reshape(shape)
+        return (self.k[layer][index].reshape(shape + (self.head_dim,)),
+                self.v[layer][index].reshape(shape + (self.v_dim,)))
 
     def copy_blocks(self, pairs) -> None:
         """Block target becomes a copy of block source in every layer, for each (source,

@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from .config import ModelConfig
+from .yarn import yarn_mscale
 
 
 def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -55,12 +56,9 @@ def attention_factor(cfg: ModelConfig) -> float:
         old = s.original_max_position_embeddings
         return 1.0 if s.factor <= 1 else math.sqrt(1 + math.log(s.factor) / math.log(old))
 
-    def yarn_scale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if s.mscale and s.mscale_all_dim:
-        return yarn_scale(s.factor, s.mscale) / yarn_scale(s.factor, s.mscale_all_dim)
-    return yarn_scale(s.factor)
+        return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim)
+    return yarn_mscale(s.factor)
 
 
 def _yarn(inv_freq, theta: float, d: int, s) -> np.ndarray:

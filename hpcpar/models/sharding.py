@@ -8,6 +8,8 @@ Megatron's plan, on Hugging Face ``[out, in]`` weights:
                         tp/kv_heads ranks when kv_heads < tp; q/k norms over the whole
                         projection (OLMo 2) as q and k
     o, down             row-parallel, ``Shard(1)``: input features; o by whole heads
+    q_b, kv_b           latent attention's expansions into heads: column-parallel by whole
+                        heads; its latents' projections (q_a, kv_a) and norms replicated
     embed, lm_head      vocab-parallel, ``Shard(0, padded=True)``: the vocabulary in blocks of
                         ceil(V / tp), padded with zero rows so every rank holds the same shape
     norms, o/down bias  ``Replicate()`` (a row-parallel bias is added once, after the AllReduce)
@@ -46,11 +48,16 @@ PLACEMENT_OF_ROLE = {
     "router": REPLICATED, "shared_expert_gate": REPLICATED,
     "expert_gate": COLUMN, "expert_up": COLUMN, "expert_down": ROW,
     "shared_gate": COLUMN, "shared_up": COLUMN, "shared_down": ROW,
+    "router_bias": REPLICATED,
+    # latent attention: the latents' projections and norms on every rank, the expansions
+    # into heads (q_b, kv_b) by whole heads as q is
+    "q_a": REPLICATED, "q_a_norm": REPLICATED, "kv_a": REPLICATED, "kv_a_norm": REPLICATED,
+    "q_b": COLUMN, "kv_b": COLUMN,
     "fused": COLUMN,      # a stored fused tensor, whole (its parts are split each)
     "final_norm": REPLICATED,
 }
 
-HEADS = ("q", "q_bias", "o")                  # whole attention heads, never replicated
+HEADS = ("q", "q_bias", "o", "q_b", "kv_b")   # whole attention heads, never replicated
 KV_HEADS = ("k", "v", "k_bias", "v_bias")     # whole KV heads, replicated when kv_heads < tp
 WHOLE_NORMS = ("q_norm", "k_norm")            # over the whole projection: cut as q and k are
 
@@ -68,8 +75,17 @@ def placement_of(spec: TensorSpec, cfg: ModelConfig) -> Shard | Replicate:
         return Shard(0, unit=cfg.head_dim)
     placement = PLACEMENT_OF_ROLE[spec.role]
     if spec.role in HEADS or spec.role in KV_HEADS:
-        return Shard(placement.dim, unit=cfg.head_dim)
+        return Shard(placement.dim, unit=head_unit(spec.role, cfg))
     return placement
+
+
+def head_unit(role: str, cfg: ModelConfig) -> int:
+    """A head's rows (columns of o) in the tensor of ``role``: head_dim, or latent
+    attention's q/k head, v head, and the pair of k's unturned part and v (kv_b)."""
+    if not cfg.mla:
+        return cfg.head_dim
+    return {"o": cfg.v_head_dim,
+            "kv_b": cfg.qk_nope_head_dim + cfg.v_head_dim}.get(role, cfg.qk_head_dim)
 
 
 def piece_of(spec: TensorSpec, cfg: ModelConfig, tp_rank: int, tp_size: int) -> Piece:

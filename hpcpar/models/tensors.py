@@ -92,6 +92,9 @@ def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]
                            cfg.head_dim)
     out = {"input_norm": (h,), "q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q),
            "post_attention_norm": (h,)}
+    if cfg.mla:
+        del out["q"], out["k"], out["v"]
+        out |= latent_shapes(cfg)
     if cfg.block_norms == "post":                  # norms of the blocks' outputs only
         del out["input_norm"], out["post_attention_norm"]
     if cfg.block_norms != "pre":
@@ -100,9 +103,12 @@ def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]
         e, s = cfg.moe_intermediate_size, cfg.shared_expert_size
         out |= {"router": (cfg.num_experts, h), "expert_gate": (e, h), "expert_up": (e, h),
                 "expert_down": (h, e)}
+        if cfg.router_bias:                        # DeepSeek-V3's, for the choice only
+            out["router_bias"] = (cfg.num_experts,)
         if s:
-            out |= {"shared_gate": (s, h), "shared_up": (s, h), "shared_down": (h, s),
-                    "shared_expert_gate": (1, h)}
+            out |= {"shared_gate": (s, h), "shared_up": (s, h), "shared_down": (h, s)}
+            if cfg.shared_expert_gated:
+                out["shared_expert_gate"] = (1, h)
     else:
         out |= {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
     if cfg.qkv_bias:
@@ -115,6 +121,18 @@ def layer_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]
     if cfg.mlp_bias:
         out |= {"gate_bias": (inter,), "up_bias": (inter,), "down_bias": (h,)}
     return out
+
+
+def latent_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Latent attention's tensors (``latent_attention``): q through its latent (or one
+    q_proj), the kv latent with the rope key, its expansion into heads, o over v's heads."""
+    h, nh, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    q = nh * cfg.qk_head_dim
+    out = ({"q_a": (cfg.q_lora_rank, h), "q_a_norm": (cfg.q_lora_rank,),
+            "q_b": (q, cfg.q_lora_rank)} if cfg.q_lora_rank else {"q": (q, h)})
+    return out | {"kv_a": (r + cfg.head_dim, h), "kv_a_norm": (r,),
+                  "kv_b": (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
+                  "o": (h, nh * cfg.v_head_dim)}
 
 
 def inert_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

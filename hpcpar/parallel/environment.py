@@ -192,6 +192,9 @@ ENVIRONMENT: dict[str, tuple[Any, Any]] = {
     "HPCPAR_OPS": (Choice(("auto", "native", "device"), note=(
         "native: the NumPy reference ops on a GPU too, for checks; device: the GPU's table "
         "on the strict backend, each kernel counted as one operation")), "auto"),
+    "HPCPAR_NCCL_OVERLAP": (Choice(("0", "1"), YES_NO, note=(
+        "1: NCCL's non-blocking gathers (ZeRO-3's) on a stream of their own, beside the "
+        "compute; it has not run on two GPUs yet")), "0"),
 }
 
 

@@ -75,6 +75,11 @@ class Widths:
 
 
 def rank_widths(cfg: ModelConfig, tp: int) -> Widths:
+    if cfg.mla:       # latent attention: q by heads, the latent and rope key on every rank
+        return Widths(tp, cfg.hidden_size, cfg.num_attention_heads // tp * cfg.qk_head_dim,
+                      cfg.kv_lora_rank + cfg.head_dim, cfg.intermediate_size // tp,
+                      padded_vocab_size(cfg.vocab_size, tp) // tp, cfg.head_dim,
+                      cfg.moe_intermediate_size // tp, cfg.shared_expert_size // tp)
     k_proj = next(s for s in layer_tensors(cfg, 0) if s.role == "k")
     return Widths(tp, cfg.hidden_size, cfg.num_attention_heads // tp * cfg.head_dim,
                   piece_of(k_proj, cfg, 0, tp).shape[0], cfg.intermediate_size // tp,
@@ -156,19 +161,19 @@ def _logit_bytes(w: Widths, rows: int, itemsize: int, gen: GenerateSection) -> i
 
 
 def paged_cache_bytes(layers: int, kv_heads: int, head_dim: int, rows: int, row_length: int,
-                      itemsize: int, gen: GenerateSection) -> int:
+                      itemsize: int, gen: GenerateSection, v_dim: int | None = None) -> int:
     """A stage's paged KV cache (``paged_rows.PagedRows``) for ``rows`` rows of
     ``row_length`` positions, each micro-batch's rows in flight at once: the pool, every
     row's blocks at its end or the fewer ``--kv-memory`` bytes hold, and its null block;
     each micro-batch's rows also in position order (``PagedKVCache.contiguous``), their
     blocks' positions and one more. The blocks prompts share are not taken out: a bound."""
-    per_block = block_bytes(layers, kv_heads, gen.kv_block_size, head_dim, itemsize)
+    per_block = block_bytes(layers, kv_heads, gen.kv_block_size, head_dim, itemsize, v_dim)
     width = blocks_for(row_length, gen.kv_block_size)
     blocks = rows * width
     if gen.kv_memory > 1:
         blocks = min(blocks, int(gen.kv_memory // per_block))
     views = kv_cache_bytes(layers, rows, kv_heads, width * gen.kv_block_size + 1, head_dim,
-                           itemsize)
+                           itemsize, v_dim)
     return (blocks + 1) * per_block + views
 
 

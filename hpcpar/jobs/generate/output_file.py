@@ -87,7 +87,7 @@ class RunShape:
 # the fingerprint's keys, as a refused resume names them
 _SETTING_NAMES = {"checkpoint": "checkpoint path", "model": "model config",
                   "prompts_sha256": "prompts (their ids, limits or own sampling)",
-                  "dtype": "compute dtype"}
+                  "dtype": "compute dtype", "lora": "LoRA adapter (--lora)"}
 
 
 def settings_differ(stored: dict, run: dict) -> list[str]:
@@ -96,7 +96,7 @@ def settings_differ(stored: dict, run: dict) -> list[str]:
     for key in sorted(set(stored) | set(run)):
         if stored.get(key) != run.get(key):
             name = _SETTING_NAMES.get(key, key)
-            if key in ("checkpoint", "model", "prompts_sha256"):
+            if key in ("checkpoint", "model", "prompts_sha256", "lora"):
                 out.append(name)
             else:
                 out.append(f"{name} {json.dumps(run.get(key))} (the stopped run had "

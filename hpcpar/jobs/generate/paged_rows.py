@@ -59,8 +59,9 @@ def kv_pool_blocks(settings, stage, mbs, limits, backend, world, comm) -> int:
     ranks. A pool that cannot hold the longest row of any replica (its prompt and its new
     tokens), or ``--kv-memory`` beyond a rank's free memory, is refused on every rank of
     ``comm`` (the world's MPI communicator)."""
-    per = block_bytes(len(stage.decoder), stage.kv_heads, settings.kv_block_size,
-                      stage.cfg.head_dim, np.dtype(stage.dtype).itemsize)
+    k_dim, v_dim = stage.kv_dims           # (latent attention's: its latent, no values)
+    per = block_bytes(len(stage.decoder), stage.kv_heads, settings.kv_block_size, k_dim,
+                      np.dtype(stage.dtype).itemsize, v_dim)
     free = backend.free_memory_bytes()
     wanted = settings.kv_memory
     problem = None
@@ -152,8 +153,9 @@ class PagedRows:
                 self.pool.free(row)
         else:
             self.pool = BlockPool(blocks, block_size)
+            k_dim, v_dim = stage.kv_dims
             self.cache = PagedKVCache(stage.ops, len(stage.decoder), blocks, stage.kv_heads,
-                                      block_size, stage.cfg.head_dim, stage.dtype)
+                                      block_size, k_dim, stage.dtype, v_dim)
         self.start = self.pool.stats()           # the pool's counts before this wave
         empty = [[None] * w for w in widths]
         # each micro-batch's rows also kept in position order: its decode steps read them

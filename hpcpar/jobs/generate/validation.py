@@ -20,7 +20,7 @@ from ...parallel.device.dtypes import dtype_name, float_dtype
 from ...parallel.errors import HpcparError
 from ..inputs.prompts import Prompts, check_prompts, load_prompts, random_prompts
 from ..inputs.sampling_settings import PromptSampling, SamplingParams
-from ..inputs.stage import eos_ids, load_tokenizer
+from ..inputs.stage import eos_ids, load_tokenizer, sequence_parallel_problem
 from ..job import Job
 from ..layout import ParallelConfig
 from .decode import check_graphed_layout
@@ -62,6 +62,9 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int,
     if layout.schedule != "gpipe":
         raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
                           "runs the 'gpipe' forward schedule")
+    split_problem = sequence_parallel_problem(job, layout, cfg)
+    if split_problem:
+        raise HpcparError(split_problem)
     gen = job.generate
     if layout.cp > 1 and gen.save_logits:
         raise HpcparError(f"cp {layout.cp} with --save-logits: the prompt logits of a prompt "
@@ -240,7 +243,16 @@ def fingerprint(job: Job, ckpt: Checkpoint, checked: CheckedGeneration) -> dict:
         **vars(s.sampling), "stop_at_eos": s.stop_at_eos,
         "save_logits": s.save_logits, "wave_size": job.generate.wave_size,
         "stop": list(job.generate.stop), "stop_token_ids": list(job.generate.stop_token_ids),
-        "dtype": dtype_name(checked.dtype)}
+        "dtype": dtype_name(checked.dtype), **_adapter(job, ckpt)}
+
+
+def _adapter(job: Job, ckpt: Checkpoint) -> dict:
+    """--lora's part of the fingerprint: the adapter's digest (its tensors, not its path),
+    absent without one."""
+    if not job.model.lora:
+        return {}
+    from ...checkpoint.peft import adapter_digest
+    return {"lora": adapter_digest(job.model.lora, ckpt.config)}
 
 
 def logprob_fields(checked: CheckedGeneration, prompt: int, results: RowResults) -> dict:

@@ -78,6 +78,20 @@ class InferenceRank:
         self.runtime.close()
 
 
+def sequence_parallel_problem(job: Job, layout: ParallelConfig, cfg) -> str | None:
+    """Why this inference job cannot split its prefill along the sequence over tp, or None
+    (``--sequence-parallel``: see ``DecoderStage._forward``)."""
+    if not job.parallel.sequence_parallel:
+        return None
+    if layout.tp < 2:
+        return (f"--sequence-parallel splits each prefill's positions over the tp ranks, and "
+                f"tp is {layout.tp}: give --tp 2 or more, or drop --sequence-parallel")
+    if getattr(cfg, "mla", False):
+        return (f"--sequence-parallel does not split {cfg.model_type}'s latent attention yet: "
+                "drop --sequence-parallel")
+    return None
+
+
 def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
                dtype: np.dtype, check_backend=None) -> InferenceRank:
     """Collective over ``comm``: this rank's place, device, communicators and stage;
@@ -103,6 +117,7 @@ def open_stage(comm, job: Job, layout: ParallelConfig, ckpt: Checkpoint,
                      layout.tp, backend)
         stage = DecoderStage.from_tensors(cfg, specs, shard.tensors, span, tp,
                                           ops_for(backend, rt.cp), dtype, rt.ep, shard.placed)
+        stage.prefill_sequence_parallel = bool(job.parallel.sequence_parallel)
     backend.release_unused_device_memory()
     return InferenceRank(mesh, backend, rt.stats, tp, rt.pp, rt.world, rt.board, stage, shard,
                          rt.cp, rt)

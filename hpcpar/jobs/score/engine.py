@@ -28,7 +28,7 @@ from ...parallel.errors import HpcparError, Stopped
 from ...parallel.mesh import Mesh
 from ...parallel.pipeline.executor import PipelineExecutor
 from ..inputs.batching import MicroBatch, micro_batches, micro_batches_of, replica_rows
-from ..inputs.stage import load_tokenizer, open_stage
+from ..inputs.stage import load_tokenizer, open_stage, sequence_parallel_problem
 from ..job import Job
 from ..launch import everyone, phase
 from ..layout import ParallelConfig
@@ -90,6 +90,9 @@ class ScoringRun(JobRun):
         if layout.schedule != "gpipe":
             raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; scoring "
                               "runs the 'gpipe' forward schedule")
+        split_problem = sequence_parallel_problem(job, layout, ckpt.config)
+        if split_problem:
+            raise HpcparError(split_problem)
         source = job.score.data
         if not source:
             raise HpcparError("scoring needs its sequences: --data FILE (.npy ids, left-padded "

@@ -126,39 +126,10 @@ def write_regions(path: Path, regions: list[Region]) -> None:
 
 def _flat_regions(piece, a: int, values: np.ndarray):
     """(region of the full tensor, its values) for elements [a, a + len(values)) of the
-    local piece (C order), skipping vocabulary padding rows (outside ``piece.dest``)."""
-    for region, start in _rectangles(piece.shape, a, a + values.size):
-        extents = [r.stop - r.start for r in region]
+    local piece (C order), skipping vocabulary padding rows (``Piece.flat_regions``)."""
+    for src, start, extents, sub in piece.flat_regions(a, a + values.size):
         block = values[start - a:start - a + int(np.prod(extents))].reshape(extents)
-        src, sub = [], []
-        for r, d, s in zip(region, piece.dest, piece.source):
-            lo, hi = max(r.start, d.start), min(r.stop, d.stop)
-            if lo >= hi:
-                break
-            sub.append(slice(lo - r.start, hi - r.start))
-            src.append(slice(s.start + lo - d.start, s.start + hi - d.start))
-        else:
-            yield tuple(src), block[tuple(sub)]
-
-
-def _rectangles(shape: tuple[int, ...], a: int, b: int):
-    """Elements [a, b) of a C-ordered 1-D or 2-D array as rectangles: (region, flat start)."""
-    if len(shape) == 1:
-        yield (slice(a, b),), a
-        return
-    cols = shape[1]
-    r0, c0 = divmod(a, cols)
-    r1, c1 = divmod(b, cols)
-    if r0 == r1:
-        yield (slice(r0, r0 + 1), slice(c0, c1)), a
-        return
-    if c0:
-        yield (slice(r0, r0 + 1), slice(c0, cols)), a
-        r0 += 1
-    if r1 > r0:
-        yield (slice(r0, r1), slice(0, cols)), r0 * cols
-    if c1:
-        yield (slice(r1, r1 + 1), slice(0, c1)), r1 * cols
+        yield src, block[sub]
 
 
 def remove_partial(out_dir: Path) -> None:

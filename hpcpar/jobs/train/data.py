@@ -15,6 +15,11 @@ A dataset is a list of samples of L + 1 tokens each (inputs ``row[:-1]``, labels
 - ``synthetic``: generated sequences a model can learn (each token is followed by a fixed
   successor 90% of the time), for demos and benchmarks without data files.
 
+With ``pack`` (``--pack``) the samples are packed several to a row of ``seq_len`` positions
+(``packing``): the fine-tuning rows, the ``.jsonl`` documents (a line and its EOS), the
+``.bin``'s documents (cut after each EOS) or the ``.npy``'s rows (left padding dropped), each
+a document of its own; ``Dataset.documents`` says where each position's document begins.
+
 Order: step s (1-based) reads global samples (s-1) B .. s B - 1, wrapping around the dataset;
 with ``shuffle`` each epoch is a permutation drawn from a generator keyed by (seed, epoch).
 The position is a global sample index, so it survives any change of dp or micro-batches.
@@ -33,8 +38,10 @@ from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
 from ..inputs.prompts import read_records
 from ..npy import read_npy
+from ...parallel.ops.attention import Documents
 from .chat_data import fine_tuning_rows, is_fine_tuning
 from .model_chunk import Batch
+from .packing import documents_of, fit_documents, pack, row_samples
 
 
 class DataError(HpcparError):
@@ -48,6 +55,8 @@ class Dataset:
     labels: np.ndarray | None = None    # (n, L + 1) aligned with samples, -1: no loss (None:
                                         # every next token, padding aside)
     note: str = ""               # what reading it found, for the report (fine-tuning rows)
+    documents: np.ndarray | None = None   # packed rows: (n, L) int32 where each position's
+                                          # document begins, real inputs first (``packing``)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -93,10 +102,14 @@ def synthetic_samples(vocab_size: int, seq_len: int, rows: int = SYNTHETIC_ROWS,
 
 
 def load_dataset(path: str | Path, cfg: ModelConfig, seq_len: int | None = None,
-                 tokenizer=None, chat=None, long_rows: str = "refuse") -> Dataset:
+                 tokenizer=None, chat=None, long_rows: str = "refuse",
+                 pack: bool = False) -> Dataset:
     """Read and check a dataset; every problem is a one-line ``DataError``. ``chat``: the
     checkpoint's ``ChatTemplate`` (None: it has none), for conversations; ``long_rows``:
-    what a fine-tuning row longer than ``seq_len + 1`` tokens meets ("refuse" or "cut")."""
+    what a fine-tuning row (or with ``pack`` a sample) longer than ``seq_len + 1`` tokens
+    meets ("refuse" or "cut"); ``pack``: samples packed several to a row."""
+    if pack:
+        return packed_dataset(path, cfg, seq_len, tokenizer, chat, long_rows)
     if str(path) == SYNTHETIC:
         check_positions(seq_len or 64, cfg, SYNTHETIC)
         return Dataset(synthetic_samples(cfg.vocab_size, seq_len or 64), SYNTHETIC)
@@ -161,10 +174,83 @@ def check_positions(seq_len: int, cfg: ModelConfig, source: str) -> None:
 
 def _jsonl_tokens(path: Path, cfg: ModelConfig, tokenizer) -> np.ndarray:
     """Every line's ids (or its text through the tokenizer) joined, EOS after each."""
+    return np.concatenate(_jsonl_documents(path, cfg, tokenizer))
+
+
+def _jsonl_documents(path: Path, cfg: ModelConfig, tokenizer) -> list[np.ndarray]:
+    """Every line's ids (or its text through the tokenizer), EOS after each."""
     from ..inputs.prompts import load_prompts  # the same {"ids"} / {"text"} lines
     eos = np.asarray(cfg.eos_token_id[:1], dtype=np.int64)
-    docs = load_prompts(str(path), tokenizer).ids
-    return np.concatenate([part for doc in docs for part in (doc, eos)])
+    return [np.concatenate([np.asarray(doc, np.int64), eos])
+            for doc in load_prompts(str(path), tokenizer).ids]
+
+
+def packed_dataset(path, cfg: ModelConfig, seq_len: int | None, tokenizer, chat,
+                   long_rows: str) -> Dataset:
+    """The samples of ``path`` packed into rows of ``seq_len`` positions (``packing``)."""
+    if str(path) == SYNTHETIC:
+        raise DataError("--pack: synthetic data has no samples of its own to pack (each is a "
+                        "whole row); pack a .jsonl, .bin or .npy file, or drop --pack")
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such data file (.npy rows, .bin tokens or .jsonl)")
+    if not seq_len:
+        raise DataError(f"{path}: --pack needs --seq-len (the positions of a row the samples "
+                        "are packed into)")
+    check_positions(seq_len, cfg, str(path))
+    if path.suffix == ".jsonl" and is_fine_tuning(records := read_records(path)):
+        rows = fine_tuning_rows(path, records, cfg, seq_len, long_rows, tokenizer, chat)
+        samples, note = row_samples(rows.samples, rows.labels), rows.describe(str(path))
+    else:
+        docs, names = _documents(path, cfg, tokenizer)
+        samples, cut, skipped = fit_documents(docs, names, seq_len, long_rows)
+        if not samples:
+            raise DataError(f"{path}: no document has 2 tokens or more (an input and its "
+                            "label); nothing to pack")
+        note = _documents_note(str(path), samples, cut, skipped)
+    packed = pack(samples, seq_len)
+    check_samples(packed.samples, cfg, str(path))
+    return Dataset(packed.samples, str(path), packed.labels, f"{note}; {packed.describe()}",
+                   packed.starts)
+
+
+def _documents(path: Path, cfg: ModelConfig, tokenizer) -> tuple[list[np.ndarray], list[str]]:
+    """The documents of a ``.jsonl`` (a line each), ``.bin`` (cut after each EOS) or ``.npy``
+    (a row each), and the name each goes by in a message."""
+    if path.suffix == ".jsonl":
+        docs = _jsonl_documents(path, cfg, tokenizer)
+        lines = [n for n, _ in read_records(path)]
+        names = [f"{path}:{n}" for n in lines] if len(lines) == len(docs) else \
+            [f"{path}: document {k + 1}" for k in range(len(docs))]
+        return docs, names
+    if path.suffix == ".bin":
+        if not cfg.eos_token_id:
+            raise DataError(f"{path}: --pack cuts a token file into documents after each EOS, "
+                            "and this model has no eos_token_id; pack a .jsonl of documents")
+        docs = documents_of(np.asarray(_token_file(path, token_dtype(cfg.vocab_size))),
+                            cfg.eos_token_id[0])
+        at = np.cumsum([0] + [len(d) for d in docs])
+        return docs, [f"{path}: document {k + 1} (from token {at[k]:,})"
+                      for k in range(len(docs))]
+    if path.suffix == ".npy":
+        rows = read_npy(path, "the rows' token ids (int, [rows, L + 1])", DataError)
+        if rows.ndim != 2 or not np.issubdtype(rows.dtype, np.integer):
+            raise DataError(f"{path}: expected int token ids of shape [rows, L + 1], got "
+                            f"{rows.dtype} {rows.shape}")
+        check_samples(rows.astype(np.int64, copy=False), cfg, str(path))
+        return ([ids for ids, _ in row_samples(rows, None)],
+                [f"{path}: row {r}" for r in range(len(rows))])
+    raise DataError(f"{path}: unknown data format {path.suffix!r}; use .npy, .bin or .jsonl")
+
+
+def _documents_note(source: str, samples, cut: int, skipped: int) -> str:
+    tokens = sum(len(ids) - 1 for ids, _ in samples)
+    text = f"{source}: {len(samples):,} documents, {tokens:,} tokens carrying the loss"
+    if cut:
+        text += f"; {cut:,} cut to the row's length"
+    if skipped:
+        text += f"; {skipped:,} of one token skipped"
+    return text
 
 
 def check_samples(samples: np.ndarray, cfg: ModelConfig, source: str,
@@ -220,6 +306,16 @@ def sample_indices(first: int, count: int, num_samples: int, shuffle: bool,
     return out
 
 
+def step_fill(dataset: Dataset, first_sample: int, train) -> float | None:
+    """Packed rows: the share of the positions of the step's rows (those ``replica_batches``
+    reads from ``first_sample``) that hold a sample's input; None for rows not packed."""
+    if dataset.documents is None:
+        return None
+    picked = sample_indices(first_sample, train.global_batch, len(dataset), train.shuffle,
+                            train.seed)
+    return float((dataset.samples[picked][:, :-1] >= 0).mean())
+
+
 @dataclass
 class HostBatch:
     """One micro-batch on the host (see ``chunk.Batch`` for the meaning of the fields)."""
@@ -228,6 +324,7 @@ class HostBatch:
     lengths: np.ndarray
     labels: np.ndarray
     weights: np.ndarray
+    documents: np.ndarray | None = None     # packed rows: (B, T) document starts
 
 
 def label_count(samples: np.ndarray, labels: np.ndarray | None = None) -> int:
@@ -240,9 +337,11 @@ def label_count(samples: np.ndarray, labels: np.ndarray | None = None) -> int:
 
 
 def make_batches(samples: np.ndarray, num_micro_batches: int, total_labels: int,
-                 dtype, labels: np.ndarray | None = None) -> list[HostBatch]:
+                 dtype, labels: np.ndarray | None = None,
+                 documents: np.ndarray | None = None) -> list[HostBatch]:
     """Split a replica's samples into micro-batches of inputs, labels and loss weights
-    (``labels``: aligned with the samples, -1 where no loss; else each next token).
+    (``labels``: aligned with the samples, -1 where no loss; else each next token;
+    ``documents``: packed rows' document starts, already in the batch's layout).
 
     A sample's left padding (negative ids) moves to its end: each row's real tokens come
     first, the layout attention takes (per-row lengths). Positions restart at 0 on the first
@@ -262,7 +361,8 @@ def make_batches(samples: np.ndarray, num_micro_batches: int, total_labels: int,
             labels_mb[j, :lengths[j]] = targets[j, pad[j] + 1:]
         labels_mb = labels_mb.reshape(-1)
         weights = np.where(labels_mb < 0, 0.0, 1.0 / total_labels).astype(dtype)
-        out.append(HostBatch(inputs, lengths, labels_mb, weights))
+        out.append(HostBatch(inputs, lengths, labels_mb, weights,
+                             None if documents is None else documents[rows]))
     return out
 
 
@@ -277,19 +377,22 @@ def replica_batches(dataset: Dataset, mesh: Mesh, micro_batches: int, first_samp
     picked = sample_indices(first_sample, B, len(dataset), train.shuffle, train.seed)
     rows = np.asarray(dataset.samples[picked], np.int64)
     targets = None if dataset.labels is None else dataset.labels[picked]
+    docs = None if dataset.documents is None else dataset.documents[picked]
     total = label_count(rows, targets)
     mine = slice(d * B // dp, (d + 1) * B // dp)
     batches = []
     for b in make_batches(rows[mine], micro_batches, total, np.float32,
-                          None if targets is None else targets[mine]):
+                          None if targets is None else targets[mine],
+                          None if docs is None else docs[mine]):
         ids, labels, weights = b.ids, b.labels, b.weights * np.float32(loss_scale)
         shard = context_shard(ids.shape[1], mesh) if mesh.size("cp") > 1 else None
         if shard is not None:
             rows_of = ids.shape
             ids, labels, weights = (shard.take(a.reshape(rows_of)) for a in (ids, labels, weights))
             labels, weights = labels.reshape(-1), weights.reshape(-1)
+        documents = None if b.documents is None else Documents.build(xp, b.documents)
         batches.append(Batch(xp.asarray(ids), xp.asarray(b.lengths.astype(np.int32)),
-                             xp.asarray(labels), xp.asarray(weights), shard))
+                             xp.asarray(labels), xp.asarray(weights), shard, documents))
     return batches, total
 
 

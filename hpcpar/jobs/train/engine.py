@@ -34,10 +34,12 @@ from ..progress import Progress
 from ..skeleton import JobRun
 from . import checkpoint as tc
 from .model_chunk import Batch
-from .data import context_shard, replica_batches
+from .data import context_shard, replica_batches, step_fill
 from .grads import sum_replicated
-from .weight_holders import holders
-from .sharded_units import Pool, ZeroHooks, check_alike
+from .weight_holders import held_bytes, holders
+from .params import NotHeld
+from ...checkpoint.reader import PieceReader
+from .sharded_units import Transient, ZeroHooks, check_alike
 from .zero import ZeroShards
 from .program import TrainingProgram
 from .lora import AdapterSource
@@ -91,7 +93,7 @@ class TrainingRun(JobRun):
         with phase("loading the checkpoint"):
             self.chunks, self.params, states = load_chunks(
                 self.comm, rt.mesh, checked, self.ckpt, rt.tp, rt.backend,
-                recompute=tr.recompute == "full", cp=rt.cp, ep=rt.ep)
+                recompute=tr.recompute == "full", cp=rt.cp, ep=rt.ep, zero=tr.zero)
         self._open_optimizer(states)
         lora = checked.lora           # a LoRA run's checkpoints hold its adapters only
         source = (self.ckpt if lora is None
@@ -124,10 +126,28 @@ class TrainingRun(JobRun):
         # gradients are summed over every rank that holds the same weights: dp x cp, and
         # with ep the experts over their own replicas (``holders``)
         self.held = holders(self.params, rt.dp, rt.edp, grad_rank(mesh) == 0)
-        pool = Pool(self.xp)                  # ZeRO 2/3's transient buffers, shared
-        for group in self.held:
-            group.open(groups, self.xp, int(tr.bucket_mb * (1 << 20)), tr.zero,
-                       checked.dtype, pool)
+        self.transient = Transient(self.xp)   # ZeRO 2/3: what is whole for a moment
+        reader = self._piece_reader()
+        with reader or contextlib.nullcontext():
+            def open_groups():
+                for group in self.held:
+                    group.open(groups, self.xp, int(tr.bucket_mb * (1 << 20)), tr.zero,
+                               checked.dtype, self.transient, reader)
+            everyone(self.comm, open_groups) if reader else open_groups()
+            self._open_state(states, reader)
+
+    def _piece_reader(self) -> PieceReader | None:
+        """Where ZeRO-3 reads its pieces of the params loaded as ``NotHeld`` (None: all are
+        whole): the checkpoint resumed, or --checkpoint."""
+        if not any(isinstance(p.master, NotHeld) for p in self.params):
+            return None
+        source = self.checked.resume[0] if self.checked.resume else self.ckpt
+        return PieceReader(source, self.rt.mesh.coord("tp"), self.rt.mesh.size("tp"))
+
+    def _open_state(self, states, reader) -> None:
+        """ZeRO's hooks, the optimizer and the loss scaler, their state restored from
+        ``states`` (the checkpoint's, when resuming; ZeRO-3's pieces read by ``reader``)."""
+        checked, tr, rt = self.checked, self.job.train, self.rt
         self.zero = any(group.zero for group in self.held)
         sharded = [group.sharded for group in self.held if group.sharded]
         self.hooks = ZeroHooks(sharded) if sharded else None
@@ -140,8 +160,10 @@ class TrainingRun(JobRun):
         self.scaler = (LossScaler(tr.loss_scale, growth_interval=tr.loss_scale_window)
                        if checked.dtype == np.float16 else None)
         if states is not None:
-            self.optimizer.load_state_dict({name: state for group in self.held
-                                            for name, state in group.slice_state(states).items()})
+            def sliced():
+                return {name: state for group in self.held for name, state in
+                        group.slice_state(states, self.optimizer.state_names).items()}
+            self.optimizer.load_state_dict(everyone(self.comm, sliced) if reader else sliced())
             attrs = checked.resume[1]
             self.optimizer.steps = int(attrs.get("optimizer_steps", checked.start_step))
             if self.scaler is not None and "loss_scale" in attrs:
@@ -222,6 +244,7 @@ class TrainingRun(JobRun):
         batches, self.loss_tokens = replica_batches(
             self.checked.dataset, rt.mesh, self.checked.layout.micro_batches, first_sample,
             self.job.train, self.xp, scale)
+        self.fill = step_fill(self.checked.dataset, first_sample, self.job.train)
         for span in spans(self._whole(), "grad"):   # one operation per gradient buffer
             span[...] = 0
         for group in self.held:
@@ -322,7 +345,7 @@ class TrainingRun(JobRun):
         record = StepRecord(self.step, loss, norm, lr, tokens, seconds, rate,
                             rate * self.per_token / (self.size * self.peak),
                             self.scaler.scale if self.scaler else None, self.aux_loss,
-                            self._expert_load(), self.loss_tokens)
+                            self._expert_load(), self.loss_tokens, self.fill)
         everyone(self.comm, self.metrics.write, record)
         if self.bar:
             self._show_progress(self.step, loss)
@@ -350,6 +373,7 @@ class TrainingRun(JobRun):
         attrs = {"step": self.step, "samples": samples, "optimizer": checked.optimizer.optimizer,
                  "seed": tr.seed, "shuffle": tr.shuffle, "global_batch": tr.global_batch,
                  "seq_len": checked.dataset.seq_len, "data": str(checked.dataset.source),
+                 "pack": bool(tr.pack), "zero": tr.zero,
                  "layout": checked.layout.describe(),
                  "schedule": checked.layout.schedule, "lr": tr.lr,
                  "optimizer_steps": self.optimizer.steps, "compute_dtype": self.job.model.dtype}
@@ -370,6 +394,7 @@ class TrainingRun(JobRun):
         self.close_bar()
         self.figures.set_comm(self.rt.stats, next((g.reducer for g in self.held if g.reducer),
                                                   None))
+        self.figures.set_state(held_bytes(self.held, self.optimizer, self.transient))
         table = self.rt.world.gather(self.figures.to_array()[None], root=0)  # (ranks, figures)
         if self.kv_comm is not None:
             self.kv_comm.mpi_comm.Free()

@@ -40,9 +40,11 @@ class LoraRun:
                 "lora_targets": json.dumps(list(s.targets)),
                 "lora_base": str(Path(base).resolve())}
 
-    def specs(self, cfg: ModelConfig, layers=None) -> list[AdapterSpec]:
+    def specs(self, cfg: ModelConfig, layers=None, experts=None) -> list[AdapterSpec]:
+        """The adapters of ``layers`` (default: every layer), of the experts ``experts`` only
+        (default: every one)."""
         return adapter_specs(cfg, range(cfg.num_hidden_layers) if layers is None else layers,
-                             self.settings)
+                             self.settings, experts)
 
 
 def settings_of(attrs: dict) -> LoraSettings | None:

@@ -24,6 +24,7 @@ from ...parallel.device.backend import host_array
 from ...parallel.comm import Communicator
 from ...parallel.context_parallel.ring_attention import ContextShard
 from ...parallel.ops import AttentionRows, Ops
+from ...parallel.ops.attention import Documents
 from ...parallel.expert_parallel.routing import load_balancing_loss
 from ...parallel.tensor_parallel.vocab import VocabParallelCrossEntropy
 from .memory import activation_bytes
@@ -39,13 +40,16 @@ class Batch:
     the real tokens of each row, ``labels`` (B*T,) the next token (-1: ignored), ``weights``
     (B*T,) each label's share of the global loss (1 / labels in the global batch, 0 when
     ignored). Under context parallelism ids, labels and weights are this rank's positions
-    of each row (``shard``: which ones), the lengths the whole rows'."""
+    of each row (``shard``: which ones), the lengths the whole rows'. ``documents``: packed
+    rows' document starts (whole rows, under context parallelism too): attention within
+    each document, rotary positions restarting at each."""
 
     ids: object
     lengths: object
     labels: object
     weights: object
     shard: ContextShard | None = None
+    documents: Documents | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,13 +78,17 @@ class ModelChunk:
     def __init__(self, cfg: ModelConfig, params: dict[str, Param], span: StageSpan,
                  tp: Communicator, ops: Ops, recompute: bool = False,
                  ep: Communicator | None = None, aux: AuxLoss | None = None,
-                 trainable: list[Param] | None = None):
+                 trainable: list[Param] | None = None, sequence_parallel: bool = False):
         """``trainable``: what is trained, when not ``params`` themselves (a LoRA run:
-        ``params`` are its frozen base, ``trainable`` its adapters)."""
+        ``params`` are its frozen base, ``trainable`` its adapters). ``sequence_parallel``:
+        the activations between the tp pairs split along the sequence (axis 1) over tp,
+        what comes in and goes out (B, T / tp, hidden) (``DecoderStage.split_sequence``)."""
         layers, first, last = span.layers, span.first, span.last
         self.cfg, self.layers, self.first, self.last = cfg, layers, first, last
         self.ops, self.xp, self.tp, self.recompute = ops, ops.xp, tp, recompute
         self.stage = DecoderStage.from_params(cfg, params, span, tp, ops, ep)
+        if sequence_parallel:
+            self.stage.split_sequence(axis=1)
         if last:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values()) if trainable is None else list(trainable)
@@ -104,9 +112,10 @@ class ModelChunk:
             return 0
         B, T = batch.shape
         args = (self.cfg, self.tp.size, len(self.layers), B, T, self.first, self.last)
-        itemsize = self.params[0].data.dtype.itemsize
-        return (activation_bytes(*args, recompute=False, itemsize=itemsize)
-                - activation_bytes(*args, recompute=True, itemsize=itemsize))
+        kw = dict(itemsize=self.params[0].data.dtype.itemsize,
+                  sequence_parallel=self.stage.sequence_split > 1)
+        return (activation_bytes(*args, recompute=False, **kw)
+                - activation_bytes(*args, recompute=True, **kw))
 
     def _backward_groups(self, params: dict[str, Param]) -> list[list[Param]]:
         """The chunk's parameters grouped by when their gradient is complete in a backward
@@ -148,7 +157,7 @@ class ModelChunk:
                 x, ctx["embed"] = stage.embedding.forward(batch.ids)
             x = stage.scale_embedding(x)
         rows = AttentionRows(batch.lengths, batch.lengths, T, from_start=True,
-                             context=batch.shard)
+                             context=batch.shard, documents=batch.documents)
         cos, sin = stage.rope.tables(rows.positions(xp, T))                    # (B, T)
         ctx["rope"] = (cos, sin, rows)
         saved, routings = [], []
@@ -184,7 +193,7 @@ class ModelChunk:
 
     def _real(self, rows, batch: Batch, T: int):
         """(B*T,) whether each position holds a real token (not padding)."""
-        positions = rows.positions(self.xp, T)
+        positions = rows.sequence_positions(self.xp, T)
         return (positions < self.xp.asarray(batch.lengths)[:, None]).reshape(-1)
 
     def _real_choices(self, routing, real):

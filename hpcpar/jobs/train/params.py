@@ -13,16 +13,22 @@ elements decides the global gradient norm, so it is decided here, once:
 - a KV head replicated over tp/kv ranks (kv_heads < tp) is counted by the first of them;
 - a tied embedding held by the first and the last pipeline stage is counted on the first;
 - dp replicas are never summed in the norm (their gradients are equal after the reduction).
+
+With ZeRO 2 and 3 an array the rank does not hold whole stands as ``NotHeld``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ...models.config import ModelConfig
+from ...models.decoder import SEQUENCE_SPLIT_ROLES
 from ...models.lora import REPLICATED, AdapterSpec
 from ...models.sharding import kv_head_role, placement_of
 from ...models.tensors import EMBED, TensorSpec
+from ...parallel.errors import HpcparError
 from ...parallel.params import GradSink, Parameter
 from ...parallel.tensor_parallel.layers import Frozen
 from ...parallel.tensor.placement import Replicate
@@ -30,8 +36,29 @@ from ...parallel.tensor.splits import unit_replicas
 
 PER_HEAD_NORMS = ("q_norm", "k_norm")       # one weight every head reads, heads split over tp
 
-__all__ = ["FrozenParam", "GradSink", "Param", "kv_replicas", "make_adapter_param",
+__all__ = ["FrozenParam", "GradSink", "NotHeld", "Param", "kv_replicas", "make_adapter_param",
            "make_param", "make_params"]
+
+
+class NotHeld:
+    """Where a parameter's full ``data`` or ``grad`` would be while ZeRO does not hold it:
+    its shape and dtype, and an error naming it on any other use."""
+
+    def __init__(self, what: str, name: str, shape: tuple, dtype):
+        self._what, self._name = what, name
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.ndim, self.size = len(self.shape), int(np.prod(self.shape))
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def __getattr__(self, attr):
+        raise HpcparError(f"the {self._what} of {self._name!r} is split over the data-parallel "
+                          f"replicas (--zero) and not gathered here: an internal error, please "
+                          f"report it")
+
+    def _refuse(self, *args, **kwargs):
+        return self.__getattr__("use")
+
+    __array__ = __iadd__ = __getitem__ = __setitem__ = __add__ = __mul__ = __matmul__ = _refuse
 
 
 class Param(Parameter):
@@ -44,7 +71,9 @@ class Param(Parameter):
         super().__init__(data, grad, spec.name, decay, counted, master)
         self.spec = spec
         self.kv_replicated = kv_replicated
-        self.tp_partial = tp_partial     # a per-head norm's weight: summed over tp
+        # each tp rank adds a part of the gradient, summed over tp: a per-head norm's weight,
+        # a replicated LoRA half, a norm's under sequence parallelism
+        self.tp_partial = tp_partial
 
 
 @dataclass(eq=False)
@@ -79,8 +108,11 @@ def kv_replicas(cfg: ModelConfig, tp_size: int) -> int:
 
 
 def make_param(spec: TensorSpec, master, xp, cfg: ModelConfig, tp_rank: int, tp_size: int,
-               last_stage_tied_copy: bool = False, dtype=None) -> Param:
-    """A param of float32 ``master`` weights, computing in ``dtype`` (default: float32)."""
+               last_stage_tied_copy: bool = False, dtype=None,
+               sequence_parallel: bool = False) -> Param:
+    """A param of float32 ``master`` weights, computing in ``dtype`` (default: float32).
+    Under ``sequence_parallel`` the replicated weights that read split positions (norms)
+    get a partial gradient on each tp rank, summed over tp as a per-head norm's."""
     replicated = isinstance(placement_of(spec, cfg), Replicate)
     replicas = kv_replicas(cfg, tp_size) if kv_head_role(spec, cfg) else 1
     if replicated:
@@ -89,15 +121,21 @@ def make_param(spec: TensorSpec, master, xp, cfg: ModelConfig, tp_rank: int, tp_
         counted = tp_rank % replicas == 0
     if last_stage_tied_copy and spec.name == EMBED:
         counted = False
-    data = master if dtype is None or master.dtype == dtype else master.astype(dtype)
-    return Param(spec, data, xp.zeros_like(master), counted, len(spec.shape) == 2,
-                 replicas > 1, master,
-                 spec.role in PER_HEAD_NORMS and tp_size > 1 and not cfg.qk_norm_whole)
+    if isinstance(master, NotHeld):        # ZeRO-3 reads its pieces alone (sharded_units)
+        data = NotHeld("weights", spec.name, master.shape, dtype or np.float32)
+        grad = NotHeld("gradient", spec.name, master.shape, np.float32)
+    else:
+        data = master if dtype is None or master.dtype == dtype else master.astype(dtype)
+        grad = xp.zeros_like(master)
+    per_head = spec.role in PER_HEAD_NORMS and not cfg.qk_norm_whole
+    split = sequence_parallel and spec.role in SEQUENCE_SPLIT_ROLES
+    return Param(spec, data, grad, counted, len(spec.shape) == 2,
+                 replicas > 1, master, (per_head or split) and tp_size > 1)
 
 
 def make_params(cfg: ModelConfig, specs: list[TensorSpec], shards: dict, xp, tp_rank: int,
                 tp_size: int, last_stage_tied_copy: bool = False,
-                dtype=None) -> dict[str, Param]:
+                dtype=None, sequence_parallel: bool = False) -> dict[str, Param]:
     """Params for ``specs`` from this rank's shards (name -> xp array, already sliced)."""
     return {s.name: make_param(s, shards[s.name], xp, cfg, tp_rank, tp_size,
-                               last_stage_tied_copy, dtype) for s in specs}
+                               last_stage_tied_copy, dtype, sequence_parallel) for s in specs}

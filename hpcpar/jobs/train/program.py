@@ -24,7 +24,8 @@ from .params import GradSink, Param, Parameter
 class TrainSink(GradSink):
     """A ``GradSink`` that passes over weights without a gradient (a LoRA run's frozen
     base: norms, embedding, head, experts); what would compute theirs is never called.
-    ``hooks`` (ZeRO 2 and 3) open a weight's gradient buffer just before it is added to."""
+    ``hooks`` (ZeRO 2 and 3) open a weight's gradient buffer just before it is added to;
+    the first gradient of a micro-batch is written into it, not added to zeros."""
 
     def __init__(self, xp, defer: bool = False, hooks=None):
         super().__init__(xp, defer)
@@ -35,10 +36,10 @@ class TrainSink(GradSink):
             return
         if self.defer:
             self.pending.append((param, grad))
-            return
-        if self.hooks is not None:
-            self.hooks.adding(param)
-        param.grad += grad()
+        elif self.hooks is not None and self.hooks.adding(param):
+            param.grad[...] = grad()
+        else:
+            param.grad += grad()
 
     def scatter_rows(self, param, rows, values) -> None:
         if not isinstance(param, Parameter):
@@ -46,22 +47,25 @@ class TrainSink(GradSink):
         if self.hooks is None:
             super().scatter_rows(param, rows, values)
             return
-        sink = GradSink(self.xp)
         if self.defer:
-            self.pending.append((None, lambda: self.add_rows(sink, param, rows, values)))
+            self.pending.append((None, lambda: self._add_rows(param, rows, values)))
         else:
-            self.add_rows(sink, param, rows, values)
+            self._add_rows(param, rows, values)
 
-    def add_rows(self, sink: GradSink, param, rows, values) -> None:
-        self.hooks.adding(param)
-        sink.scatter_rows(param, rows, values)
+    def _add_rows(self, param, rows, values) -> None:
+        if self.hooks.adding(param):
+            param.grad[...] = 0
+        GradSink(self.xp).scatter_rows(param, rows, values)
 
     def flush(self) -> None:
-        if self.hooks is not None:
-            for param, _ in self.pending:
-                if param is not None:
-                    self.hooks.adding(param)
-        super().flush()
+        defer, self.defer = self.defer, False
+        for param, grad in self.pending:
+            if param is None:
+                grad()                   # an in-place update (scatter_rows)
+            else:
+                self.add(param, grad)
+        self.pending.clear()
+        self.defer = defer
 
 
 class TrainingProgram:
@@ -93,7 +97,8 @@ class TrainingProgram:
 
     def payload(self, a: Action):
         B, T = self.batches[a.mb].shape
-        return (B, T, self.hidden), self.dtype
+        split = self.chunks[a.chunk].stage.sequence_split      # tp under sequence parallelism
+        return (B, T // split, self.hidden), self.dtype
 
     def finished(self, mb: int) -> bool:
         return False

@@ -59,6 +59,7 @@ class StepRecord:
                                          # micro-batches, before its coefficient)
     expert_load: list | None = None      # per MoE layer, [min, max] tokens of an expert
     loss_tokens: int = 0                 # the global batch's labels that carry the loss
+    fill: float | None = None            # packed rows: positions holding a sample's input
 
     def __post_init__(self):
         self.peak_host_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -90,7 +91,7 @@ class Metrics:
             return
         self.path.parent.mkdir(exist_ok=True)
         row = asdict(record) | {"peak_host_mb": record.peak_host_mb}
-        for key in ("loss_scale", "aux_loss", "expert_load"):
+        for key in ("loss_scale", "aux_loss", "expert_load", "fill"):
             if row[key] is None:
                 del row[key]
         with writing(self.path), open(self.path, "a") as f:
@@ -124,6 +125,10 @@ class TrainFigures:
     dp_buckets: float = 0.0
     dp_buckets_early: float = 0.0      # of them, started while the backward still ran
     steps: float = 0.0
+    weight_bytes: float = 0.0          # what the rank holds (``weight_holders.held_bytes``)
+    gradient_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    transient_bytes: float = 0.0       # ZeRO 2/3's gathered weights and gradients, at most
 
     def add_step(self, times, peak_held: int, peak_held_full: int, seconds: float) -> None:
         self.compute += times.compute[0]
@@ -143,6 +148,10 @@ class TrainFigures:
             self.dp_exposed = reducer.exposed_seconds
             self.dp_buckets, self.dp_buckets_early = reducer.started, reducer.started_early
         self.peak_host_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def set_state(self, held: dict[str, int]) -> None:
+        self.weight_bytes, self.gradient_bytes = held["weights"], held["gradients"]
+        self.optimizer_bytes, self.transient_bytes = held["optimizer"], held["transient"]
 
     def to_array(self) -> np.ndarray:
         return np.array([getattr(self, f.name) for f in fields(self)], dtype=np.float64)
@@ -168,6 +177,7 @@ class TrainReport:
     peak_activation_mb: list[float]
     peak_activation_full_mb: list[float]
     peak_host_mb: list[float]
+    state_mb: list[list[float]]        # per rank: weights, gradients, optimizer, ZeRO transient
     tp_bytes: float
     pp_bytes: float
     dp_bytes: float
@@ -209,6 +219,8 @@ class TrainReport:
             peak_activation_mb=[f.peak_activation_bytes / 1e6 for f in ranks],
             peak_activation_full_mb=[f.peak_activation_full_bytes / 1e6 for f in ranks],
             peak_host_mb=[f.peak_host_bytes / 1e6 for f in ranks],
+            state_mb=[[f.weight_bytes / 1e6, f.gradient_bytes / 1e6, f.optimizer_bytes / 1e6,
+                       f.transient_bytes / 1e6] for f in ranks],
             tp_bytes=sum(f.tp_bytes for f in ranks), pp_bytes=sum(f.pp_bytes for f in ranks),
             dp_bytes=sum(f.dp_bytes for f in ranks),
             dp_buckets=int(sum(f.dp_buckets for f in ranks)),
@@ -244,6 +256,10 @@ class TrainReport:
             activations += f" (recompute saved {full - held:.1f} MB of {full:.1f})"
         lines.append(f"{activations}; peak host memory {min(self.peak_host_mb):.0f}-"
                      f"{max(self.peak_host_mb):.0f} MB")
+        w, g, o, t = (max(rank[k] for rank in self.state_mb) for k in range(4))
+        lines.append(f"per rank at most: weights {w:.1f} MB, gradients {g:.1f} MB, optimizer "
+                     f"state {o:.1f} MB" + (f", ZeRO's gathered weights and gradients "
+                                            f"{t:.1f} MB" if t else ""))
         return "\n".join(lines)
 
 

@@ -13,8 +13,10 @@ import numpy as np
 from ...checkpoint import Checkpoint, load_shard
 from ...checkpoint.files import check_output, check_space
 from ...models.chat import ChatTemplate
+from ...models.sharding import piece_of
 from ...models.tensors import StageSpan, stage_tensors
 from ...parallel.comm import create_communicator
+from ...parallel.context_parallel.ring_attention import ContextShard
 from ...parallel.device.dtypes import float_dtype
 from ...parallel.errors import HpcparError
 from ...parallel.mesh import Mesh
@@ -34,9 +36,10 @@ from . import checkpoint as tc
 from .model_chunk import AuxLoss, ModelChunk
 from .chat_data import LONG_ROWS
 from .data import Dataset, load_dataset
+from ...models.lora import adapter_pairs
 from .lora import LoraRun, adapter_bytes, adapter_pieces, lora_run
 from .lora import open_resume as lora_open_resume
-from .params import FrozenParam, kv_replicas, make_adapter_param, make_params
+from .params import FrozenParam, NotHeld, kv_replicas, make_adapter_param, make_params
 
 RECOMPUTE = ("none", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -56,6 +59,7 @@ class CheckedTraining:
     samples_start: int
     aux_coef: float = 0.0              # the router's load-balancing loss (MoE)
     lora: LoraRun | None = None        # a LoRA run: the base frozen, its adapters trained
+    sequence_parallel: bool = False    # activations between the tp pairs split over tp
 
 
 def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
@@ -87,6 +91,12 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     problems += _router_problems(cfg, aux, layout.pp)
     settings = OptimizerSettings.of(tr)
     problems += settings.problems()
+    if job.parallel.sequence_parallel and layout.tp < 2:
+        problems.append(f"--sequence-parallel splits each sequence over the tp ranks, and tp "
+                        f"is {layout.tp}: give --tp 2 or more, or drop --sequence-parallel")
+    elif job.parallel.sequence_parallel and getattr(cfg, "mla", False):
+        problems.append(f"--sequence-parallel does not split {cfg.model_type}'s latent "
+                        "attention yet: drop --sequence-parallel")
     if job.model.lora:
         problems.append(f"model.lora {job.model.lora!r} applies an adapter in generate and "
                         "score; to train one give --lora-rank, or --lora-from a peft folder")
@@ -98,12 +108,14 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
         raise HpcparError("invalid training job: " + "; ".join(problems))
     dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt),
                            ChatTemplate.from_files(ckpt.tokenizer_files(), ckpt.path),
-                           tr.long_rows)
+                           tr.long_rows, tr.pack)
     if dataset.seq_len < layout.cp:
         raise HpcparError(f"cp {layout.cp} splits each sequence over {layout.cp} ranks, but the "
                           f"sequences have {dataset.seq_len} positions: every rank needs at "
                           f"least one; use a cp of at most {dataset.seq_len} or longer "
                           "sequences (--seq-len)")
+    if job.parallel.sequence_parallel:
+        _check_sequence_split(dataset.seq_len, layout)
     out_dir = Path(job.output.path)
     check_output(out_dir, {"checkpoint": ckpt.path, "data": dataset.source}, folder=True)
     resume_path = tc.resolve_resume(tr.resume, out_dir)
@@ -127,7 +139,22 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
                               "resume")
         start_step, samples_start = int(attrs["step"]), int(attrs["samples"])
     return CheckedTraining(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir,
-                           resume, start_step, samples_start, float(aux or 0.0), lora)
+                           resume, start_step, samples_start, float(aux or 0.0), lora,
+                           bool(job.parallel.sequence_parallel))
+
+
+def _check_sequence_split(seq_len: int, layout: ParallelConfig) -> None:
+    """Sequence parallelism cuts each rank's positions (its cp shard's) into tp equal parts."""
+    lengths = sorted({ContextShard(seq_len, layout.cp, r).local_length()
+                      for r in range(layout.cp)})
+    odd = [n for n in lengths if n % layout.tp]
+    if odd:
+        where = (f"{seq_len} positions per row" if layout.cp == 1 else
+                 f"{'/'.join(map(str, lengths))} positions per cp rank (of {seq_len})")
+        raise HpcparError(f"--sequence-parallel splits the {where} into tp {layout.tp} equal "
+                          f"parts, and tp does not divide {odd[0]}: use sequences whose "
+                          f"positions per cp rank are a multiple of {layout.tp} (--seq-len, "
+                          f"or rows of that many tokens plus one), or drop --sequence-parallel")
 
 
 def _router_problems(cfg, aux: float, pp: int) -> list[str]:
@@ -137,6 +164,11 @@ def _router_problems(cfg, aux: float, pp: int) -> list[str]:
     if aux and not cfg.moe_layers:
         out.append(f"aux_loss_coef {aux}: the router's load-balancing loss belongs to a mixture "
                    f"of experts; {cfg.model_type} has none (drop --aux-loss-coef)")
+    elif aux and (cfg.router_scoring != "softmax" or cfg.expert_groups > 1
+                  or cfg.routed_scaling != 1.0):
+        out.append(f"aux_loss_coef {aux}: the load-balancing loss is the softmax routers' "
+                   f"(Mixtral's, Qwen's); transformers' {cfg.model_type} has none for its "
+                   "router (drop --aux-loss-coef)")
     elif aux and pp > 1:
         out.append(f"aux_loss_coef {aux} with pp {pp}: the load-balancing loss pools every "
                    "layer's routing of a micro-batch, which no stage holds alone; run it with "
@@ -160,10 +192,12 @@ def chunk_layers(num_layers: int, layout: ParallelConfig, stage: int,
 
 
 def load_chunks(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, tp, backend,
-                recompute: bool, cp=None, ep=None):
+                recompute: bool, cp=None, ep=None, zero: int = 0):
     """This rank's model chunks, their parameters (from --checkpoint, or from the checkpoint
     being resumed; of a MoE layer, this rank's ep block of experts only) and, when resuming,
-    the optimizer state of those parameters."""
+    the optimizer state of those parameters. Under ZeRO-3 the params split over their
+    holders are not read here (``NotHeld``): each rank reads its pieces alone
+    (``sharded_units``), so no rank holds its whole slice, even while loading."""
     cfg, layout, V, xp = ckpt.config, checked.layout, checked.virtual_stages, backend.xp
     source = checked.resume[0] if checked.resume else ckpt
     ops = ops_for(backend, cp)
@@ -179,18 +213,24 @@ def load_chunks(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, tp
             base, adapters, aspecs = _lora_chunk(comm, mesh, checked, ckpt, specs, layers,
                                                  backend)
             chunks.append(ModelChunk(cfg, base, StageSpan(layers, first, last), tp, ops,
-                                     recompute, ep, aux, trainable=list(adapters.values())))
+                                     recompute, ep, aux, trainable=list(adapters.values()),
+                                     sequence_parallel=checked.sequence_parallel))
             params += adapters.values()
             all_specs += aspecs
             continue
-        shard = everyone(comm, load_shard, source, specs, mesh.coord("tp"), layout.tp, np.float32,
-                         backend)
-        chunk_params = make_params(cfg, specs, shard.tensors, xp, mesh.coord("tp"), layout.tp,
-                                   last_stage_tied_copy=last and not first, dtype=checked.dtype)
+        lazy = [s for s in specs if zero == 3 and _split_over_holders(s, layout)]
+        shard = everyone(comm, load_shard, source, [s for s in specs if s not in lazy],
+                         mesh.coord("tp"), layout.tp, np.float32, backend)
+        tensors = shard.tensors | {s.name: NotHeld("weights", s.name, piece_of(
+            s, cfg, mesh.coord("tp"), layout.tp).shape, np.float32) for s in lazy}
+        chunk_params = make_params(cfg, specs, tensors, xp, mesh.coord("tp"), layout.tp,
+                                   last_stage_tied_copy=last and not first, dtype=checked.dtype,
+                                   sequence_parallel=checked.sequence_parallel)
         chunks.append(ModelChunk(cfg, chunk_params, StageSpan(layers, first, last), tp, ops,
-                                 recompute, ep, aux))
+                                 recompute, ep, aux,
+                                 sequence_parallel=checked.sequence_parallel))
         params += chunk_params.values()
-        all_specs += specs
+        all_specs += [s for s in specs if s not in lazy]
     states = None
     if checked.resume:
         states = everyone(comm, tc.load_optimizer_state, checked.resume[0], all_specs,
@@ -198,6 +238,13 @@ def load_chunks(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, tp
                           backend)
     backend.release_unused_device_memory()
     return chunks, params, states
+
+
+def _split_over_holders(spec, layout: ParallelConfig) -> bool:
+    """Whether ZeRO splits ``spec`` over more than one rank: dense weights over dp x cp, a
+    MoE layer's experts over the dp / ep replicas holding them (x cp)."""
+    holders = layout.dp // layout.ep if spec.expert is not None else layout.dp
+    return holders * layout.cp > 1
 
 
 def _lora_chunk(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, specs,
@@ -209,7 +256,8 @@ def _lora_chunk(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, sp
     run = checked.lora
     shard = everyone(comm, load_shard, ckpt, specs, tp_rank, tp_size, checked.dtype, backend)
     base = {s.name: FrozenParam(shard.tensors.pop(s.name), spec=s) for s in specs}
-    aspecs = run.specs(cfg, layers)
+    held = sorted({s.expert for s in specs if s.expert is not None})   # this rank's ep block
+    aspecs = run.specs(cfg, layers, held)
     if checked.resume:
         values = everyone(comm, load_shard, checked.resume[0], aspecs, tp_rank, tp_size,
                           np.float32, backend).tensors
@@ -217,8 +265,8 @@ def _lora_chunk(comm, mesh: Mesh, checked: CheckedTraining, ckpt: Checkpoint, sp
         values = everyone(comm, adapter_pieces, run, aspecs, cfg, tp_rank, tp_size, backend)
     adapters = {s.name: make_adapter_param(s, values[s.name], backend.xp, cfg, tp_rank, tp_size,
                                            checked.dtype) for s in aspecs}
-    for a, b in zip(aspecs[::2], aspecs[1::2]):
-        base[a.base].lora = LoraAdapter(adapters[a.name], adapters[b.name], run.settings.scale)
+    for a, b in adapter_pairs(aspecs):       # an expert's gate and up share their A
+        base[b.base].lora = LoraAdapter(adapters[a.name], adapters[b.name], run.settings.scale)
     return base, adapters, aspecs
 
 

@@ -33,51 +33,38 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...models.tensors import EMBED
+from ...checkpoint.reader import PieceReader
+from ...models.tensors import EMBED, LM_HEAD
 from ...parallel.comm import Communicator, Request, split_sizes
 from ...parallel.data_parallel.flat_buffers import Flat
 from ...parallel.errors import HpcparError
-from .params import Param
+from .checkpoint import OPTIMIZER_GROUP
+from .params import NotHeld, Param
 
 
-class NotHeld:
-    """Where a parameter's full ``data`` or ``grad`` would be while ZeRO does not hold it:
-    its shape and dtype, and an error naming it on any other use."""
-
-    def __init__(self, what: str, name: str, shape: tuple, dtype):
-        self._what, self._name = what, name
-        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
-        self.ndim, self.size = len(self.shape), int(np.prod(self.shape))
-
-    def __getattr__(self, attr):
-        raise HpcparError(f"the {self._what} of {self._name!r} is split over the data-parallel "
-                          f"replicas (--zero) and not gathered here: an internal error, please "
-                          f"report it")
-
-    def _refuse(self, *args, **kwargs):
-        return self.__getattr__("use")
-
-    __array__ = __iadd__ = __getitem__ = __setitem__ = __add__ = __mul__ = __matmul__ = _refuse
-
-
-class Pool:
-    """Buffers given back and taken again by size and dtype: the micro-batches' transient
-    gradients and gathered weights reuse a few allocations instead of faulting in fresh
-    pages every time (a caching allocator's role)."""
+class Transient:
+    """The micro-batches' gathered weights and whole gradients: buffers given back and taken
+    again by size and dtype (every layer's are alike, and the embedding's and the head's),
+    so each step reuses the same few instead of faulting fresh pages in (a caching
+    allocator's role), and counted: ``nbytes`` is all it ever made."""
 
     def __init__(self, xp):
         self.xp = xp
         self.free: dict[tuple, list] = {}
+        self.made = 0
 
-    def take(self, n: int, dtype, zero: bool = False):
+    def take(self, n: int, dtype):
         kept = self.free.get((n, np.dtype(dtype)))
-        buf = kept.pop() if kept else self.xp.empty(n, dtype=dtype)
-        if zero:
-            buf[...] = 0
-        return buf
+        if kept:
+            return kept.pop()
+        self.made += n * np.dtype(dtype).itemsize
+        return self.xp.empty(n, dtype=dtype)
 
     def give(self, buf) -> None:
         self.free.setdefault((buf.size, np.dtype(buf.dtype)), []).append(buf)
+
+    def nbytes(self) -> int:
+        return self.made
 
 
 @dataclass(eq=False)
@@ -94,6 +81,7 @@ class Unit:
     data: object = None           # the full compute weights: stage 2 always, 3 while in use
     grads: object = None          # the full gradients while a micro-batch's are added
     gathering: Request | None = None
+    written: set = field(default_factory=set)   # params whose gradient is in ``grads``
     users: int = 0
     index: int = field(default=0)
 
@@ -113,13 +101,15 @@ class Unit:
 
 class ShardedUnits:
     """Stage 2 or 3 over the params of ``groups`` (lists in the order their gradients
-    complete, each a unit; a tied embedding stands alone, so that its copies on the first and
-    last pipeline stage are cut alike) held by the ranks of ``comm``. ``segments`` are what
-    the optimizer steps; ``offset[name]``: where a param's segment starts in it."""
+    complete: the units, ``_unit_lists``) held by the ranks of ``comm``. ``segments`` are
+    what the optimizer steps; ``offset[name]``: where a param's segment starts in it."""
 
     def __init__(self, comm: Communicator, groups: list[list[Param]], xp, dtype, stage: int,
-                 pool: Pool):
-        self.comm, self.xp, self.stage, self.pool = comm, xp, stage, pool
+                 transient: Transient, reader: PieceReader | None = None):
+        """``reader``: where the pieces of params loaded as ``NotHeld`` are read from (stage
+        3 loads no whole weights)."""
+        self.comm, self.xp, self.stage, self.transient = comm, xp, stage, transient
+        self.reader = reader
         self.dtype = np.dtype(dtype)
         self.units = [Unit(g, comm, _offsets(g), split_sizes(_offsets(g)[-1], comm.size),
                            index=i) for i, g in enumerate(_unit_lists(groups))]
@@ -156,7 +146,9 @@ class ShardedUnits:
                    else Flat(self.xp, shapes, self.dtype, zero=False))
         by_unit: dict[int, list[int]] = {}
         for i, (u, p, a, c) in enumerate(found):
-            masters.views[i][...] = p.master.reshape(-1)[a:c]
+            masters.views[i][...] = (self.xp.asarray(self.reader.read(p.spec, a, c))
+                                     if isinstance(p.master, NotHeld)
+                                     else p.master.reshape(-1)[a:c])
             self.offset[p.name] = a
             self.segments.append(Param(p.spec, masters.views[i], grads.views[i], p.counted,
                                        p.decay, p.kv_replicated, tp_partial=p.tp_partial))
@@ -167,6 +159,8 @@ class ShardedUnits:
             u.grad_piece, u.master_piece, u.data_piece = (
                 f.span(*span) if mine else self.xp.empty(0, f.buffer.dtype)
                 for f in (grads, masters, compute))
+            if compute is masters:                 # float32: the masters are the copy
+                u.data_piece = u.master_piece
         grads.place(self.segments, "grad")
         masters.place(self.segments, "master")
         self.refresh_pieces()
@@ -187,8 +181,10 @@ class ShardedUnits:
     # ---- the step -----------------------------------------------------------------------
 
     def open(self, u: Unit) -> None:
-        """The unit's full gradient buffer, zeroed, bound to its params."""
-        u.grads = self.pool.take(u.size, np.float32, zero=True)
+        """The unit's full gradient buffer bound to its params; not zeroed: a param's first
+        gradient is written (``ZeroHooks.adding``), one never written zeroed at ``close``."""
+        u.grads = self.transient.take(u.size, np.float32)
+        u.written = set()
         for p, view in zip(u.params, u.views(u.grads)):
             p.grad = view
 
@@ -197,11 +193,14 @@ class ShardedUnits:
         rank's piece; the full buffer given back."""
         if u.grads is None:
             return
-        part = self.pool.take(u.sizes[self.comm.rank], np.float32)
-        self.comm.reduce_scatter(u.grads, out=part, sizes=u.sizes)
-        u.grad_piece += part
-        self.pool.give(part)
-        self.pool.give(u.grads)
+        for p in u.params:
+            if id(p) not in u.written:
+                p.grad[...] = 0
+        # the piece summed so far joins this rank's block of the sum: no buffer between
+        lo = u.lo
+        u.grads[lo:lo + u.sizes[self.comm.rank]] += u.grad_piece
+        self.comm.reduce_scatter(u.grads, out=u.grad_piece, sizes=u.sizes)
+        self.transient.give(u.grads)
         u.grads = None
         for p in u.params:
             p.grad = NotHeld("gradient", p.name, p.data.shape, np.float32)
@@ -232,7 +231,7 @@ class ShardedUnits:
     def start_gather(self, u: Unit) -> None:
         """Issue the unit's gather (it completes in ``acquire``)."""
         if u.data is None and u.gathering is None:
-            u.data = self.pool.take(u.size, self.dtype)
+            u.data = self.transient.take(u.size, self.dtype)
             u.gathering = self.comm.iall_gather(u.data_piece, u.sizes, u.data)
 
     def acquire(self, u: Unit) -> None:
@@ -247,17 +246,24 @@ class ShardedUnits:
     def release(self, u: Unit) -> None:
         u.users -= 1
         if u.users == 0:
-            self.pool.give(u.data)
+            self.transient.give(u.data)
             u.data = None
             for p in u.params:
                 p.data = NotHeld("weights", p.name, p.data.shape, self.dtype)
 
-    def slice_state(self, full: dict[str, dict]) -> dict[str, dict]:
-        """Whole per-param optimizer state (as a checkpoint holds it) cut to the segments."""
-        return {seg.name: {k: v.reshape(-1)[self.offset[seg.name]:
-                                            self.offset[seg.name] + seg.master.size].copy()
-                           for k, v in full[seg.name].items()}
-                for seg in self.segments}
+    def slice_state(self, full: dict[str, dict], names) -> dict[str, dict]:
+        """Per-param optimizer state (states ``names``) cut to the segments: from the whole
+        state (as a checkpoint holds it) in ``full``, or read alone where not there."""
+        out = {}
+        for seg in self.segments:
+            a = self.offset[seg.name]
+            c = a + seg.master.size
+            if seg.name in full:
+                out[seg.name] = {k: v.reshape(-1)[a:c].copy() for k, v in full[seg.name].items()}
+            else:
+                out[seg.name] = {k: self.xp.asarray(self.reader.read(
+                    seg.spec, a, c, f"{OPTIMIZER_GROUP}/{{}}/{k}")) for k in names}
+        return out
 
 
 class ZeroHooks:
@@ -303,10 +309,19 @@ class ZeroHooks:
                 if s.stage == 3:
                     s.start_gather(u)
 
-    def adding(self, param) -> None:
+    def adding(self, param) -> bool:
+        """``param``'s unit open for its gradient; True for its first this micro-batch (the
+        caller writes it: the buffer is not zeroed)."""
         found = self.unit_of.get(id(param))
-        if found is not None and found[1].grads is None:
-            found[0].open(found[1])
+        if found is None:
+            return False
+        sharded, unit = found
+        if unit.grads is None:
+            sharded.open(unit)
+        if id(param) in unit.written:
+            return False
+        unit.written.add(id(param))
+        return True
 
     def done(self, params) -> None:
         for s, u in self._units(params):
@@ -347,15 +362,17 @@ NO_HOOKS = _NoHooks()
 
 
 def _unit_lists(groups: list[list[Param]]) -> list[list[Param]]:
-    """The units: each group's params once (a param in two groups: the first), a tied
-    embedding alone (its pipeline stages' copies are cut alike, so their pieces add)."""
+    """The units: each group's params once (a param in two groups: the first); the
+    embedding and the head each alone: a tied embedding's copies on the first and last
+    pipeline stage are then cut alike, so their pieces add, and the two vocabulary-sized
+    units share their transient buffers."""
     out, seen = [], set()
     for group in groups:
         params = [p for p in group if id(p) not in seen]
         seen.update(id(p) for p in params)
-        embed = [p for p in params if p.spec.name == EMBED]
-        rest = [p for p in params if p.spec.name != EMBED]
-        out += [g for g in (rest, embed) if g]
+        out += [[p] for p in params if p.spec.name in (EMBED, LM_HEAD)]
+        out += [rest] if (rest := [p for p in params if p.spec.name not in (EMBED, LM_HEAD)]) \
+            else []
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from ...parallel.comm import Communicator
 from ...parallel.data_parallel.reducer import GradientReducer
 from .params import Param
-from .sharded_units import Pool, ShardedUnits
+from .sharded_units import NotHeld, Transient, ShardedUnits
 from .zero import ZeroShards
 
 
@@ -46,21 +46,26 @@ class Holders:
         return self.zero if isinstance(self.zero, ShardedUnits) else None
 
     def open(self, backward_groups: list[list[Param]], xp, bucket_bytes: int, zero: int,
-             dtype=np.float32, pool: Pool | None = None) -> None:
+             dtype=np.float32, transient: Transient | None = None, reader=None) -> None:
         """Buckets over the group (``backward_groups``: all params in the order their
-        gradients complete, filtered to these) and ZeRO's shards of ``zero``'s stage."""
+        gradients complete, filtered to these) and ZeRO's shards of ``zero``'s stage
+        (``reader``: where the pieces of params not loaded whole are read)."""
         if self.comm is None or self.comm.size == 1:
             return
         mine = {id(p) for p in self.params}
         groups = [kept for g in backward_groups if (kept := [p for p in g if id(p) in mine])]
         if zero >= 2:
-            self.zero = ShardedUnits(self.comm, groups, xp, dtype, zero, pool or Pool(xp))
+            self.zero = ShardedUnits(self.comm, groups, xp, dtype, zero,
+                                     transient or Transient(xp), reader)
             return
         self.reducer = GradientReducer(self.comm, groups, xp, bucket_bytes=bucket_bytes)
         self.zero = ZeroShards(self.comm, self.reducer, xp) if zero else None
 
-    def slice_state(self, states: dict[str, dict]) -> dict[str, dict]:
-        """The checkpoint's optimizer state of these params, as ``updated`` takes it."""
+    def slice_state(self, states: dict[str, dict], names) -> dict[str, dict]:
+        """The checkpoint's optimizer state (``names``) of these params, as ``updated`` takes
+        it (ZeRO-3's pieces of params not loaded whole: read alone)."""
+        if self.sharded:
+            return self.zero.slice_state(states, names)
         if self.zero:
             return self.zero.slice_state(states)
         return {p.name: states[p.name] for p in self.params if p.name in states}
@@ -74,6 +79,38 @@ def holders(params: list[Param], dp: Communicator | None, edp: Communicator | No
         return [Holders(list(params), dp, first)]
     dense = [p for p in params if p.spec.expert is None]
     experts = [p for p in params if p.spec.expert is not None]
-    if not experts:                       # a LoRA run's: the experts are frozen
+    if not experts:                       # a LoRA run's without expert adapters
         return [Holders(dense, dp, first)]
     return [Holders(dense, dp, first), Holders(experts, edp, edp.rank == 0)]
+
+
+def held_bytes(held: list[Holders], optimizer, transient: Transient | None) -> dict[str, int]:
+    """This rank's bytes, each distinct buffer once: ``weights`` (the float32 masters held
+    whole and the compute copy, or ZeRO-3's 16-bit pieces of it), ``gradients`` (whole, or
+    ZeRO 2/3's pieces), ``optimizer`` (its state, with ZeRO's float32 pieces of the weights
+    it updates) and ``transient`` (ZeRO 2/3's gathered weights and micro-batch gradients at
+    their most), as ``hpcpar plan`` predicts them."""
+    seen: set[int] = set()
+
+    def size(arrays) -> int:
+        total = 0
+        for a in arrays:
+            if a is None or isinstance(a, NotHeld):
+                continue
+            base = getattr(a, "base", None)
+            owner = a if base is None else base
+            if id(owner) not in seen:
+                seen.add(id(owner))
+                total += int(owner.nbytes)
+        return total
+
+    params = [p for group in held for p in group.params]
+    segments = [s for group in held if group.zero for s in group.zero.segments]
+    pieces16 = [u.data_piece for group in held if group.sharded for u in group.sharded.units
+                if u.data_piece is not u.master_piece]
+    out = {"weights": size([p.data for p in params] + [p.master for p in params] + pieces16),
+           "gradients": size([p.grad for p in params] + [s.grad for s in segments])}
+    out["optimizer"] = size([s.master for s in segments]
+                            + [v for state in optimizer.state.values() for v in state.values()])
+    out["transient"] = 0 if transient is None else transient.nbytes()
+    return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device.dtypes import bfloat16
+from ..environment import environment_value
 from ..errors import HpcparError
 from ..device.waits import wait_bounded, wait_event
 from .base import Communicator, Request
@@ -140,8 +141,26 @@ class NcclCommunicator(Communicator):
             offset += n
 
     def _iall_gather(self, send, recv, sizes) -> Request:
-        self._all_gather(send, recv, sizes)   # enqueued on the stream: already asynchronous
-        return self._event_request(send, recv)
+        """On the compute stream by default (ordered, asynchronous to the host, not beside
+        the compute); with ``HPCPAR_NCCL_OVERLAP=1`` on a stream of its own, after what the
+        compute stream queued before it, and ``wait()`` makes the compute stream wait for it
+        on the device (ZeRO-3's next layer gathered while this one computes; not run on two
+        GPUs yet)."""
+        if environment_value("HPCPAR_NCCL_OVERLAP") != "1":
+            self._all_gather(send, recv, sizes)
+            return self._event_request(send, recv)
+        cuda = self.xp.cuda
+        compute = cuda.get_current_stream()
+        if getattr(self, "_side", None) is None:
+            self._side = cuda.Stream(non_blocking=True)
+        ready = cuda.Event(disable_timing=True)
+        ready.record(compute)
+        self._side.wait_event(ready)
+        with self._side:
+            self._all_gather(send, recv, sizes)
+            done = cuda.Event(disable_timing=True)
+            done.record(self._side)
+        return Request(lambda: compute.wait_event(done), keepalive=(send, recv))
 
     def _reduce_scatter(self, send, recv, sizes) -> None:
         longest = max(sizes)

@@ -8,5 +8,5 @@ from ..exports import lazy_names
 __getattr__, __dir__, __all__ = lazy_names(__name__, {
     ".ring_attention": ("ContextShard", "RingAttention", "SplitKV", "split_batch"),
     "..ops.tiled_attention": ("TiledAttention",),
-    "..ops.attention": ("AttentionRows",),
+    "..ops.attention": ("AttentionRows", "Documents"),
 })

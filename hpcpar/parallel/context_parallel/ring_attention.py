@@ -14,7 +14,8 @@ Each rank embeds, projects, normalizes and scores only its own positions; attent
 needs the others' keys and values. ``RingAttention`` passes the K/V blocks around the group,
 each step's non-blocking send and receive overlapping that step's tiles, and merges the
 partial outputs by their log-sum-exp (``ops.tiled_attention.merge``); pairs of segments with
-no visible key (a key chunk after every query of a query chunk) are skipped. The backward
+no visible key (a key chunk after every query of a query chunk, or in packed rows before
+every query's document: ``AttentionRows.documents``, whole rows on every rank) are skipped. The backward
 sends K/V around the ring the other way, each block travelling with the dK/dV summed so far,
 which reaches the block's owner after a last hop. The weights' gradients of a cp group are
 partial (each rank saw some tokens): they are summed over cp with those of dp.
@@ -210,7 +211,11 @@ def _visible(q: Segment, k: Segment, rows: AttentionRows) -> bool:
     """Whether any query of segment q may see a key of segment k (rows from position 0)."""
     if k.at > q.last:                                  # keys after every query: causal
         return False
-    return rows.window is None or k.last > q.at - rows.window or k.at == 0   # k 0: padding
+    if k.at == 0:                                      # padding queries see key 0
+        return True
+    if rows.documents is not None and k.last < rows.documents.earliest(q.at):
+        return False                                   # keys before every query's document
+    return rows.window is None or k.last > q.at - rows.window
 
 
 def _pairs(shard: ContextShard, owner: int, rows: AttentionRows):

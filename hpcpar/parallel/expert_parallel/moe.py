@@ -22,7 +22,11 @@ still run (generation's replicas finish at different times) keeps serving its ex
 Under tp each expert is split as the dense MLP is (gate/up by output features, down by
 input features): an expert's output is a partial sum over tp, added once after the combine
 (one AllReduce of (N, hidden), as the dense MLP's down), and the input gradient likewise.
-The router is replicated over tp.
+The router is replicated over tp. With ``sequence_axis`` (sequence parallelism) the input
+comes split along the sequence over tp: it is AllGathered (every tp rank routes every token
+alike) and the partial outputs ReduceScattered back, in place of the AllReduce; backward
+mirrors it (dY AllGathered, the experts' dX ReduceScattered, the router's, whole on every
+rank, sliced).
 
 Communication per layer: forward, 1 AllReduce over tp and 2 all_to_alls over ep (plus one of
 P counts); backward, 2 AllReduces over tp (one of N*k routing weights) and 2 all_to_alls.
@@ -38,8 +42,10 @@ from ..device.backend import host_array
 from ..comm import Communicator
 from ..comm.failfast import fails_together
 from ..errors import HpcparError
-from ..tensor_parallel.layers import frozen_matrix, keep_slice, product, weight_grads
-from ..tensor_parallel.mappings import CopyToGroup, ReduceFromGroup
+from ..tensor_parallel.layers import (frozen_matrix, gathered, keep_slice, lora_delta,
+                                      lora_grads, product, split_axis, weight_grads)
+from ..tensor_parallel.mappings import (CopyToGroup, ReduceFromGroup, ReduceScatterToGroup,
+                                        ScatterToGroup)
 from ..ops import Ops, native_ops
 from ..params import GradSink, Parameter, join
 from .routing import Routing, TopKRouter
@@ -78,10 +84,10 @@ class Experts:
             if n == 0:
                 saved.append(None)
                 continue
-            parts = [product(self.ops, x[rows], w) for w in self.gate_up[j]]
+            parts = [_adapted(self.ops, x[rows], w) for w in self.gate_up[j]]
             gate, up = parts if len(parts) == 2 else xp.split(parts[0], 2, axis=-1)
             act = self.act.forward(gate, up)
-            y[rows] = product(self.ops, act, self.down[j])
+            y[rows] = _adapted(self.ops, act, self.down[j])
             saved.append((gate, up, act) if train else None)
         return y, ((x, counts, saved) if train else None)
 
@@ -95,13 +101,32 @@ class Experts:
             if n == 0:
                 continue
             gate, up, act = saved[j]
-            dact = weight_grads(self.ops, dy[rows], act, self.down[j], None, sink)
+            dact = _adapted_grads(self.ops, dy[rows], act, self.down[j], sink)
             dgate, dup = self.act.backward(dact, gate, up)
             w_gate, w_up = self.gate_up[j]
-            d = weight_grads(self.ops, dgate, x[rows], w_gate, None, sink)
-            d += weight_grads(self.ops, dup, x[rows], w_up, None, sink)
+            d = _adapted_grads(self.ops, dgate, x[rows], w_gate, sink)
+            d += _adapted_grads(self.ops, dup, x[rows], w_up, sink)
             dx[rows] = d
         return dx
+
+
+def _adapted(ops: Ops, x, w):
+    """X W^T, plus s (X A^T) B^T where ``w`` carries a LoRA adapter (a LoRA run's frozen
+    expert: ``tensor_parallel.layers.lora_delta``; a partial sum over tp for down, as its
+    base's product is)."""
+    y = product(ops, x, w)
+    if getattr(w, "lora", None) is not None:
+        y += lora_delta(ops, x, w.lora)
+    return y
+
+
+def _adapted_grads(ops: Ops, dy, x, w, sink):
+    """``_adapted``'s backward: the weight's (none when frozen) and the adapter's gradients
+    to ``sink`` (an A that gate and up share gets both shares); returns dX."""
+    dx = weight_grads(ops, dy, x, w, None, sink)
+    if getattr(w, "lora", None) is not None:
+        dx += lora_grads(ops, dy, x, w.lora, sink)
+    return dx
 
 
 @dataclass
@@ -260,7 +285,8 @@ def _expert_major(by_source: np.ndarray) -> np.ndarray:
 
 
 @fails_together            # a failure here, after the agreement, is this rank's alone
-def _keep_pieces(group, cls, layer: _WholeLayer, ep, tp, ops, name) -> "MoE":
+def _keep_pieces(group, cls, layer: _WholeLayer, ep, tp, ops, name,
+                 sequence_axis=None) -> "MoE":
     """``MoE.from_full`` once the ranks agreed: this rank's pieces (no communication)."""
     ops = ops or native_ops(group.xp)
     router, gate, up, down = layer.router, layer.gate, layer.up, layer.down
@@ -280,7 +306,8 @@ def _keep_pieces(group, cls, layer: _WholeLayer, ep, tp, ops, name) -> "MoE":
                              keep(up[e, cut], f"experts.{e}.up.weight")] for e in mine],
                       [keep(down[e][:, cut], f"experts.{e}.down.weight") for e in mine],
                       layer.activation)
-    return cls(ops, TopKRouter(ops, r, layer.top_k, layer.normalize), experts, dispatch, tp)
+    return cls(ops, TopKRouter(ops, r, layer.top_k, layer.normalize), experts, dispatch, tp,
+               sequence_axis=sequence_axis)
 
 
 def _router_replicas(ep, tp):
@@ -298,12 +325,14 @@ class MoE:
     local expert's rows since ``reset_load``."""
 
     def __init__(self, ops: Ops, router: TopKRouter, experts: Experts,
-                 dispatch: ExpertDispatch, tp: Communicator | None = None):
+                 dispatch: ExpertDispatch, tp: Communicator | None = None, *,
+                 sequence_axis: int | None = None):
         if len(experts) != dispatch.local:
             raise HpcparError(f"this rank holds {len(experts)} experts; its share of "
                               f"{dispatch.num_experts} over ep is {dispatch.local}")
         self.ops, self.router, self.experts, self.dispatch = ops, router, experts, dispatch
         self.tp = tp if tp is not None and tp.size > 1 else None
+        self.sequence_axis = sequence_axis      # sequence parallelism's split axis, or None
         group = tp if tp is not None else dispatch.ep
         self.error_board = group.error_board if group is not None else None   # its mesh's
         self.reset_load()
@@ -319,17 +348,20 @@ class MoE:
     def from_full(cls, router, gate, up, down, top_k: int, normalize: bool = True, *,
                   ep: Communicator | None = None, tp: Communicator | None = None,
                   activation: str = "silu", ops: Ops | None = None,
-                  name: str = "") -> "MoE":
+                  name: str = "", sequence_axis: int | None = None) -> "MoE":
         """From the whole layer, the same on every rank: ``router`` (E, hidden), ``gate`` and
         ``up`` (E, inter, hidden), ``down`` (E, hidden, inter), as transformers' experts
         are stacked. This rank keeps its ep block of experts, each cut over ``tp``; the
-        router is replicated over both (its ``replicas``: ``ep``, ``tp`` or the pair)."""
+        router is replicated over both (its ``replicas``: ``ep``, ``tp`` or the pair).
+        ``sequence_axis``: sequence parallelism's split axis of the input and output (see
+        the module's docstring)."""
         if ep is None and tp is None:
             raise HpcparError("MoE.from_full: give the ep group, the tp group, or both "
                               "(a mesh's groups: mesh.group('ep'))")
         layer = _WholeLayer(router, gate, up, down, top_k, normalize, activation)
         _agree_on_layer(layer, ep, tp)
-        return _keep_pieces(tp if tp is not None else ep, cls, layer, ep, tp, ops, name)
+        return _keep_pieces(tp if tp is not None else ep, cls, layer, ep, tp, ops, name,
+                            sequence_axis)
 
     def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
         """``router.weight`` and this rank's ``experts.{e}.gate/up/down.weight`` (e global)."""
@@ -359,15 +391,21 @@ class MoE:
         self.forward(x, serving=True)
         return self.all_serving
 
+    def _split(self) -> int | None:
+        """The sequence axis split over tp, or None."""
+        return None if self.tp is None else split_axis(self.tp, self.sequence_axis)
+
     @fails_together
     def forward(self, x, train: bool = False, serving: bool = False):
         """(y, ctx) for x (..., hidden); ctx is what ``backward`` needs when ``train``.
         ``routing`` keeps the last forward's ``Routing`` (for an auxiliary loss)."""
-        shape = x.shape
+        shape, axis, kept = x.shape, self._split(), x
         hidden = self.router.weight.data.shape[1]
         if shape[-1:] != (hidden,):
             raise HpcparError(f"MoE: input of shape {tuple(shape)}; the layer takes {hidden} "
                               "features along the last axis")
+        if axis is not None:
+            x = gathered(x, self.tp, axis)                     # every tp rank's positions
         x2 = x.reshape(-1, shape[-1])
         routing = self.router.forward(x2)
         rows, counts, route = self.dispatch.forward(x2, routing.experts, serving)
@@ -376,9 +414,13 @@ class MoE:
         out, expert_ctx = self.experts.forward(rows, counts, train)
         slots = self.dispatch.back(out, route)                     # partial over tp
         y = (slots * routing.weights.astype(slots.dtype)[..., None]).sum(axis=1)
-        if self.tp is not None:
+        if axis is not None:
+            y = ReduceScatterToGroup.forward(y.reshape(x.shape), self.tp, axis)
+        elif self.tp is not None:
             y = ReduceFromGroup.forward(y, self.tp)
-        ctx = (x2, routing, route, expert_ctx, slots) if train else None
+        # split: the input kept as it came, gathered again in backward (for the router's dW)
+        ctx = ((x2 if axis is None else kept), routing, route, expert_ctx, slots) \
+            if train else None
         return y.reshape(shape), ctx
 
     __call__ = forward
@@ -389,6 +431,10 @@ class MoE:
         (N, E): an auxiliary loss's gradient of the router's probabilities."""
         x2, routing, route, expert_ctx, slots = ctx
         sink = sink if sink is not None else GradSink(self.ops.xp)
+        axis, shape = self._split(), dy.shape
+        if axis is not None:                        # every position's: as the forward's
+            dy, x2 = gathered(dy, self.tp, axis), gathered(x2, self.tp, axis)
+            x2 = x2.reshape(-1, x2.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
         dweights = (slots * dy2[:, None, :]).sum(axis=-1, dtype=np.float32)
         if self.tp is not None:          # each tp rank's slots are a part of the outputs
@@ -397,9 +443,14 @@ class MoE:
         dx_local = self.experts.backward(self.dispatch.to_experts(dslots, route), expert_ctx,
                                          sink)
         dx = self.dispatch.backward(dx_local, route)
+        drouter = self.router.backward(routing, dweights, x2, sink, dprobs)   # whole, alike
+        if axis is not None:
+            dx = ReduceScatterToGroup.forward(dx.reshape(dy.shape), self.tp, axis)
+            dx += ScatterToGroup.forward(drouter.reshape(dy.shape), self.tp, axis)
+            return dx.reshape(shape)
         if self.tp is not None:
             dx = CopyToGroup.backward(dx, self.tp)
-        dx += self.router.backward(routing, dweights, x2, sink, dprobs)
+        dx += drouter
         return dx.reshape(dy.shape)
 
 

@@ -5,6 +5,11 @@ and the dispatch to them are ``moe``'s.
 
     probs = softmax(x R^T) in float32          (N, E): every expert's probability
     idx, w = top_k(probs, k)                   (N, k); w / sum(w) when ``normalize``
+
+DeepSeek's routers (``Choice``) score by softmax or sigmoid, choose by the scores plus a
+bias (V3's ``e_score_correction_bias``: the choice only, never the weights), among the best
+``topk_groups`` of ``groups`` groups of experts (a group scored by its best expert, V2, or
+its best two's sum, V3), and scale the weights by ``scaling``.
 """
 
 from __future__ import annotations
@@ -29,30 +34,78 @@ class Routing:
     chosen: object
 
 
-def route(xp, logits, top_k: int, normalize: bool) -> Routing:
-    """Softmax over every expert in float32, the k most probable (ties: the lower index),
-    their probabilities renormalised to sum to 1 when ``normalize`` (Mixtral; Qwen's
-    ``norm_topk_prob``)."""
+@dataclass(frozen=True)
+class Choice:
+    """How the scores are made and the k experts chosen: softmax top-k over all experts by
+    default (Mixtral, Qwen), or DeepSeek's (the module's docstring)."""
+
+    scoring: str = "softmax"        # or "sigmoid"
+    groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"        # a group's: its best expert's score, or "top2"
+    scaling: float = 1.0
+
+
+PLAIN = Choice()
+
+
+def _scores(xp, logits, scoring: str):
     z = logits.astype(np.float32)
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + xp.exp(-z))
     p = xp.exp(z - z.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    experts = xp.argsort(-p, axis=-1, kind="stable")[:, :top_k]
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def _grouped(xp, scores, choice: Choice):
+    """The scores outside each token's best ``topk_groups`` groups at -inf (never chosen)."""
+    N, E = scores.shape
+    g = scores.reshape(N, choice.groups, E // choice.groups)
+    if choice.group_score == "top2":
+        best = xp.sort(g, axis=-1)[..., -2:].sum(axis=-1)
+    else:
+        best = g.max(axis=-1)
+    kept = xp.argsort(-best, axis=-1, kind="stable")[:, :choice.topk_groups]
+    mask = xp.zeros((N, choice.groups), dtype=bool)
+    mask[xp.arange(N)[:, None], kept] = True
+    return xp.where(mask[..., None], g, -np.inf).reshape(N, E)
+
+
+def route(xp, logits, top_k: int, normalize: bool, choice: Choice = PLAIN,
+          bias=None) -> Routing:
+    """The scores in float32 (softmax over every expert, or ``choice``'s), the k best
+    (ties: the lower index) by the scores plus ``bias`` (E,) where given, within the best
+    groups where ``choice`` groups them; their scores as weights, renormalised to sum to 1
+    when ``normalize`` (Mixtral; ``norm_topk_prob``), times ``choice.scaling``."""
+    p = _scores(xp, logits, choice.scoring)
+    select = p if bias is None else p + bias.astype(np.float32)
+    if choice.groups > 1:
+        select = _grouped(xp, select, choice)
+    experts = xp.argsort(-select, axis=-1, kind="stable")[:, :top_k]
     chosen = xp.take_along_axis(p, experts, axis=-1)
     weights = chosen / chosen.sum(axis=-1, keepdims=True) if normalize else chosen
+    if choice.scaling != 1.0:
+        weights = weights * np.float32(choice.scaling)
     return Routing(experts, weights, p, chosen)
 
 
-def route_backward(xp, routing: Routing, dweights, normalize: bool, dprobs=None):
+def route_backward(xp, routing: Routing, dweights, normalize: bool, dprobs=None,
+                   choice: Choice = PLAIN):
     """d logits (N, E) float32 from the weights' gradient (N, k), plus ``dprobs`` (N, E),
-    the probabilities' own (an auxiliary loss's), when given."""
+    the probabilities' own (an auxiliary loss's), when given. The choice (and its bias)
+    has no gradient."""
     dw = dweights.astype(np.float32)
+    if choice.scaling != 1.0:
+        dw = dw * np.float32(choice.scaling)
     if normalize:          # w = c / S: dc = (dw - sum(dw w)) / S
         total = routing.chosen.sum(axis=-1, keepdims=True)
-        dw = (dw - (dw * routing.weights).sum(axis=-1, keepdims=True)) / total
+        dw = (dw - (dw * (routing.chosen / total)).sum(axis=-1, keepdims=True)) / total
     p = routing.probs
     dp = xp.zeros_like(p) if dprobs is None else dprobs.astype(np.float32, copy=True)
     rows = xp.arange(p.shape[0])[:, None]
     dp[rows, routing.experts] += dw                 # a row's k experts are distinct
+    if choice.scoring == "sigmoid":
+        return dp * p * (1.0 - p)
     return p * (dp - (dp * p).sum(axis=-1, keepdims=True))
 
 
@@ -82,20 +135,26 @@ def load_balancing_loss(xp, routings: list[Routing], mask, group=None):
 
 
 class TopKRouter:
-    """logits = x R^T (R: (E, hidden), replicated over tp), then ``route``."""
+    """logits = x R^T (R: (E, hidden), replicated over tp), then ``route`` by ``choice``
+    (and ``bias``, (E,) replicated, which has no gradient)."""
 
-    def __init__(self, ops: Ops, weight, top_k: int, normalize: bool):
+    def __init__(self, ops: Ops, weight, top_k: int, normalize: bool, choice: Choice = PLAIN,
+                 bias=None):
         self.ops, self.weight, self.top_k, self.normalize = ops, weight, top_k, normalize
+        self.choice, self.bias = choice, bias
 
     def forward(self, x2) -> Routing:
         """``x2`` (N, hidden) -> the routing of its N tokens."""
         return route(self.ops.xp, product(self.ops, x2, self.weight), self.top_k,
-                     self.normalize)
+                     self.normalize, self.choice,
+                     None if self.bias is None else self.bias.data)
 
     def backward(self, routing: Routing, dweights, x2, sink, dprobs=None):
         """d x2 from the weights' (and probabilities') gradients; adds R's to ``sink``."""
-        dlogits = route_backward(self.ops.xp, routing, dweights, self.normalize, dprobs)
+        dlogits = route_backward(self.ops.xp, routing, dweights, self.normalize, dprobs,
+                                 self.choice)
         return weight_grads(self.ops, dlogits.astype(x2.dtype), x2, self.weight, None, sink)
 
 
-__all__ = ["Routing", "TopKRouter", "load_balancing_loss", "route", "route_backward"]
+__all__ = ["Choice", "Routing", "TopKRouter", "load_balancing_loss", "route",
+           "route_backward"]

@@ -25,7 +25,7 @@ calls ``ops.rms_norm.forward(...)`` and never asks where it runs.
 from __future__ import annotations
 
 from ..errors import HpcparError
-from .attention import Attention, AttentionRows
+from .attention import Attention, AttentionRows, Documents
 from .cross_entropy import CrossEntropy
 from .embedding import embedding_lookup
 from .geglu import GeGLU
@@ -101,7 +101,7 @@ def optimizer_update(xp, fused: bool) -> OptimizerUpdate:
     return OptimizerUpdate(xp)
 
 
-__all__ = ["Attention", "AttentionRows", "CrossEntropy", "GeGLU", "KVWrite", "Linear", "Ops",
+__all__ = ["Attention", "AttentionRows", "CrossEntropy", "Documents", "GeGLU", "KVWrite", "Linear", "Ops",
            "OptimizerUpdate", "RMSNorm", "Rotary", "SwiGLU", "TopK", "UpdateStep",
            "embedding_lookup", "linear", "linear_input_grad", "native_ops", "ops_for",
            "check_ops", "optimizer_update"]

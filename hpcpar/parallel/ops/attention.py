@@ -13,6 +13,12 @@ q_lengths = kv_lengths; a decode step is q_lengths = 1 over a cache of kv_length
 the interface fused kernels take (cuDNN's padding mask: per-row sequence lengths), and it lets
 rows of one batch sit at different points of their sequences.
 
+Packed rows (training): with ``AttentionRows.documents`` a row holds several documents back
+to back, and query t sees only the keys of its own document, [start(t), t], start(t) the
+position its document begins at; rotary positions restart at each document (t - start(t)).
+So a packed row computes exactly what its documents would alone (a block-diagonal causal
+mask: flash-attention's varlen, cuDNN's ragged offsets).
+
 Layouts: q (B, T, heads, d) as the qkv GEMM leaves it (views fine); keys and values
 (B, kv_heads, S, d), the KV cache's layout (training passes views of its (B, T, kv, d) k and
 v), of which the first ``max_kv`` slots are read; out (B, T, heads, d). g = heads / kv_heads query heads share a KV head.
@@ -34,6 +40,47 @@ from ..errors import HpcparError
 
 
 @dataclass(frozen=True)
+class Documents:
+    """Where each position's document begins, for rows packed with several documents:
+    ``starts`` (B, L) int32 on the device and ``host``, the same numbers on the host (the tiles
+    choose their blocks from them). L is the whole rows' length (under context parallelism
+    too: keys come from anywhere in the row); positions past a row's length (padding) start
+    a document of their own, at the length."""
+
+    starts: object
+    host: object
+
+    @staticmethod
+    def build(xp, starts) -> "Documents":
+        """From a host integer array (B, L), non-decreasing along each row, starts[b, t] <= t."""
+        import numpy as np
+        host = np.ascontiguousarray(starts, dtype=np.int32)
+        return Documents(xp.asarray(host), host)
+
+    @staticmethod
+    def of_lengths(xp, lengths, width: int) -> "Documents":
+        """Rows of documents of ``lengths`` (a list per row) back to back, then padding, in
+        rows of ``width`` positions."""
+        import numpy as np
+        starts = np.empty((len(lengths), width), dtype=np.int32)
+        for b, row in enumerate(lengths):
+            at = 0
+            for n in row:
+                starts[b, at:at + n] = at
+                at += n
+            starts[b, at:] = at
+        return Documents.build(xp, starts)
+
+    def earliest(self, position: int) -> int:
+        """The first key any row's query at ``position`` may see (host int)."""
+        return int(self.host[:, position].min())
+
+    def latest(self, position: int) -> int:
+        """The last document start of any row's query at ``position`` (host int)."""
+        return int(self.host[:, position].max())
+
+
+@dataclass(frozen=True)
 class AttentionRows:
     """The rows of one micro-batch step: per-row query and key counts on the device, and the
     host facts kernels need to choose a shape."""
@@ -47,6 +94,13 @@ class AttentionRows:
     softcap: float | None = None   # scores soft-capped, cap tanh(s / cap), before the softmax
     context: object = None     # a ``ContextShard`` (``parallel.context_parallel``): this rank
                                # holds a part of each sequence (context parallelism)
+    documents: Documents | None = None   # packed rows: each query sees its own document only
+                                         # (whole rows from position 0)
+
+    def __post_init__(self):
+        if self.documents is not None and not self.from_start:
+            raise HpcparError("packed rows (documents) are whole rows from position 0, as "
+                              "training runs them; a KV cache's steps cannot be packed")
 
     @staticmethod
     def build(xp, q_lengths, kv_lengths, from_start: bool) -> "AttentionRows":
@@ -79,11 +133,19 @@ class AttentionRows:
         (``context_parallel.ring_attention.ContextShard.cache_slots``)."""
         return self.starts() if self.context is None else self.context.cache_slots(self)
 
-    def positions(self, xp, T: int):
-        """(B, T) the sequence position of each row's T queries (rotary's input)."""
+    def sequence_positions(self, xp, T: int):
+        """(B, T) the position in its row of each row's T queries."""
         if self.context is not None:
             return self.context.query_positions(xp, self, T)
         return self.starts().astype(xp.int64)[:, None] + xp.arange(T)[None, :]
+
+    def positions(self, xp, T: int):
+        """(B, T) rotary's position of each row's T queries: in its row, or in its document
+        when the rows are packed (restarting at 0 at each)."""
+        at = self.sequence_positions(xp, T)
+        if self.documents is None:
+            return at
+        return at - xp.take_along_axis(self.documents.starts, at, axis=1)
 
 
 
@@ -95,14 +157,16 @@ def at_positions(xp, x, at):
 def attention_mask(xp, rows: AttentionRows, T: int, S: int, t0: int = 0, s0: int = 0):
     """Which keys each query sees, (B, 1, 1, T, S) boolean, for queries [t0, t0 + T) and
     keys [s0, s0 + S): key s <= the query's position and s < kv_length (and s > position -
-    window with a sliding window). A padding query (t >= q_length) sees key 0 alone, so its
-    softmax stays finite."""
+    window with a sliding window, s >= its document's start in packed rows). A padding
+    query (t >= q_length) sees key 0 alone, so its softmax stays finite."""
     t = xp.arange(t0, t0 + T)[None, :, None]                      # (1, T, 1)
     s = xp.arange(s0, s0 + S)[None, None, :]                      # (1, 1, S)
     position = rows.starts().astype(xp.int64)[:, None, None] + t  # (B, T, 1)
     allowed = (s <= position) & (s < rows.kv_lengths[:, None, None])
     if rows.window is not None:
         allowed &= s > position - rows.window
+    if rows.documents is not None:                                # whole rows: t is position
+        allowed &= s >= rows.documents.starts[:, t0:t0 + T, None]
     padding = t >= rows.q_lengths[:, None, None]                  # (B, T, 1)
     allowed = xp.where(padding, s == 0, allowed)                  # (B, T, S)
     return allowed[:, None, None]                                 # (B, 1, 1, T, S)

@@ -111,8 +111,9 @@ def spans(blocks, most: int):
 
 def reached_scores(xp, qs, keys, rows: AttentionRows):
     """(B, kv, g, T) a score each query certainly reaches, at most its largest: its score
-    against its own position's key, and against key 0 without a sliding window (the sink a
-    trained model attends to); a padding query sees key 0 alone."""
+    against its own position's key, and against its sequence's first key without a sliding
+    window (key 0, or its document's first in packed rows: the sink a trained model attends
+    to); a padding query sees key 0 alone."""
     B, nkv, g, T, hd = qs.shape
     S = keys.shape[2]
     t = xp.arange(T)
@@ -121,6 +122,10 @@ def reached_scores(xp, qs, keys, rows: AttentionRows):
     own = xp.where(padding, 0, xp.minimum(position, S - 1))
     own_key = keys[xp.arange(B)[:, None], :, own]                          # (B, T, kv, d)
     reached = xp.einsum("bkgtd,btkd->bkgt", qs, own_key)
-    if rows.window is None:
+    if rows.window is None and rows.documents is not None:
+        first = xp.where(padding, 0, rows.documents.starts[:, :T])            # (B, T)
+        first_key = keys[xp.arange(B)[:, None], :, first]                  # (B, T, kv, d)
+        reached = xp.maximum(reached, xp.einsum("bkgtd,btkd->bkgt", qs, first_key))
+    elif rows.window is None:
         reached = xp.maximum(reached, xp.einsum("bkgtd,bkd->bkgt", qs, keys[:, :, 0]))
     return reached

@@ -5,8 +5,9 @@ rows as ``ops.attention`` (per-row lengths, a KV cache, sliding windows), withou
 Queries and keys go in blocks. For each query block an online softmax keeps, per query, the
 running maximum m and sum l of exp(score - m) in float32 (float64 in float64 work),
 rescaling the output accumulated so far when m grows; key blocks that no row's query of
-the block can see (above the causal diagonal, past every row's keys, or before every row's
-window) are skipped, and only blocks that some mask cuts are masked. The backward keeps no
+the block can see (above the causal diagonal, past every row's keys, before every row's
+window, or before the documents of packed rows begin) are skipped, and only blocks that some
+mask cuts are masked. The backward keeps no
 probabilities: it recomputes each block's from the saved log-sum-exp, lse = m + log l,
 
     P = exp(S - lse),  dV += P^T dO,  dP = dO V^T,  dS = P (dP - D),  D = rowsum(dO * O),
@@ -84,6 +85,7 @@ class TiledAttention(Attention):
         q_len = host_array(rows.q_lengths)
         kv_len = host_array(rows.kv_lengths)
         kv_min, kv_max = int(kv_len.min()), int(kv_len.max())
+        docs = rows.documents                             # packed rows (from position 0)
         tiles = []
         for t0 in range(0, T, self.block):
             t1 = min(t0 + self.block, T)
@@ -93,12 +95,15 @@ class TiledAttention(Attention):
             bottom = 0                                    # keys before every window: unseen
             if rows.window is not None and not padded:
                 bottom = max(0, first - rows.window + 1 - k_at)
+            if docs is not None and not padded:           # and before every document
+                bottom = max(bottom, docs.earliest(first) - k_at)
             blocks = []
             for s0 in range(bottom - bottom % self.block, top, self.block):
                 s1 = min(s0 + self.block, S)
                 # whole block visible to every query of every row of the block?
                 inside = (k_at + s1 - 1 <= first and k_at + s1 <= kv_min and not padded
-                          and (rows.window is None or k_at + s0 > last - rows.window))
+                          and (rows.window is None or k_at + s0 > last - rows.window)
+                          and (docs is None or k_at + s0 >= docs.latest(last)))
                 blocks.append((s0, s1, not inside))
             tiles.append((t0, t1, blocks))
         return tiles

@@ -41,6 +41,43 @@ class Piece:
     def source_numel(self) -> int:
         return int(np.prod([s.stop - s.start for s in self.source], dtype=np.int64))
 
+    def flat_regions(self, a: int, b: int):
+        """Elements [a, b) of the piece's buffer (C order; 1-D or 2-D) as rectangles: for
+        each, (the region of the whole tensor it holds, its first element, its shape, where
+        that region lies in it). Padding (outside ``dest``) holds none of the tensor: a
+        rectangle of padding alone is left out. ZeRO's pieces of a parameter are such
+        element ranges, written and read as these regions."""
+        for region, start in _rectangles(self.shape, a, b):
+            src, sub = [], []
+            for r, d, s in zip(region, self.dest, self.source):
+                lo, hi = max(r.start, d.start), min(r.stop, d.stop)
+                if lo >= hi:
+                    break
+                sub.append(slice(lo - r.start, hi - r.start))
+                src.append(slice(s.start + lo - d.start, s.start + hi - d.start))
+            else:
+                yield tuple(src), start, tuple(r.stop - r.start for r in region), tuple(sub)
+
+
+def _rectangles(shape: tuple[int, ...], a: int, b: int):
+    """Elements [a, b) of a C-ordered 1-D or 2-D array as rectangles: (region, flat start)."""
+    if len(shape) == 1:
+        yield (slice(a, b),), a
+        return
+    cols = shape[1]
+    r0, c0 = divmod(a, cols)
+    r1, c1 = divmod(b, cols)
+    if r0 == r1:
+        yield (slice(r0, r0 + 1), slice(c0, c1)), a
+        return
+    if c0:
+        yield (slice(r0, r0 + 1), slice(c0, cols)), a
+        r0 += 1
+    if r1 > r0:
+        yield (slice(r0, r1), slice(0, cols)), r0 * cols
+    if c1:
+        yield (slice(r1, r1 + 1), slice(0, c1)), r1 * cols
+
 
 def _whole(shape: tuple[int, ...]) -> Piece:
     full = tuple(slice(0, d) for d in shape)

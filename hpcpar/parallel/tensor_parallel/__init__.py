@@ -5,6 +5,8 @@ collective where the math needs one.
                and its backward
     layers     ``ColumnParallelLinear`` and ``RowParallelLinear``
     vocab      the vocabulary-parallel embedding, LM head and cross-entropy
+
+Each layer takes ``sequence_axis`` for Megatron's sequence parallelism (see ``layers``).
 """
 
 from ..exports import lazy_names

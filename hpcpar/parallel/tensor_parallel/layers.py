@@ -21,6 +21,17 @@ keeping its slice; the constructors take this rank's shards.
 The products, lookups and the cross-entropy's local pieces are ``hpcpar.parallel.ops`` (a NumPy
 reference, or a device kernel chosen once per backend); ``ops`` defaults to the references.
 
+Sequence parallelism (Megatron's, Korthikanti et al. 2022): with ``sequence_axis`` set, the
+activations outside a column/row pair are split along that axis over tp (each rank holds
+its own positions). The column layer then AllGathers its input along the sequence
+(backward: ReduceScatter of dX) and the row layer ReduceScatters its output (backward:
+AllGather of dY), in place of f and g; the pair's communication volume is the same as the
+AllReduce's, and what lies between pairs (norms, residual adds) is 1/p as large. The column
+layer keeps its input split and gathers it again in backward for dW (Megatron does the
+same). A replicated weight that reads the split activations (a norm's) then has a gradient
+that is a partial sum over tp: sum it (``Parameter(partial_grad=True)``,
+``sum_partial_grads``).
+
 A weight may carry a LoRA adapter (``LoraAdapter``, in its ``lora``): the layer then adds
 s (X A^T) B^T to that weight's product, with A [r, in] and B [out, r] split as the base
 (Hu et al. 2021, peft's ``LoraLayer``). Column-parallel base: A replicated, B_i the rows of
@@ -40,7 +51,7 @@ import numpy as np
 from ..tensor import splits
 from ..comm import Communicator
 from ..errors import HpcparError
-from .mappings import CopyToGroup, ReduceFromGroup
+from .mappings import CopyToGroup, GatherFromGroup, ReduceFromGroup, ReduceScatterToGroup
 from ..ops import Ops, native_ops
 from ..params import GradSink, Parameter, join
 
@@ -208,20 +219,36 @@ def sink_or_new(sink, xp):
     return GradSink(xp) if sink is None else sink
 
 
+def split_axis(tp: Communicator, sequence_axis: int | None) -> int | None:
+    """The axis a layer's outside activations are split along over ``tp`` (sequence
+    parallelism), or None: not set, or a group of one (nothing to split)."""
+    return sequence_axis if sequence_axis is not None and tp.size > 1 else None
+
+
+def gathered(x, tp: Communicator, sequence_axis: int | None):
+    """x with every rank's positions along ``sequence_axis`` (AllGather), or x itself
+    without sequence parallelism."""
+    axis = split_axis(tp, sequence_axis)
+    return x if axis is None else GatherFromGroup.forward(x, tp, axis)
+
+
 class ColumnParallelLinear:
     """Y_i = X A_i^T + b_i, with A = [A_1; ...; A_p] split along its output features.
 
     Forward: no communication (f: identity); every rank keeps its own column block Y_i.
     Backward: dX = sum_i dY_i A_i, an AllReduce over tp (f's backward).
+    With ``sequence_axis`` (sequence parallelism) X comes split along that axis: forward
+    AllGathers it, backward gathers it again for dW and ReduceScatters dX.
     Several projections read the same X (q/k/v, gate/up) and come out as a list: one weight
     each (training), or one merged weight whose output is split at ``sizes`` (generation;
     see ``merged``).
     """
 
     def __init__(self, ops: Ops, weights: list, biases: list | None, tp: Communicator,
-                 sizes: list[int] | None = None):
+                 sizes: list[int] | None = None, *, sequence_axis: int | None = None):
         self.ops, self.weights, self.biases, self.tp = ops, weights, biases, tp
         self.bounds = [sum(sizes[:k]) for k in range(1, len(sizes))] if sizes else None
+        self.sequence_axis = sequence_axis
 
     @classmethod
     def merged(cls, ops: Ops, weights: list, biases: list | None,
@@ -239,7 +266,8 @@ class ColumnParallelLinear:
 
     @classmethod
     def from_full(cls, tp: Communicator, weight, bias=None, sizes=None, ops: Ops | None = None,
-                  name: str = "", *, unit: int = 1) -> "ColumnParallelLinear":
+                  name: str = "", *, unit: int = 1,
+                  sequence_axis: int | None = None) -> "ColumnParallelLinear":
         """From the whole ``weight`` [out, in] (and ``bias`` [out]), the same on every rank:
         this rank keeps output features [start_i, stop_i): even, cut at ``sizes``, or by
         whole units of ``unit`` features (heads). With fewer units than ranks each unit is
@@ -252,7 +280,7 @@ class ColumnParallelLinear:
         w = keep_slice(tp, weight[a:b], name, replicas, replicas is not None)
         bs = ([keep_slice(tp, bias[a:b], join(name, "bias"), replicas, replicas is not None)]
               if bias is not None else None)
-        return cls(ops or native_ops(tp.xp), [w], bs, tp)
+        return cls(ops or native_ops(tp.xp), [w], bs, tp, sequence_axis=sequence_axis)
 
     @property
     def weight(self):
@@ -279,6 +307,7 @@ class ColumnParallelLinear:
 
     def __call__(self, x) -> list:
         _check_input(self, x, self.weights[0].data.shape[1], "the whole input (f copies it)")
+        x = gathered(x, self.tp, self.sequence_axis)
         ys = []
         for k, w in enumerate(self.weights):
             y = product(self.ops, x, w)
@@ -295,6 +324,7 @@ class ColumnParallelLinear:
         dys = dys if isinstance(dys, (list, tuple)) else [dys]
         sink = sink_or_new(sink, self.ops.xp)
         biases = self.biases or [None] * len(self.weights)
+        x = gathered(x, self.tp, self.sequence_axis)      # kept split: gathered again for dW
         dx = None
         for dy, w, b in zip(dys, self.weights, biases):
             d = weight_grads(self.ops, dy, x, w, b, sink)
@@ -304,6 +334,9 @@ class ColumnParallelLinear:
                 dx = d
             else:
                 dx += d
+        axis = split_axis(self.tp, self.sequence_axis)
+        if axis is not None:
+            return ReduceScatterToGroup.forward(dx, self.tp, axis)
         return CopyToGroup.backward(dx, self.tp)
 
 
@@ -333,14 +366,19 @@ class RowParallelLinear:
 
     Forward: each rank's partial product is AllReduced over tp (g), then the replicated bias
     is added once. Backward: dX_i = dY A_i, no communication (g's backward is the identity).
+    With ``sequence_axis`` (sequence parallelism) the partial products are ReduceScattered
+    along that axis instead (Y comes out split, the bias added to each rank's positions),
+    and backward first AllGathers dY (the bias's gradient then whole on every rank).
     """
 
-    def __init__(self, ops: Ops, weight, bias, tp: Communicator):
+    def __init__(self, ops: Ops, weight, bias, tp: Communicator, *,
+                 sequence_axis: int | None = None):
         self.ops, self.weight, self.bias, self.tp = ops, weight, bias, tp
+        self.sequence_axis = sequence_axis
 
     @classmethod
     def from_full(cls, tp: Communicator, weight, bias=None, sizes=None, ops: Ops | None = None,
-                  name: str = "") -> "RowParallelLinear":
+                  name: str = "", *, sequence_axis: int | None = None) -> "RowParallelLinear":
         """From the whole ``weight`` [out, in] (and ``bias`` [out], replicated over tp: its
         ``replicas``, counted once in the gradient norm): this rank keeps input features
         [start_i, stop_i) (even, or cut at ``sizes``)."""
@@ -349,7 +387,7 @@ class RowParallelLinear:
         w = keep_slice(tp, weight[:, a:b], name)
         bias = keep_slice(tp, bias, join(name, "bias"), tp if tp.size > 1 else None) \
             if bias is not None else None
-        return cls(ops or native_ops(tp.xp), w, bias, tp)
+        return cls(ops or native_ops(tp.xp), w, bias, tp, sequence_axis=sequence_axis)
 
     def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
         """``weight`` and ``bias``."""
@@ -369,14 +407,20 @@ class RowParallelLinear:
         partial = product(self.ops, x, self.weight)
         if getattr(self.weight, "lora", None) is not None:   # partial too: one AllReduce
             partial += lora_delta(self.ops, x, self.weight.lora)
-        y = ReduceFromGroup.forward(partial, self.tp)
+        axis = split_axis(self.tp, self.sequence_axis)
+        y = (ReduceFromGroup.forward(partial, self.tp) if axis is None
+             else ReduceScatterToGroup.forward(partial, self.tp, axis))
         if self.bias is not None:
             y += self.bias.data
         return y
 
     def backward(self, dy, x, sink=None):
-        """dX_i = dY A_i (g's backward: no communication); weight gradients to ``sink``."""
+        """dX_i = dY A_i (g's backward: no communication; with sequence parallelism dY
+        AllGathered first); weight gradients to ``sink``."""
         sink = sink_or_new(sink, self.ops.xp)
+        axis = split_axis(self.tp, self.sequence_axis)
+        if axis is not None:
+            dy = GatherFromGroup.forward(dy, self.tp, axis)
         dx = weight_grads(self.ops, dy, x, self.weight, self.bias, sink)
         if getattr(self.weight, "lora", None) is not None:
             dx += lora_grads(self.ops, dy, x, self.weight.lora, sink)

@@ -15,8 +15,9 @@ from ..tensor import splits
 from ..comm import Communicator
 from ..device.dtypes import at_least_float32
 from ..errors import HpcparError
-from .layers import keep_slice, named_of, product, sink_or_new, weight_grads
-from .mappings import CopyToGroup, ReduceFromGroup
+from .layers import (gathered, keep_slice, named_of, product, sink_or_new, split_axis,
+                     weight_grads)
+from .mappings import CopyToGroup, ReduceFromGroup, ReduceScatterToGroup
 from ..ops import Ops, embedding_lookup, native_ops
 from ..params import Parameter
 
@@ -48,11 +49,15 @@ class VocabParallelEmbedding:
     dY into its own rows only (repeated ids summed), no communication. ``padding_idx``
     (torch's ``nn.Embedding(padding_idx=...)``, which every Hugging Face decoder builds
     with its ``pad_token_id``): that row is looked up as any other but gets no gradient.
+    With ``sequence_axis`` (sequence parallelism: the ids' axis of positions) the sum is a
+    ReduceScatter along it, each rank keeping its own positions, and the backward
+    AllGathers dY first.
     """
 
     def __init__(self, xp, weight, vocab_size: int, tp: Communicator,
-                 padding_idx: int | None = None):
+                 padding_idx: int | None = None, *, sequence_axis: int | None = None):
         self.xp, self.weight, self.tp = xp, weight, tp   # (vocab_per_partition, hidden)
+        self.sequence_axis = sequence_axis
         self.vocab_size = vocab_size
         self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
         # this rank's local row of the padding id, if it owns it
@@ -61,11 +66,12 @@ class VocabParallelEmbedding:
 
     @classmethod
     def from_full(cls, tp: Communicator, table, name: str = "",
-                  padding_idx: int | None = None) -> "VocabParallelEmbedding":
+                  padding_idx: int | None = None, *,
+                  sequence_axis: int | None = None) -> "VocabParallelEmbedding":
         """From the whole table [vocab, hidden]: this rank keeps its vocabulary rows, padded
         with zero rows to ceil(vocab / p) (``splits.vocab_range``)."""
         return cls(tp.xp, _vocab_rows(tp, table, name, "VocabParallelEmbedding.from_full"),
-                   table.shape[0], tp, padding_idx)
+                   table.shape[0], tp, padding_idx, sequence_axis=sequence_axis)
 
     def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
         """``weight``: this rank's rows of the table."""
@@ -86,13 +92,18 @@ class VocabParallelEmbedding:
                               f"they must be in [0, {self.vocab_size})")
         out, local, owned = embedding_lookup(self.xp, self.weight.data, ids, self.start,
                                              self.stop, zero_others=self.tp.size > 1)
-        if self.tp.size > 1:
+        axis = split_axis(self.tp, self.sequence_axis)
+        if axis is not None:
+            out = ReduceScatterToGroup.forward(out, self.tp, axis)
+        elif self.tp.size > 1:
             ReduceFromGroup.forward(out, self.tp)
         return out, (local, owned)
 
     def backward(self, dy, ctx, sink=None) -> None:
-        """Adds dY's rows to the gradient of this rank's table rows (no communication)."""
+        """Adds dY's rows to the gradient of this rank's table rows (no communication; with
+        sequence parallelism dY is AllGathered first)."""
         local, owned = ctx
+        dy = gathered(dy, self.tp, self.sequence_axis)
         if self.padding_row is not None:
             owned = owned & (local != self.padding_row)
         sink_or_new(sink, self.xp).scatter_rows(self.weight, local[owned], dy[owned])
@@ -107,19 +118,24 @@ class ParallelLMHead:
     cross-entropy): dH = sum_i dLogits_i W_i, an AllReduce over tp.
     Padding rows (beyond ``vocab_size``) never win: their logits are -inf. A tied head is
     the embedding's weight (generation: the first stage's own table, read transposed).
+    With ``sequence_axis`` (sequence parallelism) H comes split along that axis: the logits
+    are of the AllGathered H (every position), and backward ReduceScatters dH.
     """
 
-    def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator):
+    def __init__(self, ops: Ops, weight, vocab_size: int, tp: Communicator, *,
+                 sequence_axis: int | None = None):
         self.ops, self.xp, self.weight, self.tp = ops, ops.xp, weight, tp
+        self.sequence_axis = sequence_axis
         self.vocab_size = vocab_size
         self.start, self.stop = splits.vocab_range(vocab_size, tp.rank, tp.size)
 
     @classmethod
     def from_full(cls, tp: Communicator, weight, ops: Ops | None = None,
-                  name: str = "") -> "ParallelLMHead":
+                  name: str = "", *, sequence_axis: int | None = None) -> "ParallelLMHead":
         """From the whole head [vocab, hidden]: this rank keeps its vocabulary rows."""
         return cls(ops or native_ops(tp.xp),
-                   _vocab_rows(tp, weight, name, "ParallelLMHead.from_full"), weight.shape[0], tp)
+                   _vocab_rows(tp, weight, name, "ParallelLMHead.from_full"), weight.shape[0], tp,
+                   sequence_axis=sequence_axis)
 
     def named_parameters(self, prefix: str = "") -> dict[str, Parameter]:
         """``weight``: this rank's vocabulary rows of the head (the embedding's own
@@ -132,6 +148,7 @@ class ParallelLMHead:
     def local_logits(self, h):
         """(..., vocab_per_partition) logits of this rank's block, float32 at least,
         padding at -inf."""
+        h = gathered(h, self.tp, self.sequence_axis)
         logits = at_least_float32(self.xp, product(self.ops, h, self.weight))
         real = self.stop - self.start
         if real < logits.shape[-1]:
@@ -139,9 +156,14 @@ class ParallelLMHead:
         return logits
 
     def backward(self, dlogits, h, sink=None):
-        """dH, AllReduced over tp, from this block's logit gradients (in h's dtype)."""
+        """dH, AllReduced over tp, from this block's logit gradients (in h's dtype); with
+        sequence parallelism H gathered again and dH ReduceScattered."""
+        h = gathered(h, self.tp, self.sequence_axis)
         dlogits = dlogits.astype(h.dtype, copy=False).reshape(h.shape[:-1] + (-1,))
         dh = weight_grads(self.ops, dlogits, h, self.weight, None, sink_or_new(sink, self.xp))
+        axis = split_axis(self.tp, self.sequence_axis)
+        if axis is not None:
+            return ReduceScatterToGroup.forward(dh, self.tp, axis)
         return CopyToGroup.backward(dh, self.tp)
 
     def full_logits(self, local):

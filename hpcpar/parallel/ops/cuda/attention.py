@@ -17,8 +17,14 @@ import cupy
 
 from ...errors import HpcparError
 from ..attention import Attention, AttentionRows
+from . import varlen_attention as varlen
 
 _CUDNN_DTYPES = ("float16", "bfloat16")
+# scores rescaled by ``AttentionRows.scale`` (latent attention's, Gemma 2's without a cap)
+# through cuDNN's attn_scale, for heads of at most MAX_FUSED_DIM: off until it has run on a
+# GPU (``tests/test_ops_gpu.py``, ``benchmarks/gpu_check.sh``); the reference until then
+SCALED = False
+MAX_FUSED_DIM = 256
 
 
 def _cudnn():
@@ -72,6 +78,8 @@ _HANDLE: list = []
 
 
 class CudnnAttention(Attention):
+    ragged = varlen.RAGGED          # packed rows through cuDNN's ragged form (else the reference)
+
     def __init__(self, xp):
         super().__init__(xp)
         self._graphs = _GRAPHS
@@ -83,16 +91,16 @@ class CudnnAttention(Attention):
 
     # ---- graphs ---------------------------------------------------------------------------
 
-    def _graph(self, kind: str, q, keys, values, causal: bool, extra=()):
+    def _graph(self, kind: str, q, keys, values, causal: bool, extra=(), scale=None):
         key = (kind, q.dtype.name, q.shape, q.strides, keys.shape, keys.strides,
-               values.strides, causal) + tuple(extra)
+               values.strides, causal, scale) + tuple(extra)
         built = self._graphs.get(key)
         if built is None:
-            built = self._build(kind, q, keys, values, causal)
+            built = self._build(kind, q, keys, values, causal, scale)
             self._graphs[key] = built
         return built
 
-    def _build(self, kind: str, q, keys, values, causal: bool) -> _Graph:
+    def _build(self, kind: str, q, keys, values, causal: bool, scale=None) -> _Graph:
         cudnn = _cudnn()
         io = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16}[q.dtype.name]
         B, T, nh, hd = q.shape
@@ -111,7 +119,7 @@ class CudnnAttention(Attention):
         seq_q = tensor("seq_q", [B, 1, 1, 1], [1, 1, 1, 1], cudnn.data_type.INT32)
         seq_kv = tensor("seq_kv", [B, 1, 1, 1], [1, 1, 1, 1], cudnn.data_type.INT32)
         o_strides = [T * nh * hd, hd, nh * hd, 1]                   # o stored (B, T, heads, d)
-        scale = 1.0 / math.sqrt(hd)
+        scale = 1.0 / math.sqrt(hd) if scale is None else scale
         mask = dict(use_causal_mask=causal, use_padding_mask=True, seq_len_q=seq_q,
                     seq_len_kv=seq_kv)
         training = kind != "forward"
@@ -141,6 +149,18 @@ class CudnnAttention(Attention):
         workspace = cupy.empty(max(g.get_workspace_size(), 1), dtype=cupy.uint8)
         return _Graph(g, t, workspace)
 
+    def _ragged_graph(self, kind: str, q, keys, values, count: int, scale=None) -> _Graph:
+        """The ragged graph of packed rows' ``count`` sequences (``varlen_attention``)."""
+        key = ("ragged", kind, q.dtype.name, q.shape, q.strides, keys.shape, keys.strides,
+               values.strides, count, scale)
+        built = self._graphs.get(key)
+        if built is None:
+            g, tensors = varlen.build(_cudnn(), self._handle_now(), kind, q, keys, count,
+                                      1.0 / math.sqrt(q.shape[3]) if scale is None else scale)
+            workspace = cupy.empty(max(g.get_workspace_size(), 1), dtype=cupy.uint8)
+            built = self._graphs[key] = _Graph(g, tensors, workspace)
+        return built
+
     # ---- the op ---------------------------------------------------------------------------
 
     def _lengths(self, rows: AttentionRows):
@@ -152,8 +172,11 @@ class CudnnAttention(Attention):
         if q.dtype.name not in _CUDNN_DTYPES:
             return False
         if rows is not None and (rows.window is not None or rows.softcap is not None
-                                 or rows.scale is not None):
-            return False      # no sliding-window, soft-capped or rescaled graph yet
+                                 or (rows.scale is not None
+                                     and not (SCALED and q.shape[-1] <= MAX_FUSED_DIM))):
+            return False      # no sliding-window or soft-capped graph yet (rescaled: SCALED)
+        if rows is not None and rows.documents is not None and not self.ragged:
+            return False      # packed rows: the ragged graphs have not run on a GPU yet
         return rows is None or q.shape[1] == 1 or rows.from_start
 
     def forward(self, q, keys, values, rows: AttentionRows):
@@ -164,10 +187,12 @@ class CudnnAttention(Attention):
                     " runs the reference, whose matmuls CUDA-graph capture refuses: use "
                     "--dtype bfloat16 or float16 (cuDNN's kernel), or run without --cuda-graphs")
             return super().forward(q, keys, values, rows)
+        if rows.documents is not None:
+            return self._packed(q, keys, values, rows, training=False)[0]
         causal = q.shape[1] > 1
         if rows.from_start:           # prefill reads its own T keys: one graph per (B, T)
             keys, values = keys[:, :, :q.shape[1]], values[:, :, :q.shape[1]]
-        graph = self._graph("forward", q, keys, values, causal)
+        graph = self._graph("forward", q, keys, values, causal, scale=rows.scale)
         # zeros: cuDNN leaves the rows past a row's length alone, and they must stay finite
         out = cupy.zeros(q.shape, dtype=q.dtype)
         seq_q, seq_kv = self._lengths(rows)
@@ -178,8 +203,10 @@ class CudnnAttention(Attention):
     def forward_train(self, q, keys, values, rows: AttentionRows):
         if not self._fused(q, rows):
             return super().forward_train(q, keys, values, rows)
+        if rows.documents is not None:
+            return self._packed(q, keys, values, rows, training=True)
         causal = q.shape[1] > 1
-        graph = self._graph("forward_train", q, keys, values, causal)
+        graph = self._graph("forward_train", q, keys, values, causal, scale=rows.scale)
         B, T, nh, _ = q.shape
         out = cupy.zeros(q.shape, dtype=q.dtype)
         stats = cupy.zeros((B, nh, T, 1), dtype=cupy.float32)
@@ -188,12 +215,23 @@ class CudnnAttention(Attention):
                                        "stats": stats, "seq_q": seq_q, "seq_kv": seq_kv})
         return out, FusedContext(q, keys, values, out, stats, rows, causal)
 
+    def _packed(self, q, keys, values, rows: AttentionRows, training: bool):
+        """Packed rows through the ragged graphs: the rows' own T keys, the keys' and
+        values' layouts alike (the views of one (B, T, kv, d) layout training passes)."""
+        keys, values = keys[:, :, :q.shape[1]], values[:, :, :q.shape[1]]
+        if keys.strides != values.strides or keys.shape != values.shape:
+            return (super().forward_train(q, keys, values, rows) if training else
+                    (super().forward(q, keys, values, rows), None))
+        return varlen.run_forward(self, q, keys, values, rows, training)
+
     def backward(self, dout, ctx):
+        if isinstance(ctx, varlen.RaggedContext):
+            return varlen.run_backward(self, dout, ctx)
         if not isinstance(ctx, FusedContext):
             return super().backward(dout, ctx)
         q, keys, values, out, stats, rows, causal = ctx
         dout = cupy.ascontiguousarray(dout)
-        graph = self._graph("backward", q, keys, values, causal)
+        graph = self._graph("backward", q, keys, values, causal, scale=rows.scale)
         B, S, nkv, hd = keys.shape[0], keys.shape[2], keys.shape[1], keys.shape[3]
         dq = cupy.zeros(q.shape, dtype=q.dtype)
         dk = cupy.zeros((B, S, nkv, hd), dtype=q.dtype)

@@ -22,7 +22,8 @@ _write = cupy.ElementwiseKernel(
 
 class KVWriteCuda(KVWrite):
     def forward(self, cache_k, cache_v, k, v, starts, from_start: bool) -> None:
-        if from_start or not (cache_k.flags.c_contiguous and cache_v.flags.c_contiguous):
+        if (from_start or k.shape != v.shape       # (latent attention's: keys alone)
+                or not (cache_k.flags.c_contiguous and cache_v.flags.c_contiguous)):
             return super().forward(cache_k, cache_v, k, v, starts, from_start)
         B, T, heads, dim = k.shape
         _write(k, v, starts.astype(cupy.int32, copy=False), cupy.int32(T), cupy.int32(heads),
