@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from helpers import hpcpar_here
 from test_moe import moe_training  # noqa: F401  (its Qwen3-MoE run, made once)
-from test_train_mpi import CONFIGS, STEPS, _made_once, _job, assert_matches_single
+from test_train_mpi import STEPS, _job, _made_once, assert_matches_single, made_setup
 from hpcpar.jobs.train.engine import run_training
 
 SP = "parallel.sequence_parallel=true"
@@ -128,20 +128,7 @@ def sp_setup(request, tmp_path_factory):
     """test_train_mpi's ``setup`` of a few of its models (the same folder, made once): a
     tied head with biases and one KV head (tied), per-head q/k norms (qwen3), Gemma's
     (1 + w) norms and embedding scale; rows of 8 positions, two left-padded."""
-    cfg = CONFIGS[request.param]
-
-    def build(folder):
-        from helpers import make_checkpoint
-        make_checkpoint(folder, cfg)
-        rng = np.random.default_rng(1)
-        rows = rng.integers(0, cfg["vocab_size"], (24, 9))
-        rows[3, :4] = -1
-        rows[10, :2] = -1
-        np.save(f"{folder}/data.npy", rows)
-        run_training(MPI.COMM_SELF, _job(folder, "single", (1, 1, 1, 1, "1f1b", 1)),
-                     progress=False)
-
-    return cfg, _made_once(tmp_path_factory, f"setup {request.param}", build)
+    return made_setup(tmp_path_factory, request.param)
 
 
 def _grad_norms(folder):

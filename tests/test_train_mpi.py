@@ -55,10 +55,10 @@ def _made_once(tmp_path_factory, key, build):
     return folder
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def setup(request, tmp_path_factory):
-    """A checkpoint, a dataset with left-padded rows, and the single-rank run."""
-    cfg = CONFIGS[request.param]
+def made_setup(tmp_path_factory, name: str):
+    """(config, folder) of CONFIGS[name]: a checkpoint, a dataset with left-padded rows, and
+    the single-rank run, made once for every module that asks."""
+    cfg = CONFIGS[name]
 
     def build(folder):
         make_checkpoint(folder, cfg)
@@ -70,7 +70,13 @@ def setup(request, tmp_path_factory):
         run_training(MPI.COMM_SELF, _job(folder, "single", (1, 1, 1, 1, "1f1b", 1)),
                      progress=False)
 
-    return cfg, _made_once(tmp_path_factory, f"setup {request.param}", build)
+    return cfg, _made_once(tmp_path_factory, f"setup {name}", build)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def setup(request, tmp_path_factory):
+    """A checkpoint, a dataset with left-padded rows, and the single-rank run."""
+    return made_setup(tmp_path_factory, request.param)
 
 
 def _job(folder, out, layout, *extra, optimizer="adamw"):
