@@ -29,7 +29,7 @@ def test_the_router_chooses_and_weighs_as_transformers_forward_and_backward(fami
     to torch's autograd."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from hpcpar.models.decoder import router_choice
+    from hpcpar.models.mlp import router_choice
     from hpcpar.parallel.expert_parallel.routing import route, route_backward
     settings = dict(HF_CONFIGS[family])
     settings.pop("model_type")

@@ -21,7 +21,8 @@ from hpcpar.models.tensors import StageSpan, TensorSpec, stage_tensors
 from hpcpar.jobs.train.model_chunk import Batch, ModelChunk
 from hpcpar.jobs.train.data import label_count, make_batches
 from hpcpar.models.attention import Attention
-from hpcpar.models.decoder import Mlp, norm_backward
+from hpcpar.models.mlp import Mlp
+from hpcpar.models.norms import norm_backward
 from hpcpar.parallel.tensor_parallel.vocab import VocabParallelCrossEntropy, VocabParallelEmbedding
 from hpcpar.jobs.train.params import GradSink, make_params
 from reference import llama_logits

@@ -1,7 +1,8 @@
 """The models, the layer between the parallel core and the jobs: the config (``config``), the
 tensor inventory (``tensors``), the split plan (``sharding``), the one decoder every family
-runs (``decoder``, ``attention``, ``kv_cache``, ``rope``), a model's text side
-(``tokenizer``, ``chat``), and the families, found by ``model_type`` in one registry (here).
+runs (``decoder``, ``attention``, ``latent_attention``, ``norms``, ``mlp``, ``kv_cache``,
+``rope``), a model's text side (``tokenizer``, ``chat``), and the families, found by
+``model_type`` in one registry (here).
 
 Each family module declares only how it differs from Llama (``family.Family``): the fields
 of its ``config.json`` it reads into the config's features, and its tensor names. The

@@ -8,7 +8,7 @@ after the column-parallel q/k/v. The math is the ops layer's: rotary on q and k,
 partial gradient on each, summed over those ranks by the trainer (``Param.kv_replicated``).
 With per-head q/k norms (Qwen3) each rank normalizes its own heads with the shared weights,
 whose gradients are therefore partial too and summed over tp (``Param.tp_partial``); OLMo 2's
-span the whole projection, over the tp group (``decoder.SpanNorms``). The scores' scale
+span the whole projection, over the tp group (``norms.SpanNorms``). The scores' scale
 (default 1/sqrt(d)), their soft-capping (Gemma 2: cap tanh(s / cap)) and the sliding window
 are the layer's, passed to the op on its rows (``AttentionRows``).
 """
@@ -50,8 +50,8 @@ class Attention:
         self.ops = ops
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim  # per partition
         self.qkv, self.o = qkv, o
-        self.qk_norms = qk_norms        # (q's, k's) per-head ``decoder.Norm``s, or None
-        self.whole_qk_norms = whole_qk_norms   # over the projections: ``decoder.SpanNorms``
+        self.qk_norms = qk_norms        # (q's, k's) per-head ``norms.Norm``s, or None
+        self.whole_qk_norms = whole_qk_norms   # over the projections: ``norms.SpanNorms``
         self.window = window            # a sliding window over the keys (Mistral), or None
         self.scale, self.softcap = scale, softcap   # the scores' (Gemma 2), or None
 
@@ -86,7 +86,7 @@ class Attention:
         B, T = q.shape[:2]      # every position, x split along them or not (sequence parallel)
         nctx = None
         if self.qk_norms is not None and self.whole_qk_norms:     # over (B, T, nh hd)
-            (q, k), nctx = self.qk_norms.forward(q, k, train)     # ``decoder.SpanNorms``
+            (q, k), nctx = self.qk_norms.forward(q, k, train)     # ``norms.SpanNorms``
         q = q.reshape(B, T, nh, hd)                                   # (B, T, nh, hd)
         k = k.reshape(B, T, nkv, hd)                                  # (B, T, nkv, hd)
         v = v.reshape(B, T, nkv, hd)

@@ -36,27 +36,23 @@ import numpy as np
 
 from ..parallel.device import budget
 from ..parallel.device.backend import host_array
-from ..parallel.device.dtypes import at_least_float32
 from ..parallel.comm import Communicator
-from ..parallel.tensor_parallel.layers import (ColumnParallelLinear, Frozen, RowParallelLinear,
-                                               column_parallel, frozen_matrix, gathered,
-                                               product, row_parallel, weight_grads)
+from ..parallel.tensor_parallel.layers import Frozen, frozen_matrix, gathered
 from ..parallel.tensor_parallel.mappings import ScatterToGroup
-from ..parallel.expert_parallel.moe import ExpertDispatch, Experts, MoE
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
-from ..parallel.expert_parallel.routing import Choice, TopKRouter
 from ..parallel.tensor.splits import unit_replicas
 from ..parallel.tensor_parallel.vocab import ParallelLMHead, VocabParallelEmbedding
 from .attention import QKV, Attention
 from .config import ModelConfig, RopeScaling
 from .kv_cache import KVCache, kv_cache_bytes, kv_dims
 from .latent_attention import LatentAttention
+from .mlp import GATE_UP, Mlp, MoeMlp
+from .norms import Norm, SpanNorms
 from .rope import RotaryEmbedding
 from .softcap import SoftCappedLMHead
 from .tensors import EXPERT_ROLES, StageSpan, TensorSpec
 
-GATE_UP = ("gate", "up")      # the MLP's projections of x that generation merges
 # the replicated weights that read sequence-split activations under sequence parallelism:
 # each tp rank's gradient is its positions' part, summed over tp (``split_sequence``)
 SEQUENCE_SPLIT_ROLES = ("input_norm", "post_attention_norm", "attn_out_norm", "mlp_out_norm",
@@ -88,199 +84,6 @@ def matrix_stacks(specs: list[TensorSpec], span: StageSpan) -> list[tuple[str, .
             groups.setdefault((spec.layer, spec.expert, roles), {})[role] = spec.name
     return [tuple(names[r] for r in roles if r in names)
             for (_, _, roles), names in groups.items()]
-
-
-class Norm:
-    """RMSNorm with the config's scale (w, or 1 + w for Gemma), over the last dimension of
-    any shape (a per-head norm reads (B, T, heads, head_dim))."""
-
-    def __init__(self, ops: Ops, weight, eps: float, offset: float = 0.0):
-        self.ops, self.weight, self.eps, self.offset = ops, weight, eps, offset
-
-    def scale(self):
-        w = self.weight.data
-        return w + self.offset if self.offset else w
-
-    def forward(self, x, train: bool = False):
-        """(y, ctx): ctx is what ``backward`` needs when ``train``, else None."""
-        if train:
-            return self.ops.rms_norm.forward_train(x, self.scale(), self.eps)
-        return self.ops.rms_norm.forward(x, self.scale(), self.eps), None
-
-    def add_forward(self, branch, x, train: bool = False):
-        """(rms_norm(x + branch), x + branch, ctx)."""
-        if train:
-            return self.ops.rms_norm.add_forward_train(branch, x, self.scale(), self.eps)
-        h, x = self.ops.rms_norm.add_forward(branch, x, self.scale(), self.eps)
-        return h, x, None
-
-    def backward(self, dy, ctx, sink):
-        """dx; adds dw (the offset's derivative is 1). Replicated over tp: no communication."""
-        dx, dw = self.ops.rms_norm.backward(dy, ctx, self.scale())
-        sink.add(self.weight, lambda: dw)
-        return dx
-
-
-class SpanNorms:
-    """RMSNorms of q and of k over their whole projections, whose heads are split over tp
-    (OLMo 2's): this rank's slice x_i of each one's features, its slice w_i of the weight,
-    n the whole projection's features, each of this rank's heads held by R ranks (R > 1 for
-    KV heads fewer than tp).
-
-        r = 1 / sqrt(sum_i |x_i|^2 / (R n) + eps)       the sums of every rank (AllReduce)
-        y_i = w_i x_i r
-
-    Backward, x̂ = x r, g_i = dy_i w_i (a replicated head's dy_i: this rank's part of it,
-    the parts summing to the whole gradient): dx_i = r (g_i - x̂_i D / (R n)), D = sum_i
-    <g_i, x̂_i> over every rank (AllReduce); the replicas' dx_i sum to the whole, as the
-    projection's backward sums them; dw_i is this rank's slice (a replicated one summed over
-    its replicas by the trainer, ``Param.kv_replicated``). q's and k's sums travel in one
-    AllReduce of two numbers per token, forward and backward."""
-
-    def __init__(self, q_norm: Norm, k_norm: Norm, tp: Communicator, sizes: tuple[int, int],
-                 replicas: tuple[int, int]):
-        self.norms, self.tp = (q_norm, k_norm), tp
-        self.divisors = tuple(n * r for n, r in zip(sizes, replicas))     # R n of each
-
-    def forward(self, q, k, train: bool = False):
-        """((q's y, k's y), ctx) of q (B, T, q_i) and k (B, T, kv_i)."""
-        xp = self.norms[0].ops.xp
-        xs = (at_least_float32(xp, q), at_least_float32(xp, k))
-        sums = self.tp.all_reduce(xp.stack([xp.einsum("...d,...d->...", x, x) for x in xs],
-                                           axis=-1))                    # (B, T, 2)
-        ys, rs = [], []
-        for i, (norm, x, xf) in enumerate(zip(self.norms, (q, k), xs)):
-            r = 1.0 / xp.sqrt(sums[..., i:i + 1] * (1.0 / self.divisors[i]) + norm.eps)
-            ys.append((xf * r).astype(x.dtype, copy=False) * norm.scale())
-            rs.append(r)
-        return tuple(ys), ((q, k, rs) if train else None)
-
-    def backward(self, dq, dk, ctx, sink):
-        """(dq, dk) of the norms' inputs; adds their weights' gradients."""
-        xp = self.norms[0].ops.xp
-        q, k, rs = ctx
-        parts = []
-        for norm, x, dy, r in zip(self.norms, (q, k), (dq, dk), rs):
-            xhat = at_least_float32(xp, x) * r
-            dyf = at_least_float32(xp, dy)
-            dw = (dyf * xhat).reshape(-1, x.shape[-1]).sum(axis=0)
-            sink.add(norm.weight, lambda dw=dw: dw)
-            parts.append((xhat, dyf * norm.scale()))
-        dots = self.tp.all_reduce(xp.stack([(g * xhat).sum(axis=-1) for xhat, g in parts],
-                                           axis=-1))                    # (B, T, 2)
-        return tuple((r * (g - xhat * (dots[..., i:i + 1] * (1.0 / self.divisors[i]))))
-                     .astype(dy.dtype, copy=False)
-                     for i, ((xhat, g), r, dy) in enumerate(zip(parts, rs, (dq, dk))))
-
-
-def norm_backward(ops: Ops, dy, ctx, w, sink):
-    """The RMSNorm op's backward for a plain weight ``w``: returns dx, adds dw."""
-    return Norm(ops, w, eps=0.0).backward(dy, ctx, sink)      # eps is the forward's only
-
-
-class Mlp:
-    """down(act(gate(x)) * up(x)); gate/up column-parallel, down row-parallel; ``act`` the
-    gated activation op (SwiGLU's silu, GeGLU's tanh GELU).
-    Communication: one AllReduce forward (in down), one backward (after gate/up)."""
-
-    def __init__(self, ops: Ops, gate_up: ColumnParallelLinear, down: RowParallelLinear,
-                 activation: str = "silu"):
-        self.ops, self.gate_up, self.down = ops, gate_up, down
-        self.act = ops.gated(activation)
-
-    @classmethod
-    def of(cls, ops: Ops, w: dict, tp: Communicator, merge: bool = False,
-           activation: str = "silu") -> "Mlp":
-        """From a layer's weights by role (gate, up, down and their biases)."""
-        return cls(ops, column_parallel(ops, w, GATE_UP, tp, merge),
-                   row_parallel(ops, w, "down", tp, merge), activation)
-
-    def forward(self, x, train: bool = False):
-        gate, up = self.gate_up(x)
-        act = self.act.forward(gate, up)
-        return self.down(act), ((x, gate, up, act) if train else None)
-
-    def backward(self, dy, ctx, sink):
-        x, gate, up, act = ctx
-        dact = self.down.backward(dy, act, sink)                      # g backward: identity
-        dgate, dup = self.act.backward(dact, gate, up)
-        return self.gate_up.backward([dgate, dup], x, sink)
-
-
-class MoeMlp:
-    """A mixture-of-experts layer's MLP: the core's routed experts
-    (``parallel.expert_parallel.moe.MoE``: the router, this rank's ep block of experts, each split
-    over tp, and the all_to_alls between them), plus, in Qwen2-MoE, a shared expert every token
-    runs, added through a sigmoid gate: y = moe(x) + sigmoid(x g^T) * shared(x)."""
-
-    def __init__(self, ops: Ops, moe: MoE, shared: Mlp | None = None, shared_gate=None):
-        self.ops, self.moe, self.shared, self.shared_gate = ops, moe, shared, shared_gate
-
-    @classmethod
-    def of(cls, ops: Ops, cfg: ModelConfig, w: dict, tp: Communicator,
-           ep: Communicator | None, merge: bool) -> "MoeMlp":
-        """From a layer's weights by key (``TensorSpec.key``): its experts are this rank's
-        ep block, each expert's (role, e) keys."""
-        xp = ops.xp
-        dispatch = ExpertDispatch(cfg.num_experts, ep, xp)
-        mine = range(dispatch.first, dispatch.first + dispatch.local)
-        held = sorted(e for role, e in (k for k in w if isinstance(k, tuple))
-                      if role == "expert_down")
-        if held != list(mine):
-            raise ValueError(f"this rank holds experts {held}, its ep block is {list(mine)}")
-        gates, ups, downs = ([w.pop((role, e)) for e in mine]
-                             for role in ("expert_gate", "expert_up", "expert_down"))
-        if merge:
-            experts = Experts.frozen(ops, gates, ups, downs, cfg.activation)
-        else:
-            experts = Experts(ops, [[g, u] for g, u in zip(gates, ups)], downs, cfg.activation)
-        router = frozen_matrix(xp, [w["router"]]) if merge else w["router"]
-        moe = MoE(ops, TopKRouter(ops, router, cfg.experts_per_token, cfg.norm_topk_prob,
-                                  router_choice(cfg), w.get("router_bias")),
-                  experts, dispatch, tp)
-        if not cfg.shared_expert_size:
-            return cls(ops, moe)
-        roles = {"gate": w["shared_gate"], "up": w["shared_up"], "down": w["shared_down"]}
-        shared = Mlp.of(ops, roles, tp, merge, cfg.activation)
-        if not cfg.shared_expert_gated:                   # DeepSeek's: added as it is
-            return cls(ops, moe, shared)
-        gate = w["shared_expert_gate"]
-        return cls(ops, moe, shared, frozen_matrix(xp, [gate]) if merge else gate)
-
-    def forward(self, x, train: bool = False):
-        y, ctx = self.moe.forward(x, train)
-        if self.shared is None:
-            return y, ctx
-        s, shared_ctx = self.shared.forward(x, train)
-        if self.shared_gate is None:
-            y += s
-            return y, ((ctx, shared_ctx) if train else None)
-        z = product(self.ops, x, self.shared_gate)
-        gate = 1.0 / (1.0 + self.ops.xp.exp(-z))
-        y += gate * s
-        return y, ((ctx, shared_ctx, x, s, gate) if train else None)
-
-    def backward(self, dy, ctx, sink, dprobs=None):
-        """``dprobs``: an auxiliary loss's gradient of the router's probabilities."""
-        if self.shared is None:
-            return self.moe.backward(dy, ctx, sink, dprobs)
-        if self.shared_gate is None:
-            ctx, shared_ctx = ctx
-            dx = self.moe.backward(dy, ctx, sink, dprobs)
-            dx += self.shared.backward(dy, shared_ctx, sink)
-            return dx
-        ctx, shared_ctx, x, s, gate = ctx
-        dx = self.moe.backward(dy, ctx, sink, dprobs)
-        dx += self.shared.backward(dy * gate, shared_ctx, sink)
-        dz = (dy * s).sum(axis=-1, keepdims=True) * gate * (1.0 - gate)
-        dx += weight_grads(self.ops, dz, x, self.shared_gate, None, sink)
-        return dx
-
-
-def router_choice(cfg: ModelConfig) -> Choice:
-    """The config's way of choosing experts (DeepSeek's scores, groups and scaling)."""
-    return Choice(cfg.router_scoring, cfg.expert_groups, cfg.topk_groups, cfg.group_score,
-                  cfg.routed_scaling)
 
 
 class DecoderLayer:

@@ -1,6 +1,6 @@
 """What the mixture-of-experts families share: how their ``config.json`` names the experts
 and which layers route, and the router variants hpcpar refuses. The routed layer itself is
-the core's (``hpcpar.parallel.expert_parallel.moe``); the decoder builds it (``decoder.MoeMlp``)."""
+the core's (``hpcpar.parallel.expert_parallel.moe``); the decoder builds it (``mlp.MoeMlp``)."""
 
 from __future__ import annotations
 

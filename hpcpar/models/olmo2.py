@@ -2,7 +2,7 @@
 x + norm(attention(x)), then x + norm(mlp(x))), and RMSNorms of q and k over their whole
 projections (one weight of q_size, one of kv_size), before the heads are cut and rotary
 turns them. Under tp the weights are split as q and k are, and each rank's norm sums its
-squares with the other ranks' (``decoder.SpanNorms``: one AllReduce of two numbers per
+squares with the other ranks' (``norms.SpanNorms``: one AllReduce of two numbers per
 token forward, q's and k's, one backward)."""
 
 from .family import LLAMA_NAMES, Family, activation, flag

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...models.config import ModelConfig
-from ...models.decoder import DecoderStage, MoeMlp
+from ...models.decoder import DecoderStage
+from ...models.mlp import MoeMlp
 from ...models.tensors import StageSpan
 from ...parallel.device import budget
 from ...parallel.device.backend import host_array
