@@ -250,18 +250,21 @@ def test_tp2_stage_gradients_pass_finite_differences_and_equal_tp1():
 @pytest.mark.mpi(ranks=(4,))               # ZeRO over dp 4, and dp 2 beside tp or pp
 def test_every_zero_stage_steps_and_saves_as_the_single_rank_run(setup):
     """ZeRO-1 over every rank as dp; ZeRO-3 (weights gathered layer by layer, recomputed in
-    the backward) and ZeRO-2 over dp 2 beside tp or pp, under other schedules; a ZeRO-3 run
+    the backward) and ZeRO-2 over dp 2 beside tp or pp (interleaved where the model's
+    layers allow), under other schedules; a ZeRO-3 run
     resumed under ZeRO-1 on another layout, and the other way round (ZeRO-3 reading its
     pieces of the weights and state alone), ends where the straight run ends. For the tied
     model also in bfloat16, whose gathers move the 16-bit copy of the float32 pieces."""
     comm = MPI.COMM_WORLD
     cfg, folder = setup
     n = comm.Get_size()
-    mixed = [lay for lay in [(2, 1, n // 2, 2, "1f1b", 1), (2, n // 2, 1, 2, "zb-h1", 1),
-                             (2, 1, n // 2, 2, "gpipe", 1)] if _fits(cfg, lay)]
+    mixed = [lay for lay in [(2, 1, n // 2, 2, "1f1b", 1), (2, n // 2, 1, 2, "zb-h1", 1)]
+             if _fits(cfg, lay)]
+    others = [lay for lay in [(2, n // 2, 1, 4, "interleaved", 2), (2, 1, n // 2, 2, "gpipe", 1)]
+              if _fits(cfg, lay) and (lay[1] > 1 or lay[4] != "interleaved")]
     runs = [((n, 1, 1, 1, "1f1b", 1), ["train.zero=1"]),
             (mixed[0], ["train.zero=3", "train.recompute='full'"]),
-            (mixed[-1], ["train.zero=2"])]
+            (others[0], ["train.zero=2"])]
     for i, (layout, extra) in enumerate(runs):
         out = f"zero{n}-{i}"
         run_training(comm, _job(folder, out, layout, *extra), progress=False)
