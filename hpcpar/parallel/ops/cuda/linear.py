@@ -37,7 +37,8 @@ def _matmul_class():
         from nvmath.linalg.advanced import Matmul
     except ImportError as e:
         raise HpcparError(f"CUDA-graph decode needs nvmath-python's matmul ({e}): pip install "
-                          "nvmath-python, or run without --cuda-graphs") from None
+                          "'nvmath-python[cu12]' (or [cu13]: hpcpar's gpu-cuda12 / gpu-cuda13 "
+                          "extras bring it), or run without --cuda-graphs") from None
     return Matmul
 
 
