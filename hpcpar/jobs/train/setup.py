@@ -63,47 +63,15 @@ class CheckedTraining:
 
 
 def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
+    """The training job checked against the checkpoint and the world, every rank alike:
+    what is wrong in one line (all of it), before any weight is read."""
     cfg, tr = ckpt.config, job.train
     layout = job.parallel.layout(world_size, default_schedule="1f1b")
     V = job.parallel.virtual_stages
-    problems = layout.problems(cfg, world_size)
-    if not problems:
-        problems += micro_batch_problems(layout.schedule, layout.pp, layout.micro_batches, V)
-    if layout.schedule == "interleaved" and V > 1:
-        if cfg.num_hidden_layers % (layout.pp * V):
-            problems.append(f"the interleaved schedule cuts the {cfg.num_hidden_layers} layers "
-                            f"into pp * virtual_stages = {layout.pp * V} equal chunks; choose "
-                            "pp and virtual_stages whose product divides the layers")
-        if layout.stage_layers is not None:
-            problems.append("stage_layers cannot be combined with the interleaved schedule")
-    replicas_x_mbs = layout.dp * layout.micro_batches
-    if tr.global_batch < 1 or tr.global_batch % replicas_x_mbs:
-        problems.append(f"global batch {tr.global_batch} is not divisible by dp * micro_batches"
-                        f" = {layout.dp} * {layout.micro_batches} = {replicas_x_mbs}")
-    if tr.recompute not in RECOMPUTE:
-        problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-    if tr.long_rows not in LONG_ROWS:
-        problems.append(f"long_rows {tr.long_rows!r} is not one of {', '.join(LONG_ROWS)}")
-    if job.model.dtype not in COMPUTE_DTYPES:
-        problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
-                        f"weights), not {job.model.dtype}")
     aux = cfg.router_aux_loss_coef if tr.aux_loss_coef is None else tr.aux_loss_coef
-    problems += _router_problems(cfg, aux, layout.pp)
     settings = OptimizerSettings.of(tr)
-    problems += settings.problems()
-    if job.parallel.sequence_parallel and layout.tp < 2:
-        problems.append(f"--sequence-parallel splits each sequence over the tp ranks, and tp "
-                        f"is {layout.tp}: give --tp 2 or more, or drop --sequence-parallel")
-    elif job.parallel.sequence_parallel and getattr(cfg, "mla", False):
-        problems.append(f"--sequence-parallel does not split {cfg.model_type}'s latent "
-                        "attention yet: drop --sequence-parallel")
-    if job.model.lora:
-        problems.append(f"model.lora {job.model.lora!r} applies an adapter in generate and "
-                        "score; to train one give --lora-rank, or --lora-from a peft folder")
-    if not job.data.dataset:
-        problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
-    if not job.output.path:
-        problems.append("no output folder: give --out DIR")
+    problems = (_layout_problems(cfg, layout, V, tr.global_batch, world_size)
+                + _setting_problems(job, cfg, layout, aux) + settings.problems())
     if problems:
         raise HpcparError("invalid training job: " + "; ".join(problems))
     dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt),
@@ -141,6 +109,53 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     return CheckedTraining(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir,
                            resume, start_step, samples_start, float(aux or 0.0), lora,
                            bool(job.parallel.sequence_parallel))
+
+
+def _layout_problems(cfg, layout: ParallelConfig, V: int, global_batch: int,
+                     world_size: int) -> list[str]:
+    """What the layout, the schedule and the batch cannot run."""
+    problems = layout.problems(cfg, world_size)
+    if not problems:
+        problems += micro_batch_problems(layout.schedule, layout.pp, layout.micro_batches, V)
+    if layout.schedule == "interleaved" and V > 1:
+        if cfg.num_hidden_layers % (layout.pp * V):
+            problems.append(f"the interleaved schedule cuts the {cfg.num_hidden_layers} layers "
+                            f"into pp * virtual_stages = {layout.pp * V} equal chunks; choose "
+                            "pp and virtual_stages whose product divides the layers")
+        if layout.stage_layers is not None:
+            problems.append("stage_layers cannot be combined with the interleaved schedule")
+    replicas_x_mbs = layout.dp * layout.micro_batches
+    if global_batch < 1 or global_batch % replicas_x_mbs:
+        problems.append(f"global batch {global_batch} is not divisible by dp * micro_batches"
+                        f" = {layout.dp} * {layout.micro_batches} = {replicas_x_mbs}")
+    return problems
+
+
+def _setting_problems(job: Job, cfg, layout: ParallelConfig, aux) -> list[str]:
+    """What the training settings, the data and the output cannot run."""
+    tr, problems = job.train, []
+    if tr.recompute not in RECOMPUTE:
+        problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if tr.long_rows not in LONG_ROWS:
+        problems.append(f"long_rows {tr.long_rows!r} is not one of {', '.join(LONG_ROWS)}")
+    if job.model.dtype not in COMPUTE_DTYPES:
+        problems.append(f"training computes in {', '.join(COMPUTE_DTYPES)} (float32 master "
+                        f"weights), not {job.model.dtype}")
+    problems += _router_problems(cfg, aux, layout.pp)
+    if job.parallel.sequence_parallel and layout.tp < 2:
+        problems.append(f"--sequence-parallel splits each sequence over the tp ranks, and tp "
+                        f"is {layout.tp}: give --tp 2 or more, or drop --sequence-parallel")
+    elif job.parallel.sequence_parallel and getattr(cfg, "mla", False):
+        problems.append(f"--sequence-parallel does not split {cfg.model_type}'s latent "
+                        "attention yet: drop --sequence-parallel")
+    if job.model.lora:
+        problems.append(f"model.lora {job.model.lora!r} applies an adapter in generate and "
+                        "score; to train one give --lora-rank, or --lora-from a peft folder")
+    if not job.data.dataset:
+        problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
+    if not job.output.path:
+        problems.append("no output folder: give --out DIR")
+    return problems
 
 
 def _check_sequence_split(seq_len: int, layout: ParallelConfig) -> None:
