@@ -180,43 +180,14 @@ def read_adapter(folder: Path, cfg: ModelConfig) -> tuple[LoraSettings, dict[str
     names (checked against the model's shapes by the caller)."""
     folder = Path(folder)
     where = f"--lora-from {folder}"
-    if not folder.is_dir():
-        raise HpcparError(f"{where}: not a folder; give a peft adapter folder (with {CONFIG} "
-                          f"and {WEIGHTS})")
-    for name in (CONFIG, WEIGHTS):
-        if not (folder / name).is_file():
-            raise HpcparError(f"{where}: no {name}; a peft LoRA adapter folder holds "
-                              f"{CONFIG} and {WEIGHTS} (PeftModel.save_pretrained)")
-    try:
-        config = json.loads((folder / CONFIG).read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HpcparError(f"{where}: {CONFIG} is not JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise HpcparError(f"{where}: {CONFIG} is not a JSON object")
-    problems = []
-    if config.get("peft_type", "LORA") != "LORA":
-        problems.append(f"peft_type {config.get('peft_type')!r} (LORA only)")
-    for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
-        if config.get(key):
-            problems.append(f"{key} true")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            problems.append(f"a {key} (one rank and alpha for every module)")
-    for key in ("layers_to_transform", "modules_to_save", "layer_replication"):
-        if config.get(key):
-            problems.append(f"{key} {config.get(key)!r}")
-    if config.get("bias", "none") != "none":
-        problems.append(f"bias {config.get('bias')!r} (none only)")
-    if config.get("lora_bias"):
-        problems.append("lora_bias true")
+    config = _adapter_config(folder, where)
+    problems = _untrained_options(config)
     parameters = config.get("target_parameters") or []
     by_parameter = {m: t for t, m in EXPERT_MODULES.items()} if cfg.moe_layers else {}
     if not isinstance(parameters, list) or any(p not in by_parameter for p in parameters):
         problems.append(f"target_parameters {parameters!r} (hpcpar adapts "
                         f"{', '.join(by_parameter) or 'none of this model'})")
         parameters = []
-    if config.get("trainable_token_indices"):
-        problems.append("trainable_token_indices (embedding rows trained)")
     modules = config.get("target_modules")
     from ..models import family_of
     named = family_of(cfg.model_type).names           # DeepSeek's latent attention: no q, k, v
@@ -247,6 +218,48 @@ def read_adapter(folder: Path, cfg: ModelConfig) -> tuple[LoraSettings, dict[str
     if problems:
         raise HpcparError(f"{where}: {'; '.join(problems)}")
     return settings, from_peft(cfg, settings, read_safetensors(folder / WEIGHTS), where)
+
+
+def _adapter_config(folder: Path, where: str) -> dict:
+    """The folder's adapter_config.json, refused in one line where it is not a peft
+    adapter's."""
+    if not folder.is_dir():
+        raise HpcparError(f"{where}: not a folder; give a peft adapter folder (with {CONFIG} "
+                          f"and {WEIGHTS})")
+    for name in (CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            raise HpcparError(f"{where}: no {name}; a peft LoRA adapter folder holds "
+                              f"{CONFIG} and {WEIGHTS} (PeftModel.save_pretrained)")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HpcparError(f"{where}: {CONFIG} is not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise HpcparError(f"{where}: {CONFIG} is not a JSON object")
+    return config
+
+
+def _untrained_options(config: dict) -> list[str]:
+    """The peft options an adapter config sets that hpcpar's LoRA does not train."""
+    problems = []
+    if config.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {config.get('peft_type')!r} (LORA only)")
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if config.get(key):
+            problems.append(f"{key} true")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            problems.append(f"a {key} (one rank and alpha for every module)")
+    for key in ("layers_to_transform", "modules_to_save", "layer_replication"):
+        if config.get(key):
+            problems.append(f"{key} {config.get(key)!r}")
+    if config.get("bias", "none") != "none":
+        problems.append(f"bias {config.get('bias')!r} (none only)")
+    if config.get("lora_bias"):
+        problems.append("lora_bias true")
+    if config.get("trainable_token_indices"):
+        problems.append("trainable_token_indices (embedding rows trained)")
+    return problems
 
 
 # ---- a LoRA run's checkpoint out: a peft folder, or its base with the adapter merged ---------
