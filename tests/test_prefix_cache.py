@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import (GEMMA, GQA, MISTRAL, PHI3, QWEN3, TIED, make_checkpoint, refused,
-                     world_checkpoint)
+from helpers import (GEMMA, GQA, HF_CONFIGS, MISTRAL, PHI3, QWEN3, TIED, make_checkpoint,
+                     refused, world_checkpoint)
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
 
@@ -210,20 +210,30 @@ def test_kv_memory_beyond_the_free_memory_is_refused(capfd, tmp_path):
     assert "give less, or a fraction of it (0.5: half)" in message
 
 
-def test_decode_reads_a_shared_system_prompts_keys_once_per_group(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["gqa", "deepseek_v3"])
+def test_decode_reads_a_shared_system_prompts_keys_once_per_group(tmp_path, monkeypatch, name):
     """Requests of one 64-token system prompt (8 blocks of 8, ``MIN_SHARED`` positions):
     their decode steps attend the shared blocks as one group (cascade attention), with the
-    contiguous cache's tokens and log-probs."""
+    contiguous cache's tokens and log-probs; DeepSeek's shared blocks hold latents, one key
+    head its queries' absorbed heads all read."""
+    from hpcpar.checkpoint import init_checkpoint
     from hpcpar.parallel.ops import cascade_attention
     calls = []
     forward = cascade_attention.CascadeAttention.forward
     monkeypatch.setattr(cascade_attention.CascadeAttention, "forward",
                         lambda self, *a: calls.append(len(a[-1].members)) or forward(self, *a))
-    path, _ = make_checkpoint(tmp_path, GQA)
+    if name == "gqa":
+        cfg = GQA
+        path, _ = make_checkpoint(tmp_path, GQA)
+    else:
+        cfg = dict(HF_CONFIGS[name], architectures=["DeepseekV3ForCausalLM"])
+        path = tmp_path / "model.h5"
+        init_checkpoint(path, cfg)
     rng = np.random.default_rng(5)
-    system = rng.integers(3, GQA["vocab_size"], cascade_attention.MIN_SHARED)
-    prompts = Prompts([np.concatenate([system, rng.integers(3, GQA["vocab_size"], k)])
-                       for k in (3, 9, 1, 12, 6)] + [rng.integers(3, GQA["vocab_size"], 20)])
+    vocab = cfg["vocab_size"]
+    system = rng.integers(3, vocab, cascade_attention.MIN_SHARED)
+    prompts = Prompts([np.concatenate([system, rng.integers(3, vocab, k)])
+                       for k in (3, 9, 1, 12, 6)] + [rng.integers(3, vocab, 20)])
     cached = _generate(MPI.COMM_SELF, path, prompts, logprobs=2)
     assert calls and max(calls) == 1            # one group: the system prompt's requests
     _same(cached, _generate(MPI.COMM_SELF, path, prompts, cache=False, logprobs=2), "cascade")

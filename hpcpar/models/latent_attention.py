@@ -38,6 +38,7 @@ so the replicated weights' gradients and dX are whole on every rank.
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cached_property
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from ..parallel.ops import AttentionRows, Ops
 from ..parallel.params import Parameter
 from ..parallel.tensor_parallel.layers import (column_parallel, frozen_matrix, product,
                                                row_parallel, weight_grads)
+from ..parallel.ops import cascade_attention as cascade
 from ..parallel.ops.attention import at_positions
 from .attention import kept_queries
 from .config import ModelConfig
@@ -166,23 +168,34 @@ class LatentAttention:
         if keep is not None:
             q_nope = at_positions(xp, q_nope, keep)
             q_rope, rows = kept_queries(xp, q_rope, rows, keep)
-        attend = self._expanded if T > 1 else self._absorbed
-        heads_out, actx = attend(q_nope, q_rope, keys, rows, train)
+        if T > 1:
+            heads_out, actx = self._expanded(q_nope, q_rope, keys, rows, train)
+        else:                                   # rows that share cached latents: by groups
+            heads_out, actx = self._absorbed(q_nope, q_rope, keys, rows, train,
+                                             getattr(cache, "prefix_groups", None))
         y = self.o(heads_out)
         return y, ((x, cos, sin, q_nope, heads_out, actx, nctx) if train else None)
 
-    def _attention(self, query, keys, values, rows, train: bool):
+    def _attention(self, query, keys, values, rows, train: bool, groups=None):
+        """(out, ctx); a decode step's ``groups`` of rows that share cached latents attend
+        them once a group (cascade attention, as ``Attention``'s)."""
         if train:
             return self.ops.attention.forward_train(query, keys, values, rows)
+        if groups is not None and cascade.applies(rows, query.shape[1]):
+            return self.cascade_op.forward(query, keys, values, rows, groups), None
         return self.ops.attention.forward(query, keys, values, rows), None
 
-    def _absorbed(self, q_nope, q_rope, keys, rows, train: bool):
+    @cached_property
+    def cascade_op(self) -> cascade.CascadeAttention:
+        return cascade.CascadeAttention(self.ops.xp)
+
+    def _absorbed(self, q_nope, q_rope, keys, rows, train: bool, groups=None):
         """(heads' outputs (B, T, heads dv), ctx): one key head [c, k_r], its values the
         keys, the query [q_nope W_uk, q_rope], the output's latent part times W_uv^T."""
         xp = self.ops.xp
         uk, uv = self._kv_b()
         query = xp.concatenate([per_head(xp, q_nope, uk), q_rope], axis=-1)
-        out, actx = self._attention(query, keys, keys, rows, train)
+        out, actx = self._attention(query, keys, keys, rows, train, groups)
         o_lat = out[..., :self.latent]                                     # (B, T, heads, L)
         heads_out = per_head(xp, o_lat, uv.transpose(0, 2, 1))
         return heads_out.reshape(out.shape[:2] + (-1,)), (self._absorbed_back, o_lat, actx)
