@@ -391,7 +391,8 @@ def test_a_generation_resumes_only_with_the_same_adapter(tmp_path):
 @pytest.mark.device
 def test_the_fine_tuning_job_file_runs_as_shipped(tmp_path):
     """jobs/finetune_lora.toml (ten of its steps): its rows' answers alone carry the loss,
-    which falls; its checkpoint exports as a peft folder."""
+    which falls; ``show`` describes its checkpoint (the adapters and their base), which
+    exports as a peft folder."""
     repo = Path(__file__).resolve().parents[1]
     job = load_job(repo / "jobs" / "finetune_lora.toml",
                    [f"output.path='{tmp_path}/run'", "train.steps=10", "train.save_every=0"])
@@ -403,6 +404,12 @@ def test_the_fine_tuning_job_file_runs_as_shipped(tmp_path):
         in report.data
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.1
+    shown = hpcpar_here(["show", tmp_path / "run" / "step-10.h5", "--json"], tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    about = json.loads(shown.stdout)
+    assert about["lora"]["rank"] == 8 and len(about["lora"]["targets"]) == 7
+    assert Path(about["lora"]["base"]).name == "tiny-seed0.h5"     # the preset, as made
+    assert about["training"]["step"] == 10
     done = hpcpar_here(["export", tmp_path / "run" / "step-10.h5", tmp_path / "adapter",
                         "--lora"], tmp_path)
     assert done.returncode == 0, done.stderr

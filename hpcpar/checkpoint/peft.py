@@ -175,11 +175,12 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise HpcparError(f"{path}: not a readable safetensors file ({e})") from None
 
 
-def read_adapter(folder: Path, cfg: ModelConfig) -> tuple[LoraSettings, dict[str, np.ndarray]]:
+def read_adapter(folder: Path, cfg: ModelConfig,
+                 flag: str = "--lora-from") -> tuple[LoraSettings, dict[str, np.ndarray]]:
     """A peft LoRA folder for ``cfg``'s model: its settings and its tensors by hpcpar's
-    names (checked against the model's shapes by the caller)."""
+    names (checked against the model's shapes by the caller); ``flag`` names it in errors."""
     folder = Path(folder)
-    where = f"--lora-from {folder}"
+    where = f"{flag} {folder}"
     config = _adapter_config(folder, where)
     problems = _untrained_options(config)
     parameters = config.get("target_parameters") or []
@@ -395,7 +396,7 @@ def load_adapter(source, cfg: ModelConfig) -> tuple[LoraSettings, dict[str, np.n
     if source.is_dir() and (source / "latest").is_file():
         source = source / (source / "latest").read_text().strip()
     if source.is_dir():
-        settings, tensors = read_adapter(source, cfg)
+        settings, tensors = read_adapter(source, cfg, "--lora")
     else:
         ckpt = open_run_checkpoint(source)
         if ckpt is None:

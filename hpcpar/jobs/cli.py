@@ -267,6 +267,10 @@ def _plan_text(args) -> str:
     layout.check(cfg, world_size)
     if training:
         from .plan import format_train_plan
+        from .train.setup import plan_problems
+        problems = plan_problems(job, cfg, layout, world_size)
+        if problems:                     # what train refuses, plan does: nothing to size
+            raise HpcparError("invalid training job: " + "; ".join(problems))
         return format_train_plan(cfg, layout, par.virtual_stages, job.train, name,
                                  bool(par.sequence_parallel),
                                  float_dtype(job.model.dtype).itemsize)

@@ -298,7 +298,9 @@ def _zero_units_line(cfg: ModelConfig, layout: ParallelConfig, zero: int,
     if zero == 3:
         text += (f"; its weights gathered before its forward and its backward, the next "
                  f"layer's ahead ({_size(2 * layer * itemsize)} for two layers)")
-    return text + "; counted in each stage's total"
+    return (text + f"; with the head's and the embedding's: at most "
+            f"{_size(zero_transient_bytes(cfg, layout, zero, itemsize))} at once, counted in "
+            "each stage's total")
 
 
 def lora_settings(train: TrainSection):

@@ -360,6 +360,7 @@ def _figures(executor, program, stats, stage, backend, start, finished) -> RankF
         prefill_end=program.prefill_seconds(t, start), total=finished - start,
         tp_all_reduce_bytes=nbytes("tp.all_reduce"),
         tp_all_gather_bytes=nbytes("tp.all_gather"),
+        tp_reduce_scatter_bytes=nbytes("tp.reduce_scatter"),
         ep_all_to_all_bytes=nbytes("ep.all_to_all"),
         expert_bytes=stage.expert_bytes,
         pp_send_bytes=nbytes("pp.send"),

@@ -26,6 +26,7 @@ class RankFigures:
     total: float = 0.0            # seconds from the common start to the end of this rank's run
     tp_all_reduce_bytes: float = 0.0
     tp_all_gather_bytes: float = 0.0
+    tp_reduce_scatter_bytes: float = 0.0     # a sequence-parallel prefill's
     pp_send_bytes: float = 0.0
     pp_recv_bytes: float = 0.0
     peak_host_bytes: float = 0.0
@@ -96,6 +97,8 @@ class RunReport:
     preemptions: int = 0          # rows preempted (their blocks freed, recomputed), all replicas
     rows_in_flight: int = 0       # the most rows a replica's KV caches held at once
     samples: int = 0                         # rows generated (n per prompt with --n)
+    tp_reduce_scatter_bytes: int = 0         # a sequence-parallel prefill's
+
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, micro_batches: int, prompts: int,
               prompt_tokens: int, new_tokens: int, rows: int | None = None) -> "RunReport":
@@ -127,6 +130,7 @@ class RunReport:
             stage_wait_s=[mean([f.wait_prefill + f.wait_decode for f in g]) for g in stages],
             tp_all_reduce_bytes=int(sum(f.tp_all_reduce_bytes for f in ranks)),
             tp_all_gather_bytes=int(sum(f.tp_all_gather_bytes for f in ranks)),
+            tp_reduce_scatter_bytes=int(sum(f.tp_reduce_scatter_bytes for f in ranks)),
             pp_send_recv_bytes=int(sum(f.pp_send_bytes + f.pp_recv_bytes for f in ranks)),
             peak_host_mb=[f.peak_host_bytes / 1e6 for f in ranks],
             device_mb=[f.device_bytes / 1e6 for f in ranks],
@@ -168,8 +172,10 @@ class RunReport:
                   for s, (c, w) in enumerate(zip(self.stage_compute_s, self.stage_wait_s))]
         ep = (f", ep all-to-all {_mb(self.ep_all_to_all_bytes)}"
               if self.ep_all_to_all_bytes else "")
+        scatter = (f", tp reduce-scatter {_mb(self.tp_reduce_scatter_bytes)}"
+                   if self.tp_reduce_scatter_bytes else "")
         lines.append(f"communicated (all ranks): tp all-reduce {_mb(self.tp_all_reduce_bytes)}, "
-                     f"tp all-gather {_mb(self.tp_all_gather_bytes)}, pp send/recv "
+                     f"tp all-gather {_mb(self.tp_all_gather_bytes)}{scatter}, pp send/recv "
                      f"{_mb(self.pp_send_recv_bytes)}{ep}")
         experts = (f" (experts {max(self.expert_mb):.1f} MB)"
                    if self.expert_mb and max(self.expert_mb) else "")

@@ -1,5 +1,6 @@
 """A checkpoint for ``show``: family, shape, parameters, dtype, size; a training
-checkpoint's step, samples, optimizer and layout."""
+checkpoint's step, samples, optimizer and layout (and ZeRO's stage); a LoRA run's
+checkpoint's adapters (rank, alpha, targets) and the base model they belong to."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from .reading import plain
 def checkpoint(path: Path) -> dict:
     from ...checkpoint import open_checkpoint
     from ...checkpoint.parts import stored_bytes
-    ckpt = open_checkpoint(path)
+    from ...checkpoint.peft import open_run_checkpoint, run_settings
+    lora = run_settings(path)               # a LoRA run's: its adapters, no base
+    ckpt = open_run_checkpoint(path) if lora else open_checkpoint(path)
     cfg = ckpt.config
     params = sum(int(np.prod(s.shape)) for s in ckpt.tensors.values())
     out = {"kind": "checkpoint", "path": str(path), "model_type": cfg.model_type,
@@ -25,10 +28,14 @@ def checkpoint(path: Path) -> dict:
     if cfg.moe_layers:
         out["experts"] = {"experts": cfg.num_experts, "top_k": cfg.experts_per_token,
                           "moe_layers": len(cfg.moe_layers)}
+    if lora:
+        settings, base = lora
+        out["lora"] = {"rank": settings.rank, "alpha": settings.alpha,
+                       "targets": list(settings.targets), "base": base}
     import h5py
     with h5py.File(path, "r") as f:
         if "train" in f:
             train = {k: plain(v) for k, v in f["train"].attrs.items()}
-            out["training"] = {k: train[k] for k in ("step", "samples", "optimizer", "layout")
-                               if k in train}
+            out["training"] = {k: train[k] for k in ("step", "samples", "optimizer", "layout",
+                                                     "zero") if k in train}
     return out

@@ -108,8 +108,10 @@ def _training(s: dict) -> str:
 
 
 def _checkpoint(s: dict) -> str:
-    lines = [f"{s['path']}: {s['model_type']} checkpoint, {s['parameters'] / 1e6:,.1f} M "
-             f"parameters in {s['dtype']} ({s['bytes'] / 1e6:,.1f} MB)",
+    n = s["parameters"]
+    count = f"{n / 1e6:,.1f} M" if n >= 100_000 else f"{n:,}"
+    lines = [f"{s['path']}: {s['model_type']} checkpoint, {count} parameters in {s['dtype']} "
+             f"({s['bytes'] / 1e6:,.1f} MB)",
              f"{s['layers']} layers, hidden {s['hidden_size']}, {s['heads']} heads / "
              f"{s['kv_heads']} KV heads, vocab {s['vocab_size']}; tokenizer "
              f"{'kept' if s['tokenizer'] else 'none'}"]
@@ -117,8 +119,15 @@ def _checkpoint(s: dict) -> str:
         e = s["experts"]
         lines.append(f"mixture of experts: {e['experts']} experts, top-{e['top_k']}, on "
                      f"{e['moe_layers']} layers")
+    if "lora" in s:
+        a = s["lora"]
+        lines[0] = lines[0].replace(" checkpoint, ", " LoRA adapters, ", 1)
+        lines.append(f"LoRA rank {a['rank']}, alpha {a['alpha']:g}, on {','.join(a['targets'])}"
+                     f"; base {a['base']} (generate and score with --lora, export --lora or "
+                     "--merge-lora)")
     if "training" in s:
         t = s["training"]
+        zero = f", ZeRO-{t['zero']}" if t.get("zero") else ""
         lines.append(f"training checkpoint: step {t.get('step')}, {t.get('samples')} samples, "
-                     f"{t.get('optimizer')}, trained under {t.get('layout')}")
+                     f"{t.get('optimizer')}, trained under {t.get('layout')}{zero}")
     return "\n".join(lines)

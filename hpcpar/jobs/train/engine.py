@@ -394,7 +394,8 @@ class TrainingRun(JobRun):
         self.close_bar()
         self.figures.set_comm(self.rt.stats, next((g.reducer for g in self.held if g.reducer),
                                                   None))
-        self.figures.set_state(held_bytes(self.held, self.optimizer, self.transient))
+        self.figures.set_state(held_bytes(self.held, self.optimizer, self.transient,
+                                          [w for chunk in self.chunks for w in chunk.frozen]))
         table = self.rt.world.gather(self.figures.to_array()[None], root=0)  # (ranks, figures)
         if self.kv_comm is not None:
             self.kv_comm.mpi_comm.Free()
@@ -404,7 +405,20 @@ class TrainingRun(JobRun):
         checked = self.checked
         return TrainReport.build(table, checked.layout, checked.virtual_stages, checked.start_step,
                                  self.step, self.job.train.global_batch * checked.dataset.seq_len,
-                                 self.metrics, checked.dataset.note)
+                                 self.metrics, checked.dataset.note, self._settings_note())
+
+    def _settings_note(self) -> str:
+        """ZeRO's stage and where it split (or that it had nothing to split), and sequence
+        parallelism, for the report's layout line."""
+        checked, zero = self.checked, self.job.train.zero
+        note = ""
+        if zero:
+            holders = checked.layout.dp * checked.layout.cp
+            note += (f"; ZeRO-{zero} over dp x cp {holders}" if holders > 1 else
+                     f"; ZeRO-{zero} asked, nothing to split (dp x cp 1)")
+        if checked.sequence_parallel:
+            note += f"; sequence parallel over tp {checked.layout.tp}"
+        return note
 
 
 def run_training(comm, job: Job, progress: bool = True) -> TrainReport | None:

@@ -93,6 +93,9 @@ class ModelChunk:
         if last:
             self.loss = VocabParallelCrossEntropy(ops, cfg.vocab_size, tp)
         self.params = list(params.values()) if trainable is None else list(trainable)
+        # a LoRA run's frozen base: weights without gradients (the report counts them)
+        self.frozen = [] if trainable is None else [w for w in params.values()
+                                                    if not isinstance(w, Param)]
         by_layer: dict[int | None, list] = {}
         for p in params.values():
             by_layer.setdefault(p.spec.layer, []).append(p)

@@ -191,7 +191,9 @@ class TrainReport:
     @classmethod
     def build(cls, table: np.ndarray, layout: ParallelConfig, virtual_stages: int,
               start_step: int, end_step: int, tokens_per_step: int,
-              metrics: Metrics, data: str = "") -> "TrainReport":
+              metrics: Metrics, data: str = "", settings: str = "") -> "TrainReport":
+        """``settings``: how the layout's work was split beyond it (ZeRO, sequence
+        parallelism), said on the layout line."""
         ranks = [TrainFigures(*(float(v) for v in row)) for row in table]
         stages = by_stage(ranks, layout)
 
@@ -205,7 +207,8 @@ class TrainReport:
         recs = metrics.records
         return cls(
             layout=layout.describe()
-                   + (f", {virtual_stages} chunks per stage" if virtual_stages > 1 else ""),
+                   + (f", {virtual_stages} chunks per stage" if virtual_stages > 1 else "")
+                   + settings,
             schedule=f"{layout.schedule}, {layout.micro_batches} micro-batch(es)",
             steps=end_step - start_step,
             tokens_per_s=tokens_per_step * (end_step - start_step) / seconds if seconds else 0,

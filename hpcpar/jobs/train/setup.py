@@ -70,8 +70,11 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     V = job.parallel.virtual_stages
     aux = cfg.router_aux_loss_coef if tr.aux_loss_coef is None else tr.aux_loss_coef
     settings = OptimizerSettings.of(tr)
-    problems = (_layout_problems(cfg, layout, V, tr.global_batch, world_size)
-                + _setting_problems(job, cfg, layout, aux) + settings.problems())
+    problems = plan_problems(job, cfg, layout, world_size)
+    if not job.data.dataset:
+        problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
+    if not job.output.path:
+        problems.append("no output folder: give --out DIR")
     if problems:
         raise HpcparError("invalid training job: " + "; ".join(problems))
     dataset = load_dataset(job.data.dataset, cfg, tr.seq_len, load_tokenizer(ckpt),
@@ -90,10 +93,8 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     resume = None if resume_path is None else (lora_open_resume(resume_path, ckpt)
                                                 or tc.open_resume(resume_path, ckpt))
     lora = lora_run(tr, cfg, resume[1] if resume else None)
-    if lora is not None and tr.zero >= 2:
-        raise HpcparError(f"--zero {tr.zero} splits what the optimizer trains over dp, and a "
-                          "LoRA run trains only its small adapters (the base is frozen, not "
-                          "split): use --zero 1 or 0 with --lora-rank")
+    if lora is not None and tr.zero >= 2:          # a LoRA run resumed without its flags
+        raise HpcparError(_LORA_ZERO.format(zero=tr.zero))
     # room for a checkpoint now, not after every step has run (each save checks again)
     states = STATE_NAMES[settings.optimizer]
     check_space(out_dir / "step-1.h5", tc.checkpoint_bytes(ckpt, states) if lora is None
@@ -109,6 +110,16 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int) -> CheckedTraining:
     return CheckedTraining(layout, float_dtype(job.model.dtype), V, settings, dataset, out_dir,
                            resume, start_step, samples_start, float(aux or 0.0), lora,
                            bool(job.parallel.sequence_parallel))
+
+
+def plan_problems(job: Job, cfg, layout: ParallelConfig, world_size: int) -> list[str]:
+    """What a training job cannot run, from its settings and the model alone (``hpcpar plan
+    --train`` refuses the same, before any data or output is looked at)."""
+    tr = job.train
+    aux = cfg.router_aux_loss_coef if tr.aux_loss_coef is None else tr.aux_loss_coef
+    return (_layout_problems(cfg, layout, job.parallel.virtual_stages, tr.global_batch,
+                             world_size)
+            + _setting_problems(job, cfg, layout, aux) + OptimizerSettings.of(tr).problems())
 
 
 def _layout_problems(cfg, layout: ParallelConfig, V: int, global_batch: int,
@@ -132,7 +143,7 @@ def _layout_problems(cfg, layout: ParallelConfig, V: int, global_batch: int,
 
 
 def _setting_problems(job: Job, cfg, layout: ParallelConfig, aux) -> list[str]:
-    """What the training settings, the data and the output cannot run."""
+    """What the training settings cannot run."""
     tr, problems = job.train, []
     if tr.recompute not in RECOMPUTE:
         problems.append(f"recompute {tr.recompute!r} is not one of {', '.join(RECOMPUTE)}")
@@ -151,11 +162,14 @@ def _setting_problems(job: Job, cfg, layout: ParallelConfig, aux) -> list[str]:
     if job.model.lora:
         problems.append(f"model.lora {job.model.lora!r} applies an adapter in generate and "
                         "score; to train one give --lora-rank, or --lora-from a peft folder")
-    if not job.data.dataset:
-        problems.append("no training data: give --data (a .npy, .bin or .jsonl file)")
-    if not job.output.path:
-        problems.append("no output folder: give --out DIR")
+    if (tr.lora_rank or tr.lora_from) and tr.zero >= 2:
+        problems.append(_LORA_ZERO.format(zero=tr.zero))
     return problems
+
+
+_LORA_ZERO = ("--zero {zero} splits what the optimizer trains over dp, and a LoRA run trains "
+              "only its small adapters (the base is frozen, not split): use --zero 1 or 0 "
+              "with --lora-rank")
 
 
 def _check_sequence_split(seq_len: int, layout: ParallelConfig) -> None:

@@ -84,9 +84,11 @@ def holders(params: list[Param], dp: Communicator | None, edp: Communicator | No
     return [Holders(dense, dp, first), Holders(experts, edp, edp.rank == 0)]
 
 
-def held_bytes(held: list[Holders], optimizer, transient: Transient | None) -> dict[str, int]:
+def held_bytes(held: list[Holders], optimizer, transient: Transient | None,
+               frozen=()) -> dict[str, int]:
     """This rank's bytes, each distinct buffer once: ``weights`` (the float32 masters held
-    whole and the compute copy, or ZeRO-3's 16-bit pieces of it), ``gradients`` (whole, or
+    whole and the compute copy, or ZeRO-3's 16-bit pieces of it, and the ``frozen`` weights
+    of a LoRA run's base), ``gradients`` (whole, or
     ZeRO 2/3's pieces), ``optimizer`` (its state, with ZeRO's float32 pieces of the weights
     it updates) and ``transient`` (ZeRO 2/3's gathered weights and micro-batch gradients at
     their most), as ``hpcpar plan`` predicts them."""
@@ -108,7 +110,8 @@ def held_bytes(held: list[Holders], optimizer, transient: Transient | None) -> d
     segments = [s for group in held if group.zero for s in group.zero.segments]
     pieces16 = [u.data_piece for group in held if group.sharded for u in group.sharded.units
                 if u.data_piece is not u.master_piece]
-    out = {"weights": size([p.data for p in params] + [p.master for p in params] + pieces16),
+    out = {"weights": size([p.data for p in params] + [p.master for p in params] + pieces16
+                           + [w.data for w in frozen]),
            "gradients": size([p.grad for p in params] + [s.grad for s in segments])}
     out["optimizer"] = size([s.master for s in segments]
                             + [v for state in optimizer.state.values() for v in state.values()])
