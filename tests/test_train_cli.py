@@ -156,6 +156,22 @@ def test_a_signal_stops_at_a_step_boundary_and_the_run_resumes_under_another_lay
                 assert set(a[name]) == set(dset)
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--dp", "2", "--micro-batches", "4", "--global-batch", "4"],
+     "global batch 4 is not divisible by dp * micro_batches = 2 * 4 = 8"),
+    (["--dp", "2", "--zero", "3", "--set", "train.lora_rank=4"],
+     "a LoRA run trains only its small adapters"),
+    (["--dp", "2", "--sequence-parallel"], "--sequence-parallel splits each sequence over"),
+])
+def test_plan_refuses_what_train_refuses(workdir, flags, words):
+    """A training plan of a job train would refuse is that refusal, one line, exit 2: not a
+    plan of micro-batches of 0 rows."""
+    proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", "model.h5", "--train",
+                         "--world", "2", *flags], workdir)
+    errors = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
+
+
 def test_plan_shows_training_memory_bubble_and_the_zero_bubble_timeline(workdir):
     proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", "model.h5", "--train",
                          "--pp", "3", "--micro-batches", "4", "--schedule", "zb-h1",
