@@ -177,6 +177,17 @@ PROMPTS = [np.array(p, dtype=np.int64) for p in
            ([5, 17, 99, 3, 240], [7] * 9, [11, 12, 13], list(range(20, 32)), [200, 1, 8, 9, 150, 6, 77])]
 
 
+def prompt_batch(prompts=None):
+    """``prompts`` (default: PROMPTS) as a stage takes them: (ids (B, longest), each row's
+    tokens first and zeros after; lengths (B,))."""
+    prompts = PROMPTS if prompts is None else prompts
+    lengths = np.array([len(p) for p in prompts])
+    ids = np.zeros((len(prompts), lengths.max()), dtype=np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = p
+    return ids, lengths
+
+
 # the world sizes of tests/run's MPI phases; an MPI test that needs several of them names
 # them (``@pytest.mark.mpi(ranks=WORLD_SIZES)``) and says why, the others run at one
 WORLD_SIZES = (2, 4, 8)

@@ -198,7 +198,7 @@ def test_a_prefill_in_chunks_reads_the_latents_before_it_from_the_cache(tmp_path
     """Chunks of 4 positions (prompts of 3 to 12 tokens): each chunk expands the latents
     cached before it with its own; the states are the whole prefill's, and so is the cache,
     which holds each position's latent and rope key once (no values)."""
-    from helpers import PROMPTS
+    from helpers import PROMPTS, prompt_batch
     from hpcpar.checkpoint import init_checkpoint, load_shard, open_checkpoint
     from hpcpar.models.decoder import DecoderStage
     from hpcpar.models.tensors import StageSpan, stage_tensors
@@ -213,10 +213,7 @@ def test_a_prefill_in_chunks_reads_the_latents_before_it_from_the_cache(tmp_path
     stage = DecoderStage.from_tensors(ckpt.config, specs, load_shard(ckpt, specs).tensors,
                                       StageSpan(layers), MpiCommunicator(MPI.COMM_SELF),
                                       ops_for(NUMPY), np.dtype(np.float32))
-    lengths = np.array([len(p) for p in PROMPTS])
-    ids = np.zeros((len(PROMPTS), lengths.max()), dtype=np.int64)
-    for b, p in enumerate(PROMPTS):
-        ids[b, :len(p)] = p
+    ids, lengths = prompt_batch()
     rows = AttentionRows.build(np, lengths, lengths, from_start=True)
     caches = [stage.new_cache(len(PROMPTS), 16) for _ in range(2)]
     assert caches[0].k.shape[2:] == (1, 16, 16 + 8) and caches[0].v.shape[-1] == 0

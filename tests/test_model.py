@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from helpers import GQA, PROMPTS, TIED, make_checkpoint
+from helpers import GQA, PROMPTS, TIED, make_checkpoint, prompt_batch
 from hpcpar.jobs.generate import Prompts, run_generation
 from hpcpar.jobs.job import load_job
 from reference import greedy, llama_logits
@@ -178,10 +178,7 @@ def test_a_prefill_computes_its_last_layer_at_each_rows_last_token_alone(tmp_pat
                                       ops_for(NUMPY), np.dtype(np.float32))
     if chunk is not None:
         stage.prefill_chunk = chunk
-    lengths = np.array([len(p) for p in PROMPTS])
-    ids = np.zeros((len(PROMPTS), lengths.max()), dtype=np.int64)
-    for b, p in enumerate(PROMPTS):
-        ids[b, :len(p)] = p
+    ids, lengths = prompt_batch()
     rows = AttentionRows.build(np, lengths, lengths, from_start=True)
     caches = [stage.new_cache(len(PROMPTS), 16) for _ in range(2)]
     every = whole.forward(stage.embed(ids), rows, caches[0])
