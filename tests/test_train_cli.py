@@ -172,6 +172,20 @@ def test_plan_refuses_what_train_refuses(workdir, flags, words):
     assert proc.returncode == 2 and len(errors) == 1 and words in errors[0], proc.stderr
 
 
+@pytest.mark.parametrize("where", ["hf", "hf/config.json"])
+def test_plan_reads_a_hugging_face_config_without_its_weights(workdir, where):
+    """The config.json the checkpoint was converted from (or its folder) plans alike: the
+    same lines but the model's name, for generation and training."""
+    for mode in ([], ["--train", "--dp", "2", "--zero", "3"]):
+        plans = []
+        for source in (where, "model.h5"):
+            proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", source, *mode],
+                             workdir)
+            assert proc.returncode == 0, proc.stderr
+            plans.append(proc.stdout.splitlines()[1:])
+        assert plans[0] == plans[1]
+
+
 def test_plan_shows_training_memory_bubble_and_the_zero_bubble_timeline(workdir):
     proc, _ = mpirun(1, ["-m", "hpcpar", "plan", "--checkpoint", "model.h5", "--train",
                          "--pp", "3", "--micro-batches", "4", "--schedule", "zb-h1",

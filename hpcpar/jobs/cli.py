@@ -237,6 +237,20 @@ def _train(comm, job) -> int:
     return 0
 
 
+def _plan_config(path: Path):
+    """The model of a Hugging Face ``config.json`` (or of the folder holding one, its weights
+    unread): ``plan`` sizes a model before it is downloaded or converted. None: a checkpoint."""
+    from ..models.config import ModelConfig
+    config = path / "config.json" if path.is_dir() else path
+    if config.suffix != ".json" or not config.is_file():
+        return None
+    try:
+        hf = json.loads(config.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise HpcparError(f"{config}: not a readable config.json ({e})") from None
+    return ModelConfig.from_hf(hf, source=str(config))
+
+
 def _plan_text(args) -> str:
     from ..checkpoint import open_checkpoint, preset_config
     from ..models.config import ModelConfig
@@ -259,7 +273,7 @@ def _plan_text(args) -> str:
         cfg = ModelConfig.from_hf(preset_config(name), source=f"preset {name}")
     else:
         name = spec
-        cfg = open_checkpoint(spec).config
+        cfg = _plan_config(Path(spec)) or open_checkpoint(spec).config
     par = job.parallel
     world_size = args.world or (par.dp or 1) * (par.pp or 1) * par.cp * (par.tp or 1)
     training = args.train or _is_training(args.job, args)

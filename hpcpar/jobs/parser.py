@@ -406,7 +406,8 @@ def _plan_command(sub) -> None:
     plan.add_argument("job", nargs="?", type=Path, help="job file to plan (optional)")
     plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     source = plan.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", help="read the model config from this checkpoint")
+    source.add_argument("--checkpoint", help="read the model config from this checkpoint, or "
+                        "from a Hugging Face config.json (or its folder): no weights needed")
     source.add_argument("--preset", choices=sorted(PRESETS), help="plan a preset model")
     plan.add_argument("--world", type=_at_least_one, help="number of ranks (default: dp*pp*tp)")
     _layout_flags(plan)
