@@ -2,15 +2,18 @@
 weights, split over the data-parallel replicas one *unit* at a time.
 
 A unit is a group of parameters whose gradients complete together in the backward (a decoder
-layer; the final norm and head; the embedding: ``ModelChunk.groups``), the unit FSDP and
-DeepSpeed shard by. Its parameters lie end to end in one flat layout, cut into dp consecutive
+layer, the final norm: ``ModelChunk.groups``; the head and the embedding each alone,
+``_unit_lists``), the unit FSDP and DeepSpeed shard by. Its parameters lie end to end in one flat layout, cut into dp consecutive
 pieces as ``Communicator.reduce_scatter`` cuts it. This rank keeps its piece of the float32
 master weights and of the summed gradients, and the optimizer steps those pieces only (one
 ``Param`` *segment* per parameter piece, as ZeRO-1's ``zero.ZeroShards``):
 
-    a micro-batch's backward   the unit's gradients go to a full buffer opened when the first
-                               is added; when its group is complete they are reduce-scattered
-                               into this rank's piece, and the buffer is given back
+    loading (stage 3)          this rank's pieces of the master weights (and, resuming, of
+                               the optimizer state) read alone (``PieceReader``)
+    a micro-batch's backward   the unit's gradients go to a whole buffer opened when the
+                               first is written (not added to zeros); when its group is
+                               complete they are reduce-scattered into this rank's piece,
+                               and the buffer is given back
     the optimizer step         on this rank's segments
     stage 2, after the step    every rank's piece of the compute weights all-gathered into
                                the full compute copy each rank keeps
