@@ -68,6 +68,9 @@ def test_a_column_row_pair_on_split_positions_is_the_dense_pair(comm):
     np.testing.assert_allclose(row.bias.grad, dy.sum(axis=(0, 1)))
     np.testing.assert_allclose(col.weight.grad, np.einsum("bti,bth->ih", dz, x)[cols])
     np.testing.assert_allclose(col.bias.grad, dz.sum(axis=(0, 1))[cols])
+    # rows of (positions, features) given with the sequence on axis 1, the features' axis
+    with pytest.raises(hp.HpcparError, match="sequence_axis 1 is not a positions axis"):
+        col.forward(_mine(x, tp)[0])
 
 
 @pytest.mark.mpi(min_size=2)

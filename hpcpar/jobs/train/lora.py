@@ -100,8 +100,11 @@ def lora_run(tr, cfg: ModelConfig, resume_attrs: dict | None) -> LoraRun | None:
     if initial is not None:
         _check_tensors(run, cfg, initial)
     if resume_attrs is not None and resumed != settings:
+        start = (" (to train adapters on a full run's weights, give its checkpoint as "
+                 "--checkpoint and a new --out)" if resumed is None else "")
         raise HpcparError(f"the checkpoint resumed trained {_describe(resumed)}; this job "
-                          f"asks for {_describe(settings)}: keep the LoRA settings to resume")
+                          f"asks for {_describe(settings)}: keep the LoRA settings to resume"
+                          + start)
     return run
 
 

@@ -229,7 +229,14 @@ def gathered(x, tp: Communicator, sequence_axis: int | None):
     """x with every rank's positions along ``sequence_axis`` (AllGather), or x itself
     without sequence parallelism."""
     axis = split_axis(tp, sequence_axis)
-    return x if axis is None else GatherFromGroup.forward(x, tp, axis)
+    if axis is None:
+        return x
+    if not -x.ndim <= axis < x.ndim or axis % x.ndim == x.ndim - 1:   # the features' axis
+        raise HpcparError(f"sequence_axis {sequence_axis} is not a positions axis of an input "
+                          f"of shape {tuple(x.shape)} (its last axis holds the features): "
+                          "give (batch, positions, features) inputs with sequence_axis=1, "
+                          "or (positions, features) with sequence_axis=0")
+    return GatherFromGroup.forward(x, tp, axis)
 
 
 class ColumnParallelLinear:
