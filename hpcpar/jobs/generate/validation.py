@@ -56,42 +56,13 @@ class CheckedGeneration:
 
 def validate(job: Job, ckpt: Checkpoint, world_size: int,
              prompts: Prompts | None) -> CheckedGeneration:
-    cfg = ckpt.config
+    """The generation job checked against the checkpoint, the world and its prompts (read
+    here unless given), every rank alike: what is wrong in one line, before any work."""
+    cfg, gen = ckpt.config, job.generate
     layout = job.parallel.layout(world_size)
     layout.check(cfg, world_size)
-    if layout.schedule != "gpipe":
-        raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
-                          "runs the 'gpipe' forward schedule")
-    split_problem = sequence_parallel_problem(job, layout, cfg)
-    if split_problem:
-        raise HpcparError(split_problem)
-    gen = job.generate
-    if layout.cp > 1 and gen.save_logits:
-        raise HpcparError(f"cp {layout.cp} with --save-logits: the prompt logits of a prompt "
-                          "split over cp are not gathered; drop one of them")
-    if layout.cp > 1 and cfg.sliding_window is not None:
-        raise HpcparError(f"cp {layout.cp}: a KV cache split over cp holds no window of "
-                          f"positions, and this model attends a sliding window of "
-                          f"{cfg.sliding_window}; generate it without --cp")
-    sampling = SamplingParams(**{f.name: getattr(gen, f.name) for f in fields(SamplingParams)})
-    sampling.check()
-    if gen.batching not in ("continuous", "static"):
-        raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
-                          f"{gen.batching!r}")
-    if gen.batching == "static" and gen.batch_size:
-        raise HpcparError(f"generate.batch_size {gen.batch_size} applies to continuous "
-                          "batching; static batching runs every prompt of a micro-batch at "
-                          "once: bound it with --micro-batches or --wave-size instead, or "
-                          "drop --batching static")
-    if gen.kv_block_size & (gen.kv_block_size - 1):
-        raise HpcparError(f"generate.kv_block_size {gen.kv_block_size} is not a power of two: "
-                          "pass --kv-block-size 16 (the default), 8, 32, 64, ...")
-    settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
-                                  gen.save_logits, gen.batching, gen.batch_size,
-                                  gen.cuda_graphs, gen.prefix_cache, gen.kv_block_size,
-                                  gen.kv_memory)
-    if gen.cuda_graphs:
-        check_graphed_layout(layout, cfg)
+    settings = _settings(job, cfg, layout)
+    sampling = settings.sampling
     tokenizer = load_tokenizer(ckpt)
     source = job.data.prompts if prompts is None else "the prompts given to run_generation"
     from_file = prompts is None and source != "random"
@@ -137,6 +108,44 @@ def validate(job: Job, ckpt: Checkpoint, world_size: int,
                                 Samples(counts, width))
     check_prefix_cache(settings, checked.results, layout.cp)
     return checked
+
+
+def _settings(job: Job, cfg, layout: ParallelConfig) -> GenerationSettings:
+    """The generation settings, checked against the layout and the model (no prompts)."""
+    if layout.schedule != "gpipe":
+        raise HpcparError(f"schedule {layout.schedule!r} is a training schedule; generation "
+                          "runs the 'gpipe' forward schedule")
+    split_problem = sequence_parallel_problem(job, layout, cfg)
+    if split_problem:
+        raise HpcparError(split_problem)
+    gen = job.generate
+    if layout.cp > 1 and gen.save_logits:
+        raise HpcparError(f"cp {layout.cp} with --save-logits: the prompt logits of a prompt "
+                          "split over cp are not gathered; drop one of them")
+    if layout.cp > 1 and cfg.sliding_window is not None:
+        raise HpcparError(f"cp {layout.cp}: a KV cache split over cp holds no window of "
+                          f"positions, and this model attends a sliding window of "
+                          f"{cfg.sliding_window}; generate it without --cp")
+    sampling = SamplingParams(**{f.name: getattr(gen, f.name) for f in fields(SamplingParams)})
+    sampling.check()
+    if gen.batching not in ("continuous", "static"):
+        raise HpcparError(f"generate.batching must be 'continuous' or 'static', got "
+                          f"{gen.batching!r}")
+    if gen.batching == "static" and gen.batch_size:
+        raise HpcparError(f"generate.batch_size {gen.batch_size} applies to continuous "
+                          "batching; static batching runs every prompt of a micro-batch at "
+                          "once: bound it with --micro-batches or --wave-size instead, or "
+                          "drop --batching static")
+    if gen.kv_block_size & (gen.kv_block_size - 1):
+        raise HpcparError(f"generate.kv_block_size {gen.kv_block_size} is not a power of two: "
+                          "pass --kv-block-size 16 (the default), 8, 32, 64, ...")
+    settings = GenerationSettings(gen.max_new_tokens, sampling, gen.stop_at_eos,
+                                  gen.save_logits, gen.batching, gen.batch_size,
+                                  gen.cuda_graphs, gen.prefix_cache, gen.kv_block_size,
+                                  gen.kv_memory)
+    if gen.cuda_graphs:
+        check_graphed_layout(layout, cfg)
+    return settings
 
 
 def _check_each(prompts: Prompts, cfg, settings: GenerationSettings, layout: ParallelConfig,
