@@ -81,3 +81,20 @@ def test_the_readme_models_table_is_the_families_own_declarations():
         "README.md's models table is not the families' declarations; paste this in:\n" + table)
     assert "<!-- the families' table: docs/hooks/generated.py -->" in (
         REPO / "docs" / "models.md").read_text()
+
+
+def test_the_readme_gpu_table_is_written_from_the_recorded_runs():
+    """README.md's table of what has run on a GPU is what ``benchmarks/gpu_paths.py`` writes
+    from ``benchmarks/results/`` (the docs' GPU page gets it from the hook): after a GPU run,
+    ``python benchmarks/gpu_paths.py --write``, never an edit by hand."""
+    sys.path.insert(0, str(REPO / "docs" / "hooks"))
+    try:
+        from generated import gpu_table
+    finally:
+        sys.path.pop(0)
+    table = gpu_table()
+    assert table in (REPO / "README.md").read_text(), (
+        "README.md's GPU table is not the recorded runs'; run: "
+        "python benchmarks/gpu_paths.py --write")
+    assert "<!-- what has run on a GPU: docs/hooks/generated.py -->" in (
+        REPO / "docs" / "gpu.md").read_text()

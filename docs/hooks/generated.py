@@ -1,7 +1,8 @@
 """MkDocs hook: the parts of pages written from the code when the site is built, so they cannot
 fall behind it. A page holds a marker comment; the hook replaces it with what its function
 writes: every command's ``--help`` from the parser, the recorded benchmark runs from the files
-in ``benchmarks/results/``, the model families' table from their declarations."""
+in ``benchmarks/results/``, the model families' table from their declarations, what has run
+on a GPU from the recorded runs."""
 
 from __future__ import annotations
 
@@ -62,11 +63,24 @@ def models_table() -> str:
     return "\n".join(lines)
 
 
+def gpu_table() -> str:
+    """What has run on a GPU: ``benchmarks/gpu_paths.py``'s table from the recorded runs
+    (README.md holds the same table, ``tests/test_docs.py`` checks it)."""
+    import sys
+    sys.path.insert(0, str(RESULTS.parent))
+    try:
+        from gpu_paths import gpu_table as table
+    finally:
+        sys.path.pop(0)
+    return table()
+
+
 # page -> (its marker, the function that writes what replaces it)
 GENERATED = {
     "reference/flags.md": ("<!-- every command's --help: docs/hooks/generated.py -->", every_help),
     "benchmarks.md": ("<!-- the recorded runs: docs/hooks/generated.py -->", results_table),
     "models.md": ("<!-- the families' table: docs/hooks/generated.py -->", models_table),
+    "gpu.md": ("<!-- what has run on a GPU: docs/hooks/generated.py -->", gpu_table),
 }
 
 
