@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 
 
-def transformers_llama(checkpoint: Path, threads: int):
+def transformers_llama(checkpoint: Path, threads: int, device: str = "cpu"):
     """The model with ``checkpoint``'s weights and torch on ``threads`` threads, or None when
-    torch or transformers is not installed (the benchmark then leaves the column out)."""
+    torch or transformers is not installed (the benchmark then leaves the column out);
+    ``device``: where the model is made (a GPU's: its random first weights drawn there)."""
     try:
         import torch
         import transformers
@@ -23,7 +24,8 @@ def transformers_llama(checkpoint: Path, threads: int):
     ckpt = open_checkpoint(checkpoint)
     settings = dict(ckpt.hf_config)
     config = transformers.AutoConfig.for_model(settings.pop("model_type", "llama"), **settings)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config).float().to(device)
     state = {name: torch.from_numpy(read_tensor(ckpt, name).astype(np.float32))
              for name in ckpt.tensors}
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -1,7 +1,8 @@
-"""Generation's device memory: the plan's prediction (``jobs.generate.memory``, what ``hpcpar
-plan`` prints) against the device budget's measure on the strict backend with the GPU's ops
-(``HPCPAR_OPS=device``), whose whole-run peak (``Budget.peak``, from loading on) is the
-reference; and loading's matrices, read straight into the layout the products take."""
+"""Device memory: the plan's prediction (``jobs.generate.memory``, ``jobs.plan``'s training
+rows, what ``hpcpar plan`` prints) against the device budget's measure on the strict backend
+with the GPU's ops (``HPCPAR_OPS=device``), whose whole-run peak (``Budget.peak``, from
+loading on) is the reference, for generation and training; and loading's matrices, read
+straight into the layout the products take."""
 
 import re
 
@@ -92,6 +93,47 @@ def test_the_plan_predicts_a_generation_runs_peak_within_5_percent(tmp_path, mon
     assert activations > 0.3 * plan.weight_bytes
 
 
+TRAINING = {           # shape, compute dtype, the fused optimizer, recompute (2 micro-batches)
+    "1b float32": ("1b", "float32", False, "none"),
+    "1b bfloat16 fused": ("1b", "bfloat16", True, "none"),
+    "8b float32 recompute": ("8b", "float32", False, "full"),
+    "8b bfloat16 fused recompute": ("8b", "bfloat16", True, "full"),
+}
+
+
+@pytest.mark.parametrize("case", TRAINING)
+def test_the_training_plan_predicts_a_runs_peak_within_3_percent(tmp_path, monkeypatch, case):
+    """Two AdamW steps of 4 x 64 tokens: the plan's total (the state, and the larger of the
+    activations with the largest weight's gradient product and the optimizer step's
+    scratch) against the whole run's measured peak; with the fused kernel's no scratch, the
+    backward is the peak, without it the step's scratch is. Within 1% without
+    recompute; with it a layer's backward also holds its intermediates' gradients, which the
+    plan leaves out (2.2% of this cut shape's peak in bfloat16, 1.3% of the whole 8B's)."""
+    from hpcpar.jobs.plan import train_plan_bytes
+    from hpcpar.jobs.train.engine import run_training
+    name, dtype, fused, recompute = TRAINING[case]
+    monkeypatch.setenv("HPCPAR_OPS", "device")
+    cfg = shape(name)
+    init_checkpoint(tmp_path / "model.h5", cfg)
+    job = load_job(None, [f"model.checkpoint='{tmp_path / 'model.h5'}'",
+                          "parallel.backend='strict'", "data.dataset='synthetic'",
+                          "train.steps=2", "train.global_batch=4", "train.seq_len=64",
+                          "parallel.micro_batches=2", f"model.dtype='{dtype}'",
+                          f"train.fused={str(fused).lower()}", f"train.recompute='{recompute}'",
+                          f"output.path='{tmp_path / 'run'}'"])
+    b = Budget()
+    with b.counting():
+        run_training(MPI.COMM_SELF, job, progress=False)
+    (plan,) = train_plan_bytes(ModelConfig.from_hf(cfg), job.parallel.layout(1, "1f1b"), 1,
+                               job.train, itemsize=2 if dtype == "bfloat16" else 4)
+    assert abs(b.peak - plan["total"]) <= (0.03 if recompute == "full" else 0.01) * b.peak, (
+        b.peak, plan)
+    assert (plan["scratch"] == 0) == fused
+    state = plan["weights"] + plan["gradients"] + plan["optimizer"]
+    assert plan["total"] - state == max(plan["activations"] + plan["gradient_product"],
+                                        plan["scratch"]) > 0
+
+
 VARIANTS = {
     "bfloat16": ({}, ["model.dtype='bfloat16'"], 2),
     "top-k sampling, penalties": ({}, ["generate.temperature=0.7", "generate.top_k=20",
@@ -175,7 +217,11 @@ def test_loaded_matrices_lie_where_the_products_read_them_and_merge_as_they_lie(
     tp, ops = create_communicator(MPI.COMM_SELF, "mpi"), ops_for(be)
     stage = DecoderStage.from_tensors(ckpt.config, specs, shard.tensors, span, tp, ops,
                                       np.dtype(np.float32), placed=shard.placed)
-    assert stage.decoder[0].attention.qkv.weights[0].data is qkv
+    merged = stage.decoder[0].attention.qkv.weights[0].data
+    if backend == "numpy":        # the host's products read it in blocks (block_weights)
+        assert np.array_equal(merged[np.arange(qkv.shape[0])], qkv)
+    else:
+        assert merged is qkv
     apart = DecoderStage.from_tensors(ckpt.config, specs, load_shard(ckpt, specs,
                                                                      backend=be).tensors,
                                       span, tp, ops, np.dtype(np.float32))

@@ -262,6 +262,7 @@ def _plan_text(args) -> str:
               "virtual_stages", "sequence_parallel")}
     flags.update({("train", k): getattr(args, k) for k in
                   ("global_batch", "seq_len", "optimizer", "recompute", "zero")})
+    flags[("train", "fused")] = args.fused_optimizer
     flags[("model", "dtype")] = args.dtype
     flags[("model", "checkpoint")] = (PRESET_PREFIX + args.preset if args.preset
                                       else args.checkpoint)

@@ -426,6 +426,8 @@ def _plan_command(sub) -> None:
     plan.add_argument("--optimizer", choices=["adamw", "sgd"])
     plan.add_argument("--recompute", choices=["none", "full"])
     plan.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    plan.add_argument("--fused-optimizer", action="store_const", const=True,
+                      help="the optimizer step as one kernel: no scratch in the plan")
 
 
 def _convert_command(sub) -> None:

@@ -255,6 +255,14 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
         lines.insert(2, _zero_units_line(cfg, layout, train.zero, itemsize))
     lines += [_train_stage_row(cfg, layout, V, s, train, rows, here, sequence_parallel,
                                itemsize) for s in range(p)]
+    last = train_stage_bytes(cfg, layout, V, p - 1, train, rows, here, sequence_parallel,
+                             itemsize)
+    scratch = ("none: --fused-optimizer" if train.fused else
+               f"{_size(last['scratch'])} there; none with --fused-optimizer")
+    lines.append(f"total: the state (and ZeRO's transient), and the larger of the peak "
+                 f"activations with the largest weight gradient made whole in the backward "
+                 f"({_size(last['gradient_product'])} on the last stage) and the optimizer "
+                 f"step's float32 scratch ({scratch})")
     problems = micro_batch_problems(kind, p, M, V)
     if problems:
         return "\n".join(lines + ["", "cannot run: " + "; ".join(problems)])
@@ -323,16 +331,46 @@ def adapter_count(cfg: ModelConfig, chunks, train: TrainSection, tp: int,
     return sum(n for n, _ in sizes), sum(n for n, expert in sizes if expert)
 
 
+def train_plan_bytes(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: int,
+                     train: TrainSection, sequence_parallel: bool = False,
+                     itemsize: int = 4) -> list[dict]:
+    """The numbers of ``format_train_plan``'s rows: per stage, a rank's bytes
+    (``train_stage_bytes``); ``total`` is the row's total, the plan's peak of the rank."""
+    seq_len = train.seq_len or PLAN_SEQ_LEN
+    rows = train.global_batch // (layout.dp * layout.micro_batches)
+    here = ContextShard(seq_len, layout.cp, 0).max_local if layout.cp > 1 else seq_len
+    return [train_stage_bytes(cfg, layout, virtual_stages, s, train, rows, here,
+                              sequence_parallel, itemsize) for s in range(layout.pp)]
+
+
 def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
                      train: TrainSection, rows: int, here: int,
                      sequence_parallel: bool = False, itemsize: int = 4) -> str:
     """Stage ``s``'s line of the training plan."""
+    b = train_stage_bytes(cfg, layout, V, s, train, rows, here, sequence_parallel, itemsize)
+    span = ",".join(f"{r.start}-{r.stop - 1}" for r in b["chunks"])
+    return (f"{s:>5} {span:>10} {b['params'] / 1e6:>11.2f}M "
+            f"{_size(b['weights'] + b['gradients']):>14} {_size(b['optimizer']):>10} "
+            f"{_size(b['activations_per_micro_batch']):>17} {_size(b['activations']):>10} "
+            f"{_size(b['total']):>10}")
+
+
+def train_stage_bytes(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
+                      train: TrainSection, rows: int, here: int,
+                      sequence_parallel: bool = False, itemsize: int = 4) -> dict:
+    """Stage ``s``'s bytes per rank in training: ``weights``, ``gradients``, ``optimizer``
+    state, ``activations`` at the schedule's peak (``activations_per_micro_batch`` each),
+    ZeRO's ``transient``, the largest ``gradient_product`` (a weight's gradient made whole in
+    the backward before it is added to its buffer, while the activations are held), the
+    optimizer step's ``scratch``, and their ``total`` (the rank's peak: the state, ZeRO's
+    transient and the larger of the backward's and the step's own); ``params`` per rank
+    and the layer ``chunks``."""
     from ..parallel.pipeline.training_schedules import peak_activations_formula
-    from .train.memory import activation_bytes, parameter_state_bytes
+    from .train.memory import activation_bytes, optimizer_scratch_bytes, parameter_state_bytes
     from .train.setup import chunk_layers
     p, M, kind = layout.pp, layout.micro_batches, layout.schedule
     chunks = chunk_layers(cfg.num_hidden_layers, layout, s, V)
-    count, experts, act = 0, 0, 0
+    count, experts, act, product = 0, 0, 0, 0
     for c, layers in enumerate(chunks):
         v = c * p + s
         first, last = v == 0, v == p * V - 1
@@ -340,6 +378,10 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
             n = int(np.prod(piece_of(spec, cfg, 0, layout.tp).shape))
             count += n
             experts += n if spec.expert is not None else 0
+            # dW = dY^T X of a matrix (the embedding's rows are added in place, unless it
+            # is the tied head too)
+            if len(spec.shape) == 2 and (spec.role != "embed" or last):
+                product = max(product, n)
         act += activation_bytes(cfg, layout.tp, len(layers), rows, here, first, last,
                                 train.recompute == "full",
                                 sequence_parallel=sequence_parallel and layout.tp > 1)
@@ -350,16 +392,20 @@ def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
         base = count
         count, experts = adapter_count(cfg, chunks, train, layout.tp,
                                        rank0_experts(cfg, layout.ep))
+        product = 0              # the adapters' products: rank x width, too small to count
     # dense weights held by dp x cp, an expert's by the dp / ep replicas holding it (x cp)
     st = parameter_state_bytes(count, experts, layout.dp * layout.cp,
                                layout.dp // layout.ep * layout.cp, train.zero, train.optimizer,
                                itemsize)
     st["weights"] += base * itemsize
     transient = zero_transient_bytes(cfg, layout, train.zero, itemsize)
-    span = ",".join(f"{r.start}-{r.stop - 1}" for r in chunks)
-    return (f"{s:>5} {span:>10} {(base + count) / 1e6:>11.2f}M "
-            f"{_size(st['weights'] + st['gradients']):>14} {_size(st['optimizer']):>10} "
-            f"{_size(per_mb):>17} {_size(peak):>10} "
-            f"{_size(sum(st.values()) + peak + transient):>10}")
+    scratch = optimizer_scratch_bytes(count, experts, layout.dp * layout.cp,
+                                      layout.dp // layout.ep * layout.cp, train.zero,
+                                      bool(train.fused))
+    return {"params": base + count, **st, "activations_per_micro_batch": per_mb,
+            "activations": peak, "transient": transient,
+            "gradient_product": product * itemsize, "scratch": scratch,
+            "total": sum(st.values()) + transient + max(peak + product * itemsize, scratch),
+            "chunks": chunks}
 
 

@@ -111,3 +111,15 @@ def parameter_state_bytes(count: int, experts: int, holders: int, expert_holders
         out["optimizer"] += (states * n * FLOAT if stage == 0
                              else split((states + 1) * FLOAT))
     return out
+
+
+def optimizer_scratch_bytes(count: int, experts: int, holders: int, expert_holders: int,
+                            zero: int, fused: bool) -> int:
+    """A device's optimizer step (not ``fused``): one float32 scratch the size of the
+    largest run of parameters this rank updates (the dense ones, or the experts, each
+    split over their holders under ZeRO), made for the step (``optim.optimizers``)."""
+    if fused:
+        return 0
+    updated = [n if (zero if h > 1 else 0) == 0 else -(-n // h)
+               for n, h in ((count - experts, holders), (experts, expert_holders))]
+    return max(updated) * FLOAT
