@@ -174,6 +174,22 @@ def test_rows_preempted_when_the_blocks_run_out_give_the_same_tokens(tmp_path, g
     assert "rows preempted" in small.report.format()
 
 
+def test_rows_preempted_after_generating_return_together_with_their_own_tokens(tmp_path):
+    """Four rows that each outgrow a pool of 10 blocks of 8: the newest are preempted after
+    generating, and come back several in one refill (in reverse, by their keys), each
+    computing its prompt and tokens again: every row's tokens and log-probs are its own,
+    the contiguous cache's (a refill once handed its rows each other's logits)."""
+    path, _ = make_checkpoint(tmp_path, GQA)
+    rng = np.random.default_rng(5)
+    prompts = Prompts([rng.integers(3, GQA["vocab_size"], 10) for _ in range(4)])
+    small = _generate(MPI.COMM_SELF, path, prompts, kv_memory=10 * _block_bytes(GQA) + 1,
+                      extra=["generate.max_new_tokens=40"], logprobs=1)
+    contiguous = _generate(MPI.COMM_SELF, path, prompts, cache=False,
+                           extra=["generate.max_new_tokens=40"], logprobs=1)
+    _same(small, contiguous, "preempted rows")
+    assert small.report.preemptions >= 3
+
+
 def test_one_kv_memory_holds_more_rows_in_flight_paged_than_contiguous(tmp_path):
     """``--kv-memory`` bounds both caches: the contiguous one to the rows that fit at the
     longest row's length (here 3), the paged one to the blocks rows hold as they are (its

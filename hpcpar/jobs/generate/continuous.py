@@ -443,7 +443,11 @@ class ContinuousProgram(ReplicaProgram):
         last = stage.logits(self.last_states(y, computed, self.prefill_keep(computed,
                                                                             rows[s.first]),
                                              self.shards.pop(mb, None)))
-        return last if len(s.first) == len(rows) else last[self.xp.asarray(s.inverse)]
+        # y's rows are in ``first``'s order (the prompts' keys sorted: readmitted rows in
+        # reverse), the slots in ``new``'s
+        if np.array_equal(s.first, np.arange(len(rows))):
+            return last
+        return last[self.xp.asarray(s.inverse)]
 
     def _record(self, mb: int, step: int, tokens: np.ndarray) -> None:
         """This step's tokens for the slots that produced one (every active slot; after a
