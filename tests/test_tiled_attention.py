@@ -156,3 +156,23 @@ def test_the_known_shift_is_for_whole_sequences_in_float32_and_float64():
     assert build(np, *grouped_heads(q, k, v, rows), rows, 4, 0, 0, True) is None
     half = [a.astype(np.float16) for a in (q, k, v)]
     assert build(np, *grouped_heads(*half, rows), rows, 4, 0, 0, False) is None
+
+
+def test_a_query_of_norm_zero_bounds_its_keys_without_overflow():
+    """A padded row's queries are zeros (the prefill pads with them): their key limit is
+    large and finite, with no overflow warning (a user saw one: a limit divided by float's
+    tiny), and the output is the reference's on the real rows."""
+    import warnings
+    from hpcpar.parallel.ops.softmax_shift import KnownShift
+    from hpcpar.parallel.ops.tiled_attention import grouped_heads
+    rng = np.random.default_rng(11)
+    q, k, v, rows, _ = _case(rng, 2, 12, 12, 4, 2, 8, [12, 5], [12, 5], np.float32)
+    q[1, 5:] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        known = KnownShift.build(np, *grouped_heads(q, k, v, rows), rows, 4, 0, 0, False)
+        got = TiledAttention(np, block=4).forward(q, k, v, rows)
+    assert np.isfinite(known.key_limit).all()
+    want = Attention(np).forward(q, k, v, rows)
+    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_allclose(got[1, :5], want[1, :5], rtol=0, atol=2e-6 * np.abs(want).max())

@@ -73,7 +73,9 @@ class KnownShift:
         vx[..., hd] = 1.0
         start = reached_scores(xp, qs, keys, rows)
         q_norms = xp.sqrt(xp.einsum("bkgtd,bkgtd->bkgt", qs, qs)) * LOG2E
-        key_limit = (HEADROOM + start * LOG2E) / xp.maximum(q_norms, xp.finfo(dtype).tiny)
+        # a query of norm ~0 (a padded row's) can reach no score: its limit is just large
+        # (the floor eps, not tiny: a limit past float's range would warn of overflow)
+        key_limit = (HEADROOM + start * LOG2E) / xp.maximum(q_norms, xp.finfo(dtype).eps)
         return KnownShift(xp, qs, start, key_limit,
                           host_array(norms.reshape(B, nkv, -1, block).max(axis=-1)),
                           kx, vx, block)
