@@ -159,3 +159,22 @@ def test_an_error_agreed_over_tp_still_frees_the_next_stage_waiting_for_it(comm)
             assert "failed: " in str(raised.value)
     finally:
         mesh.free()
+
+
+@pytest.mark.mpi(ranks=(2,))
+def test_a_darrays_collective_on_a_failed_mesh_raises_the_failure_at_once(comm):
+    """Rank 0 gathers a DArray alone and times out, which fails the mesh; rank 1 comes late
+    to the same gather: it raises rank 0's failure (PeerFailed) without joining, as the
+    groups' calls do. It used to complete the check against rank 0's abandoned one and then
+    wait out the timeout in the gather (a trial from the docs found it)."""
+    import time
+    mesh = hp.Mesh(comm, {"tp": 2}, timeout=1)
+    x = hp.DArray.from_full(np.ones((4, 4)), mesh, {"tp": hp.Shard(0)})
+    if mesh.rank == 0:
+        with pytest.raises(hp.CommTimeout):
+            x.full()
+    else:
+        time.sleep(1.5)               # rank 0's word of its failure arrives meanwhile
+    with pytest.raises(hp.PeerFailed) as raised:
+        x.full()
+    assert "rank 0 failed" in str(raised.value)

@@ -146,8 +146,9 @@ class Check:
         extremes = np.array([h, -h], dtype=np.int64)
         wait_bounded(self.mpi_comm.Iallreduce(self._in_place, extremes, op=self._max), self.timeout,
                      self._waiting)
-        if extremes[0] != h or extremes[1] != -h:
-            raise Disagreement(_describe(self.mpi_comm, self.what, self.fields, self.timeout))
+        if extremes[0] != h or extremes[1] != -h:        # every rank sees it: raised together
+            raise agreed(Disagreement(_describe(self.mpi_comm, self.what, self.fields,
+                                                self.timeout)), self.mpi_comm)
 
 
 def active(group) -> bool:

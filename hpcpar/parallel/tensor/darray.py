@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from ..comm.agreement import trusted
+from ..comm.failfast import fails_together
 from ..errors import HpcparError
 from ..mesh import Mesh
 from .piece_layout import (PlacementError, array_fields, attempt, given_key, normalize_placements,
@@ -143,6 +144,17 @@ class DArray:
 
     # ---- communication ------------------------------------------------------------------------
 
+    @property
+    def error_board(self):
+        """Its mesh's (``comm.failfast.fails_together``): ``redistribute`` and ``full`` raise
+        another rank's failure, at once on a failed mesh, as the groups' calls do."""
+        return self.mesh.errors
+
+    def world_ranks(self) -> tuple[int, ...]:
+        """The ranks that run its collectives together: the mesh's."""
+        return self.mesh.everyone.world_ranks()
+
+    @fails_together
     def redistribute(self, placements) -> "DArray":
         """The same global array under other placements, with the fewest collectives (see
         ``redistribute.redistribution_steps``). The source is never modified. A redistribution seen
