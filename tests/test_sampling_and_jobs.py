@@ -182,3 +182,39 @@ def test_prompts_given_to_the_library_are_integer_ids_one_row_each():
         Prompts([np.array([1, 2]), np.array([1.5, 2.0])])
     with pytest.raises(HpcparError, match="prompt 0 is a 2-D array of int64"):
         Prompts([np.array([[1, 2], [3, 4]])])
+
+
+class _Checkpoint:
+    """What ``model_sampling_note`` reads of a checkpoint: its kept generation_config.json."""
+
+    def __init__(self, config: dict | None):
+        import json
+        self.path = "model.h5"
+        self.files = {} if config is None else {
+            "generation_config.json": json.dumps(config).encode()}
+
+    def tokenizer_files(self):
+        return self.files
+
+
+def test_the_models_own_sampling_settings_are_named_where_the_job_sets_none():
+    """transformers' generate() samples as generation_config.json says (its top_k 50 where
+    the file names none, temperature and the rest only with do_sample, a repetition penalty
+    either way); hpcpar applies the job's settings alone and says, once, which flags give
+    the model's."""
+    import transformers
+    from hpcpar.jobs.inputs.stage import model_sampling_note
+    from hpcpar.jobs.job import GenerateSection
+    plain = GenerateSection()
+    note = model_sampling_note(_Checkpoint({"do_sample": True, "temperature": 0.6,
+                                            "top_p": 0.9, "eos_token_id": 1}), plain)
+    # transformers' own default where neither the model nor the call sets one
+    top_k = transformers.GenerationConfig._get_default_generation_params()["top_k"]
+    assert note.startswith("hpcpar: note: the model's generation_config.json asks for ")
+    assert note.endswith(f"pass --temperature 0.6 --top-k {top_k} --top-p 0.9 for the model's")
+    assert "--repetition-penalty 1.2 for" in model_sampling_note(
+        _Checkpoint({"repetition_penalty": 1.2}), plain)
+    for quiet in ({"temperature": 0.6}, {"do_sample": False, "top_p": 0.5}, {}, None):
+        assert model_sampling_note(_Checkpoint(quiet), plain) is None, quiet
+    asked = GenerateSection(temperature=0.7)
+    assert model_sampling_note(_Checkpoint({"do_sample": True}), asked) is None

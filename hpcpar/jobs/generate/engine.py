@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -23,7 +24,7 @@ from ..faults import fault_point
 from ..inputs.batching import micro_batches, replica_rows
 from ..inputs.prompts import Prompts
 from ..inputs.schedule import generation
-from ..inputs.stage import open_stage
+from ..inputs.stage import model_sampling_note, open_stage
 from ..job import Job
 from ..launch import EXIT_INVALID, JobFailed, everyone, phase, print_error
 from ..layout import ParallelConfig
@@ -104,6 +105,9 @@ class GenerationRun(JobRun):
         eos = checked.eos
         self.pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)
         n_prompts = len(checked.prompts)
+        note = model_sampling_note(self.ckpt, self.job.generate) if self.rank == 0 else None
+        if note:
+            print(note, file=sys.stderr, flush=True)
         with phase("opening the output file"):
             everyone(self.comm, self._open_output)
         self.done = np.zeros(n_prompts, dtype=np.int64)    # prompts a stopped run finished

@@ -27,24 +27,72 @@ from ..runtime import experts_held, open_runtime
 from ..watchdog import ActionBoard
 
 
+def generation_config(ckpt: Checkpoint) -> dict:
+    """The checkpoint's generation_config.json (kept at conversion), {} where it has none."""
+    raw = ckpt.tokenizer_files().get("generation_config.json")
+    if not raw:
+        return {}
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
+        raise HpcparError(f"{ckpt.path}: its generation_config.json is not a JSON object; "
+                          "convert the model again from a folder with a valid one")
+    return config
+
+
 def eos_ids(ckpt: Checkpoint) -> tuple[int, ...]:
     """Every id that ends a row, as transformers' ``generate`` takes them: config.json's
     ``eos_token_id`` and generation_config.json's (Llama 3 instruct lists three), in order,
     each once."""
     ids = list(ckpt.config.eos_token_id)
-    raw = ckpt.tokenizer_files().get("generation_config.json")
-    if raw:
-        try:
-            extra = json.loads(raw).get("eos_token_id")
-        except (ValueError, AttributeError):
-            raise HpcparError(f"{ckpt.path}: its generation_config.json is not a JSON object; "
-                              "convert the model again from a folder with a valid one") from None
-        extra = extra if isinstance(extra, list) else [] if extra is None else [extra]
+    extra = generation_config(ckpt).get("eos_token_id")
+    if extra is not None:
+        extra = extra if isinstance(extra, list) else [extra]
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
             raise HpcparError(f"{ckpt.path}: generation_config.json's eos_token_id {extra} is "
                               "not a list of token ids")
         ids += [t for t in extra if t not in ids]
     return tuple(ids)
+
+
+# generation_config.json's sampling keys -> the generate flag that sets the same
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                  "min_p": "--min-p", "repetition_penalty": "--repetition-penalty"}
+
+
+def model_sampling(ckpt: Checkpoint) -> dict[str, float]:
+    """The sampling transformers' ``generate`` takes from the checkpoint's
+    generation_config.json unless told otherwise: with ``do_sample``, its temperature, top_k
+    (50 where it names none, as transformers' default), top_p and min_p; its
+    repetition_penalty either way. Only what differs from greedy decoding; {} for none."""
+    config = generation_config(ckpt)
+    asked = {}
+    if config.get("do_sample"):
+        asked = {"temperature": config.get("temperature", 1.0),
+                 "top_k": config.get("top_k", 50), "top_p": config.get("top_p", 1.0),
+                 "min_p": config.get("min_p")}
+    asked["repetition_penalty"] = config.get("repetition_penalty")
+    neutral = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+    return {k: v for k, v in asked.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v != neutral.get(k) and not (k == "temperature" and v == 0)}
+
+
+def model_sampling_note(ckpt: Checkpoint, settings) -> str | None:
+    """A note where the checkpoint's generation_config.json asks for sampling that
+    transformers' ``generate`` applies by default (``model_sampling``) and the job's
+    ``settings`` (a ``GenerateSection``) ask for none: hpcpar applies what the job says."""
+    asked = model_sampling(ckpt)
+    defaults = type(settings)()
+    if not asked or any(getattr(settings, k) != getattr(defaults, k) for k in SAMPLING_FLAGS):
+        return None
+    said = ", ".join(f"{k} {v:g}" for k, v in asked.items())
+    flags = " ".join(f"{SAMPLING_FLAGS[k]} {v:g}" for k, v in asked.items())
+    return (f"hpcpar: note: the model's generation_config.json asks for {said}, which "
+            f"transformers' generate() applies by default; hpcpar applies only the job's "
+            f"settings (none here): pass {flags} for the model's")
 
 
 def load_tokenizer(ckpt: Checkpoint) -> StoredTokenizer | None:
