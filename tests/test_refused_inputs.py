@@ -205,3 +205,20 @@ def test_malformed_config_values_are_a_config_error():
                        ({"eos_token_id": {"a": 1}}, "eos_token_id must be an integer")]:
         with pytest.raises(ConfigError, match=words):
             ModelConfig.from_hf(dict(base, **bad))
+
+
+def test_a_broken_json_line_and_scoring_data_of_another_kind_say_where_and_what(tmp_path):
+    """A .jsonl line that does not parse names its line and column (json's message alone,
+    "Unterminated string starting at", stopped short); scoring data of another kind is named
+    as scoring data and says what it can be, not as prompts."""
+    from hpcpar.jobs.inputs.prompts import load_prompts
+    from hpcpar.jobs.score.data import load_score_data
+    from hpcpar.parallel.errors import HpcparError
+    (tmp_path / "bad.jsonl").write_text('{"ids": [5, 6]}\n{"text": "open\n')
+    with pytest.raises(HpcparError, match=r"bad\.jsonl:2: not valid JSON \(Unterminated "
+                                          r"string starting at, column 10\)"):
+        load_prompts(tmp_path / "bad.jsonl")
+    (tmp_path / "data.txt").write_text("some text\n")
+    with pytest.raises(HpcparError, match=r"data\.txt: scoring data must be a \.npy of token "
+                                          r"ids \[rows, tokens\] or a \.jsonl .* not \.txt"):
+        load_score_data(tmp_path / "data.txt")

@@ -284,9 +284,9 @@ def _train_flags(p) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, "
-                                            "Mixtral and Qwen-MoE models across ranks with "
-                                            "MPI.")
+    p = _Parser(prog="hpcpar", description="Run Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma "
+                                            "(1, 2, 3), OLMo 2, Mixtral, Qwen-MoE and "
+                                            "DeepSeek-V2/V3 models across ranks with MPI.")
     p.add_argument("--version", action="version", version=f"hpcpar {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     for command in (_demo_command, _run_command, _generate_command, _score_command,

@@ -148,7 +148,8 @@ def read_records(path: Path) -> list[tuple[int, object]]:
         try:
             records.append((n, json.loads(line, object_pairs_hook=_unique_keys)))
         except json.JSONDecodeError as e:
-            raise PromptError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            raise PromptError(f"{path}:{n}: not valid JSON ({e.msg}, column {e.colno})") \
+                from None
         except _RepeatedKey as e:
             raise PromptError(f"{path}:{n}: the key {e} appears twice in one object; JSON "
                               f"readers disagree on which one counts: keep one") from None

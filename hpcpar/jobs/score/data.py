@@ -28,6 +28,10 @@ class ScoreData:
 
 def load_score_data(path: str | Path, tokenizer=None) -> ScoreData:
     path = Path(path)
+    if path.is_file() and path.suffix not in (".npy", ".jsonl", ".json"):
+        raise HpcparError(f"{path}: scoring data must be a .npy of token ids [rows, tokens] or "
+                          f"a .jsonl with {{\"ids\": [...]}} or {{\"text\": \"...\"}} per line, "
+                          f"not {path.suffix or 'a file without suffix'}")
     if path.suffix == ".npy" and path.is_file():
         return _from_padded(path, read_npy(path, "the rows' token ids (int, [rows, tokens])"))
     prompts: Prompts = load_prompts(path, tokenizer)    # the .jsonl reader and its errors
