@@ -48,6 +48,7 @@ def test_the_demo_job_generates_and_reports(tmp_path, n, layout):
     proc, seconds = _mpirun(n, ["-m", "hpcpar"], tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("hpcpar demo:") == 1  # the report comes from rank 0 only
+    assert "(random weights)" in proc.stdout           # its own checkpoint, made on the spot
     assert f"layout: {layout}" in proc.stdout
     for words in ("tokens/s", "bubble: prefill", "stage  compute s  waiting s",
                   "tp all-reduce", "peak host memory per rank"):
@@ -66,6 +67,9 @@ def test_convert_and_init_commands(tmp_path):
     proc, _ = _mpirun(1, ["-m", "hpcpar", "init", "--preset", "tiny", "t.h5", "--seed", "2"],
                       tmp_path)
     assert proc.returncode == 0 and (tmp_path / "t.h5").exists(), proc.stderr
+    proc, _ = _mpirun(1, ["-m", "hpcpar", "demo", "--checkpoint", "t.h5"], tmp_path)
+    assert proc.returncode == 0 and "hpcpar demo: t.h5, " in proc.stdout, proc.stderr
+    assert "(random weights)" not in proc.stdout      # a checkpoint of the user's: unlabelled
     proc, _ = _mpirun(1, ["-m", "hpcpar", "init", "--preset", "huge", "x.h5"], tmp_path)
     assert proc.returncode == 2 and "invalid choice: 'huge'" in proc.stderr
     assert not (tmp_path / "x.h5").exists()

@@ -156,6 +156,8 @@ def test_job_errors_name_every_problem(tmp_path):
         load_job(tmp_path / "bad.toml")
     msg = str(e.value)
     assert "unknown section [generat]" in msg and "unknown key model.checkpont" in msg
+    assert "did you mean model.checkpoint?" in msg          # the closest key, where one is
+    assert "did you mean [generate]?" in msg
     assert "parallel.tp = 'two': expected int" in msg
     with pytest.raises(JobError, match="not valid TOML"):
         (tmp_path / "broken.toml").write_text("[model\n")

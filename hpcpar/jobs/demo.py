@@ -64,8 +64,9 @@ def run_demo(comm, opts: DemoOptions) -> int:
     cfg = everyone(comm, open_checkpoint, path).config
     result = run_generation(comm, demo_job(opts, str(path), cfg, comm.Get_size()))
     if result is not None:
+        made = " (random weights)" if opts.checkpoint is None else ""    # the demo's own
         print(f"hpcpar demo: {path.name}, {cfg.num_hidden_layers} layers, hidden "
-              f"{cfg.hidden_size}, vocab {cfg.vocab_size} (random weights)")
+              f"{cfg.hidden_size}, vocab {cfg.vocab_size}{made}")
         print(result.report.format())
         for row in range(2):
             print(f"prompt {row} ({result.prompt_lengths[row]} tokens) -> "

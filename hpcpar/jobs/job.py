@@ -32,6 +32,8 @@ Unknown sections or keys and values of the wrong type are errors that name them.
 
 from __future__ import annotations
 
+import difflib
+
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -246,7 +248,10 @@ def build_job(raw: dict, source: str = "job",
 
     for name, table in raw.items():
         if name not in SECTIONS:
-            report(name, None, f"unknown section [{name}] (known: {', '.join(SECTIONS)})")
+            close = difflib.get_close_matches(name, SECTIONS, n=1)
+            guess = f"did you mean [{close[0]}]? " if close else ""
+            report(name, None, f"unknown section [{name}] ({guess}known: "
+                               f"{', '.join(SECTIONS)})")
             continue
         if not isinstance(table, dict):
             report(name, None, f"[{name}] must be a table")
@@ -256,7 +261,10 @@ def build_job(raw: dict, source: str = "job",
         values = {}
         for key, value in table.items():
             if key not in hints:
-                report(name, key, f"unknown key {name}.{key} (known: {', '.join(hints)})")
+                close = difflib.get_close_matches(key, hints, n=1)
+                guess = f"did you mean {name}.{close[0]}? " if close else ""
+                report(name, key, f"unknown key {name}.{key} ({guess}known: "
+                                  f"{', '.join(hints)})")
                 continue
             try:
                 values[key] = _coerce(value, hints[key])
