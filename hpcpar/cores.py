@@ -25,6 +25,16 @@ def cores() -> int:
     return os.cpu_count() or 1
 
 
+def one_blas_thread() -> bool:
+    """Whether NumPy's BLAS runs one thread, as OpenBLAS reads its settings (as hpcpar sets
+    them per rank, or the user): unset, it runs one per core."""
+    for var in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            return value == "1"
+    return cores() == 1
+
+
 def oversubscribed() -> bool:
     """More ranks on this node than cores (8 ranks on a 2-core laptop): a rank that spins
     while it waits takes a core from a rank that works."""

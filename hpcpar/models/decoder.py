@@ -34,10 +34,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..cores import one_blas_thread
 from ..parallel.device import budget
 from ..parallel.device.backend import host_array
 from ..parallel.comm import Communicator
-from ..parallel.tensor_parallel.layers import Frozen, frozen_matrix, gathered
+from ..parallel.tensor_parallel.layers import Frozen, block_frozen, frozen_matrix, gathered
 from ..parallel.tensor_parallel.mappings import ScatterToGroup
 from ..parallel.ops import AttentionRows, Ops
 from ..parallel.ops.attention import at_positions
@@ -243,12 +244,14 @@ class DecoderStage:
         """For generation, from this rank's loaded slices (``load_shard``'s tensors by Hugging
         Face name, taken out of ``tensors``): frozen, in ``dtype``, projections merged.
         ``placed``: where loading put the matrices of ``matrix_stacks`` (``load_shard``'s
-        ``placed``), which are then taken as they lie, nothing copied."""
-        placed = placed or {}
+        ``placed``, taken out of it as ``tensors`` are), which are then taken as they lie,
+        nothing copied. On the host, with a BLAS of one thread, the products' matrices are
+        then blocked (``block_weights``)."""
+        placed = placed if placed is not None else {}
         by_layer: dict = {}
         for spec in specs:
             a = tensors.pop(spec.name)
-            at = placed.get(spec.name, (None, 0)) if a.dtype == dtype else (None, 0)
+            at = placed.pop(spec.name, (None, 0)) if a.dtype == dtype else (None, 0)
             by_layer.setdefault(spec.layer, {})[spec.key] = Frozen(a.astype(dtype, copy=False),
                                                                    *at)
         weight_bytes = sum(w.data.nbytes for group in by_layer.values() for w in group.values())
@@ -256,7 +259,25 @@ class DecoderStage:
                            for key, w in group.items() if isinstance(key, tuple))
         stage = cls(cfg, by_layer, span, tp, ops, dtype, merge=True, ep=ep)
         stage.weight_bytes, stage.expert_bytes = weight_bytes, expert_bytes
+        # the blocked products run one thread: a BLAS of several runs the plain GEMMs on all
+        if ops.xp is np and not ops.device and one_blas_thread():
+            stage.block_weights()
         return stage
+
+    def block_weights(self) -> None:
+        """The dense layers' projections and the head as ``BlockedMatrix``es (host only):
+        a decode step's products then read each weight once, in order, at the memory's rate
+        (``ops.linear.blocked_linear``). A tied head's table serves the embedding's lookups
+        too. Others (experts, latent attention's) stay as they are."""
+        weights = [self.head.weight] if self.last else []
+        for layer in self.decoder:
+            attention, mlp = layer.attention, layer.mlp
+            if isinstance(attention, Attention):
+                weights += attention.qkv.weights + [attention.o.weight]
+            if isinstance(mlp, Mlp):
+                weights += mlp.gate_up.weights + [mlp.down.weight]
+        for w in weights:
+            block_frozen(w)
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params: dict, span: StageSpan, tp: Communicator,

@@ -13,10 +13,12 @@ optimizer may move it): a ``Parameter`` (training), or a ``Frozen`` weight (infe
 matrices are laid out as ``stored_matrix`` says: on the host transposed, [in, out] and
 contiguous, so that the product's operand ``data.T`` is (NumPy's BLAS runs a transposed
 operand ~20% slower at decode sizes); on a device [out, in] itself (cuBLAS takes the
-transposed operand at full speed, and loading fills each row block with one upload).
-Inference may merge the projections that read the same input (q/k/v, gate/up) into one GEMM,
-as vLLM's QKVParallelLinear does. ``from_full`` builds a layer from the whole weight, each rank
-keeping its slice; the constructors take this rank's shards.
+transposed operand at full speed, and loading fills each row block with one upload). A host
+generation's stage then holds them as ``ops.linear.BlockedMatrix``es (``block_frozen``),
+whose products read them at the memory's rate. Inference may merge the projections that
+read the same input (q/k/v, gate/up) into one GEMM, as vLLM's QKVParallelLinear does.
+``from_full`` builds a layer from the whole weight, each rank keeping its slice; the
+constructors take this rank's shards.
 
 The products, lookups and the cross-entropy's local pieces are ``hpcpar.parallel.ops`` (a NumPy
 reference, or a device kernel chosen once per backend); ``ops`` defaults to the references.
@@ -53,6 +55,7 @@ from ..comm import Communicator
 from ..errors import HpcparError
 from .mappings import CopyToGroup, GatherFromGroup, ReduceFromGroup, ReduceScatterToGroup
 from ..ops import Ops, native_ops
+from ..ops.linear import BlockedMatrix, block_width, blocked_linear
 from ..params import GradSink, Parameter, join
 
 
@@ -133,7 +136,22 @@ def _rows(a):
 
 def product(ops: Ops, x, w):
     """X W^T in the weight's dtype."""
+    if isinstance(w.data, BlockedMatrix):          # the host's generation (``block_frozen``)
+        return blocked_linear(x, w.data)
     return ops.linear.forward(x, w.data.T).astype(w.data.dtype, copy=False)
+
+
+def block_frozen(w) -> None:
+    """A host generation's weight ``w`` as a ``BlockedMatrix``, in place of its array: a
+    ``Frozen`` float32 matrix without an adapter, with few enough input features
+    (``block_width``). Others stay as they are. The array is dropped: held once."""
+    a = getattr(w, "data", None)
+    if (type(w) is not Frozen or w.lora is not None or type(a) is not np.ndarray
+            or a.ndim != 2 or a.dtype != np.float32):
+        return
+    width = block_width(a.shape[1])
+    if width and a.shape[0] >= width:
+        w.data, w.stack, w.start = BlockedMatrix(a, width), None, 0
 
 
 def weight_grads(ops: Ops, dy, x, w, b, sink) -> object:
