@@ -108,6 +108,22 @@ def test_what_show_cannot_read_is_one_line(outputs, args, words):
     assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_a_stopped_runs_output_says_how_far_it_got_and_how_to_finish(outputs):
+    """A generation stopped early leaves its finished rows in a hidden .NAME.partial and no
+    NAME: show of either says so, how many rows are done, and to run again with --resume
+    auto (it said "no such file", or refused the partial as no hpcpar output)."""
+    shutil.copy(outputs / "g.h5", outputs / ".stopped.h5.partial")
+    with h5py.File(outputs / ".stopped.h5.partial", "r+") as f:
+        f["done"] = np.arange(len(f["tokens"])) < 3
+        rows = len(f["tokens"])
+    for name in ("stopped.h5", ".stopped.h5.partial"):
+        proc = _show(name, cwd=outputs)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+        assert (f"stopped.h5: not written yet: a stopped run left .stopped.h5.partial (3 of "
+                f"{rows} rows finished); run the same command again with --resume auto"
+                in proc.stderr), proc.stderr
+
+
 @pytest.fixture(scope="module")
 def batch(outputs):
     """A Batch API output of three requests: one answered, one with two choices, one refused

@@ -39,6 +39,9 @@ __all__ = ["PAGE", "format_summary", "inside", "outermost", "read_metrics", "rea
 def summary(path: str | Path, page: int = 1, per_page: int = PAGE) -> dict:
     """The summary of ``path`` as plain data, rows ``page`` (from 1) of ``per_page``."""
     path = Path(path)
+    stopped = _stopped_run(path)
+    if stopped:
+        raise HpcparError(stopped)
     problem = not_regular(path, folder_ok=True)
     if problem == "no such file or folder":
         raise HpcparError(f"{path}: no such file or folder")
@@ -49,6 +52,25 @@ def summary(path: str | Path, page: int = 1, per_page: int = PAGE) -> dict:
     except OSError as e:            # permissions, a disk error, an HDF5 file cut short
         raise HpcparError(f"{path}: cannot read it ({e.strerror or e}); check its "
                           "permissions, or write it again") from None
+
+
+def _stopped_run(path: Path) -> str | None:
+    """What to say of a generation output a stopped run has not written yet (``path`` absent,
+    its hidden ``.NAME.partial`` there), or of that partial file itself; None otherwise."""
+    if path.name.startswith(".") and path.name.endswith(".partial"):
+        partial, output = path, path.with_name(path.name[1:-len(".partial")])
+    else:
+        partial, output = path.with_name(f".{path.name}.partial"), path
+    if output.exists() or not partial.is_file():
+        return None
+    try:
+        import h5py
+        with h5py.File(partial, "r") as f:
+            done = f"{int(f['done'][()].sum())} of {len(f['done'])} rows finished"
+    except (OSError, KeyError):
+        done = "its finished rows unreadable"
+    return (f"{output}: not written yet: a stopped run left {partial.name} ({done}); run the "
+            "same command again with --resume auto to finish it")
 
 
 def _summary(path: Path, page: int, per_page: int) -> dict:
