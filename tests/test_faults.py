@@ -165,6 +165,29 @@ def test_a_second_ctrl_c_ends_at_once_and_copies_of_one_count_once():
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_after_a_stop_the_rank_ignores_further_stop_signals_on_its_way_out():
+    """A stop acted on ends the job; a second SIGTERM (a launcher's, a keeper's copy) while
+    the rank saves and leaves must not kill it (a trial saw "killed by SIGTERM", status 9,
+    after "stopped on request"): SIGTERM and SIGUSR1 are ignored from then on. Without a
+    stop, the handlers are given back."""
+    import signal
+    from hpcpar.jobs.launch import StopRequest
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with StopRequest():
+            pass
+        assert all(signal.getsignal(sig) is h for sig, h in before.items())
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+            assert stop.requested
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in before)
+        os.kill(os.getpid(), signal.SIGTERM)           # ignored: this process goes on
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 @pytest.mark.slow
 def test_ctrl_c_before_the_steps_is_one_line_from_rank_0(work):
     """During start-up there is nothing to save: the job ends at once, status 130."""

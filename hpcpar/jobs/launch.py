@@ -313,4 +313,7 @@ class StopRequest:
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # a stop acted on: the rank is on its way out, and another SIGTERM (a launcher's
+            # second, a keeper's copy) must not kill it while it saves and leaves
+            stopping = self._requested and sig != signal.SIGINT
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)
