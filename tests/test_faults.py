@@ -89,6 +89,8 @@ def test_a_failing_rank_ends_the_whole_job_promptly_and_cleanly(work, kind, phas
             for r in range(4):
                 assert f"rank {r} (" in report, proc.stderr
             assert f"rank {rank} (" in report.split("[stopped]")[0].splitlines()[-1], report
+            if phase == "train":       # a training action names its training step
+                assert f"step {step})" in report and "step 0)" not in report, report
 
 
 def test_a_malformed_fault_setting_is_refused():

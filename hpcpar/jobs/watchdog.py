@@ -144,9 +144,11 @@ class ActionBoard:
 
     # ---- actions ----------------------------------------------------------------------------
 
-    def publish(self, a: Action) -> None:
+    def publish(self, a: Action, step: int | None = None) -> None:
+        """This rank is at action ``a``; ``step``: a training step's number (its schedule's
+        actions carry none: the report names it as the action's step)."""
         m = self.mine
-        m[1], m[2], m[3] = _OP_INDEX[a.op], a.mb, a.step
+        m[1], m[2], m[3] = _OP_INDEX[a.op], a.mb, a.step if step is None else step
         m[4] = -1 if a.peer is None else a.peer
         m[5], m[6], m[7] = a.chunk, int(time.monotonic() * 1000), IN_ACTION
 

@@ -186,7 +186,7 @@ class PipelineExecutor:
             if not live(a):
                 continue
             if self.board is not None:
-                self.board.publish(a)
+                self.board.publish(a, self.step)
             phase = phase_of(a)
             t0 = perf_counter()
             wall[last_phase] += t0 - mark
