@@ -294,6 +294,31 @@ def test_every_layout_with_the_prefix_cache_gives_the_single_ranks_tokens(tmp_pa
             assert result.report.prefix_hit_rate > 0.4, layout
 
 
+@pytest.mark.mpi(ranks=(2, 4))
+def test_rows_preempted_under_pp_give_the_single_ranks_tokens(tmp_path_factory):
+    """pp 2 with 4 micro-batches (2 ranks), pp 4 (4 ranks), a pool that preempts rows after
+    they generated, seeded samples (n = 2): every stage readmits a row from the tokens it
+    generated, which only the last stage samples (the first stage embedded stale ones, the
+    middle stages hashed them for their prefix caches and their books parted), and a
+    sample's blocks promised at one micro-batch's refill are kept from the next's (they
+    were not: OutOfBlocks at its fork). A user trial found all three."""
+    comm = MPI.COMM_WORLD
+    path = world_checkpoint(tmp_path_factory, "prefix-preempt-pp", GQA) / "model.h5"
+    rng = np.random.default_rng(7)
+    prompts = Prompts([rng.integers(3, GQA["vocab_size"], int(n))
+                       for n in rng.integers(20, 60, 10)])
+    gen = dict(SAMPLED, n=2)
+    extra = ["generate.max_new_tokens=24"]
+    single = (_generate(MPI.COMM_SELF, path, prompts, cache=False, extra=extra, **gen)
+              if comm.Get_rank() == 0 else None)
+    layout = {2: (1, 2, 1, 4), 4: (1, 4, 1, 1)}[comm.Get_size()]
+    memory = 12 * _block_bytes(GQA) + 1       # per stage: 12 blocks of its layers' share
+    result = _generate(comm, path, prompts, layout, kv_memory=memory, extra=extra, **gen)
+    if comm.Get_rank() == 0:
+        _same(result, single, str(layout))
+        assert result.report.preemptions > 0 and result.report.prefix_hit_rate > 0
+
+
 def test_a_block_size_that_is_not_a_power_of_two_is_refused(capfd, tmp_path):
     path, _ = make_checkpoint(tmp_path, GQA)
     message = refused(capfd, lambda: _generate(MPI.COMM_SELF, path, _prompts(250),

@@ -143,7 +143,7 @@ class ContinuousProgram(ReplicaProgram):
                 self.step_tokens[i][:] = state[at:at + w]
                 at += w
         if self.paged is not None:
-            self._make_room()
+            self._share_tokens(self._make_room(), pp_host)
         work, steps, in_flight = False, 1, 0
         for s in self.slots:
             free = np.flatnonzero(~s.active(self.done))
@@ -171,10 +171,11 @@ class ContinuousProgram(ReplicaProgram):
 
     # ---- a paged cache's rows ----------------------------------------------------------------
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> list[int]:
         """Finished rows give their blocks back; every running row takes those of its next
         ``steps`` positions, the newest rows preempted where the pool runs out: they wait at
-        the front of their queue and compute their tokens again when readmitted."""
+        the front of their queue and compute their tokens again when readmitted. Returns
+        the rows preempted."""
         needs, where = {}, {}
         for s in self.slots:
             for slot in np.flatnonzero(s.prompt >= 0):
@@ -184,10 +185,27 @@ class ContinuousProgram(ReplicaProgram):
                 else:
                     needs[row] = min(int(s.position[slot]) + self.steps, self._total(row))
                     where[row] = (s, slot)
-        for row in self.paged.grow(needs):
+        preempted = self.paged.grow(needs)
+        for row in preempted:
             s, slot = where[row]
             s.prompt[slot] = -1
             s.queue.insert(0, row)
+        return preempted
+
+    def _share_tokens(self, rows: list[int], pp_host) -> None:
+        """The tokens preempted ``rows`` generated, sent from the last stage (which samples
+        them; the others keep the first stage's inputs, or none) to every stage: each
+        computes them again at the readmission (the first stage embeds them; every stage
+        hashes them for its prefix cache, alike)."""
+        if pp_host.size == 1 or not rows:
+            return
+        rows = np.array(sorted(rows), np.int64)
+        counts = self.generated[rows]
+        flat = (np.concatenate([self.tokens[r, :k] for r, k in zip(rows, counts)])
+                if self.stage.last else np.empty(int(counts.sum()), np.int64))
+        pp_host.broadcast(flat, root=pp_host.size - 1)
+        for r, part in zip(rows, np.split(flat, np.cumsum(counts)[:-1])):
+            self.tokens[r, :len(part)] = part
 
     def _reach(self, steps: int) -> int:
         """The segment's steps: ``steps`` where every active row's blocks can hold them (a

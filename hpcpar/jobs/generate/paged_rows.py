@@ -164,8 +164,15 @@ class PagedRows:
         self.cached: dict[int, int] = {}         # row -> its prompt tokens served from cache
         self.order: dict[int, int] = {}          # row -> when it was admitted (preempt last)
         self.admitted = 0
-        self.promised = 0                        # blocks the refill's samples fork into
+        # row -> the blocks a refill's sample forks into at its prefill: kept until then,
+        # whichever micro-batches refill in between
+        self.promises: dict[int, int] = {}
         self.preemptions = 0
+
+    @property
+    def promised(self) -> int:
+        """The blocks admitted samples fork into at their prefills, not taken yet."""
+        return sum(self.promises.values())
 
     @property
     def nbytes(self) -> int:
@@ -227,7 +234,6 @@ class PagedRows:
         writing: set[bytes] = set()
         computing: set = set()
         take, longest = 0, 0
-        self.promised = 0
         for row in waiting:
             tokens = ids(row)
             prompt = key(row)
@@ -236,7 +242,7 @@ class PagedRows:
                         - len(tokens) // self.block_size)
                 if self.pool.available() - self.promised < more:
                     break
-                self.promised += more
+                self.promises[row] = more
                 self._admitted(row)
                 take += 1
                 continue
@@ -284,10 +290,10 @@ class PagedRows:
         for j, row in enumerate(rows):
             if j not in leaders:
                 leader = int(rows[first[inverse[j]]])
+                self.promises.pop(int(row), None)          # taken now
                 pairs = self.pool.fork(leader, int(row), int(lengths[j]), reserve(int(row)))
                 self.cache.copy_blocks(pairs)
                 self.cached[int(row)] = int(lengths[j])
-        self.promised = 0
 
     def bind(self, mb: int, slots: np.ndarray, refresh=()) -> None:
         """Micro-batch ``mb``'s view steps over the rows of its slots (``-1``: none); the
