@@ -13,7 +13,8 @@ from mpi4py import MPI
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import PROMPTS, build_hf_model, generate_here, mpirun, refused  # noqa: E402
+from helpers import (PROMPTS, build_hf_model, generate_here, hpcpar_here, mpirun,  # noqa: E402
+                     refused)
 from hpcpar.jobs.generate import run_generation  # noqa: E402
 from hpcpar.jobs.job import load_job  # noqa: E402
 
@@ -88,6 +89,74 @@ def test_logprobs_zero_gives_the_tokens_own_and_no_alternatives(llama):
     ours = generate_here(path, 4, "generate.logprobs=0")
     assert ours.logprobs.top.shape[-1] == 0
     _check_token_logprobs(model, ours, k=0)
+
+
+def test_logprobs_zero_with_two_samples_in_hdf5_json_lines_and_a_resume(llama, tmp_path,
+                                                                       monkeypatch):
+    """``--n 2 --logprobs 0`` (each sampled token's log p, no alternatives: top arrays of
+    width 0) on 8 prompts, their 16 rows finishing together: the HDF5 file (with its sample
+    axis) and the JSON lines are written (h5py refused a selection of 16 rows of an empty
+    dataset, and ``reshape`` has no -1 to infer in an empty array), each token's log p is
+    transformers' and the same run's with ``--logprobs 1``; a run stopped once the short
+    prompts finished resumes to the uninterrupted run's lines."""
+    model, path = llama
+    prompts = [p.tolist() for p in PROMPTS] + [[3, 4, 5], [9, 8, 7, 6], [100, 50]]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"ids": p}) + "\n" for p in prompts))
+    short = [{"ids": p} | ({"max_new_tokens": 2} if b < 5 else {})
+             for b, p in enumerate(prompts)]
+    (tmp_path / "s.jsonl").write_text("".join(json.dumps(line) + "\n" for line in short))
+
+    def args(out, k, source="p.jsonl", *more):
+        return ["generate", "--checkpoint", str(path), "--prompts", source, "--out", out,
+                "--max-new-tokens", "4", "--ignore-eos", "--n", "2", "--temperature", "1",
+                "--seed", "3", "--logprobs", str(k), *more]
+
+    def run(*given):
+        return hpcpar_here(args(*given), tmp_path)
+
+    for out, k in (("k0.h5", 0), ("k1.h5", 1), ("k0.jsonl", 0)):
+        proc = run(out, k)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    with h5py.File(tmp_path / "k0.h5") as f, h5py.File(tmp_path / "k1.h5") as g:
+        tokens, lengths, values = f["tokens"][()], f["lengths"][()], f["logprobs"][()]
+        assert tokens.shape == (8, 2, 4) and (lengths == 4).all()
+        assert f["top_logprobs"].shape == f["top_token_ids"].shape == (8, 2, 4, 0)
+        np.testing.assert_array_equal(g["tokens"][()], tokens)    # asking changes no token
+        np.testing.assert_allclose(values, g["logprobs"][()], atol=1e-6)
+    assert (tokens[:, 0] != tokens[:, 1]).any()                  # two samples, not one twice
+    for b, prompt in enumerate(prompts):
+        for s in range(2):
+            ref = _reference(model, prompt, tokens[b, s])[len(prompt) - 1:][:4]
+            np.testing.assert_allclose(values[b, s], ref[np.arange(4), tokens[b, s]],
+                                       atol=TOLERANCE)
+    records = [json.loads(line) for line in open(tmp_path / "k0.jsonl")]
+    assert [(r["index"], r["sample"]) for r in records] == [(b, s) for b in range(8)
+                                                            for s in range(2)]
+    for r in records:
+        b, s = r["index"], r["sample"]
+        assert r["token_ids"] == tokens[b, s].tolist()
+        assert [e["top_logprobs"] for e in r["logprobs"]] == [[]] * 4
+        np.testing.assert_allclose([e["logprob"] for e in r["logprobs"]], values[b, s],
+                                   rtol=1e-6)
+    # failed at decode step 3 (a process of its own): the short prompts' 10 rows are kept
+    assert run("straight.jsonl", 0, "s.jsonl").returncode == 0
+    monkeypatch.setenv("HPCPAR_SAVE_SECONDS", "0")
+    monkeypatch.setenv("HPCPAR_FAULT", "rank=0,phase=decode,step=3,kind=raise")
+    proc = mpirun(1, ["-m", "hpcpar", *args("stopped.jsonl", 0, "s.jsonl")], tmp_path)[0]
+    assert proc.returncode == 1 and "injected fault" in proc.stderr, proc.stderr[-3000:]
+    monkeypatch.delenv("HPCPAR_FAULT")
+    with h5py.File(tmp_path / ".stopped.jsonl.partial") as f:
+        np.testing.assert_array_equal(np.flatnonzero(f["done"][()]), range(10))
+    proc = run("stopped.jsonl", 0, "s.jsonl", "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, straight = ([json.loads(line) for line in open(tmp_path / name)]
+                         for name in ("stopped.jsonl", "straight.jsonl"))
+    assert len(resumed) == len(straight) == 16
+    for a, b in zip(resumed, straight):         # the rest ran in smaller batches: float32 sums
+        logprobs = [[e.pop("logprob") for e in r["logprobs"]] for r in (a, b)]
+        assert a == b
+        np.testing.assert_allclose(*logprobs, atol=TOLERANCE)
+    assert not (tmp_path / ".stopped.jsonl.partial").exists()
 
 
 @pytest.mark.slow

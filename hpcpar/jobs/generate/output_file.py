@@ -187,8 +187,11 @@ def hdf5_texts(texts: list[str]) -> tuple[list[str], int]:
 
 def by_prompt(values: np.ndarray, width: int) -> np.ndarray:
     """Rows (one per sample, ``width`` per prompt) as [prompts, width, ...]; unchanged with
-    one sample per prompt."""
-    return values if width == 1 else values.reshape((-1, width) + values.shape[1:])
+    one sample per prompt. The prompts are counted, not left to ``reshape``: an array of no
+    elements (``--logprobs 0``'s top alternatives, [rows, tokens, 0]) has no -1 to infer."""
+    if width == 1:
+        return values
+    return values.reshape((len(values) // width, width) + values.shape[1:])
 
 
 def regroup(f: h5py.File, results: ResultShape, samples: Samples) -> None:
@@ -322,7 +325,8 @@ class PartialOutput:
         def work():
             f = self.file
             for name, values in results.arrays.items():
-                f[name][rows] = values
+                if values.size:     # an empty one (K 0: [rows, tokens, 0]) has nothing to
+                    f[name][rows] = values      # write, and h5py refuses its selection
             write_point(self.partial)
             f.flush()
             f["done"][rows] = True
