@@ -67,34 +67,25 @@ def test_the_site_builds_strictly(tmp_path):
         assert len(section) == 2 and "doc-contents" in section[1][:4000], f"{name}: no docstring"
 
 
-def test_the_readme_models_table_is_the_families_own_declarations():
+# the README's tables the docs' hook writes too, and how to bring one up to date
+README_TABLES = {"models.md": "paste the families' table (docs/hooks/generated.py) in",
+                 "gpu.md": "run: python benchmarks/gpu_paths.py --write"}
+
+
+@pytest.mark.parametrize("page", README_TABLES)
+def test_the_readme_tables_are_written_from_the_code_and_the_records(page):
     """README.md's table of families is what docs/hooks/generated.py writes into the models
-    page from each family's ``Family.differs``: a family's differences are written once, in
-    its module."""
+    page from each family's ``Family.differs`` (a family's differences written once, in its
+    module); its table of what has run on a GPU is what ``benchmarks/gpu_paths.py`` writes
+    from ``benchmarks/results/`` (after a GPU run, ``--write``, never an edit by hand)."""
     sys.path.insert(0, str(REPO / "docs" / "hooks"))
     try:
-        from generated import models_table
+        from generated import GENERATED
     finally:
         sys.path.pop(0)
-    table = models_table()
+    mark, write = GENERATED[page]
+    table = write()
     assert table in (REPO / "README.md").read_text(), (
-        "README.md's models table is not the families' declarations; paste this in:\n" + table)
-    assert "<!-- the families' table: docs/hooks/generated.py -->" in (
-        REPO / "docs" / "models.md").read_text()
-
-
-def test_the_readme_gpu_table_is_written_from_the_recorded_runs():
-    """README.md's table of what has run on a GPU is what ``benchmarks/gpu_paths.py`` writes
-    from ``benchmarks/results/`` (the docs' GPU page gets it from the hook): after a GPU run,
-    ``python benchmarks/gpu_paths.py --write``, never an edit by hand."""
-    sys.path.insert(0, str(REPO / "docs" / "hooks"))
-    try:
-        from generated import gpu_table
-    finally:
-        sys.path.pop(0)
-    table = gpu_table()
-    assert table in (REPO / "README.md").read_text(), (
-        "README.md's GPU table is not the recorded runs'; run: "
-        "python benchmarks/gpu_paths.py --write")
-    assert "<!-- what has run on a GPU: docs/hooks/generated.py -->" in (
-        REPO / "docs" / "gpu.md").read_text()
+        f"README.md's table for docs/{page} is not what the code writes; "
+        f"{README_TABLES[page]}:\n{table}")
+    assert mark in (REPO / "docs" / page).read_text()

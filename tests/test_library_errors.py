@@ -174,7 +174,9 @@ def test_a_darrays_collective_on_a_failed_mesh_raises_the_failure_at_once(comm):
         with pytest.raises(hp.CommTimeout):
             x.full()
     else:
-        time.sleep(1.5)               # rank 0's word of its failure arrives meanwhile
+        # rank 0's word of its failure arrives meanwhile (well after its 1 s timeout: a
+        # rank 1 that came in time would complete rank 0's gather, and nothing would fail)
+        time.sleep(2.5)
     with pytest.raises(hp.PeerFailed) as raised:
         x.full()
     assert "rank 0 failed" in str(raised.value)

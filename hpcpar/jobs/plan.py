@@ -221,10 +221,7 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
                                                         training_schedule)
     p, M, V = layout.pp, layout.micro_batches, virtual_stages
     kind, seq_len = layout.schedule, train.seq_len or PLAN_SEQ_LEN
-    rows = train.global_batch // (layout.dp * M)
-    # under context parallelism a rank keeps the activations of its own positions, and the
-    # optimizer state is split over dp x cp (the ranks that hold the same weights)
-    here = ContextShard(seq_len, layout.cp, 0).max_local if layout.cp > 1 else seq_len
+    rows, here = _rows_and_positions(layout, train)
     holders = layout.dp * layout.cp
     lines = [
         f"model: {model_name}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
@@ -253,10 +250,9 @@ def format_train_plan(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: 
                      "expert gradients summed over the dp / ep replicas holding them")
     if train.zero >= 2 and holders > 1:
         lines.insert(2, _zero_units_line(cfg, layout, train.zero, itemsize))
-    lines += [_train_stage_row(cfg, layout, V, s, train, rows, here, sequence_parallel,
-                               itemsize) for s in range(p)]
-    last = train_stage_bytes(cfg, layout, V, p - 1, train, rows, here, sequence_parallel,
-                             itemsize)
+    stages = train_plan_bytes(cfg, layout, V, train, sequence_parallel, itemsize)
+    lines += [_train_stage_row(s, b) for s, b in enumerate(stages)]
+    last = stages[-1]
     scratch = ("none: --fused-optimizer" if train.fused else
                f"{_size(last['scratch'])} there; none with --fused-optimizer")
     lines.append(f"total: the state (and ZeRO's transient), and the larger of the peak "
@@ -336,18 +332,22 @@ def train_plan_bytes(cfg: ModelConfig, layout: ParallelConfig, virtual_stages: i
                      itemsize: int = 4) -> list[dict]:
     """The numbers of ``format_train_plan``'s rows: per stage, a rank's bytes
     (``train_stage_bytes``); ``total`` is the row's total, the plan's peak of the rank."""
-    seq_len = train.seq_len or PLAN_SEQ_LEN
-    rows = train.global_batch // (layout.dp * layout.micro_batches)
-    here = ContextShard(seq_len, layout.cp, 0).max_local if layout.cp > 1 else seq_len
+    rows, here = _rows_and_positions(layout, train)
     return [train_stage_bytes(cfg, layout, virtual_stages, s, train, rows, here,
                               sequence_parallel, itemsize) for s in range(layout.pp)]
 
 
-def _train_stage_row(cfg: ModelConfig, layout: ParallelConfig, V: int, s: int,
-                     train: TrainSection, rows: int, here: int,
-                     sequence_parallel: bool = False, itemsize: int = 4) -> str:
-    """Stage ``s``'s line of the training plan."""
-    b = train_stage_bytes(cfg, layout, V, s, train, rows, here, sequence_parallel, itemsize)
+def _rows_and_positions(layout: ParallelConfig, train: TrainSection) -> tuple[int, int]:
+    """A micro-batch's rows, and the positions of each a rank keeps activations of: under
+    context parallelism its own (the optimizer state is split over dp x cp, the ranks that
+    hold the same weights)."""
+    seq_len = train.seq_len or PLAN_SEQ_LEN
+    rows = train.global_batch // (layout.dp * layout.micro_batches)
+    return rows, ContextShard(seq_len, layout.cp, 0).max_local if layout.cp > 1 else seq_len
+
+
+def _train_stage_row(s: int, b: dict) -> str:
+    """Stage ``s``'s line of the training plan, from its bytes ``b``."""
     span = ",".join(f"{r.start}-{r.stop - 1}" for r in b["chunks"])
     return (f"{s:>5} {span:>10} {b['params'] / 1e6:>11.2f}M "
             f"{_size(b['weights'] + b['gradients']):>14} {_size(b['optimizer']):>10} "
