@@ -71,6 +71,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcpar.jobs.plan import _size          # (bytes as hpcpar plan prints them)
+
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = {"1b": "llama3-1b", "8b": "llama3-8b", "tiny": "tiny"}
 HEADROOM = 0.9             # a training recipe's planned peak at most this share of the device
@@ -323,10 +325,6 @@ def choose_recipe(device, cfg, checkpoint: Path, args, work: Path) -> tuple:
     return None, None, why, room
 
 
-def _size(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
-
-
 def run_hpcpar_train(device, job, measure: bool = False) -> tuple[float, dict]:
     """Tokens/s of the steps after the first two (metrics.jsonl of one run), and with
     ``measure`` the run's peak (``used``, ``held``); the run's folder is removed after."""
@@ -345,45 +343,14 @@ def run_hpcpar_train(device, job, measure: bool = False) -> tuple[float, dict]:
 def add_lora(model, rank: int):
     """peft's LoRA of every projection (rank, alpha 2 x rank, no dropout) on ``model``: the
     model to train, its trainable parameters, a function giving the model back without the
-    adapters, and what made them. Without peft, torch layers of the same computation."""
-    import torch
-    targets = list(LORA_TARGETS.values())
-    try:
-        import peft
-    except ImportError:
-        peft = None
-    if peft is not None:
-        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                                 lora_dropout=0.0, bias="none")
-        wrapped = peft.get_peft_model(model, config)      # float32 adapters on a bf16 base
-        return (wrapped, [p for p in wrapped.parameters() if p.requires_grad],
-                wrapped.unload, f"peft {peft.__version__}")
-
-    class Lora(torch.nn.Module):                          # peft's LoRA Linear, no dropout
-        def __init__(self, base):
-            super().__init__()
-            self.base = base
-            kw = {"device": base.weight.device, "dtype": torch.float32, "bias": False}
-            self.lora_A = torch.nn.Linear(base.in_features, rank, **kw)
-            self.lora_B = torch.nn.Linear(rank, base.out_features, **kw)
-            torch.nn.init.zeros_(self.lora_B.weight)
-
-        def forward(self, x):
-            return self.base(x) + self.lora_B(self.lora_A(x)) * 2.0
-
-    model.requires_grad_(False)
-    swapped = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if name in targets]
-    for parent, name, child in swapped:
-        setattr(parent, name, Lora(child))
-
-    def unload():
-        for parent, name, child in swapped:
-            setattr(parent, name, child)
-        return model
-
-    return (model, [p for p in model.parameters() if p.requires_grad], unload,
-            "torch LoRA layers (peft not installed)")
+    adapters, and what made them (peft comes with the test extra and the GPU check's
+    wheels)."""
+    import peft
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(
+        LORA_TARGETS.values()), lora_dropout=0.0, bias="none")
+    wrapped = peft.get_peft_model(model, config)          # float32 adapters on a bf16 base
+    return (wrapped, [p for p in wrapped.parameters() if p.requires_grad], wrapped.unload,
+            f"peft {peft.__version__}")
 
 
 def run_torch_train(device, checkpoint: Path, args, recipe: Recipe, model=None) -> tuple:
