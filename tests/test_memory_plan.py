@@ -274,6 +274,7 @@ def _plan_row_bytes(text: str) -> tuple[float, float]:
     return tuple(float(n) * scale[u] for n, u in sizes[:2])
 
 
+@pytest.mark.device            # (the strict phase too: a strict array's views counted once)
 @pytest.mark.mpi(ranks=(2,))
 @pytest.mark.parametrize("name, dtype", [("1b", "bfloat16"), ("8b", "float32")])
 def test_the_plan_predicts_each_zero_stages_bytes_per_rank(comm, mpi_tmp_path, name, dtype):

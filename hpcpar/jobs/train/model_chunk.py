@@ -21,7 +21,7 @@ from ...models.decoder import DecoderStage
 from ...models.mlp import MoeMlp
 from ...models.tensors import StageSpan
 from ...parallel.device import budget
-from ...parallel.device.backend import host_array
+from ...parallel.device.backend import host_array, memory_owner
 from ...parallel.comm import Communicator
 from ...parallel.context_parallel.ring_attention import ContextShard
 from ...parallel.ops import AttentionRows, Ops
@@ -274,8 +274,7 @@ def held_bytes(ctx) -> int:
             return sum(walk(x) for x in v.values())
         if isinstance(v, (list, tuple)):
             return sum(walk(x) for x in v)
-        base = getattr(v, "base", None)
-        owner = v if base is None else base
+        owner = memory_owner(v)
         if hasattr(owner, "nbytes") and id(owner) not in seen:
             seen.add(id(owner))
             return int(owner.nbytes)

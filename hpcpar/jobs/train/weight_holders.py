@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...parallel.comm import Communicator
+from ...parallel.device.backend import memory_owner
 from ...parallel.data_parallel.reducer import GradientReducer
 from .params import Param
 from .sharded_units import NotHeld, Transient, ShardedUnits
@@ -99,8 +100,7 @@ def held_bytes(held: list[Holders], optimizer, transient: Transient | None,
         for a in arrays:
             if a is None or isinstance(a, NotHeld):
                 continue
-            base = getattr(a, "base", None)
-            owner = a if base is None else base
+            owner = memory_owner(a)
             if id(owner) not in seen:
                 seen.add(id(owner))
                 total += int(owner.nbytes)

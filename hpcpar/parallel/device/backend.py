@@ -29,6 +29,18 @@ def host_array(a) -> np.ndarray:
     return np.asarray(get() if get is not None else a)
 
 
+def memory_owner(a):
+    """The array that owns ``a``'s memory: the root of its views (NumPy's and CuPy's
+    ``base``; for a strict array, of the NumPy array it stands for, whose ``base`` would be
+    a new wrapper each time), one object per buffer, so that a buffer is counted once."""
+    if type(a).__module__ == "hpcpar.parallel.device.strict_arrays":
+        from .strict_arrays import unwrapped
+        a = unwrapped(a)
+    while hasattr(getattr(a, "base", None), "nbytes"):
+        a = a.base
+    return a
+
+
 @dataclass(frozen=True)
 class ArrayBackend:
     name: str            # "numpy", "cupy", or "strict" (a pretend device: strict_arrays)

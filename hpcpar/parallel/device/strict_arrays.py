@@ -72,6 +72,11 @@ def _wrap(value):
     return value
 
 
+def unwrapped(a):
+    """The NumPy array a strict array stands for; anything else as it is."""
+    return a._a if isinstance(a, StrictArray) else a
+
+
 def arrays_of(value) -> list[np.ndarray]:
     """The NumPy arrays among (nested) values: arguments, results, contexts."""
     return _arrays(value, [])
