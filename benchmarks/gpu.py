@@ -497,6 +497,14 @@ def memory_row(workload: str, plan: dict, peak: dict, **extra) -> dict:
             **({"phase_peaks": peak["phases"]} if peak.get("phases") else {})}
 
 
+def _more_than_two(text: str) -> int:
+    steps = int(text)
+    if steps < 3:
+        raise argparse.ArgumentTypeError(f"{steps}: the first two steps are not timed; "
+                                          "give at least 3")
+    return steps
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", choices=["cupy", "strict"], default="cupy",
@@ -513,7 +521,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="hpcpar's full training also with --fused-optimizer (a row of its own)")
     ap.add_argument("--train-batch", type=int, default=8)
     ap.add_argument("--train-seq-len", type=int, default=1024)
-    ap.add_argument("--train-steps", type=int, default=6, help="the first two are not timed")
+    ap.add_argument("--train-steps", type=_more_than_two, default=6,
+                    help="the first two are not timed (at least 3)")
     ap.add_argument("--lora-rank", type=int, default=16, help="of the LoRA recipes")
     ap.add_argument("--device-memory-gb", type=float, default=None,
                     help="the capacity a training recipe must fit (default: free memory)")
@@ -679,8 +688,14 @@ def train_rows(device, name: str, cfg, path: Path, args, probe: dict, n_matrix: 
     if args.fused_optimizer and not recipe.lora:
         job = training_job(device, path, args, recipe, work / f"train-{name}-fused", fused=True,
                            peak_tflops=tflops)
-        fused, _ = run_hpcpar_train(device, job)
-        print(f"{name}: training hpcpar --fused-optimizer {fused:,.0f} tok/s", flush=True)
+        fused, fused_peak = run_hpcpar_train(device, job, measure=True)
+        fused_plan = training_plan(cfg, job)              # no optimizer scratch
+        fused_memory = results.add(memory_row(workload, fused_plan, fused_peak,
+                                              phase="memory-plan-fused",
+                                              recipe=recipe.describe(args)))
+        print(f"{name}: training hpcpar --fused-optimizer {fused:,.0f} tok/s; peak "
+              f"{_size(fused_memory['measured_bytes'])}, the plan's "
+              f"{_size(fused_plan['total'])}: {fused_memory['ratio']:.3f}x", flush=True)
         fused_row = results.add({"workload": workload, "phase": "train-fused",
                                  "recipe": recipe.describe(args), "hpcpar": fused,
                                  "torch": None, "baseline": None, "floor": floor})
@@ -720,10 +735,11 @@ def _report(device, results: Results, recipes: list) -> None:
     print(f"\n{'memory, per rank':<20} {'planned MB':>11} {'measured MB':>12} {'pool MB':>9} "
           f"{'measured/plan':>14}")
     for r in results.rows:
-        if r["phase"] == "memory-plan":
+        if r["phase"].startswith("memory-plan"):
             mb = ",.1f" if r["planned_bytes"] >= 1e8 else ".3f"
             held = r["pool_peak_bytes"]
-            print(f"{r['workload']:<20} {num(r['planned_bytes'] / 1e6, mb):>11} "
+            fused = " (fused)" if r["phase"].endswith("fused") else ""
+            print(f"{r['workload'] + fused:<20} {num(r['planned_bytes'] / 1e6, mb):>11} "
                   f"{num(r['measured_bytes'] / 1e6, mb):>12} {num(held and held / 1e6, mb):>9} "
                   f"{r['ratio']:>14.3f}")
     for name, recipe, why in recipes:

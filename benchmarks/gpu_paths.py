@@ -51,7 +51,7 @@ PATHS = (
     GpuPath("a training step against torch (1B, bf16)", rows=(("train-1b-bf16", "train"),)),
     GpuPath("the optimizer over flat buffers; `--fused-optimizer`",
             tests=(OPS_GPU + "test_the_fused_optimizer", OPS_GPU + "test_training_with_the_fused"),
-            rows=(("train-1b-bf16", "train-fused"),)),
+            rows=(("train-1b-bf16", "train-fused"), ("train-1b-bf16", "memory-plan-fused"))),
     GpuPath("the pool's peak against `hpcpar plan` (generation and training)",
             rows=(("generate-1b-bf16", "memory-plan"), ("train-1b-bf16", "memory-plan"))),
     GpuPath("the 8B shape: generation and a training step on one GPU",

@@ -71,7 +71,7 @@ def test_the_gpu_benchmark_runs_through_on_the_cpu(tmp_path, capsys):
     assert result["backend"] == "strict" and result["probes"]["gemm_tflops"] > 0
     gen, train = rows(result, "generate-tiny-bf16"), rows(result, "train-tiny-bf16")
     assert set(gen) == {"prefill", "decode", "decode-graphs", "memory", "memory-plan"}
-    assert set(train) == {"train", "train-fused", "memory-plan"}
+    assert set(train) == {"train", "train-fused", "memory-plan", "memory-plan-fused"}
     for phase in ("prefill", "decode", "decode-graphs"):
         r = gen[phase]
         assert min(r["hpcpar"], r["transformers"], r["transformers_compiled"], r["floor"]) > 0
@@ -82,6 +82,8 @@ def test_the_gpu_benchmark_runs_through_on_the_cpu(tmp_path, capsys):
     # the plan holds the device path's peak within the 5%, generation and training
     check_memory(gen["memory-plan"], 0.95, 1.05)
     check_memory(train["memory-plan"], 0.95, 1.05)
+    check_memory(train["memory-plan-fused"], 0.95, 1.05)        # no optimizer scratch there
+    assert train["memory-plan-fused"]["planned_bytes"] < train["memory-plan"]["planned_bytes"]
     assert train["memory-plan"]["capacity_bytes"] == 100e9
     assert re.search(r"generate-tiny-bf16 +[\d.,]+ +[\d.,]+ +- +[\d.]+\n", printed)
     assert "training recipe of tiny: full AdamW, no recompute" in printed
